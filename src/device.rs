@@ -1,0 +1,91 @@
+//! Device discovery: is there a usable GPU, which architecture it is, how many SMs it has.
+//! Nothing here runs at crate load; callers ask when they need it.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys::CUdevice_attribute, CudaContext, CudaStream};
+
+use crate::{Error, Result};
+
+/// The GPU architectures this crate builds kernels for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Arch {
+    /// Hopper (compute capability 9.0, built as sm_90a).
+    Sm90,
+    /// Blackwell datacenter (compute capability 10.0, built as sm_100a).
+    Sm100,
+}
+
+impl Arch {
+    /// The arch of a compute capability, or `UnsupportedArch`.
+    pub fn from_compute_capability(major: i32, minor: i32) -> Result<Arch> {
+        match (major, minor) {
+            (9, 0) => Ok(Arch::Sm90),
+            (10, 0) => Ok(Arch::Sm100),
+            _ => Err(Error::UnsupportedArch {
+                need: "9.0 (sm_90a) or 10.0 (sm_100a)",
+                got: format!("{major}.{minor}"),
+            }),
+        }
+    }
+
+    /// Whether kernels for this arch were compiled into this binary (CAPMOE_CUDA_ARCHS).
+    pub fn is_built(self) -> bool {
+        match self {
+            Arch::Sm90 => cfg!(has_sm90),
+            Arch::Sm100 => cfg!(has_sm100),
+        }
+    }
+
+    pub(crate) fn abi_code(self) -> i32 {
+        match self {
+            Arch::Sm90 => 90,
+            Arch::Sm100 => 100,
+        }
+    }
+}
+
+/// Static facts of one device, read once when a plan is made.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub arch: Arch,
+    pub sm_count: i32,
+}
+
+impl DeviceInfo {
+    /// Reads the facts of the device that owns `stream`, checking its arch was built.
+    pub fn of_stream(stream: &CudaStream) -> Result<DeviceInfo> {
+        let ctx = stream.context();
+        let major = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let arch = Arch::from_compute_capability(major, minor)?;
+        if !arch.is_built() {
+            return Err(Error::NotBuilt { kernel: "kernels for this GPU's arch" });
+        }
+        Ok(DeviceInfo {
+            ordinal: ctx.ordinal(),
+            name: ctx.name()?,
+            arch,
+            sm_count: ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+        })
+    }
+}
+
+/// Opens device `ordinal`, or says in words why there is no usable GPU (no driver library,
+/// no device, unsupported arch). Never panics, so binaries can print the reason and exit.
+pub fn open(ordinal: usize) -> Result<Arc<CudaContext>> {
+    // NOTE: cudarc panics when libcuda cannot be loaded, so probe for it first.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(Error::NoGpu("the CUDA driver library (libcuda.so) is not installed".into()));
+    }
+    let ctx = CudaContext::new(ordinal).map_err(|e| Error::NoGpu(format!("{e}")))?;
+    let major = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    let arch = Arch::from_compute_capability(major, minor)?;
+    if !arch.is_built() {
+        return Err(Error::NoGpu(format!("{arch:?} kernels were not built (CAPMOE_CUDA_ARCHS)")));
+    }
+    Ok(ctx)
+}

@@ -1,0 +1,84 @@
+//! The crate's one error type, and the mapping from C ABI status codes to it.
+
+use cudarc::driver::DriverError;
+
+use crate::sys;
+
+/// Everything that can go wrong, with what was wrong and what would be right.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{op}: {what}: expected {expected}, got {got}")]
+    Shape { op: &'static str, what: &'static str, expected: String, got: String },
+    #[error("{op}: {what} = {value} must be a multiple of {multiple} (16-byte TMA alignment)")]
+    Alignment { op: &'static str, what: &'static str, value: i64, multiple: i64 },
+    #[error("{op}: invalid argument: {why}")]
+    InvalidArgument { op: &'static str, why: String },
+    #[error("{op}: workspace of {got} bytes is too small, need {need}")]
+    WorkspaceTooSmall { op: &'static str, need: usize, got: usize },
+    #[error("device has compute capability {got}, this kernel needs {need}")]
+    UnsupportedArch { need: &'static str, got: String },
+    #[error("{kernel} was not built into this binary (set CAPMOE_CUDA_ARCHS to include its arch and rebuild)")]
+    NotBuilt { kernel: &'static str },
+    #[error("{op}: no kernel for this combination: {why}")]
+    Unsupported { op: &'static str, why: String },
+    #[error("{op}: buffers belong to a different CUDA context than the stream")]
+    WrongContext { op: &'static str },
+    #[error("{op}: CUTLASS rejected the problem (can_implement / initialize / run)")]
+    Cutlass { op: &'static str },
+    #[error("{op}: CUDA runtime error {code} ({name})")]
+    Cuda { op: &'static str, code: i32, name: &'static str },
+    #[error("{op}: internal error (a C++ exception was caught at the C ABI boundary)")]
+    Internal { op: &'static str },
+    #[error("no usable GPU: {0}")]
+    NoGpu(String),
+    #[error(transparent)]
+    Driver(#[from] DriverError),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Turns a status returned by the C ABI into a `Result`, naming the operation.
+pub(crate) fn check(status: sys::capmoe_status_t, op: &'static str) -> Result<()> {
+    let status = status as u32;
+    match status {
+        sys::CAPMOE_OK => Ok(()),
+        sys::CAPMOE_ERR_CUDA => {
+            let code = unsafe { sys::capmoe_last_cuda_error() };
+            Err(Error::Cuda { op, code, name: cuda_error_name(code) })
+        }
+        sys::CAPMOE_ERR_CUTLASS => Err(Error::Cutlass { op }),
+        sys::CAPMOE_ERR_INTERNAL => Err(Error::Internal { op }),
+        sys::CAPMOE_ERR_INVALID_ARGUMENT => {
+            Err(Error::InvalidArgument { op, why: "rejected by the C ABI's own checks".into() })
+        }
+        sys::CAPMOE_ERR_MISALIGNED => Err(Error::InvalidArgument {
+            op,
+            why: "a pointer or leading dimension is not 16-byte aligned".into(),
+        }),
+        sys::CAPMOE_ERR_UNSUPPORTED => {
+            Err(Error::Unsupported { op, why: "no kernel was built for it".into() })
+        }
+        sys::CAPMOE_ERR_WORKSPACE_TOO_SMALL => {
+            Err(Error::WorkspaceTooSmall { op, need: 0, got: 0 })
+        }
+        other => Err(Error::InvalidArgument { op, why: format!("unknown status {other}") }),
+    }
+}
+
+/// The names of the CUDA runtime errors a launch path can realistically hit.
+fn cuda_error_name(code: i32) -> &'static str {
+    match code {
+        1 => "cudaErrorInvalidValue",
+        2 => "cudaErrorMemoryAllocation",
+        98 => "cudaErrorInvalidDeviceFunction",
+        200 => "cudaErrorInvalidKernelImage",
+        209 => "cudaErrorNoKernelImageForDevice",
+        400 => "cudaErrorInvalidResourceHandle",
+        700 => "cudaErrorIllegalAddress",
+        701 => "cudaErrorLaunchOutOfResources",
+        719 => "cudaErrorLaunchFailure",
+        900 => "cudaErrorStreamCaptureUnsupported",
+        901 => "cudaErrorStreamCaptureInvalidated",
+        _ => "see cuda_runtime_api.h",
+    }
+}
