@@ -10,13 +10,17 @@
 
 use std::collections::{BTreeSet, HashSet};
 use std::env;
-use std::fmt::Write as _;
 use std::fs::{self, File};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
+
+#[path = "build/toolchain.rs"]
+mod toolchain;
+
+use toolchain::{find_cutlass, find_toolkit, Toolkit, FIX_COMMAND};
 
 /// Archs this crate knows how to build, with the cfg each one turns on.
 const KNOWN_ARCHS: &[(&str, &str)] = &[("90a", "has_sm90"), ("100a", "has_sm100")];
@@ -25,7 +29,6 @@ const DEFAULT_ARCHS: &str = "90a 100a";
 /// across every cargo process that shares the object cache.
 const MAX_NVCC_JOBS: usize = 2;
 const ARCH_MARKER: &str = "// capmoe-archs:";
-const FIX_COMMAND: &str = "bash scripts/bootstrap.sh";
 
 fn main() {
     if let Err(message) = run() {
@@ -51,10 +54,12 @@ fn run() -> Result<(), String> {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=build/toolchain.rs");
 
     let archs = requested_archs()?;
-    let toolkit = Toolkit::find(&manifest)?;
-    let cutlass = find_cutlass(&manifest)?;
+    let env = |var: &str| env::var(var).ok().filter(|v| !v.is_empty());
+    let toolkit = find_toolkit(&env, &manifest, Path::new("/usr/local/cuda"))?;
+    let cutlass = find_cutlass(&env, &manifest)?;
     let csrc = manifest.join("csrc");
 
     let sources = list_files(&csrc, &|p| p.extension().is_some_and(|e| e == "cu"));
@@ -71,10 +76,10 @@ fn run() -> Result<(), String> {
         }
     }
 
-    let common_flags = nvcc_flags(&archs, &csrc, &cutlass);
+    let common_flags = nvcc_flags(&csrc, &cutlass);
     let cache = ObjectCache::new(&out_dir)?;
     let identity = compiler_identity(&toolkit, &cutlass)?;
-    let objects = compile_all(&toolkit, &units, &common_flags, &identity, &cache)?;
+    let objects = compile_all(&toolkit, &units, &archs, &common_flags, &identity, &cache)?;
 
     let mut archive = cc::Build::new();
     archive.cargo_warnings(false);
@@ -130,76 +135,7 @@ fn declared_archs(source: &Path) -> Result<HashSet<String>, String> {
     Ok(line.trim_start()[ARCH_MARKER.len()..].split_whitespace().map(str::to_string).collect())
 }
 
-struct Toolkit {
-    nvcc: PathBuf,
-    lib_dir: PathBuf,
-}
-
-impl Toolkit {
-    /// NVCC -> CUDA_HOME -> CUDA_PATH -> project-local .toolchain -> /usr/local/cuda.
-    fn find(manifest: &Path) -> Result<Toolkit, String> {
-        let mut candidates: Vec<(String, PathBuf)> = Vec::new();
-        if let Ok(nvcc) = env::var("NVCC") {
-            candidates.push(("NVCC".into(), PathBuf::from(nvcc)));
-        }
-        for var in ["CUDA_HOME", "CUDA_PATH"] {
-            if let Ok(root) = env::var(var) {
-                candidates.push((var.into(), Path::new(&root).join("bin/nvcc")));
-            }
-        }
-        candidates.push((
-            "project toolchain".into(),
-            manifest.join(".toolchain/nvidia/cu13/bin/nvcc"),
-        ));
-        candidates.push(("/usr/local/cuda".into(), PathBuf::from("/usr/local/cuda/bin/nvcc")));
-
-        let mut tried = String::new();
-        for (origin, nvcc) in &candidates {
-            if !nvcc.is_file() {
-                let _ = writeln!(tried, "  {origin}: {} (not found)", nvcc.display());
-                continue;
-            }
-            let root = nvcc.parent().and_then(Path::parent).unwrap().to_path_buf();
-            let lib_dir = ["lib64", "lib"].iter().map(|d| root.join(d)).find(|d| {
-                d.join("libcudart_static.a").is_file()
-            });
-            match lib_dir {
-                Some(lib_dir) => return Ok(Toolkit { nvcc: nvcc.clone(), lib_dir }),
-                None => {
-                    let _ = writeln!(tried, "  {origin}: {} (no libcudart_static.a beside it)", nvcc.display());
-                }
-            }
-        }
-        Err(format!(
-            "no CUDA compiler found. Tried, in order:\n{tried}Fix: run `{FIX_COMMAND}` (installs the \
-             pinned nvcc 13.0 and CUTLASS 4.2 wheels into .toolchain/), or set NVCC / CUDA_HOME."
-        ))
-    }
-}
-
-/// CUTLASS_DIR -> third_party/cutlass (if the submodule is populated) -> the PyPI wheel.
-/// Returns the include directories.
-fn find_cutlass(manifest: &Path) -> Result<Vec<PathBuf>, String> {
-    let mut candidates: Vec<(String, PathBuf)> = Vec::new();
-    if let Ok(dir) = env::var("CUTLASS_DIR") {
-        candidates.push(("CUTLASS_DIR".into(), PathBuf::from(dir)));
-    }
-    candidates.push(("submodule".into(), manifest.join("third_party/cutlass")));
-    candidates.push(("project toolchain".into(), manifest.join(".toolchain/cutlass_library/source")));
-    let mut tried = String::new();
-    for (origin, root) in candidates {
-        if root.join("include/cutlass/cutlass.h").is_file() {
-            return Ok(vec![root.join("include"), root.join("tools/util/include")]);
-        }
-        let _ = writeln!(tried, "  {origin}: {} (no include/cutlass/cutlass.h)", root.display());
-    }
-    Err(format!(
-        "CUTLASS headers not found. Tried, in order:\n{tried}Fix: run `{FIX_COMMAND}`, \
-         `git submodule update --init third_party/cutlass`, or set CUTLASS_DIR."
-    ))
-}
-
-fn nvcc_flags(archs: &[String], csrc: &Path, cutlass: &[PathBuf]) -> Vec<String> {
+fn nvcc_flags(csrc: &Path, cutlass: &[PathBuf]) -> Vec<String> {
     let mut flags: Vec<String> = [
         "-O3",
         "-std=c++17",
@@ -211,18 +147,20 @@ fn nvcc_flags(archs: &[String], csrc: &Path, cutlass: &[PathBuf]) -> Vec<String>
     .iter()
     .map(|s| s.to_string())
     .collect();
-    // Every TU sees which archs the binary carries (the dispatcher only references those).
-    for (arch, cfg) in KNOWN_ARCHS {
-        if archs.iter().any(|a| a == arch) {
-            flags.push(format!("-DCAPMOE_{}=1", cfg.to_uppercase()));
-        }
-    }
     flags.push(format!("-I{}", csrc.join("include").display()));
     flags.push(format!("-I{}", csrc.display()));
     for dir in cutlass {
         flags.push(format!("-I{}", dir.display()));
     }
     flags
+}
+
+fn built_arch_defines(archs: &[String]) -> Vec<String> {
+    KNOWN_ARCHS
+        .iter()
+        .filter(|(arch, _)| archs.iter().any(|a| a == arch))
+        .map(|(_, cfg)| format!("-DCAPMOE_{}=1", cfg.to_uppercase()))
+        .collect()
 }
 
 fn gencode(arch: &str) -> String {
@@ -274,6 +212,7 @@ impl ObjectCache {
 fn compile_all(
     toolkit: &Toolkit,
     units: &[Unit],
+    all_archs: &[String],
     common_flags: &[String],
     identity: &str,
     cache: &ObjectCache,
@@ -290,7 +229,7 @@ fn compile_all(
             scope.spawn(|| loop {
                 let index = next.fetch_add(1, Ordering::SeqCst);
                 let Some(unit) = units.get(index) else { break };
-                let result = compile_cached(toolkit, unit, common_flags, identity, cache);
+                let result = compile_cached(toolkit, unit, all_archs, common_flags, identity, cache);
                 results.lock().unwrap().push((index, result));
             });
         }
@@ -315,12 +254,19 @@ fn compile_all(
 fn compile_cached(
     toolkit: &Toolkit,
     unit: &Unit,
+    all_archs: &[String],
     common_flags: &[String],
     identity: &str,
     cache: &ObjectCache,
 ) -> Result<PathBuf, String> {
     let mut flags = common_flags.to_vec();
     flags.extend(unit.archs.iter().map(|a| gencode(a)));
+    // A TU that asks which archs the binary carries (the dispatcher, which must reference only
+    // built variants) is told with CAPMOE_HAS_SM90 / CAPMOE_HAS_SM100; other TUs' flags (and so
+    // their cached objects) stay the same whatever the arch list.
+    if read(&unit.source)?.contains("CAPMOE_HAS_") {
+        flags.extend(built_arch_defines(all_archs));
+    }
 
     let mut hasher = DefaultHasher::new();
     identity.hash(&mut hasher);
@@ -334,10 +280,15 @@ fn compile_cached(
         return Ok(object);
     }
 
-    let _slot = cache.take_slot()?;
+    // One compile per object machine-wide: whoever holds the object's lock compiles it, the
+    // others wait and then find it in the cache.
+    let lock_path = object.with_extension("lock");
+    let object_lock = File::create(&lock_path).map_err(|e| format!("{}: {e}", lock_path.display()))?;
+    object_lock.lock().map_err(|e| format!("locking {}: {e}", lock_path.display()))?;
     if object.is_file() {
-        return Ok(object); // another cargo process compiled it while we waited
+        return Ok(object);
     }
+    let _slot = cache.take_slot()?;
     let partial = object.with_extension(format!("o.{}.partial", std::process::id()));
     let started = std::time::Instant::now();
     let output = Command::new(&toolkit.nvcc)

@@ -1,6 +1,7 @@
 // The C ABI boundary: translates CUDA errors and C++ exceptions into capmoe_status_t.
 // Every extern "C" entry point wraps its body in capmoe::guarded(...) so that nothing
-// thrown inside (CUTLASS, std::) ever crosses into Rust.
+// thrown inside (CUTLASS, std::) ever crosses into Rust. Give the lambda an explicit
+// `-> capmoe_status_t` return type (enum constants and statuses deduce differently).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,0 +1,132 @@
+// capmoe-archs: 90a 100a
+// The grouped GEMM C ABI: validates a descriptor on the host, resolves AUTO to a concrete
+// configuration from host-known facts only (never from m_splits), and calls the variant.
+// Only variants of archs compiled into this binary are referenced (CAPMOE_HAS_SM90/SM100).
+#include <cstdint>
+
+#include "common/boundary.cuh"
+#include "grouped_gemm/launch.h"
+
+namespace capmoe::gg {
+namespace {
+
+struct Variant {
+  int32_t arch;
+  capmoe_gemm_config_t config;
+  Majorness majorness;
+  capmoe_dtype_t in;
+  capmoe_dtype_t out;
+  VariantFn fn;
+};
+
+#define CAPMOE_GG_ENTRY(name, arch, config, majorness, in, out) \
+  {arch, config, Majorness::majorness, CAPMOE_DTYPE_##in, CAPMOE_DTYPE_##out, &variant_##name},
+
+constexpr Variant kVariants[] = {
+#if defined(CAPMOE_HAS_SM90)
+    CAPMOE_GG_SM90_VARIANTS(CAPMOE_GG_ENTRY)
+#endif
+#if defined(CAPMOE_HAS_SM100)
+        CAPMOE_GG_SM100_VARIANTS(CAPMOE_GG_ENTRY)
+#endif
+            {0, CAPMOE_CONFIG_AUTO, Majorness::RC, -1, -1, nullptr}};  // sentinel
+#undef CAPMOE_GG_ENTRY
+
+Majorness majorness_of(const capmoe_grouped_gemm_desc_t& d) {
+  const bool transposed = d.weight_layout == CAPMOE_WEIGHT_EKN;
+  switch (d.op) {
+    case CAPMOE_GEMM_FPROP: return transposed ? Majorness::RR : Majorness::RC;
+    case CAPMOE_GEMM_DGRAD: return transposed ? Majorness::RC : Majorness::RR;
+    default: return Majorness::CR;  // WGRAD swaps its operands for [E,K,N] instead
+  }
+}
+
+bool is_16bit_float(capmoe_dtype_t t) { return t == CAPMOE_DTYPE_BF16 || t == CAPMOE_DTYPE_F16; }
+
+// Everything about the descriptor the host can check; see grouped_gemm.h for the contract.
+capmoe_status_t validate(const capmoe_grouped_gemm_desc_t* d) {
+  if (!d) return CAPMOE_ERR_INVALID_ARGUMENT;
+  if (d->op < CAPMOE_GEMM_FPROP || d->op > CAPMOE_GEMM_WGRAD) return CAPMOE_ERR_INVALID_ARGUMENT;
+  if (d->num_experts < 1 || d->num_experts > 65535) return CAPMOE_ERR_INVALID_ARGUMENT;
+  if (d->n < 8 || d->k < 8 || d->n > INT32_MAX || d->k > INT32_MAX) return CAPMOE_ERR_INVALID_ARGUMENT;
+  if (d->capacity < 0 || d->capacity >= INT32_MAX) return CAPMOE_ERR_INVALID_ARGUMENT;
+  if (d->sm_count < 1) return CAPMOE_ERR_INVALID_ARGUMENT;
+  if (d->weight_layout != CAPMOE_WEIGHT_ENK && d->weight_layout != CAPMOE_WEIGHT_EKN) return CAPMOE_ERR_INVALID_ARGUMENT;
+  if (d->split_dtype != CAPMOE_DTYPE_I32 && d->split_dtype != CAPMOE_DTYPE_I64) return CAPMOE_ERR_INVALID_ARGUMENT;
+  if (!is_16bit_float(d->dtype)) return CAPMOE_ERR_UNSUPPORTED;
+  const bool wgrad = d->op == CAPMOE_GEMM_WGRAD;
+  if (d->out_dtype != d->dtype && !(wgrad && d->out_dtype == CAPMOE_DTYPE_F32)) return CAPMOE_ERR_UNSUPPORTED;
+  if (d->accumulate && !(wgrad && d->out_dtype == CAPMOE_DTYPE_F32)) return CAPMOE_ERR_UNSUPPORTED;
+  // TMA moves 16-byte rows: every leading dimension must be a multiple of 8 elements.
+  if (d->n % 8 != 0 || d->k % 8 != 0) return CAPMOE_ERR_MISALIGNED;
+  return CAPMOE_OK;
+}
+
+// The documented AUTO heuristic (host facts only). SM90: FPROP/DGRAD with at most 64 rows per
+// expert on average (decode) use the 64-row pingpong kernel, larger ones the 128x256
+// cooperative kernel; WGRAD reduces over rows, so its tile covers N x K and is cooperative.
+// SM100: the 2-SM kernel needs 256-row tiles to pay off, so it is used from 256 rows per expert.
+capmoe_gemm_config_t resolve(const capmoe_grouped_gemm_desc_t& d) {
+  if (d.config != CAPMOE_CONFIG_AUTO) return d.config;
+  const int64_t rows_per_expert = d.capacity / d.num_experts;
+  const bool wgrad = d.op == CAPMOE_GEMM_WGRAD;
+  if (d.arch == 100) return (!wgrad && rows_per_expert >= 256) ? CAPMOE_CONFIG_SM100_2SM : CAPMOE_CONFIG_SM100_1SM;
+  return (!wgrad && rows_per_expert <= 64) ? CAPMOE_CONFIG_SM90_PINGPONG : CAPMOE_CONFIG_SM90_COOPERATIVE;
+}
+
+capmoe_status_t find_variant(const capmoe_grouped_gemm_desc_t& d, VariantFn* fn) {
+  CAPMOE_TRY(validate(&d));
+  const capmoe_gemm_config_t config = resolve(d);
+  const Majorness majorness = majorness_of(d);
+  for (const Variant& v : kVariants) {
+    if (v.fn && v.arch == d.arch && v.config == config && v.majorness == majorness && v.in == d.dtype &&
+        v.out == d.out_dtype) {
+      *fn = v.fn;
+      return CAPMOE_OK;
+    }
+  }
+  return CAPMOE_ERR_UNSUPPORTED;
+}
+
+bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
+
+}  // namespace
+}  // namespace capmoe::gg
+
+extern "C" capmoe_status_t capmoe_grouped_gemm_resolve_config(const capmoe_grouped_gemm_desc_t* desc,
+                                                              capmoe_gemm_config_t* config) {
+  return capmoe::guarded([&]() -> capmoe_status_t {
+    CAPMOE_TRY(capmoe::gg::validate(desc));
+    if (!config) return CAPMOE_ERR_INVALID_ARGUMENT;
+    *config = capmoe::gg::resolve(*desc);
+    return CAPMOE_OK;
+  });
+}
+
+extern "C" capmoe_status_t capmoe_grouped_gemm_workspace_size(const capmoe_grouped_gemm_desc_t* desc,
+                                                              uint64_t* bytes) {
+  return capmoe::guarded([&]() -> capmoe_status_t {
+    if (!desc || !bytes) return CAPMOE_ERR_INVALID_ARGUMENT;
+    capmoe::gg::VariantFn fn = nullptr;
+    CAPMOE_TRY(capmoe::gg::find_variant(*desc, &fn));
+    capmoe::gg::Launch launch{desc, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, nullptr};
+    return fn(launch, bytes);
+  });
+}
+
+extern "C" capmoe_status_t capmoe_grouped_gemm_run(const capmoe_grouped_gemm_desc_t* desc, const void* a,
+                                                   const void* b, void* d, const void* m_splits,
+                                                   int32_t* overflow_flags, void* workspace,
+                                                   uint64_t workspace_bytes, void* stream) {
+  return capmoe::guarded([&]() -> capmoe_status_t {
+    if (!desc || !a || !b || !d || !m_splits || !workspace) return CAPMOE_ERR_INVALID_ARGUMENT;
+    capmoe::gg::VariantFn fn = nullptr;
+    CAPMOE_TRY(capmoe::gg::find_variant(*desc, &fn));
+    using capmoe::gg::aligned;
+    if (!aligned(a, 16) || !aligned(b, 16) || !aligned(d, 16) || !aligned(workspace, 256)) return CAPMOE_ERR_MISALIGNED;
+    if (!aligned(m_splits, desc->split_dtype == CAPMOE_DTYPE_I64 ? 8 : 4)) return CAPMOE_ERR_MISALIGNED;
+    capmoe::gg::Launch launch{desc,           a,         b, d, m_splits, overflow_flags, workspace, workspace_bytes,
+                              static_cast<cudaStream_t>(stream)};
+    return fn(launch, nullptr);
+  });
+}

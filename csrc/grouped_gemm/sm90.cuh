@@ -1,0 +1,71 @@
+// SM90 (Hopper) kernel types for the grouped GEMM: CUTLASS pointer-array, TMA +
+// warp-specialized wgmma kernels with a persistent group tile scheduler. Compiled for sm_90a
+// only (wgmma needs the arch-specific target).
+#pragma once
+
+#include "cute/tensor.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "grouped_gemm/grouped_gemm.cuh"
+
+namespace capmoe::gg::sm90 {
+
+// Many rows per expert: two consumer warpgroups share a 128x256 tile, 2-CTA cluster along M
+// so the B (weight) tile is multicast.
+struct Cooperative {
+  using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+// Few rows per expert: each consumer warpgroup owns a 64-row tile, and the two alternate so
+// one's epilogue overlaps the other's mainloop.
+struct Pingpong {
+  using Tile = cute::Shape<cute::_64, cute::_128, cute::_64>;
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+// ElementC = void: no source operand (plain output); float: D = C + AB (accumulate).
+template <class ElementIn, class LayoutA, class LayoutB, class ElementC, class ElementD, class Config>
+struct Traits {
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignIn = 16 / sizeof(ElementIn);
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*, kAlignD, ElementD,
+      LayoutD*, kAlignD, typename Config::EpilogueSchedule,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignIn, ElementIn, LayoutB*,
+      kAlignIn, float, typename Config::Tile, typename Config::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Config::KernelSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>,
+                                                      CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  static cutlass::KernelHardwareInfo hardware_info(int sm_count) {
+    cutlass::KernelHardwareInfo info;
+    info.sm_count = sm_count;
+    return info;
+  }
+};
+
+}  // namespace capmoe::gg::sm90
+
+// Defines the VariantFn `capmoe::gg::variant_<name>` for one SM90 instantiation.
+#define CAPMOE_GG_SM90_VARIANT(name, ElementIn, LayoutA, LayoutB, ElementC, ElementD, Config)                 \
+  namespace capmoe::gg {                                                                                      \
+  capmoe_status_t variant_##name(const Launch& launch, uint64_t* workspace_bytes) {                           \
+    using T = sm90::Traits<ElementIn, cutlass::layout::LayoutA, cutlass::layout::LayoutB, ElementC, ElementD, \
+                           sm90::Config>;                                                                     \
+    return Runner<T>::run(launch, workspace_bytes);                                                           \
+  }                                                                                                           \
+  }

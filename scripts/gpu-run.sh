@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Runs the whole GPU suite from the bundle that scripts/gpu-bundle.sh made, from the repo root,
+# with CAPMOE_REQUIRE_GPU=1 so that a missing GPU fails instead of skipping. Full logs go to
+# $OUT (or gpu-bundle/logs); a summary table is printed last.
+#   bash scripts/gpu-run.sh [name-filter]      e.g. grouped_gemm
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+filter="${1:-}"
+logs="${OUT:-$root/gpu-bundle/logs}"
+mkdir -p "$logs" gpu-bundle/run
+tar -C gpu-bundle/run -xzf gpu-bundle/bundle.tar.gz
+export CAPMOE_REQUIRE_GPU=1 CAPMOE_TESTDATA="$root/tests/data"
+summary=()
+failed=0
+for test in gpu-bundle/run/tests/*; do
+  name="$(basename "$test")"
+  [[ -n "$filter" && "$name" != *"$filter"* ]] && continue
+  start=$(date +%s.%N)
+  "$test" --test-threads=1 >"$logs/$name.log" 2>&1
+  rc=$?
+  secs=$(printf '%.1f' "$(echo "$(date +%s.%N) - $start" | bc)")
+  result="$(grep -E '^test result:' "$logs/$name.log" | tail -n 1)"
+  [[ $rc -ne 0 ]] && failed=1 && grep -E '^(---- |thread .* panicked|  left|  right|.*assert)' "$logs/$name.log" | head -n 20
+  summary+=("$(printf '%-28s rc=%-3s %6ss  %s' "$name" "$rc" "$secs" "$result")")
+done
+echo "== GPU suite on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1) =="
+printf '%s\n' "${summary[@]}"
+exit $failed

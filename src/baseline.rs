@@ -1,0 +1,207 @@
+//! The cuBLAS baselines the grouped GEMM is compared with, on the same layouts and ops.
+//!
+//! - [`CublasLoop`] with several streams is what TransformerEngine does: copy `m_splits` to the
+//!   host (a GPU->CPU sync, which forbids graph capture), then one cuBLAS GEMM per non-empty
+//!   expert, round-robin over N streams forked from and joined back to the caller's stream.
+//!   With one stream it is the plain per-expert loop.
+//! - [`dense_gemm`]: one GEMM over all rows at the same FLOPs, the ceiling for grouped work.
+//!
+//! Row-major operands are handed to column-major cuBLAS as their transposes.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::cublas::sys as cublas;
+use cudarc::driver::{CudaEvent, CudaStream};
+
+use crate::dtype::DType;
+use crate::grouped_gemm::{GemmOp, GroupedGemmSpec, WeightLayout};
+use crate::{Error, Result};
+
+/// Why cuBLAS cannot be used here, if it cannot.
+pub fn cublas_unavailable() -> Option<String> {
+    if unsafe { cublas::is_culib_present() } {
+        None
+    } else {
+        Some("libcublas.so was not found by the dynamic loader (add the CUDA lib64 folder to LD_LIBRARY_PATH)".into())
+    }
+}
+
+fn check(status: cublas::cublasStatus_t, what: &'static str) -> Result<()> {
+    if status == cublas::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument { op: "cublas baseline", why: format!("{what} returned {status:?}") })
+    }
+}
+
+fn cuda_type(dtype: DType) -> cublas::cudaDataType {
+    match dtype {
+        DType::Bf16 => cublas::cudaDataType::CUDA_R_16BF,
+        DType::F16 => cublas::cudaDataType::CUDA_R_16F,
+        _ => cublas::cudaDataType::CUDA_R_32F,
+    }
+}
+
+/// One cuBLAS handle bound to one stream.
+struct Handle {
+    raw: cublas::cublasHandle_t,
+    stream: Arc<CudaStream>,
+}
+
+impl Handle {
+    fn new(stream: Arc<CudaStream>) -> Result<Handle> {
+        stream.context().bind_to_thread()?;
+        let mut raw = std::ptr::null_mut();
+        check(unsafe { cublas::cublasCreate_v2(&mut raw) }, "cublasCreate")?;
+        check(unsafe { cublas::cublasSetStream_v2(raw, stream.cu_stream() as _) }, "cublasSetStream")?;
+        Ok(Handle { raw, stream })
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        unsafe { cublas::cublasDestroy_v2(self.raw) };
+    }
+}
+
+/// Device addresses of one grouped GEMM's operands, in the crate's layout contract.
+#[derive(Clone, Copy, Debug)]
+pub struct Operands {
+    pub a: u64,
+    pub b: u64,
+    pub d: u64,
+}
+
+/// One expert's (or the dense problem's) GEMM, in the crate's row-major terms.
+fn gemm(handle: &Handle, spec: &GroupedGemmSpec, ops: Operands, expert: usize, row0: usize, rows: usize) -> Result<()> {
+    let (n, k) = (spec.n, spec.k);
+    let el = spec.dtype.size_bytes() as u64;
+    let out_el = spec.out_dtype.size_bytes() as u64;
+    let weight = ops.b + (expert * n * k) as u64 * el;
+    let (alpha, beta) = (1.0f32, if spec.accumulate { 1.0f32 } else { 0.0f32 });
+    use cublas::cublasOperation_t::{CUBLAS_OP_N as N, CUBLAS_OP_T as T};
+    // Column-major view: a row-major [r, c] matrix is a column-major [c, r] one.
+    let transposed = spec.weight_layout == WeightLayout::Ekn;
+    let (ta, tb, m, nn, kk, pa, lda, pb, ldb, pc, ldc) = match spec.op {
+        // Y^T [N, rows] = W [N, K] (col-major K x N, transposed) * X^T [K, rows]
+        GemmOp::Fprop => {
+            let (ta, lda) = if transposed { (N, n) } else { (T, k) };
+            (ta, N, n, rows, k, weight, lda, ops.a + (row0 * k) as u64 * el, k, ops.d + (row0 * n) as u64 * out_el, n)
+        }
+        // dX^T [K, rows] = W^T [K, N] * dY^T [N, rows]
+        GemmOp::Dgrad => {
+            let (ta, lda) = if transposed { (T, n) } else { (N, k) };
+            (ta, N, k, rows, n, weight, lda, ops.a + (row0 * n) as u64 * el, n, ops.d + (row0 * k) as u64 * out_el, k)
+        }
+        // dW^T [K, N] = X^T [K, rows] * dY [rows, N]   ([E,N,K] storage), or
+        // dW   [N, K] = dY^T [N, rows] * X [rows, K]   ([E,K,N] storage)
+        GemmOp::Wgrad => {
+            let dy = ops.a + (row0 * n) as u64 * el;
+            let x = ops.b + (row0 * k) as u64 * el;
+            let dw = ops.d + (expert * n * k) as u64 * out_el;
+            if transposed {
+                (N, T, n, k, rows, dy, n, x, k, dw, n)
+            } else {
+                (N, T, k, n, rows, x, k, dy, n, dw, k)
+            }
+        }
+    };
+    let status = unsafe {
+        cublas::cublasGemmEx(
+            handle.raw,
+            ta,
+            tb,
+            m as i32,
+            nn as i32,
+            kk as i32,
+            &alpha as *const f32 as *const c_void,
+            pa as *const c_void,
+            cuda_type(spec.dtype),
+            lda as i32,
+            pb as *const c_void,
+            cuda_type(spec.dtype),
+            ldb as i32,
+            &beta as *const f32 as *const c_void,
+            pc as *mut c_void,
+            cuda_type(spec.out_dtype),
+            ldc as i32,
+            cublas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    };
+    check(status, "cublasGemmEx")
+}
+
+/// Per-expert cuBLAS GEMMs over `streams` side streams (TransformerEngine style when > 1).
+pub struct CublasLoop {
+    spec: GroupedGemmSpec,
+    handles: Vec<Handle>,
+    fork: CudaEvent,
+    joins: Vec<CudaEvent>,
+}
+
+impl CublasLoop {
+    /// Side streams (and their cuBLAS handles and events) are created once, here.
+    pub fn new(spec: GroupedGemmSpec, main: &Arc<CudaStream>, streams: usize) -> Result<CublasLoop> {
+        if let Some(why) = cublas_unavailable() {
+            return Err(Error::Unsupported { op: "cublas baseline", why });
+        }
+        if spec.weights_as_pointers {
+            return Err(Error::Unsupported { op: "cublas baseline", why: "weights as pointer arrays".into() });
+        }
+        let ctx = main.context();
+        let handles = (0..streams.max(1)).map(|_| Handle::new(ctx.new_stream()?)).collect::<Result<Vec<_>>>()?;
+        let joins = (0..handles.len()).map(|_| ctx.new_event(None)).collect::<Result<Vec<_>, _>>()?;
+        Ok(CublasLoop { spec, handles, fork: ctx.new_event(None)?, joins })
+    }
+
+    /// Launches every expert's GEMM for host-side `m_splits` (already read back by the caller,
+    /// see [`read_splits`]). Work is forked from and joined back to `main`.
+    pub fn launch(&self, main: &CudaStream, ops: Operands, m_splits: &[i64]) -> Result<()> {
+        self.fork.record(main)?;
+        for h in &self.handles {
+            h.stream.wait(&self.fork)?;
+        }
+        let mut row0 = 0usize;
+        let mut next = 0usize;
+        for (expert, &rows) in m_splits.iter().enumerate() {
+            let rows = rows.max(0) as usize;
+            if rows == 0 {
+                continue; // wgrad of an empty expert: accumulate leaves it, plain mode is not cleared
+            }
+            gemm(&self.handles[next % self.handles.len()], &self.spec, ops, expert, row0, rows)?;
+            next += 1;
+            row0 += rows;
+        }
+        for (h, join) in self.handles.iter().zip(&self.joins) {
+            join.record(&h.stream)?;
+            main.wait(join)?;
+        }
+        Ok(())
+    }
+}
+
+/// The host round trip the loop baselines need: copies `m_splits` to the host and waits.
+pub fn read_splits(main: &Arc<CudaStream>, m_splits: &cudarc::driver::CudaSlice<i32>) -> Result<Vec<i64>> {
+    Ok(main.clone_dtoh(m_splits)?.into_iter().map(i64::from).collect())
+}
+
+/// One dense GEMM over `rows` rows with the spec's N and K (expert 0's weight): the ceiling.
+pub struct DenseGemm {
+    spec: GroupedGemmSpec,
+    handle: Handle,
+}
+
+impl DenseGemm {
+    pub fn new(spec: GroupedGemmSpec, main: &Arc<CudaStream>) -> Result<DenseGemm> {
+        if let Some(why) = cublas_unavailable() {
+            return Err(Error::Unsupported { op: "cublas dense", why });
+        }
+        Ok(DenseGemm { spec, handle: Handle::new(main.clone())? })
+    }
+
+    pub fn launch(&self, ops: Operands, rows: usize) -> Result<()> {
+        gemm(&self.handle, &self.spec, ops, 0, 0, rows)
+    }
+}

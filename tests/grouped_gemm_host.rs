@@ -1,0 +1,109 @@
+//! Host-only: plan-time validation of grouped GEMM specs and the offset arithmetic.
+
+use capturable_moe::device::{Arch, DeviceInfo};
+use capturable_moe::dtype::DType;
+use capturable_moe::grouped_gemm::{row_offsets, GemmConfig, GemmOp, GroupedGemm, GroupedGemmSpec};
+use capturable_moe::Error;
+
+fn spec(op: GemmOp) -> GroupedGemmSpec {
+    GroupedGemmSpec::new(op, 8, 4096, 1024, 8192)
+}
+
+#[test]
+fn valid_specs_pass() {
+    for op in [GemmOp::Fprop, GemmOp::Dgrad, GemmOp::Wgrad] {
+        spec(op).validate().unwrap();
+        spec(op).with_dtype(DType::F16).validate().unwrap();
+    }
+    let mut s = spec(GemmOp::Wgrad);
+    s.out_dtype = DType::F32;
+    s.accumulate = true;
+    s.validate().unwrap();
+}
+
+#[test]
+fn tma_alignment_is_enforced() {
+    let mut s = spec(GemmOp::Fprop);
+    s.k = 1000 + 4;
+    assert!(matches!(s.validate(), Err(Error::Alignment { what: "k", multiple: 8, .. })));
+    let mut s = spec(GemmOp::Dgrad);
+    s.n = 4095;
+    let err = s.validate().unwrap_err();
+    assert!(matches!(err, Error::Alignment { what: "n", .. }));
+    assert!(err.to_string().contains("multiple of 8"), "{err}");
+}
+
+#[test]
+fn bad_shapes_and_types_are_typed_errors() {
+    let mut s = spec(GemmOp::Fprop);
+    s.num_experts = 0;
+    assert!(matches!(s.validate(), Err(Error::InvalidArgument { .. })));
+    let mut s = spec(GemmOp::Fprop);
+    s.num_experts = 70_000;
+    assert!(matches!(s.validate(), Err(Error::InvalidArgument { .. })));
+    let mut s = spec(GemmOp::Fprop);
+    s.capacity = i32::MAX as usize;
+    assert!(matches!(s.validate(), Err(Error::InvalidArgument { .. })));
+    let s = spec(GemmOp::Fprop).with_dtype(DType::F32);
+    assert!(matches!(s.validate(), Err(Error::Unsupported { .. })));
+    let mut s = spec(GemmOp::Fprop);
+    s.out_dtype = DType::F32;
+    assert!(matches!(s.validate(), Err(Error::Unsupported { .. })), "fp32 output is wgrad-only");
+    let mut s = spec(GemmOp::Wgrad);
+    s.accumulate = true; // bf16 output cannot accumulate
+    assert!(matches!(s.validate(), Err(Error::Unsupported { .. })));
+    let mut s = spec(GemmOp::Fprop);
+    s.split_dtype = DType::Bf16;
+    assert!(matches!(s.validate(), Err(Error::InvalidArgument { .. })));
+}
+
+#[test]
+fn arch_specific_config_must_match_the_device() {
+    let hopper = DeviceInfo { ordinal: 0, name: "test".into(), arch: Arch::Sm90, sm_count: 132 };
+    let mut s = spec(GemmOp::Fprop);
+    s.config = GemmConfig::Sm100TwoSm;
+    assert!(matches!(GroupedGemm::for_device(s, &hopper), Err(Error::UnsupportedArch { .. })));
+}
+
+#[test]
+fn auto_config_heuristic_uses_host_facts_only() {
+    let hopper = DeviceInfo { ordinal: 0, name: "test".into(), arch: Arch::Sm90, sm_count: 132 };
+    let blackwell = DeviceInfo { arch: Arch::Sm100, sm_count: 148, ..hopper.clone() };
+    let decode = GroupedGemmSpec::new(GemmOp::Fprop, 64, 2816, 2048, 1024); // 16 rows per expert
+    let prefill = GroupedGemmSpec::new(GemmOp::Fprop, 8, 28672, 4096, 8192);
+    let wgrad = GroupedGemmSpec::new(GemmOp::Wgrad, 64, 2816, 2048, 1024);
+    if Arch::Sm90.is_built() {
+        assert_eq!(GroupedGemm::for_device(decode.clone(), &hopper).unwrap().config(), GemmConfig::Sm90Pingpong);
+        assert_eq!(GroupedGemm::for_device(prefill.clone(), &hopper).unwrap().config(), GemmConfig::Sm90Cooperative);
+        assert_eq!(GroupedGemm::for_device(wgrad.clone(), &hopper).unwrap().config(), GemmConfig::Sm90Cooperative);
+        let plan = GroupedGemm::for_device(prefill.clone(), &hopper).unwrap();
+        assert!(plan.workspace_bytes() > 0);
+    }
+    if Arch::Sm100.is_built() {
+        assert_eq!(GroupedGemm::for_device(decode, &blackwell).unwrap().config(), GemmConfig::Sm100OneSm);
+        assert_eq!(GroupedGemm::for_device(prefill, &blackwell).unwrap().config(), GemmConfig::Sm100TwoSm);
+        assert_eq!(GroupedGemm::for_device(wgrad, &blackwell).unwrap().config(), GemmConfig::Sm100OneSm);
+    }
+}
+
+#[test]
+fn offsets_are_clamped_prefix_sums() {
+    assert_eq!(row_offsets(&[3, 0, 5, 2], 100), vec![0, 3, 3, 8, 10]);
+    // Over capacity: expert 2 is cut at 9, expert 3 starts (and ends) at capacity.
+    assert_eq!(row_offsets(&[4, 3, 5, 2], 9), vec![0, 4, 7, 9, 9]);
+    // Negative counts are empty.
+    assert_eq!(row_offsets(&[4, -7, 5], 100), vec![0, 4, 4, 9]);
+    // Huge counts never overflow the running sum.
+    assert_eq!(row_offsets(&[i64::MAX, i64::MAX], 10), vec![0, 10, 10]);
+    assert_eq!(row_offsets(&[], 10), vec![0]);
+}
+
+#[test]
+fn operand_lengths_follow_the_layout_contract() {
+    let s = GroupedGemmSpec::new(GemmOp::Fprop, 4, 16, 8, 100);
+    assert_eq!(s.operand_lens(), (100 * 8, 4 * 16 * 8, 100 * 16));
+    let s = GroupedGemmSpec { op: GemmOp::Dgrad, ..s };
+    assert_eq!(s.operand_lens(), (100 * 16, 4 * 16 * 8, 100 * 8));
+    let s = GroupedGemmSpec { op: GemmOp::Wgrad, ..s };
+    assert_eq!(s.operand_lens(), (100 * 16, 100 * 8, 4 * 16 * 8));
+}
