@@ -268,9 +268,14 @@ fn compile_cached(
         flags.extend(built_arch_defines(all_archs));
     }
 
+    // Keys are independent of where the checkout lives, so worktrees share one cache.
+    let root = env::var("CARGO_MANIFEST_DIR").unwrap();
+    let portable = |s: &str| s.replace(&root, "<root>");
     let mut hasher = DefaultHasher::new();
-    identity.hash(&mut hasher);
-    flags.hash(&mut hasher);
+    portable(identity).hash(&mut hasher);
+    for flag in &flags {
+        portable(flag).hash(&mut hasher);
+    }
     for file in source_closure(&unit.source, common_flags)? {
         read(&file)?.hash(&mut hasher);
     }
