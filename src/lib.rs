@@ -7,6 +7,7 @@
 
 pub mod device;
 mod error;
+pub mod routing;
 pub mod sys;
 
 pub use error::{Error, Result};
