@@ -554,6 +554,7 @@ fn graph_replays_with_new_routing() {
 fn perf_report_target_shape() {
     let s = gpu_or_skip!();
     let _g = serial();
+    unsafe { s.context().disable_event_tracking() };
     let (e, k, h, f, t) = (128usize, 8usize, 2048usize, 768usize, 4096usize);
     let plan = RoutingPlan::new(RoutingConfig {
         num_experts: e, hidden: h, ffn: f, topk: k, max_tokens: t, capacity: None,
@@ -580,6 +581,20 @@ fn perf_report_target_shape() {
     let mut copy_dst = s.alloc_zeros::<bf16>(cap * h).unwrap();
     plan.build(&s, &ids, Tokens::Host(t), &mut maps).unwrap();
     s.synchronize().unwrap();
+    let capture = |body: &mut dyn FnMut()| {
+        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+        body();
+        s.end_capture(CUgraphInstantiate_flags(0)).unwrap().unwrap()
+    };
+    let g_build = capture(&mut || plan.build(&s, &ids, Tokens::Host(t), &mut maps).unwrap());
+    // The routing share of a forward: everything but the two grouped GEMMs (SwiGLU reads a
+    // stand-in fc1 output).
+    let g_fwd = capture(&mut || {
+        plan.build(&s, &ids, Tokens::Host(t), &mut maps).unwrap();
+        plan.permute(&s, &x, &maps.row_of_route, Tokens::Host(t), &mut rows).unwrap();
+        plan.swiglu(&s, &hbuf, &maps.offsets, &mut act).unwrap();
+        plan.unpermute(&s, &rows, &maps.row_of_route, &probs, Tokens::Host(t), &mut y).unwrap();
+    });
     let ctx = s.context().clone();
     let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let time = |name: &str, bytes: f64, f: &mut dyn FnMut()| {
@@ -602,6 +617,8 @@ fn perf_report_target_shape() {
     let tok_bytes = (t * h * 2) as f64;
     println!("routing kernels, E={e} T={t} k={k} H={h} F={f}, bf16, {}", ctx.name().unwrap());
     time("d2d copy rows (ref)", 2.0 * row_bytes, &mut || s.memcpy_dtod(&rows, &mut copy_dst).unwrap());
+    time("build (graph)", (t * k * 4 * 4) as f64, &mut || g_build.launch().unwrap());
+    time("forward routing (graph)", 4.0 * row_bytes, &mut || g_fwd.launch().unwrap());
     time("build", (t * k * 4 * 4) as f64, &mut || plan.build(&s, &ids, Tokens::Host(t), &mut maps).unwrap());
     time("permute", tok_bytes + row_bytes, &mut || plan.permute(&s, &x, &maps.row_of_route, Tokens::Host(t), &mut rows).unwrap());
     time("swiglu", (cap * f * 2 * 3) as f64, &mut || plan.swiglu(&s, &hbuf, &maps.offsets, &mut act).unwrap());

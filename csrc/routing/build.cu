@@ -48,10 +48,15 @@ __device__ __forceinline__ bool count_chunk(const int32_t* __restrict__ ids, int
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int first = blockIdx.x * kChunk + warp * kRoutesPerWarp;
   bool bad = false;
+  int loaded[kItersPerWarp];  // all loads in flight before the first match
 #pragma unroll
   for (int it = 0; it < kItersPerWarp; ++it) {
     const int r = first + it * 32 + lane;
-    const int e = r < n_routes ? __ldg(ids + r) : -1;
+    loaded[it] = r < n_routes ? __ldg(ids + r) : -1;
+  }
+#pragma unroll
+  for (int it = 0; it < kItersPerWarp; ++it) {
+    const int e = loaded[it];
     const bool good = e >= 0 && e < E;
     bad |= !good && e != -1;
     const int key = good ? e : -1;
@@ -121,11 +126,19 @@ __global__ void __launch_bounds__(kScanThreads)
   const int e = threadIdx.x;
   long long total = 0;
   if (e < E) {
-    for (int b = 0; b < num_blocks; ++b) {
-      int32_t* p = block_counts + static_cast<int64_t>(b) * E + e;
-      const int c = *p;
-      *p = static_cast<int32_t>(total);
-      total += c;
+    // NOTE: loads batched ahead of the in-place stores; one load-store pair per block would
+    // serialise num_blocks L2 round trips.
+    constexpr int kBatch = 16;
+    for (int b0 = 0; b0 < num_blocks; b0 += kBatch) {
+      int c[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i)
+        c[i] = b0 + i < num_blocks ? block_counts[static_cast<int64_t>(b0 + i) * E + e] : 0;
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        if (b0 + i < num_blocks) block_counts[static_cast<int64_t>(b0 + i) * E + e] = static_cast<int32_t>(total);
+        total += c[i];
+      }
     }
   }
   long long kept = total;
