@@ -1,0 +1,132 @@
+/* Echo rerouting: the Megatron offloading planner (spec echo-planner.md, stages P1-P9) and the
+ * spare-slot weight kernels, all capturable (no host sync, no allocation, no host read).
+ *
+ * Notation: EP ranks, E home experts (L = E / EP per rank), S_per spare slots per rank,
+ * S = EP * S_per slots in total, slot j on rank j / S_per. T tokens on this rank, k routes each.
+ *
+ * Device buffers:
+ *   counts       [EP, E]      int64  C[r][e], tokens of source rank r routed to expert e
+ *   state        [state_len]  int64  the plan (every stage P1-P7), layout in capmoe_echo_layout_t;
+ *                                    written whole by every plan launch
+ *   workspace    [workspace_len] int32  per-token-tile expert counts (reroute launches only)
+ *   routing_map  [T, E]       uint8  Megatron form (nonzero = routed), probs [T, E] float32
+ *   out_map      [T, E+S]     uint8  0/1, columns interleaved per rank (spec P9):
+ *                                    home e -> (e/L)*(L+S_per) + e%L, slot j -> (j/S_per)*(L+S_per)+L+j%S_per
+ *   out_probs    [T, E+S]     float32, bit-exact copy of the routed probability, 0 elsewhere
+ *   expert_ids   [T, k]       int32  top-k form; ids distinct within a token, in [0, E)
+ *   out_dest     [T, k]       int32  final interleaved column of every route (-1: bad id)
+ *   out_probs_k  [T, k]       float32 (optional) the route's probability, copied bit-exact
+ *
+ * Device-side errors never cause an out-of-bounds access; they set bits in state[off_error]
+ * (see CAPMOE_ECHO_ERR_*). Each plan launch overwrites the word; reroute launches OR into it.
+ * Every kernel is deterministic (bitwise identical outputs for identical inputs). */
+#ifndef CAPTURABLE_MOE_ECHO_H
+#define CAPTURABLE_MOE_ECHO_H
+
+#include <stdint.h>
+
+#include "capturable_moe/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { CAPMOE_ECHO_GREEDY = 0, CAPMOE_ECHO_APPROX = 1 };
+
+/* Bits of the device error word. */
+enum {
+  CAPMOE_ECHO_ERR_NEGATIVE_COUNT = 1,     /* some C[r][e] < 0: the plan was zeroed (nothing moves) */
+  CAPMOE_ECHO_ERR_COUNT_TOO_LARGE = 2,    /* some n[e] >= 2^24: the plan was zeroed */
+  CAPMOE_ECHO_ERR_ROUTING_MISMATCH = 4,   /* column sums of the routing != C[ep_rank] */
+  CAPMOE_ECHO_ERR_EXPERT_OUT_OF_RANGE = 8,/* an expert id outside [0, E): that route gets -1 */
+  CAPMOE_ECHO_ERR_DUPLICATE_ROUTE = 16,   /* a token lists one expert twice (top-k form) */
+  CAPMOE_ECHO_ERR_INTERNAL = 32,          /* a spec invariant failed (sum F + D != H) */
+  CAPMOE_ECHO_ERR_BAD_SLOT_EXPERT = 64    /* weight kernels: slot_expert outside [-1, E) */
+};
+
+typedef struct capmoe_echo_config_t {
+  int64_t ep;
+  int64_t num_experts;
+  int64_t spare_per_rank;
+  int64_t ep_rank;
+  int64_t topk;
+  int32_t algorithm; /* CAPMOE_ECHO_GREEDY or CAPMOE_ECHO_APPROX (needs spare_per_rank == 1) */
+  float threshold_multiplier; /* P3 reclaim, greedy only, off when <= 0 */
+} capmoe_echo_config_t;
+
+/* Offsets (in int64 elements) of every section of the plan state. Dense matrices are row-major.
+ * offload_map is E*S bytes stored from int64 element off_offload_map on. */
+typedef struct capmoe_echo_layout_t {
+  int64_t state_len;                 /* int64 elements */
+  int64_t off_error;                 /* [1]  CAPMOE_ECHO_ERR_* bits */
+  int64_t off_avg;                   /* [1]  P1 avg */
+  int64_t off_tokens_per_expert;     /* [E]  P1 n */
+  int64_t off_load_per_rank;         /* [EP] P1 load */
+  int64_t off_spill;                 /* [E]  P1 spill */
+  int64_t off_spare_capacity;        /* [EP] P1 cap */
+  int64_t off_pre_reclaim_expert;    /* [S]  P2 supplier of slot j before reclaim (-1 none) */
+  int64_t off_pre_reclaim_tokens;    /* [S]  P2 H[expert][j] before reclaim */
+  int64_t off_slot_tokens;           /* [S]  P3 H[slot_expert[j]][j] (0 for empty slots) */
+  int64_t off_slot_expert;           /* [S]  P4 home expert of slot j, -1 = empty */
+  int64_t off_first_pass;            /* [EP, S] P5 F */
+  int64_t off_first_pass_home_offload; /* [EP, E] P5 C - C1 */
+  int64_t off_remaining_capacity;    /* [S]  P5 Rm[slot_expert[j]][j] */
+  int64_t off_second_pass;           /* [EP, S] P6 D */
+  int64_t off_tokens_to_slot;        /* [EP, S] P7 Ftot */
+  int64_t off_home_offload;          /* [EP, E] P7 C - C2 */
+  int64_t off_load_after;            /* [EP] load of each rank after rerouting */
+  int64_t off_slot_offset;           /* [S]  start of slot j's range in its expert's token list (rank ep_rank) */
+  int64_t off_first_slot;            /* [E]  lowest slot fed by expert e, -1 none */
+  int64_t off_next_slot;             /* [S]  next higher slot fed by the same expert, -1 none */
+  int64_t off_offload_map;           /* E*S bytes: M[e][j] = 1 iff slot_expert[j] == e */
+} capmoe_echo_layout_t;
+
+/* Validates the configuration (E % EP == 0, 1 <= S_per <= E, approx => S_per == 1,
+ * 0 <= ep_rank < EP, E <= 1024, S <= 1024, topk in [1, E]) and fills the layout; also the int32
+ * workspace length the reroute launches need for up to t_max tokens. Host only. */
+capmoe_status_t capmoe_echo_layout(const capmoe_echo_config_t* cfg, int64_t t_max,
+                                   capmoe_echo_layout_t* layout, int64_t* workspace_len);
+
+/* P1-P7 from counts into state (one launch, one block). */
+capmoe_status_t capmoe_echo_plan(const capmoe_echo_config_t* cfg, const int64_t* counts,
+                                 int64_t* state, void* stream);
+
+/* P1-P9, Megatron form: plan + reroute of this rank's [T, E] routing map (two launches). */
+capmoe_status_t capmoe_echo_plan_reroute_dense(const capmoe_echo_config_t* cfg,
+                                               const int64_t* counts, const uint8_t* routing_map,
+                                               const float* probs, int64_t num_tokens,
+                                               int64_t* state, int32_t* workspace,
+                                               int64_t workspace_len, uint8_t* out_map,
+                                               float* out_probs, void* stream);
+
+/* P1-P9, top-k form: plan + rewrite of [T, k] expert ids to final columns (two launches).
+ * out_probs may be NULL. */
+capmoe_status_t capmoe_echo_plan_reroute_topk(const capmoe_echo_config_t* cfg,
+                                              const int64_t* counts, const int32_t* expert_ids,
+                                              const float* probs, int64_t num_tokens,
+                                              int64_t* state, int32_t* workspace,
+                                              int64_t workspace_len, int32_t* out_dest,
+                                              float* out_probs, void* stream);
+
+/* Spare-slot weights: for every local slot i in [0, num_slots) with e = slot_expert[slot_begin + i]
+ * >= 0, copies bytes_per_expert bytes from home + e * bytes_per_expert to spare + i *
+ * bytes_per_expert. Slots with -1 are left untouched. error_flags (nullable) gets
+ * CAPMOE_ECHO_ERR_BAD_SLOT_EXPERT for an id outside [-1, E) (that slot is skipped). */
+capmoe_status_t capmoe_echo_fill_spare_weights(const int64_t* slot_expert, int64_t num_experts,
+                                               int64_t slot_begin, int64_t num_slots,
+                                               const void* home, void* spare,
+                                               int64_t bytes_per_expert, int64_t* error_flags,
+                                               void* stream);
+
+/* Backward fold: dw_home[e][i] += dw_slot[j][i] for every slot j in [0, num_slots) with
+ * slot_expert[j] == e, fp32, summed in ascending j onto the existing value (deterministic). */
+capmoe_status_t capmoe_echo_fold_spare_grads(const int64_t* slot_expert, int64_t num_experts,
+                                             int64_t num_slots, const float* dw_slot,
+                                             float* dw_home, int64_t elems_per_expert,
+                                             int64_t* error_flags, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,132 @@
+//! Timing of plan + reroute for the benchmark report (op `echo_plan`): the two launches are
+//! captured once in a CUDA graph and the graph is replayed; GPU time from CUDA events.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::CudaStream;
+
+use super::{EchoConfig, EchoPlan};
+use crate::Result;
+
+/// Which reroute form to time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Form {
+    /// `[T, E]` map + probs -> `[T, E+S]`.
+    Dense,
+    /// `[T, k]` ids + probs -> `[T, k]` columns.
+    TopK,
+}
+
+/// Median and minimum GPU time of one plan + reroute graph replay.
+#[derive(Clone, Debug)]
+pub struct Timing {
+    pub median_us: f64,
+    pub min_us: f64,
+    pub replays: usize,
+}
+
+/// Deterministic inputs: skewed top-k routing on this rank, consistent `counts[ep_rank]`,
+/// skewed random counts on the other ranks.
+pub fn synthetic_inputs(cfg: &EchoConfig, t: usize, seed: u64) -> (Vec<i64>, Vec<i32>, Vec<f32>) {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let (ne, k) = (cfg.num_experts, cfg.topk);
+    // Popularity: a few hot experts.
+    let weights: Vec<u64> = (0..ne).map(|_| 1 + (next() % 8).pow(3)).collect();
+    let total: u64 = weights.iter().sum();
+    let mut counts = vec![0i64; cfg.ep * ne];
+    let mut ids = Vec::with_capacity(t * k);
+    let mut probs = Vec::with_capacity(t * k);
+    for i in 0..t {
+        let mut row: Vec<i32> = Vec::with_capacity(k);
+        while row.len() < k {
+            let mut u = next() % total;
+            let mut x = 0;
+            while u >= weights[x] {
+                u -= weights[x];
+                x += 1;
+            }
+            if !row.contains(&(x as i32)) {
+                row.push(x as i32);
+            }
+        }
+        row.sort();
+        for &x in &row {
+            counts[cfg.ep_rank * ne + x as usize] += 1;
+        }
+        ids.extend(&row);
+        probs.extend((0..k).map(|j| ((i * k + j) % 97 + 1) as f32 / 98.0));
+    }
+    for r in (0..cfg.ep).filter(|&r| r != cfg.ep_rank) {
+        for x in 0..ne {
+            counts[r * ne + x] = ((next() % (2 * t as u64 * k as u64 / ne as u64 + 1)) * weights[x] / 8) as i64;
+        }
+    }
+    (counts, ids, probs)
+}
+
+/// Captures plan + reroute for `t` tokens once and times `replays` graph replays.
+pub fn time_plan_reroute(
+    stream: &Arc<CudaStream>,
+    cfg: EchoConfig,
+    t: usize,
+    form: Form,
+    replays: usize,
+) -> Result<Timing> {
+    let plan = EchoPlan::new(cfg.clone(), t)?;
+    let (ne, k, w) = (cfg.num_experts, cfg.topk, cfg.num_columns());
+    let (counts_h, ids_h, probs_h) = synthetic_inputs(&cfg, t, 7);
+    let counts = stream.clone_htod(&counts_h)?;
+    let mut state = stream.alloc_zeros::<i64>(plan.state_len())?;
+    let mut ws = stream.alloc_zeros::<i32>(plan.workspace_len().max(1))?;
+    let ids = stream.clone_htod(&ids_h)?;
+    let probs_k = stream.clone_htod(&probs_h)?;
+    let mut dense_map = vec![0u8; t * ne];
+    let mut dense_probs = vec![0f32; t * ne];
+    for i in 0..t * k {
+        dense_map[(i / k) * ne + ids_h[i] as usize] = 1;
+        dense_probs[(i / k) * ne + ids_h[i] as usize] = probs_h[i];
+    }
+    let map = stream.clone_htod(&dense_map)?;
+    let probs = stream.clone_htod(&dense_probs)?;
+    let mut out_map = stream.alloc_zeros::<u8>((t * w).max(1))?;
+    let mut out_probs = stream.alloc_zeros::<f32>((t * w).max(1))?;
+    let mut out_dest = stream.alloc_zeros::<i32>((t * k).max(1))?;
+    let mut out_pk = stream.alloc_zeros::<f32>((t * k).max(1))?;
+    let mut run = |s: &Arc<CudaStream>| -> Result<()> {
+        match form {
+            Form::Dense => plan.plan_reroute_dense(s, &counts, &map, &probs, t, &mut state, &mut ws, &mut out_map, &mut out_probs),
+            Form::TopK => plan.plan_reroute_topk(s, &counts, &ids, &probs_k, t, &mut state, &mut ws, &mut out_dest, &mut out_pk),
+        }
+    };
+    run(stream)?; // warm-up outside the graph (module load, smem attributes)
+    stream.synchronize()?;
+    let ctx = stream.context();
+    // SAFETY: every buffer is used on `stream` only.
+    unsafe { ctx.disable_event_tracking() };
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)?;
+    let captured = run(stream);
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0))?;
+    captured?;
+    let graph = graph.expect("a captured graph");
+    for _ in 0..10 {
+        graph.launch()?;
+    }
+    let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    let stop = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    let mut us = Vec::with_capacity(replays);
+    for _ in 0..replays.max(1) {
+        start.record(stream)?;
+        graph.launch()?;
+        stop.record(stream)?;
+        us.push(start.elapsed_ms(&stop)? as f64 * 1e3);
+    }
+    us.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    Ok(Timing { median_us: us[us.len() / 2], min_us: us[0], replays: us.len() })
+}

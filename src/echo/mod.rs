@@ -1,0 +1,503 @@
+//! Echo rerouting: the Megatron offloading planner (spec `echo-planner.md`, P1–P9) as
+//! capturable CUDA kernels, a CPU reference of every stage, and the spare-slot weight kernels.
+//!
+//! Launchers allocate nothing, never synchronise and never read device data on the host, so
+//! [`EchoPlan::plan_reroute_topk`] & co. can be captured once in a CUDA graph and replayed with
+//! new count matrices and routings. Device-side precondition failures (negative counts, a
+//! routing that disagrees with `counts[ep_rank]`, bad expert ids) never cause an out-of-bounds
+//! access; they set bits in the state's error word, read with [`EchoPlan::read_errors`].
+//!
+//! Buffers (row-major, contiguous):
+//! * `counts [EP, E]` i64, `state [state_len]` i64 (every stage, see [`Layout`]),
+//!   `workspace [workspace_len]` i32;
+//! * Megatron form: `routing_map [T, E]` u8 (nonzero = routed) + `probs [T, E]` f32 ->
+//!   `out_map [T, E+S]` u8 + `out_probs [T, E+S]` f32, columns interleaved per rank (spec P9);
+//! * top-k form: `expert_ids [T, k]` i32 (distinct per token) + `probs [T, k]` f32 ->
+//!   `out_dest [T, k]` i32 (final interleaved column of each route) + `out_probs [T, k]` f32.
+
+pub mod bench;
+mod config;
+pub mod reference;
+
+use std::ffi::c_void;
+
+use cudarc::driver::{sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
+
+pub use config::{Algorithm, EchoConfig, MAX_EXPERTS, MAX_SPARE};
+use reference::PlanStages;
+
+use crate::error::check;
+use crate::{sys, Error, Result};
+
+/// Offsets (in i64 elements) of every section of the plan state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    pub state_len: usize,
+    pub error: usize,
+    pub avg: usize,
+    pub tokens_per_expert: usize,
+    pub load_per_rank: usize,
+    pub spill: usize,
+    pub spare_capacity: usize,
+    pub pre_reclaim_expert: usize,
+    pub pre_reclaim_tokens: usize,
+    pub slot_tokens: usize,
+    /// `[S]` home expert of each slot, -1 = empty (the slot -> home expert table).
+    pub slot_expert: usize,
+    pub first_pass: usize,
+    pub first_pass_home_offload: usize,
+    pub remaining_capacity: usize,
+    pub second_pass: usize,
+    pub tokens_to_slot: usize,
+    pub home_offload: usize,
+    pub load_after: usize,
+    pub slot_offset: usize,
+    pub first_slot: usize,
+    pub next_slot: usize,
+    /// `E * S` bytes of `M[e][j]` (0/1) from this i64 element on.
+    pub offload_map: usize,
+}
+
+/// Device-side error bits (the state's error word).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceErrors(pub u32);
+
+impl DeviceErrors {
+    pub const NEGATIVE_COUNT: u32 = sys::CAPMOE_ECHO_ERR_NEGATIVE_COUNT as u32;
+    pub const COUNT_TOO_LARGE: u32 = sys::CAPMOE_ECHO_ERR_COUNT_TOO_LARGE as u32;
+    pub const ROUTING_MISMATCH: u32 = sys::CAPMOE_ECHO_ERR_ROUTING_MISMATCH as u32;
+    pub const EXPERT_OUT_OF_RANGE: u32 = sys::CAPMOE_ECHO_ERR_EXPERT_OUT_OF_RANGE as u32;
+    pub const DUPLICATE_ROUTE: u32 = sys::CAPMOE_ECHO_ERR_DUPLICATE_ROUTE as u32;
+    pub const INTERNAL: u32 = sys::CAPMOE_ECHO_ERR_INTERNAL as u32;
+    pub const BAD_SLOT_EXPERT: u32 = sys::CAPMOE_ECHO_ERR_BAD_SLOT_EXPERT as u32;
+
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+    pub fn contains(self, bit: u32) -> bool {
+        self.0 & bit != 0
+    }
+}
+
+/// One planner instance: the validated configuration, its state layout and workspace size.
+#[derive(Clone, Debug)]
+pub struct EchoPlan {
+    cfg: EchoConfig,
+    t_max: usize,
+    layout: Layout,
+    workspace_len: usize,
+    abi: sys::capmoe_echo_config_t,
+}
+
+fn shape(op: &'static str, what: &'static str, want: usize, got: usize) -> Result<()> {
+    if got < want {
+        return Err(Error::Shape { op, what, expected: format!(">= {want} elements"), got: got.to_string() });
+    }
+    Ok(())
+}
+
+fn exact(op: &'static str, what: &'static str, want: usize, got: usize) -> Result<()> {
+    if got != want {
+        return Err(Error::Shape { op, what, expected: format!("{want} elements"), got: got.to_string() });
+    }
+    Ok(())
+}
+
+impl EchoPlan {
+    /// Validates the configuration (spec section 3 and the GPU limits `E <= 1024`,
+    /// `EP * S_per <= 1024`) for up to `t_max` tokens on this rank. Host only: no GPU needed.
+    pub fn new(cfg: EchoConfig, t_max: usize) -> Result<EchoPlan> {
+        cfg.validate_gpu()?;
+        if t_max > i32::MAX as usize {
+            return Err(Error::InvalidArgument {
+                op: "echo plan",
+                why: format!("t_max = {t_max} must be < 2^31"),
+            });
+        }
+        let abi = sys::capmoe_echo_config_t {
+            ep: cfg.ep as i64,
+            num_experts: cfg.num_experts as i64,
+            spare_per_rank: cfg.spare_per_rank as i64,
+            ep_rank: cfg.ep_rank as i64,
+            topk: cfg.topk as i64,
+            algorithm: cfg.algorithm.abi_code(),
+            threshold_multiplier: cfg.threshold_multiplier,
+        };
+        let mut raw: sys::capmoe_echo_layout_t = unsafe { std::mem::zeroed() };
+        let mut ws: i64 = 0;
+        check(unsafe { sys::capmoe_echo_layout(&abi, t_max as i64, &mut raw, &mut ws) }, "echo layout")?;
+        let u = |v: i64| v as usize;
+        let layout = Layout {
+            state_len: u(raw.state_len),
+            error: u(raw.off_error),
+            avg: u(raw.off_avg),
+            tokens_per_expert: u(raw.off_tokens_per_expert),
+            load_per_rank: u(raw.off_load_per_rank),
+            spill: u(raw.off_spill),
+            spare_capacity: u(raw.off_spare_capacity),
+            pre_reclaim_expert: u(raw.off_pre_reclaim_expert),
+            pre_reclaim_tokens: u(raw.off_pre_reclaim_tokens),
+            slot_tokens: u(raw.off_slot_tokens),
+            slot_expert: u(raw.off_slot_expert),
+            first_pass: u(raw.off_first_pass),
+            first_pass_home_offload: u(raw.off_first_pass_home_offload),
+            remaining_capacity: u(raw.off_remaining_capacity),
+            second_pass: u(raw.off_second_pass),
+            tokens_to_slot: u(raw.off_tokens_to_slot),
+            home_offload: u(raw.off_home_offload),
+            load_after: u(raw.off_load_after),
+            slot_offset: u(raw.off_slot_offset),
+            first_slot: u(raw.off_first_slot),
+            next_slot: u(raw.off_next_slot),
+            offload_map: u(raw.off_offload_map),
+        };
+        Ok(EchoPlan { cfg, t_max, layout, workspace_len: u(ws), abi })
+    }
+
+    pub fn config(&self) -> &EchoConfig {
+        &self.cfg
+    }
+    pub fn t_max(&self) -> usize {
+        self.t_max
+    }
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    /// Length of the i64 plan state buffer.
+    pub fn state_len(&self) -> usize {
+        self.layout.state_len
+    }
+    /// Length of the i32 workspace the reroute launches need for up to `t_max` tokens.
+    pub fn workspace_len(&self) -> usize {
+        self.workspace_len
+    }
+
+    fn check_tokens(&self, op: &'static str, t: usize) -> Result<()> {
+        if t > self.t_max {
+            return Err(Error::InvalidArgument { op, why: format!("num_tokens = {t} exceeds t_max = {}", self.t_max) });
+        }
+        Ok(())
+    }
+
+    /// P1–P7 from `counts [EP, E]` into `state`. One launch; no host sync, no allocation.
+    pub fn plan(
+        &self,
+        stream: &CudaStream,
+        counts: &impl DevicePtr<i64>,
+        state: &mut impl DevicePtrMut<i64>,
+    ) -> Result<()> {
+        const OP: &str = "echo plan";
+        exact(OP, "counts [EP, E]", self.cfg.ep * self.cfg.num_experts, counts.len())?;
+        shape(OP, "state", self.state_len(), state.len())?;
+        stream.context().bind_to_thread()?;
+        let (c, _gc) = counts.device_ptr(stream);
+        let (s, _gs) = state.device_ptr_mut(stream);
+        // SAFETY: lengths checked above; the guards keep the buffers alive past the launch.
+        unsafe { self.plan_raw(stream.cu_stream() as *mut c_void, c, s) }
+    }
+
+    /// P1–P9, Megatron form. Two launches; no host sync, no allocation.
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_reroute_dense(
+        &self,
+        stream: &CudaStream,
+        counts: &impl DevicePtr<i64>,
+        routing_map: &impl DevicePtr<u8>,
+        probs: &impl DevicePtr<f32>,
+        num_tokens: usize,
+        state: &mut impl DevicePtrMut<i64>,
+        workspace: &mut impl DevicePtrMut<i32>,
+        out_map: &mut impl DevicePtrMut<u8>,
+        out_probs: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        const OP: &str = "echo plan+reroute (dense)";
+        let (e, w) = (self.cfg.num_experts, self.cfg.num_columns());
+        self.check_tokens(OP, num_tokens)?;
+        exact(OP, "counts [EP, E]", self.cfg.ep * e, counts.len())?;
+        shape(OP, "routing_map [T, E]", num_tokens * e, routing_map.len())?;
+        shape(OP, "probs [T, E]", num_tokens * e, probs.len())?;
+        shape(OP, "state", self.state_len(), state.len())?;
+        shape(OP, "workspace", self.workspace_len, workspace.len())?;
+        shape(OP, "out_map [T, E+S]", num_tokens * w, out_map.len())?;
+        shape(OP, "out_probs [T, E+S]", num_tokens * w, out_probs.len())?;
+        let ws_len = workspace.len();
+        stream.context().bind_to_thread()?;
+        let (c, _g1) = counts.device_ptr(stream);
+        let (m, _g2) = routing_map.device_ptr(stream);
+        let (p, _g3) = probs.device_ptr(stream);
+        let (s, _g4) = state.device_ptr_mut(stream);
+        let (ws, _g5) = workspace.device_ptr_mut(stream);
+        let (om, _g6) = out_map.device_ptr_mut(stream);
+        let (op, _g7) = out_probs.device_ptr_mut(stream);
+        // SAFETY: every length checked above; guards alive until the end of the call.
+        unsafe {
+            self.plan_reroute_dense_raw(stream.cu_stream() as *mut c_void, c, m, p, num_tokens, s, ws, ws_len, om, op)
+        }
+    }
+
+    /// P1–P9, top-k form: rewrites `expert_ids [T, k]` to final columns. Two launches; no host
+    /// sync, no allocation.
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_reroute_topk(
+        &self,
+        stream: &CudaStream,
+        counts: &impl DevicePtr<i64>,
+        expert_ids: &impl DevicePtr<i32>,
+        probs: &impl DevicePtr<f32>,
+        num_tokens: usize,
+        state: &mut impl DevicePtrMut<i64>,
+        workspace: &mut impl DevicePtrMut<i32>,
+        out_dest: &mut impl DevicePtrMut<i32>,
+        out_probs: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        const OP: &str = "echo plan+reroute (top-k)";
+        let (e, k) = (self.cfg.num_experts, self.cfg.topk);
+        self.check_tokens(OP, num_tokens)?;
+        exact(OP, "counts [EP, E]", self.cfg.ep * e, counts.len())?;
+        shape(OP, "expert_ids [T, k]", num_tokens * k, expert_ids.len())?;
+        shape(OP, "probs [T, k]", num_tokens * k, probs.len())?;
+        shape(OP, "state", self.state_len(), state.len())?;
+        shape(OP, "workspace", self.workspace_len, workspace.len())?;
+        shape(OP, "out_dest [T, k]", num_tokens * k, out_dest.len())?;
+        shape(OP, "out_probs [T, k]", num_tokens * k, out_probs.len())?;
+        let ws_len = workspace.len();
+        stream.context().bind_to_thread()?;
+        let (c, _g1) = counts.device_ptr(stream);
+        let (ids, _g2) = expert_ids.device_ptr(stream);
+        let (p, _g3) = probs.device_ptr(stream);
+        let (s, _g4) = state.device_ptr_mut(stream);
+        let (ws, _g5) = workspace.device_ptr_mut(stream);
+        let (od, _g6) = out_dest.device_ptr_mut(stream);
+        let (op, _g7) = out_probs.device_ptr_mut(stream);
+        // SAFETY: every length checked above; guards alive until the end of the call.
+        unsafe {
+            self.plan_reroute_topk_raw(stream.cu_stream() as *mut c_void, c, ids, p, num_tokens, s, ws, ws_len, od, op)
+        }
+    }
+
+    /// Raw form of [`plan`](Self::plan) for other engines.
+    ///
+    /// # Safety
+    /// `stream` is a live CUDA stream of the current context; `counts` points to `EP * E` i64
+    /// and `state` to [`state_len`](Self::state_len) i64 of device memory that stay valid until
+    /// the launch has run.
+    pub unsafe fn plan_raw(&self, stream: *mut c_void, counts: CUdeviceptr, state: CUdeviceptr) -> Result<()> {
+        check(sys::capmoe_echo_plan(&self.abi, counts as *const i64, state as *mut i64, stream), "echo plan")
+    }
+
+    /// Raw form of [`plan_reroute_dense`](Self::plan_reroute_dense).
+    ///
+    /// # Safety
+    /// As [`plan_raw`](Self::plan_raw), plus: `routing_map` / `probs` hold `T * E` u8 / f32,
+    /// `workspace` `workspace_len` i32, `out_map` / `out_probs` `T * (E + S)` u8 / f32, all
+    /// device memory valid until the launches have run; `num_tokens <= t_max`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn plan_reroute_dense_raw(
+        &self,
+        stream: *mut c_void,
+        counts: CUdeviceptr,
+        routing_map: CUdeviceptr,
+        probs: CUdeviceptr,
+        num_tokens: usize,
+        state: CUdeviceptr,
+        workspace: CUdeviceptr,
+        workspace_len: usize,
+        out_map: CUdeviceptr,
+        out_probs: CUdeviceptr,
+    ) -> Result<()> {
+        self.check_tokens("echo plan+reroute (dense)", num_tokens)?;
+        check(
+            sys::capmoe_echo_plan_reroute_dense(
+                &self.abi,
+                counts as *const i64,
+                routing_map as *const u8,
+                probs as *const f32,
+                num_tokens as i64,
+                state as *mut i64,
+                workspace as *mut i32,
+                workspace_len as i64,
+                out_map as *mut u8,
+                out_probs as *mut f32,
+                stream,
+            ),
+            "echo plan+reroute (dense)",
+        )
+    }
+
+    /// Raw form of [`plan_reroute_topk`](Self::plan_reroute_topk); `out_probs` may be 0.
+    ///
+    /// # Safety
+    /// As [`plan_raw`](Self::plan_raw), plus: `expert_ids` / `probs` / `out_dest` /
+    /// `out_probs` hold `T * k` elements, `workspace` `workspace_len` i32, all device memory
+    /// valid until the launches have run; `num_tokens <= t_max`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn plan_reroute_topk_raw(
+        &self,
+        stream: *mut c_void,
+        counts: CUdeviceptr,
+        expert_ids: CUdeviceptr,
+        probs: CUdeviceptr,
+        num_tokens: usize,
+        state: CUdeviceptr,
+        workspace: CUdeviceptr,
+        workspace_len: usize,
+        out_dest: CUdeviceptr,
+        out_probs: CUdeviceptr,
+    ) -> Result<()> {
+        self.check_tokens("echo plan+reroute (top-k)", num_tokens)?;
+        check(
+            sys::capmoe_echo_plan_reroute_topk(
+                &self.abi,
+                counts as *const i64,
+                expert_ids as *const i32,
+                probs as *const f32,
+                num_tokens as i64,
+                state as *mut i64,
+                workspace as *mut i32,
+                workspace_len as i64,
+                out_dest as *mut i32,
+                out_probs as *mut f32,
+                stream,
+            ),
+            "echo plan+reroute (top-k)",
+        )
+    }
+
+    /// Reads the device error word. Synchronises the stream: diagnostics and tests only.
+    pub fn read_errors(&self, stream: &std::sync::Arc<CudaStream>, state: &CudaSlice<i64>) -> Result<DeviceErrors> {
+        let v = stream.clone_dtoh(&state.slice(self.layout.error..self.layout.error + 1))?;
+        Ok(DeviceErrors(v[0] as u32))
+    }
+
+    /// Downloads every stage of the plan into the CPU reference's dense form (the offload map
+    /// is rebuilt from `slot_expert`; [`read_offload_map`](Self::read_offload_map) reads the
+    /// kernel's). Synchronises the stream: diagnostics and tests only.
+    pub fn read_stages(&self, stream: &std::sync::Arc<CudaStream>, state: &CudaSlice<i64>) -> Result<PlanStages> {
+        let st = stream.clone_dtoh(&state.slice(0..self.state_len()))?;
+        let (ep, ne, s) = (self.cfg.ep, self.cfg.num_experts, self.cfg.num_spare());
+        let l = &self.layout;
+        let sec = |off: usize, len: usize| st[off..off + len].to_vec();
+        let mut pre = vec![0i64; ne * s];
+        let mut h = vec![0i64; ne * s];
+        let mut rm = vec![0i64; ne * s];
+        for j in 0..s {
+            let pe = st[l.pre_reclaim_expert + j];
+            if pe >= 0 && (pe as usize) < ne {
+                pre[pe as usize * s + j] = st[l.pre_reclaim_tokens + j];
+            }
+            let e = st[l.slot_expert + j];
+            if e >= 0 && (e as usize) < ne {
+                h[e as usize * s + j] = st[l.slot_tokens + j];
+                rm[e as usize * s + j] = st[l.remaining_capacity + j];
+            }
+        }
+        Ok(PlanStages {
+            tokens_per_expert: sec(l.tokens_per_expert, ne),
+            load_per_rank: sec(l.load_per_rank, ep),
+            avg: st[l.avg],
+            spill: sec(l.spill, ne),
+            spare_capacity: sec(l.spare_capacity, ep),
+            assignment_pre_reclaim: pre,
+            assignment: h,
+            slot_expert: sec(l.slot_expert, s),
+            first_pass: sec(l.first_pass, ep * s),
+            first_pass_home_offload: sec(l.first_pass_home_offload, ep * ne),
+            remaining_capacity: rm,
+            second_pass: sec(l.second_pass, ep * s),
+            tokens_to_slot: sec(l.tokens_to_slot, ep * s),
+            home_offload: sec(l.home_offload, ep * ne),
+            load_after: sec(l.load_after, ep),
+        })
+    }
+
+    /// The kernel-written offload map `M [E, S]`. Synchronises: diagnostics and tests only.
+    pub fn read_offload_map(&self, stream: &std::sync::Arc<CudaStream>, state: &CudaSlice<i64>) -> Result<Vec<bool>> {
+        let (ne, s) = (self.cfg.num_experts, self.cfg.num_spare());
+        let words = (ne * s).div_ceil(8);
+        let st = stream.clone_dtoh(&state.slice(self.layout.offload_map..self.layout.offload_map + words))?;
+        let bytes: Vec<u8> = st.iter().flat_map(|w| w.to_le_bytes()).collect();
+        Ok(bytes[..ne * s].iter().map(|&b| b != 0).collect())
+    }
+}
+
+/// Fills spare slots from their home experts on one GPU: for each local slot `i <
+/// num_slots` with `e = slot_expert[slot_begin + i] >= 0`, copies `home[e * per_expert ..]` to
+/// `spare[i * per_expert ..]` (`per_expert` elements of any type); slots with -1 are left
+/// untouched. `error_flags[0]` gets [`DeviceErrors::BAD_SLOT_EXPERT`] for an id outside
+/// `[-1, E)`. One launch; no host sync, no allocation.
+#[allow(clippy::too_many_arguments)]
+pub fn fill_spare_weights<T: DeviceRepr>(
+    stream: &CudaStream,
+    slot_expert: &impl DevicePtr<i64>,
+    num_experts: usize,
+    slot_begin: usize,
+    num_slots: usize,
+    home: &impl DevicePtr<T>,
+    spare: &mut impl DevicePtrMut<T>,
+    per_expert: usize,
+    error_flags: &mut impl DevicePtrMut<i64>,
+) -> Result<()> {
+    const OP: &str = "echo fill spare weights";
+    shape(OP, "slot_expert", slot_begin + num_slots, slot_expert.len())?;
+    shape(OP, "home [E, per_expert]", num_experts * per_expert, home.len())?;
+    shape(OP, "spare [num_slots, per_expert]", num_slots * per_expert, spare.len())?;
+    shape(OP, "error_flags", 1, error_flags.len())?;
+    stream.context().bind_to_thread()?;
+    let (se, _g1) = slot_expert.device_ptr(stream);
+    let (h, _g2) = home.device_ptr(stream);
+    let (sp, _g3) = spare.device_ptr_mut(stream);
+    let (ef, _g4) = error_flags.device_ptr_mut(stream);
+    let status = unsafe {
+        sys::capmoe_echo_fill_spare_weights(
+            se as *const i64,
+            num_experts as i64,
+            slot_begin as i64,
+            num_slots as i64,
+            h as *const c_void,
+            sp as *mut c_void,
+            (per_expert * std::mem::size_of::<T>()) as i64,
+            ef as *mut i64,
+            stream.cu_stream() as *mut c_void,
+        )
+    };
+    check(status, OP)
+}
+
+/// Backward fold of spare-slot weight gradients: `dw_home[e] += dw_slot[j]` for every slot
+/// `j < num_slots` with `slot_expert[j] == e`, fp32, summed onto the existing value in
+/// ascending `j` (bitwise deterministic). One launch; no host sync, no allocation.
+#[allow(clippy::too_many_arguments)]
+pub fn fold_spare_grads(
+    stream: &CudaStream,
+    slot_expert: &impl DevicePtr<i64>,
+    num_experts: usize,
+    num_slots: usize,
+    dw_slot: &impl DevicePtr<f32>,
+    dw_home: &mut impl DevicePtrMut<f32>,
+    per_expert: usize,
+    error_flags: &mut impl DevicePtrMut<i64>,
+) -> Result<()> {
+    const OP: &str = "echo fold spare grads";
+    shape(OP, "slot_expert", num_slots, slot_expert.len())?;
+    shape(OP, "dw_slot [num_slots, per_expert]", num_slots * per_expert, dw_slot.len())?;
+    shape(OP, "dw_home [E, per_expert]", num_experts * per_expert, dw_home.len())?;
+    shape(OP, "error_flags", 1, error_flags.len())?;
+    stream.context().bind_to_thread()?;
+    let (se, _g1) = slot_expert.device_ptr(stream);
+    let (s, _g2) = dw_slot.device_ptr(stream);
+    let (h, _g3) = dw_home.device_ptr_mut(stream);
+    let (ef, _g4) = error_flags.device_ptr_mut(stream);
+    let status = unsafe {
+        sys::capmoe_echo_fold_spare_grads(
+            se as *const i64,
+            num_experts as i64,
+            num_slots as i64,
+            s as *const f32,
+            h as *mut f32,
+            per_expert as i64,
+            ef as *mut i64,
+            stream.cu_stream() as *mut c_void,
+        )
+    };
+    check(status, OP)
+}
