@@ -5,12 +5,9 @@
 //! capability modules. Every launcher allocates nothing, never synchronises with the host and
 //! never reads device data on the host.
 
-pub mod baseline;
 pub mod device;
-pub mod dtype;
 pub mod echo;
 mod error;
-pub mod grouped_gemm;
 pub mod routing;
 pub mod sys;
 
