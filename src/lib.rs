@@ -5,9 +5,11 @@
 //! capability modules. Every launcher allocates nothing, never synchronises with the host and
 //! never reads device data on the host.
 
+pub mod baseline;
 pub mod device;
-pub mod echo;
+pub mod dtype;
 mod error;
+pub mod grouped_gemm;
 pub mod routing;
 pub mod sys;
 
