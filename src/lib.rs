@@ -8,6 +8,7 @@
 pub mod baseline;
 pub mod device;
 pub mod dtype;
+pub mod echo;
 mod error;
 pub mod grouped_gemm;
 pub mod routing;
