@@ -219,7 +219,7 @@ fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_kind
     let a = random_bf16(stream, a_len, 1);
     let b = random_bf16(stream, b_len, 2);
     let mut d = unsafe { stream.alloc::<bf16>(d_len) }.unwrap();
-    let mut check = unsafe { stream.alloc::<bf16>(d_len) }.unwrap();
+    let check = unsafe { stream.alloc::<bf16>(d_len) }.unwrap();
     let splits32: Vec<i32> = splits.iter().map(|&s| s as i32).collect();
     let m_splits = stream.clone_htod(&splits32).unwrap();
     let mut workspace = stream.alloc_zeros::<u8>(plan.workspace_bytes()).unwrap();

@@ -156,7 +156,8 @@ impl HostCase {
         } else {
             vec![POISON; d_len + guard_rows * d_cols]
         };
-        HostCase { spec, splits, a, b, d0, guard_rows: if spec.op == GemmOp::Wgrad { 0 } else { guard_rows } }
+        let guard_rows = if spec.op == GemmOp::Wgrad { 0 } else { guard_rows };
+        HostCase { spec, splits, a, b, d0, guard_rows }
     }
 
     /// fp64 reference of d, and the indices of d that must stay untouched.

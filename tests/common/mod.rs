@@ -1,6 +1,8 @@
 //! Shared helpers of the GPU tests.
 #![allow(dead_code)]
 
+pub mod gemm;
+
 use std::sync::Arc;
 
 use cudarc::driver::CudaStream;
