@@ -18,7 +18,8 @@ for line in sys.stdin:
         continue
     if msg["profile"]["test"] != want_test:
         continue
-    shutil.copy(msg["executable"], f"{dest}/{msg[\"target\"][\"name\"]}")
+    name = msg["target"]["name"]
+    shutil.copy(msg["executable"], dest + "/" + name)
 ' "$@"
 }
 

@@ -16,10 +16,11 @@ failed=0
 for test in gpu-bundle/run/tests/*; do
   name="$(basename "$test")"
   [[ -n "$filter" && "$name" != *"$filter"* ]] && continue
-  start=$(date +%s.%N)
+  start=$(date +%s%N)
   "$test" --test-threads=1 >"$logs/$name.log" 2>&1
   rc=$?
-  secs=$(printf '%.1f' "$(echo "$(date +%s.%N) - $start" | bc)")
+  ms=$(( ($(date +%s%N) - start) / 1000000 ))
+  secs="$((ms / 1000)).$(( (ms % 1000) / 100 ))"
   result="$(grep -E '^test result:' "$logs/$name.log" | tail -n 1)"
   [[ $rc -ne 0 ]] && failed=1 && grep -E '^(---- |thread .* panicked|  left|  right|.*assert)' "$logs/$name.log" | head -n 20
   summary+=("$(printf '%-28s rc=%-3s %6ss  %s' "$name" "$rc" "$secs" "$result")")
