@@ -450,12 +450,16 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
   {
     // Offload map M[e][j] as bytes, written 8 at a time.
     uint64_t* mwords = reinterpret_cast<uint64_t*>(st + lay.off_offload_map);
-    const int64_t nbytes = (int64_t)ne * S, nwords = ceil_div(nbytes, 8);
-    for (int64_t w = tid; w < nwords; w += nt) {
+    const int nbytes = ne * S, nwords = (nbytes + 7) / 8;
+    for (int w = tid; w < nwords; w += nt) {
       uint64_t word = 0;
-      for (int b = 0; b < 8; ++b) {
-        const int64_t i = w * 8 + b;
-        if (i < nbytes && sm.se[i % S] == (int)(i / S)) word |= uint64_t(1) << (8 * b);
+      int i = w * 8, x = i / S, jj = i % S;
+      for (int b = 0; b < 8 && i < nbytes; ++b, ++i) {
+        if (sm.se[jj] == x) word |= uint64_t(1) << (8 * b);
+        if (++jj == S) {
+          jj = 0;
+          ++x;
+        }
       }
       mwords[w] = word;
     }
@@ -463,7 +467,9 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
   __syncthreads();
   for (int x = tid; x < ne; x += nt) st[lay.off_first_slot + x] = sm.first[x];
 
-  // P5 first pass, one thread per slot.
+  // P5 first pass, one thread per slot. NOTE: loads are batched kB at a time: the stores to
+  // the state could alias them, so an unbatched loop would serialise on every L2 round trip.
+  constexpr int kB = 8;
   int64_t* F = st + lay.off_first_pass;
   for (int j = tid; j < S; j += nt) {
     const int e = sm.se[j];
@@ -471,12 +477,20 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
     if (e >= 0) {
       const float den = __ll2float_rn(sm.n[e]);
       const float cj = __ll2float_rn(sm.hval[j]);
-#pragma unroll 4
-      for (int r = 0; r < ep; ++r) {
-        const float share = __fdiv_rn(__ll2float_rn(C[(int64_t)r * ne + e]), den);
-        const int64_t f = (int64_t)floorf(__fmul_rn(share, cj));
-        F[(int64_t)r * S + j] = f;
-        sum += f;
+      for (int r0 = 0; r0 < ep; r0 += kB) {
+        int64_t cv[kB];
+#pragma unroll
+        for (int u = 0; u < kB; ++u)
+          cv[u] = r0 + u < ep ? __ldg(&C[(int64_t)(r0 + u) * ne + e]) : 0;
+#pragma unroll
+        for (int u = 0; u < kB; ++u) {
+          if (r0 + u < ep) {
+            const float share = __fdiv_rn(__ll2float_rn(cv[u]), den);
+            const int64_t f = (int64_t)floorf(__fmul_rn(share, cj));
+            F[(int64_t)(r0 + u) * S + j] = f;
+            sum += f;
+          }
+        }
       }
     } else {
       for (int r = 0; r < ep; ++r) F[(int64_t)r * S + j] = 0;
@@ -487,13 +501,27 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
     if (rmj < 0) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_INTERNAL);
   }
   __syncthreads();
-  // C - C1 per (r, e).
+  // C - C1 per (r, e): zeros for experts without slots; the thread of an expert's first slot
+  // sums the expert's slot list.
   int64_t* fpho = st + lay.off_first_pass_home_offload;
-  for (int64_t i = tid; i < (int64_t)ep * ne; i += nt) {
-    const int r = (int)(i / ne), x = (int)(i % ne);
-    int64_t acc = 0;
-    for (int j = sm.first[x]; j >= 0; j = sm.next[j]) acc += F[(int64_t)r * S + j];
-    fpho[i] = acc;
+  for (int i = tid; i < ep * ne; i += nt)
+    if (sm.first[i % ne] < 0) fpho[i] = 0;
+  for (int j = tid; j < S; j += nt) {
+    const int e = sm.se[j];
+    if (e < 0 || sm.first[e] != j) continue;
+    for (int r0 = 0; r0 < ep; r0 += kB) {
+      int64_t acc[kB];
+#pragma unroll
+      for (int u = 0; u < kB; ++u) acc[u] = 0;
+      for (int i = j; i >= 0; i = sm.next[i]) {
+#pragma unroll
+        for (int u = 0; u < kB; ++u)
+          if (r0 + u < ep) acc[u] += F[(int64_t)(r0 + u) * S + i];
+      }
+#pragma unroll
+      for (int u = 0; u < kB; ++u)
+        if (r0 + u < ep) fpho[(int64_t)(r0 + u) * ne + e] = acc[u];
+    }
   }
   __syncthreads();
 
@@ -515,27 +543,54 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
     for (int i = sm.first[e]; i >= 0 && i != j; i = sm.next[i]) bj += sm.rm[i];
     const int64_t bend = bj + sm.rm[j];
     int64_t a = 0, filled = 0;
-#pragma unroll 4
-    for (int r = 0; r < ep; ++r) {
-      const int64_t c1 = C[(int64_t)r * ne + e] - fpho[(int64_t)r * ne + e];
-      const int64_t dv = max(int64_t(0), min(a + c1, bend) - max(a, bj));
-      a += c1;
-      D[(int64_t)r * S + j] = dv;
-      const int64_t ft = F[(int64_t)r * S + j] + dv;
-      Ft[(int64_t)r * S + j] = ft;
-      filled += ft;
+    for (int r0 = 0; r0 < ep; r0 += kB) {
+      int64_t c1[kB], fv[kB];
+#pragma unroll
+      for (int u = 0; u < kB; ++u) {
+        c1[u] = 0;
+        fv[u] = 0;
+        if (r0 + u < ep) {
+          const int64_t r = r0 + u;
+          c1[u] = __ldg(&C[r * ne + e]) - fpho[r * ne + e];
+          fv[u] = F[r * S + j];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kB; ++u) {
+        if (r0 + u < ep) {
+          const int64_t dv = max(int64_t(0), min(a + c1[u], bend) - max(a, bj));
+          a += c1[u];
+          D[(int64_t)(r0 + u) * S + j] = dv;
+          const int64_t ft = fv[u] + dv;
+          Ft[(int64_t)(r0 + u) * S + j] = ft;
+          filled += ft;
+        }
+      }
     }
     if (filled != sm.hval[j]) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_INTERNAL);
   }
   __syncthreads();
 
-  // P7 home offload; this rank's slot offsets; loads after rerouting.
+  // P7 home offload (as C - C1 above); this rank's slot offsets; loads after rerouting.
   int64_t* ho = st + lay.off_home_offload;
-  for (int64_t i = tid; i < (int64_t)ep * ne; i += nt) {
-    const int r = (int)(i / ne), x = (int)(i % ne);
-    int64_t acc = 0;
-    for (int j = sm.first[x]; j >= 0; j = sm.next[j]) acc += Ft[(int64_t)r * S + j];
-    ho[i] = acc;
+  for (int i = tid; i < ep * ne; i += nt)
+    if (sm.first[i % ne] < 0) ho[i] = 0;
+  for (int j = tid; j < S; j += nt) {
+    const int e = sm.se[j];
+    if (e < 0 || sm.first[e] != j) continue;
+    for (int r0 = 0; r0 < ep; r0 += kB) {
+      int64_t acc[kB];
+#pragma unroll
+      for (int u = 0; u < kB; ++u) acc[u] = 0;
+      for (int i = j; i >= 0; i = sm.next[i]) {
+#pragma unroll
+        for (int u = 0; u < kB; ++u)
+          if (r0 + u < ep) acc[u] += Ft[(int64_t)(r0 + u) * S + i];
+      }
+#pragma unroll
+      for (int u = 0; u < kB; ++u)
+        if (r0 + u < ep) ho[(int64_t)(r0 + u) * ne + e] = acc[u];
+    }
   }
   for (int j = tid; j < S; j += nt) {
     const int e = sm.se[j];
@@ -580,15 +635,15 @@ __device__ void count_tile(const Params& p, int tile, int32_t* s_cnt) {
     const int64_t n = rows * ne;
     if ((ne & 3) == 0 && (reinterpret_cast<uintptr_t>(p.map) & 3) == 0) {
       const uint32_t* w = reinterpret_cast<const uint32_t*>(m);
-      for (int64_t i = tid; i < n / 4; i += nt) {
+      for (int i = tid; i < (int)(n / 4); i += nt) {
         const uint32_t v = w[i];
         if (v == 0) continue;
-        const int x0 = (int)((i * 4) % ne);
+        const int x0 = (i * 4) % ne;
         for (int b = 0; b < 4; ++b)
           if ((v >> (8 * b)) & 0xffu) atomicAdd(&s_cnt[x0 + b], 1);
       }
     } else {
-      for (int64_t i = tid; i < n; i += nt)
+      for (int i = tid; i < (int)n; i += nt)
         if (m[i]) atomicAdd(&s_cnt[i % ne], 1);
     }
   } else {
@@ -624,9 +679,10 @@ struct RerouteSmem {
   int32_t* next;    // [S]
   int32_t* first;   // [E]
   int32_t* flags;   // [1]
+  int64_t* part;    // [max(kRerouteThreads, E)] partial tile prefixes
 
   __host__ __device__ static size_t bytes(int ne, int s, int words) {
-    return sizeof(int64_t) * (2 * (size_t)s + ne) + sizeof(uint32_t) * (size_t)ne * words * 2 +
+    return sizeof(int64_t) * (2 * (size_t)s + ne + kMaxExperts) + sizeof(uint32_t) * (size_t)ne * words * 2 +
            sizeof(int32_t) * (2 * (size_t)s + ne + 1) + 16;
   }
   __device__ void carve(unsigned char* base, int ne, int s, int words) {
@@ -634,6 +690,7 @@ struct RerouteSmem {
     soff = p64; p64 += s;
     send = p64; p64 += s;
     moved = p64; p64 += ne;
+    part = p64; p64 += kMaxExperts;  // >= ne * groups
     mask = reinterpret_cast<uint32_t*>(p64);
     wbase = reinterpret_cast<int32_t*>(mask + (size_t)ne * words);
     se = wbase + (size_t)ne * words;
@@ -678,17 +735,17 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
     const int64_t n = (int64_t)rows * ne;
     if ((ne & 3) == 0 && (reinterpret_cast<uintptr_t>(p.map) & 3) == 0) {
       const uint32_t* w = reinterpret_cast<const uint32_t*>(m);
-      for (int64_t i = tid; i < n / 4; i += nt) {
+      for (int i = tid; i < (int)(n / 4); i += nt) {
         const uint32_t v = w[i];
         if (v == 0) continue;
-        const int t = (int)((i * 4) / ne), x0 = (int)((i * 4) % ne);
+        const int t = (i * 4) / ne, x0 = (i * 4) % ne;
         for (int b = 0; b < 4; ++b)
           if ((v >> (8 * b)) & 0xffu) atomicOr(&sm.mask[(x0 + b) * W + (t >> 5)], 1u << (t & 31));
       }
     } else {
-      for (int64_t i = tid; i < n; i += nt) {
+      for (int i = tid; i < (int)n; i += nt) {
         if (!m[i]) continue;
-        const int t = (int)(i / ne), x = (int)(i % ne);
+        const int t = i / ne, x = i % ne;
         atomicOr(&sm.mask[x * W + (t >> 5)], 1u << (t & 31));
       }
     }
@@ -705,9 +762,19 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
   __syncthreads();
 
   // Rank of each mask word's first token in its expert's list: earlier tiles + earlier words.
+  // Threads of one expert split the earlier tiles; partial sums combined in a fixed order.
+  const int groups = ne <= nt ? nt / ne : 1;
+  for (int i = tid; i < ne * groups; i += nt) {
+    const int x = i % ne, g = i / ne;
+    int64_t acc = 0;
+#pragma unroll 8
+    for (int tl = g; tl < tile; tl += groups) acc += __ldg(&p.tile_counts[(int64_t)tl * ne + x]);
+    sm.part[i] = acc;
+  }
+  __syncthreads();
   for (int x = tid; x < ne; x += nt) {
     int64_t base = 0;
-    for (int tl = 0; tl < tile; ++tl) base += p.tile_counts[(int64_t)tl * ne + x];
+    for (int g = 0; g < groups; ++g) base += sm.part[g * ne + x];
     int64_t in_tile = 0;
     for (int w = 0; w < W; ++w) {
       sm.wbase[x * W + w] = (int32_t)(base + in_tile);
@@ -723,12 +790,13 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
   const int L = d.l, sp = d.sp, B = L + sp;
   if (p.form == kFormDense) {
     const int width = ne + S;
-    const int64_t n = (int64_t)rows * width;
     uint8_t* om = p.out_map + t0 * width;
     uint32_t* op = p.out_probs_bits + t0 * width;
     const uint32_t* pr = p.probs_bits + t0 * ne;
-    for (int64_t i = tid; i < n; i += nt) {
-      const int t = (int)(i / width), c = (int)(i % width);
+    // (t, c) advanced incrementally: no division per element.
+    const int step_t = nt / width, step_c = nt % width;
+    for (int t = tid / width, c = tid % width; t < rows;) {
+      const int64_t i = (int64_t)t * width + c;
       const int q = c / B, li = c % B;
       int x, j = -1;
       if (li < L) {
@@ -748,6 +816,12 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
       }
       om[i] = on ? 1 : 0;
       op[i] = on ? pr[(int64_t)t * ne + x] : 0u;
+      c += step_c;
+      t += step_t;
+      if (c >= width) {
+        c -= width;
+        ++t;
+      }
     }
   } else {
     const int k = d.topk;
