@@ -10,7 +10,9 @@ pub mod device;
 pub mod dtype;
 pub mod echo;
 mod error;
+pub mod graph;
 pub mod grouped_gemm;
+pub mod moe;
 pub mod routing;
 pub mod sys;
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "common/boundary.cuh"
-#include "grouped_gemm/launch.h"
+#include "grouped_gemm/variants.h"
 
 namespace capmoe::gg {
 namespace {
@@ -16,11 +16,12 @@ struct Variant {
   Majorness majorness;
   capmoe_dtype_t in;
   capmoe_dtype_t out;
+  bool reads_c;
   VariantFn fn;
 };
 
-#define CAPMOE_GG_ENTRY(name, arch, config, majorness, in, out) \
-  {arch, config, Majorness::majorness, CAPMOE_DTYPE_##in, CAPMOE_DTYPE_##out, &variant_##name},
+#define CAPMOE_GG_ENTRY(name, arch, config, majorness, in, out, reads_c) \
+  {arch, config, Majorness::majorness, CAPMOE_DTYPE_##in, CAPMOE_DTYPE_##out, reads_c != 0, &variant_##name},
 
 constexpr Variant kVariants[] = {
 #if defined(CAPMOE_HAS_SM90)
@@ -29,7 +30,7 @@ constexpr Variant kVariants[] = {
 #if defined(CAPMOE_HAS_SM100)
         CAPMOE_GG_SM100_VARIANTS(CAPMOE_GG_ENTRY)
 #endif
-            {0, CAPMOE_CONFIG_AUTO, Majorness::RC, -1, -1, nullptr}};  // sentinel
+            {0, CAPMOE_CONFIG_AUTO, Majorness::RC, -1, -1, false, nullptr}};  // sentinel
 #undef CAPMOE_GG_ENTRY
 
 Majorness majorness_of(const capmoe_grouped_gemm_desc_t& d) {
@@ -80,7 +81,7 @@ capmoe_status_t find_variant(const capmoe_grouped_gemm_desc_t& d, VariantFn* fn)
   const Majorness majorness = majorness_of(d);
   for (const Variant& v : kVariants) {
     if (v.fn && v.arch == d.arch && v.config == config && v.majorness == majorness && v.in == d.dtype &&
-        v.out == d.out_dtype) {
+        v.out == d.out_dtype && v.reads_c == (d.accumulate != 0)) {
       *fn = v.fn;
       return CAPMOE_OK;
     }

@@ -1,0 +1,56 @@
+// The list of compiled grouped GEMM variants, read by the dispatcher (dispatch.cu) and by
+// scripts/gen-gemm-instances.sh, which writes one instantiation TU per line into inst/.
+#pragma once
+
+#include "grouped_gemm/launch.h"
+
+namespace capmoe::gg {
+
+// Operand majorness of a variant, in CUTLASS terms (A is M x K, B is K x N, D row-major):
+//   RC: A row-major, B column-major  (FPROP with [E,N,K] weights, DGRAD with [E,K,N])
+//   RR: A row-major, B row-major     (DGRAD with [E,N,K] weights, FPROP with [E,K,N])
+//   CR: A column-major, B row-major  (WGRAD, either weight layout)
+enum class Majorness { RC, RR, CR };
+
+// Every variant: X(name, arch, config, majorness, in dtype, out dtype, reads C). Variants that
+// read C (D = C + AB, the fp32 WGRAD accumulate mode) are separate from plain-output ones, which
+// have no source operand at all. The instantiation TU
+// inst/<name>.cu defines capmoe::gg::variant_<name>.
+#define CAPMOE_GG_SM90_VARIANTS(X)                                                        \
+  X(sm90_rc_bf16_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, RC, BF16, BF16, 0)               \
+  X(sm90_rc_bf16_pingpong, 90, CAPMOE_CONFIG_SM90_PINGPONG, RC, BF16, BF16, 0)              \
+  X(sm90_rr_bf16_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, RR, BF16, BF16, 0)               \
+  X(sm90_rr_bf16_pingpong, 90, CAPMOE_CONFIG_SM90_PINGPONG, RR, BF16, BF16, 0)              \
+  X(sm90_cr_bf16_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, CR, BF16, BF16, 0)               \
+  X(sm90_cr_bf16_f32_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, CR, BF16, F32, 0)            \
+  X(sm90_cr_bf16_f32acc_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, CR, BF16, F32, 1)            \
+  X(sm90_rc_f16_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, RC, F16, F16, 0)                  \
+  X(sm90_rc_f16_pingpong, 90, CAPMOE_CONFIG_SM90_PINGPONG, RC, F16, F16, 0)                 \
+  X(sm90_rr_f16_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, RR, F16, F16, 0)                  \
+  X(sm90_rr_f16_pingpong, 90, CAPMOE_CONFIG_SM90_PINGPONG, RR, F16, F16, 0)                 \
+  X(sm90_cr_f16_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, CR, F16, F16, 0)                  \
+  X(sm90_cr_f16_f32_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, CR, F16, F32, 0) \
+  X(sm90_cr_f16_f32acc_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, CR, F16, F32, 1)
+
+#define CAPMOE_GG_SM100_VARIANTS(X)                                                       \
+  X(sm100_rc_bf16_1sm, 100, CAPMOE_CONFIG_SM100_1SM, RC, BF16, BF16, 0)                     \
+  X(sm100_rc_bf16_2sm, 100, CAPMOE_CONFIG_SM100_2SM, RC, BF16, BF16, 0)                     \
+  X(sm100_rr_bf16_1sm, 100, CAPMOE_CONFIG_SM100_1SM, RR, BF16, BF16, 0)                     \
+  X(sm100_rr_bf16_2sm, 100, CAPMOE_CONFIG_SM100_2SM, RR, BF16, BF16, 0)                     \
+  X(sm100_cr_bf16_1sm, 100, CAPMOE_CONFIG_SM100_1SM, CR, BF16, BF16, 0)                     \
+  X(sm100_cr_bf16_f32_1sm, 100, CAPMOE_CONFIG_SM100_1SM, CR, BF16, F32, 0)                  \
+  X(sm100_cr_bf16_f32acc_1sm, 100, CAPMOE_CONFIG_SM100_1SM, CR, BF16, F32, 1)                  \
+  X(sm100_rc_f16_1sm, 100, CAPMOE_CONFIG_SM100_1SM, RC, F16, F16, 0)                        \
+  X(sm100_rc_f16_2sm, 100, CAPMOE_CONFIG_SM100_2SM, RC, F16, F16, 0)                        \
+  X(sm100_rr_f16_1sm, 100, CAPMOE_CONFIG_SM100_1SM, RR, F16, F16, 0)                        \
+  X(sm100_rr_f16_2sm, 100, CAPMOE_CONFIG_SM100_2SM, RR, F16, F16, 0)                        \
+  X(sm100_cr_f16_1sm, 100, CAPMOE_CONFIG_SM100_1SM, CR, F16, F16, 0)                        \
+  X(sm100_cr_f16_f32_1sm, 100, CAPMOE_CONFIG_SM100_1SM, CR, F16, F32, 0) \
+  X(sm100_cr_f16_f32acc_1sm, 100, CAPMOE_CONFIG_SM100_1SM, CR, F16, F32, 1)
+
+#define CAPMOE_GG_DECLARE_VARIANT(name, ...) capmoe_status_t variant_##name(const Launch&, uint64_t*);
+CAPMOE_GG_SM90_VARIANTS(CAPMOE_GG_DECLARE_VARIANT)
+CAPMOE_GG_SM100_VARIANTS(CAPMOE_GG_DECLARE_VARIANT)
+#undef CAPMOE_GG_DECLARE_VARIANT
+
+}  // namespace capmoe::gg

@@ -1,0 +1,278 @@
+//! Grouped GEMM rows: the crate (eager and graph) against the cuBLAS baselines.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use capturable_moe::baseline::{cublas_version, read_splits, CublasGroupedBatched, CublasLoop, DenseGemm, Operands};
+use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
+use cudarc::driver::sys::{CUdevice_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr};
+use half::bf16;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+use crate::measure::{median, random_bf16, sampled_relerr, time, Row};
+use crate::Args;
+
+/// A named grouped GEMM shape: E experts, `rows` routed rows, layer K -> N.
+pub struct Shape {
+    pub name: &'static str,
+    pub experts: usize,
+    pub rows: usize,
+    pub k: usize,
+    pub n: usize,
+}
+
+pub const SHAPES: &[Shape] = &[
+    Shape { name: "mixtral_fc1", experts: 8, rows: 8192, k: 4096, n: 28672 },
+    Shape { name: "dsv3_ep8_fc1", experts: 32, rows: 8192, k: 7168, n: 4096 },
+    Shape { name: "dsv3_ep8_fc2", experts: 32, rows: 8192, k: 2048, n: 7168 },
+    Shape { name: "qwen3moe_fc1", experts: 128, rows: 32768, k: 2048, n: 1536 },
+    Shape { name: "qwen3moe_fc2", experts: 128, rows: 32768, k: 768, n: 2048 },
+    Shape { name: "decode_fc1", experts: 64, rows: 1024, k: 2048, n: 2816 },
+];
+
+/// m_splits as the torch anchor script draws them: uniform or zipf (weight 1/(e+1)) sampling
+/// of every row's expert, or every row on one expert.
+pub fn routing(kind: &str, experts: usize, rows: usize, seed: u64) -> Result<Vec<i64>, String> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut splits = vec![0i64; experts];
+    match kind {
+        "uniform" => (0..rows).for_each(|_| splits[rng.random_range(0..experts)] += 1),
+        "zipf" => {
+            let weights: Vec<f64> = (0..experts).map(|e| 1.0 / (e + 1) as f64).collect();
+            let total: f64 = weights.iter().sum();
+            for _ in 0..rows {
+                let mut x = rng.random_range(0.0..total);
+                let e = weights.iter().position(|w| {
+                    x -= w;
+                    x < 0.0
+                });
+                splits[e.unwrap_or(experts - 1)] += 1;
+            }
+        }
+        "onehot" => splits[0] = rows as i64,
+        other => return Err(format!("unknown routing {other}")),
+    }
+    Ok(splits)
+}
+
+pub fn op_name(op: GemmOp) -> &'static str {
+    match op {
+        GemmOp::Fprop => "fprop",
+        GemmOp::Dgrad => "dgrad",
+        GemmOp::Wgrad => "wgrad",
+    }
+}
+
+/// Every implementation on one (shape, routing, op).
+pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_kind: &str, op: GemmOp) -> Vec<Row> {
+    let splits = routing(routing_kind, shape.experts, shape.rows, 7).unwrap();
+    let spec = GroupedGemmSpec::new(op, shape.experts, shape.n, shape.k, shape.rows);
+    let plan = GroupedGemm::new(spec.clone(), stream).expect("plan");
+    let (a_len, b_len, d_len) = spec.operand_lens();
+    let a = random_bf16(stream, a_len, 1);
+    let b = random_bf16(stream, b_len, 2);
+    let mut d = unsafe { stream.alloc::<bf16>(d_len) }.unwrap();
+    let mut check = unsafe { stream.alloc::<bf16>(d_len) }.unwrap();
+    let splits32: Vec<i32> = splits.iter().map(|&s| s as i32).collect();
+    let m_splits = stream.clone_htod(&splits32).unwrap();
+    let mut workspace = stream.alloc_zeros::<u8>(plan.workspace_bytes()).unwrap();
+    let flops = spec.flops(shape.rows);
+    let bytes = ((a_len + b_len + d_len) * 2) as f64;
+    let ops_of = |d: &CudaSlice<bf16>| Operands {
+        a: a.device_ptr(stream).0,
+        b: b.device_ptr(stream).0,
+        d: d.device_ptr(stream).0,
+    };
+    let mut rows = Vec::new();
+    let mut push = |imp: &str, us: f64, host: Option<f64>, note: Option<String>| {
+        rows.push(Row {
+            shape: shape.name.into(),
+            routing: routing_kind.into(),
+            op: op_name(op).into(),
+            imp: imp.into(),
+            us,
+            tflops: flops / us * 1e-6,
+            gbps: bytes / us * 1e-3,
+            host_us: host,
+            note,
+        })
+    };
+
+    // The crate, eager: every launch writes its arguments from the device-side m_splits.
+    let mut run_capmoe = |d: &mut CudaSlice<bf16>| {
+        plan.run(stream, &a, &b, d, &m_splits, None, &mut workspace).expect("capmoe run");
+    };
+    run_capmoe(&mut d);
+    let (us, host) = time(stream, args.reps, |_| run_capmoe(&mut d));
+    push("capmoe", us, Some(host), None);
+
+    // The crate, captured once in a CUDA graph and replayed.
+    let ctx = stream.context().clone();
+    unsafe { ctx.disable_event_tracking() };
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+    run_capmoe(&mut d);
+    let graph: CudaGraph = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().unwrap();
+    unsafe { ctx.enable_event_tracking() };
+    graph.upload().unwrap();
+    let (us, host) = time(stream, args.reps, |_| graph.launch().unwrap());
+    push("capmoe-graph", us, Some(host), None);
+    drop(graph);
+
+    // Every cuBLAS baseline writes into `check` (zeroed first, so a baseline that writes
+    // nothing fails) and must agree with the crate's `d` before it is timed.
+    let mut verify = |stream: &Arc<CudaStream>, launch: &mut dyn FnMut(Operands) -> Result<(), String>| {
+        stream.memset_zeros(&mut check).map_err(|e| format!("zeroing the check buffer: {e}"))?;
+        launch(ops_of(&check))?;
+        let err = sampled_relerr(stream, &check, &d, d_len);
+        if err <= 1e-2 {
+            Ok(ops_of(&check))
+        } else {
+            Err(format!("output disagrees with capmoe (normwise relerr {err:.2e} > 1e-2), not timed"))
+        }
+    };
+
+    // cuBLAS loops: the host reads m_splits back first (the sync TransformerEngine needs).
+    for (imp, streams) in [("cublas-multistream", args.streams), ("cublas-single", 1)] {
+        let timed = CublasLoop::new(spec.clone(), stream, streams).map_err(|e| e.to_string()).and_then(|baseline| {
+            let ops = verify(stream, &mut |ops| {
+                let host_splits = read_splits(stream, &m_splits).map_err(|e| e.to_string())?;
+                baseline.launch(stream, ops, &host_splits).map_err(|e| e.to_string())
+            })?;
+            let mut sync_us = Vec::new();
+            let mut failed = None;
+            let (us, host) = time(stream, args.reps, |_| {
+                let t = Instant::now();
+                let launched = read_splits(stream, &m_splits).and_then(|host_splits| {
+                    sync_us.push(t.elapsed().as_secs_f64() * 1e6);
+                    baseline.launch(stream, ops, &host_splits)
+                });
+                if let Err(e) = launched {
+                    failed.get_or_insert(e.to_string());
+                }
+            });
+            failed.map_or(Ok((us, host, median(&mut sync_us))), Err)
+        });
+        match timed {
+            Ok((us, host, sync)) => push(imp, us, Some(host), Some(format!("m_splits readback {sync:.1} us"))),
+            Err(e) => push(imp, f64::NAN, None, Some(format!("unavailable: {e}"))),
+        }
+    }
+
+    // One cublasGemmGroupedBatchedEx call: also needs m_splits on the host (its sizes are host
+    // arrays); the device pointer arrays are rebuilt and uploaded on every call.
+    let imp = "cublas-grouped-batched";
+    let timed = CublasGroupedBatched::new(spec.clone(), stream).map_err(|e| e.to_string()).and_then(|mut baseline| {
+        let ops = verify(stream, &mut |ops| {
+            let host_splits = read_splits(stream, &m_splits).map_err(|e| e.to_string())?;
+            baseline.launch(ops, &host_splits).map_err(|e| e.to_string())
+        })?;
+        let mut sync_us = Vec::new();
+        let mut failed = None;
+        let (us, host) = time(stream, args.reps, |_| {
+            let t = Instant::now();
+            let launched = read_splits(stream, &m_splits).and_then(|host_splits| {
+                sync_us.push(t.elapsed().as_secs_f64() * 1e6);
+                baseline.launch(ops, &host_splits)
+            });
+            if let Err(e) = launched {
+                failed.get_or_insert(e.to_string());
+            }
+        });
+        failed.map_or(Ok((us, host, median(&mut sync_us))), Err)
+    });
+    match timed {
+        Ok((us, host, sync)) => push(
+            imp,
+            us,
+            Some(host),
+            Some(format!("m_splits readback {sync:.1} us; pointer arrays uploaded per call")),
+        ),
+        Err(e) => push(imp, f64::NAN, None, Some(format!("unavailable: {e}"))),
+    }
+
+    // Dense cuBLAS over all rows at the same FLOPs: the ceiling (wgrad: one K = rows GEMM).
+    match DenseGemm::new(spec.clone(), stream) {
+        Ok(dense) => {
+            let ops = ops_of(&check);
+            let mut failed = None;
+            let (us, host) = time(stream, args.reps, |_| {
+                if let Err(e) = dense.launch(ops, shape.rows) {
+                    failed.get_or_insert(e.to_string());
+                }
+            });
+            match failed {
+                None => push("cublas-dense", us, Some(host), None),
+                Some(e) => push("cublas-dense", f64::NAN, None, Some(format!("unavailable: {e}"))),
+            }
+        }
+        Err(e) => push("cublas-dense", f64::NAN, None, Some(format!("unavailable: {e}"))),
+    }
+
+    push("cublaslt-grouped", f64::NAN, None, Some(format!("unavailable: {}", cublaslt_grouped_status(stream))));
+
+    // The HBM floor: every expert weight read once, at the bandwidth of a device-to-device copy.
+    match memcpy_floor(stream, args, shape) {
+        Ok((floor_us, copy_us, host)) => {
+            let weight_bytes = (shape.experts * shape.n * shape.k * 2) as f64;
+            rows.push(Row {
+                shape: shape.name.into(),
+                routing: routing_kind.into(),
+                op: op_name(op).into(),
+                imp: "memcpy-floor".into(),
+                us: floor_us,
+                tflops: f64::NAN,
+                gbps: weight_bytes / floor_us * 1e-3,
+                host_us: Some(host),
+                note: Some(format!(
+                    "us = half of one D2D copy of all expert weights (E*N*K*2 = {:.0} MB read + written, \
+                     copy {copy_us:.1} us): reading every weight once at copy bandwidth; \
+                     GB/s = (read+write bytes)/copy time; 90% of floor = {:.1} us",
+                    weight_bytes * 1e-6,
+                    floor_us / 0.9
+                )),
+            });
+        }
+        Err(e) => push("memcpy-floor", f64::NAN, None, Some(format!("unavailable: {e}"))),
+    }
+    rows
+}
+
+/// Why the cuBLASLt grouped matmul with device-side sizes is not in the report.
+fn cublaslt_grouped_status(stream: &Arc<CudaStream>) -> String {
+    let ctx = stream.context();
+    let hopper = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR).ok() == Some(9);
+    let (need, on) = if hopper { ((13, 4), " on Hopper") } else { ((13, 3), "") };
+    match cublas_version() {
+        Ok((major, minor, patch)) if (major, minor) < need => format!(
+            "cuBLAS {major}.{minor}.{patch} found, grouped matmul with device-side sizes needs {}.{}+{on}",
+            need.0, need.1
+        ),
+        Ok((major, minor, patch)) => {
+            format!("cuBLAS {major}.{minor}.{patch} supports it but this report does not implement it yet")
+        }
+        Err(e) => format!("cuBLAS version unknown ({e}); grouped matmul with device-side sizes needs {}.{}+{on}", need.0, need.1),
+    }
+}
+
+/// (floor us, copy us, host us) of one shape, measured once and reused by its other cases.
+fn memcpy_floor(stream: &Arc<CudaStream>, args: &Args, shape: &Shape) -> Result<(f64, f64, f64), String> {
+    static FLOORS: Mutex<BTreeMap<&'static str, Result<(f64, f64, f64), String>>> = Mutex::new(BTreeMap::new());
+    let mut floors = FLOORS.lock().unwrap_or_else(|e| e.into_inner());
+    floors
+        .entry(shape.name)
+        .or_insert_with(|| {
+            let len = shape.experts * shape.n * shape.k;
+            let src = random_bf16(stream, len, 3);
+            let mut dst = unsafe { stream.alloc::<bf16>(len) }.map_err(|e| format!("alloc {len} bf16: {e}"))?;
+            let mut failed = None;
+            let (copy_us, host) = time(stream, args.reps, |_| {
+                if let Err(e) = stream.memcpy_dtod(&src, &mut dst) {
+                    failed.get_or_insert(e.to_string());
+                }
+            });
+            failed.map_or(Ok((copy_us / 2.0, copy_us, host)), Err)
+        })
+        .clone()
+}

@@ -1,0 +1,135 @@
+//! capmoe-bench: the crate's benchmark report. On the GPU it times the grouped GEMM (eager and
+//! CUDA-graph replay) against the cuBLAS baselines on named MoE shapes and routings, prints
+//! `shape | routing | op | impl | us | TFLOP/s | GB/s | x multi-stream | x dense`, and writes
+//! `bench/results/<gpu>.json` and `<gpu>.png`. Without a GPU it says why and exits with status 2.
+//!
+//!   capmoe-bench [--shapes a,b] [--routing uniform,zipf,onehot] [--ops fprop,dgrad,wgrad]
+//!                [--streams 4] [--reps 30] [--anchors torch_anchor.json] [--out DIR] [--quick]
+
+mod gemm;
+mod measure;
+mod plot;
+mod report;
+
+use capturable_moe::device::{open, DeviceInfo};
+use capturable_moe::grouped_gemm::GemmOp;
+use cudarc::driver::sys::CUdevice_attribute;
+
+use gemm::{bench_case, op_name, Shape, SHAPES};
+
+struct Args {
+    pub shapes: Vec<String>,
+    pub routings: Vec<String>,
+    pub ops: Vec<GemmOp>,
+    pub streams: usize,
+    pub reps: usize,
+    pub anchors: Option<String>,
+    pub out: String,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        shapes: SHAPES.iter().map(|s| s.name.to_string()).collect(),
+        routings: vec!["uniform".into(), "zipf".into(), "onehot".into()],
+        ops: vec![GemmOp::Fprop, GemmOp::Dgrad, GemmOp::Wgrad],
+        streams: 4,
+        reps: 30,
+        anchors: None,
+        out: "bench/results".into(),
+    };
+    let mut it = std::env::args().skip(1);
+    let list = |v: Option<String>| -> Result<Vec<String>, String> {
+        Ok(v.ok_or("missing value")?.split(',').map(str::to_string).collect())
+    };
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            "--shapes" => args.shapes = list(it.next())?,
+            "--routing" => args.routings = list(it.next())?,
+            "--ops" => {
+                args.ops = list(it.next())?
+                    .iter()
+                    .map(|o| match o.as_str() {
+                        "fprop" => Ok(GemmOp::Fprop),
+                        "dgrad" => Ok(GemmOp::Dgrad),
+                        "wgrad" => Ok(GemmOp::Wgrad),
+                        other => Err(format!("unknown op {other}")),
+                    })
+                    .collect::<Result<_, _>>()?
+            }
+            "--streams" => args.streams = it.next().and_then(|v| v.parse().ok()).ok_or("--streams N")?,
+            "--reps" => args.reps = it.next().and_then(|v| v.parse().ok()).ok_or("--reps N")?,
+            "--anchors" => args.anchors = Some(it.next().ok_or("--anchors FILE")?),
+            "--out" => args.out = it.next().ok_or("--out DIR")?,
+            "--quick" => {
+                args.reps = 10;
+                args.routings = vec!["uniform".into()];
+            }
+            "-h" | "--help" => {
+                println!("{}", include_str!("main.rs").lines().take(8).collect::<Vec<_>>().join("\n"));
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument {other} (try --help)")),
+        }
+    }
+    for s in &args.shapes {
+        if !SHAPES.iter().any(|shape| shape.name == s) {
+            return Err(format!("unknown shape {s}"));
+        }
+    }
+    Ok(args)
+}
+
+fn main() {
+    let args = match parse_args() {
+        Ok(args) => args,
+        Err(e) => {
+            eprintln!("capmoe-bench: {e}");
+            std::process::exit(64);
+        }
+    };
+    let ctx = match open(0) {
+        Ok(ctx) => ctx,
+        Err(reason) => {
+            eprintln!("capmoe-bench: no GPU to benchmark on: {reason}");
+            eprintln!("capmoe-bench: run it on a machine with an H100 (or other SM90/SM100 GPU) and the NVIDIA driver.");
+            std::process::exit(2);
+        }
+    };
+    let stream = ctx.new_stream().expect("stream");
+    let device = DeviceInfo::of_stream(&stream).expect("device info");
+    let clocks = (
+        ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE).unwrap_or(0),
+        ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE).unwrap_or(0),
+    );
+    eprintln!("capmoe-bench on {} ({} SMs)", device.name, device.sm_count);
+
+    let mut rows = Vec::new();
+    let shapes: Vec<&Shape> = SHAPES.iter().filter(|s| args.shapes.iter().any(|n| n == s.name)).collect();
+    let total = shapes.len() * args.routings.len() * args.ops.len();
+    let mut done = 0;
+    for shape in &shapes {
+        for routing_kind in &args.routings {
+            for &op in &args.ops {
+                done += 1;
+                eprintln!("[{done}/{total}] {} {routing_kind} {}", shape.name, op_name(op));
+                rows.extend(bench_case(&stream, &args, shape, routing_kind, op));
+            }
+        }
+    }
+    if let Some(path) = &args.anchors {
+        match report::anchor_rows(path) {
+            Ok(anchor) => rows.extend(anchor),
+            Err(e) => eprintln!("capmoe-bench: anchors not merged: {e}"),
+        }
+    }
+    rows.sort_by(|a, b| (&a.shape, &a.routing, &a.op).cmp(&(&b.shape, &b.routing, &b.op)));
+    let file: String = device.name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
+    let path = format!("{}/{file}.json", args.out);
+    match report::write_json(&path, &device, clocks, &rows) {
+        Ok(()) => eprintln!("wrote {path}"),
+        Err(e) => eprintln!("capmoe-bench: could not write {path}: {e}"),
+    }
+    let png = format!("{}/{file}.png", args.out);
+    plot::write_png(&png, &device.name, &rows).map_or_else(|e| eprintln!("capmoe-bench: no plot {png}: {e}"), |()| eprintln!("wrote {png}"));
+    report::print_table(&rows);
+}

@@ -1,0 +1,88 @@
+//! Timing, test data and row bookkeeping shared by every benchmarked operation.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{CudaSlice, CudaStream};
+use half::bf16;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+/// A device buffer of random non-zero bf16, filled by tiling one random host block.
+pub fn random_bf16(stream: &Arc<CudaStream>, len: usize, seed: u64) -> CudaSlice<bf16> {
+    const BLOCK: usize = 1 << 22;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let block: Vec<bf16> = (0..BLOCK.min(len))
+        .map(|_| {
+            let x: f32 = rng.random_range(0.05..1.0);
+            bf16::from_f32(if rng.random_bool(0.5) { x } else { -x })
+        })
+        .collect();
+    let mut buf = unsafe { stream.alloc::<bf16>(len) }.expect("alloc");
+    let mut at = 0;
+    while at < len {
+        let n = block.len().min(len - at);
+        let mut view = buf.slice_mut(at..at + n);
+        stream.memcpy_htod(&block[..n], &mut view).expect("upload");
+        at += n;
+    }
+    buf
+}
+
+/// Median GPU time (CUDA events around each call) and median host enqueue time, in us.
+pub fn time(stream: &Arc<CudaStream>, reps: usize, mut enqueue: impl FnMut(usize)) -> (f64, f64) {
+    let ctx = stream.context();
+    for i in 0..3 {
+        enqueue(i);
+    }
+    stream.synchronize().unwrap();
+    let mut gpu = Vec::with_capacity(reps);
+    let mut host = Vec::with_capacity(reps);
+    for i in 0..reps {
+        let start = ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+        let end = ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+        start.record(stream).unwrap();
+        let t = Instant::now();
+        enqueue(i);
+        host.push(t.elapsed().as_secs_f64() * 1e6);
+        end.record(stream).unwrap();
+        end.synchronize().unwrap();
+        gpu.push(start.elapsed_ms(&end).unwrap() as f64 * 1e3);
+    }
+    (median(&mut gpu), median(&mut host))
+}
+
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+#[derive(Clone)]
+pub struct Row {
+    pub shape: String,
+    pub routing: String,
+    pub op: String,
+    pub imp: String,
+    pub us: f64,
+    pub tflops: f64,
+    pub gbps: f64,
+    pub host_us: Option<f64>,
+    pub note: Option<String>,
+}
+
+/// Normwise relative error of `got` against `want` over a deterministic sample of elements.
+pub fn sampled_relerr(stream: &Arc<CudaStream>, got: &CudaSlice<bf16>, want: &CudaSlice<bf16>, valid: usize) -> f64 {
+    let g = stream.clone_dtoh(got).unwrap();
+    let w = stream.clone_dtoh(want).unwrap();
+    let step = (valid / 4_000_000).max(1);
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for i in (0..valid).step_by(step) {
+        let (a, b) = (g[i].to_f64(), w[i].to_f64());
+        if a.is_nan() {
+            return f64::NAN;
+        }
+        diff += (a - b) * (a - b);
+        norm += b * b;
+    }
+    (diff / norm.max(1e-30)).sqrt()
+}
+

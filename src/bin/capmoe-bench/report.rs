@@ -1,0 +1,102 @@
+//! The report: the table, the JSON file and the torch anchor rows.
+
+use std::collections::BTreeMap;
+
+use capturable_moe::device::DeviceInfo;
+
+use crate::gemm::SHAPES;
+use crate::measure::Row;
+
+/// Rows of the torch anchor JSON that match the benchmarked shapes (by E, rows, K, N).
+pub fn anchor_rows(path: &str) -> Result<Vec<Row>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{path}: {e}"))?;
+    let mut rows = Vec::new();
+    for r in json["gemm"].as_array().into_iter().flatten() {
+        let dims = |k: &str| r[k].as_u64().unwrap_or(0) as usize;
+        let Some(shape) = SHAPES
+            .iter()
+            .find(|s| s.experts == dims("E") && s.rows == dims("M") && s.k == dims("K") && s.n == dims("N"))
+        else {
+            continue;
+        };
+        let flops = 2.0 * (shape.rows * shape.k * shape.n) as f64;
+        let bytes = ((shape.rows * shape.k + shape.experts * shape.k * shape.n + shape.rows * shape.n) * 2) as f64;
+        for (key, imp) in [("grouped_ms", "torch-grouped-mm"), ("loop4_ms", "torch-loop4"), ("dense_ms", "torch-dense")] {
+            if let Some(ms) = r[key].as_f64() {
+                let us = ms * 1e3;
+                rows.push(Row {
+                    shape: shape.name.into(),
+                    routing: r["skew"].as_str().unwrap_or("?").into(),
+                    op: "fprop".into(),
+                    imp: imp.into(),
+                    us,
+                    tflops: flops / us * 1e-6,
+                    gbps: bytes / us * 1e-3,
+                    host_us: None,
+                    note: Some("torch_anchor.py, same call".into()),
+                });
+            }
+        }
+    }
+    Ok(rows)
+}
+
+pub fn print_table(rows: &[Row]) {
+    let key = |r: &Row| (r.shape.clone(), r.routing.clone(), r.op.clone());
+    let mut reference: BTreeMap<(String, String, String), (f64, f64)> = BTreeMap::new();
+    for r in rows {
+        let entry = reference.entry(key(r)).or_insert((f64::NAN, f64::NAN));
+        match r.imp.as_str() {
+            "cublas-multistream" => entry.0 = r.us,
+            "cublas-dense" => entry.1 = r.us,
+            _ => {}
+        }
+    }
+    println!(
+        "{:<14} | {:<8} | {:<6} | {:<22} | {:>9} | {:>8} | {:>7} | {:>14} | {:>7}",
+        "shape", "routing", "op", "impl", "us", "TFLOP/s", "GB/s", "x multi-stream", "x dense"
+    );
+    for r in rows {
+        let (multi, dense) = reference.get(&key(r)).copied().unwrap_or((f64::NAN, f64::NAN));
+        if r.us.is_nan() {
+            println!("{:<14} | {:<8} | {:<6} | {:<22} | {}", r.shape, r.routing, r.op, r.imp, r.note.clone().unwrap_or_default());
+            continue;
+        }
+        // The memcpy-floor row does no FLOPs: "-" rather than NaN.
+        let tflops = if r.tflops.is_finite() { format!("{:.1}", r.tflops) } else { "-".into() };
+        println!(
+            "{:<14} | {:<8} | {:<6} | {:<22} | {:>9.1} | {:>8} | {:>7.0} | {:>14.2} | {:>7.2}",
+            r.shape, r.routing, r.op, r.imp, r.us, tflops, r.gbps, multi / r.us, dense / r.us
+        );
+    }
+}
+
+pub fn write_json(path: &str, device: &DeviceInfo, clocks: (i32, i32), rows: &[Row]) -> std::io::Result<()> {
+    let rows: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "shape": r.shape, "routing": r.routing, "op": r.op, "impl": r.imp,
+                "us": if r.us.is_nan() { serde_json::Value::Null } else { r.us.into() },
+                "tflops": if r.tflops.is_finite() { r.tflops.into() } else { serde_json::Value::Null },
+                "gbps": if r.us.is_nan() { serde_json::Value::Null } else { r.gbps.into() },
+                "host_us": r.host_us, "note": r.note,
+            })
+        })
+        .collect();
+    let doc = serde_json::json!({
+        "gpu": device.name,
+        "sm_count": device.sm_count,
+        "sm_clock_mhz": clocks.0 / 1000,
+        "memory_clock_mhz": clocks.1 / 1000,
+        "commit": std::env::var("CAPMOE_COMMIT").unwrap_or_else(|_| "unknown".into()),
+        "date_unix": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        "rows": rows,
+    });
+    if let Some(dir) = std::path::Path::new(path).parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap())
+}
+
