@@ -4,7 +4,11 @@
 //!   host (a GPU->CPU sync, which forbids graph capture), then one cuBLAS GEMM per non-empty
 //!   expert, round-robin over N streams forked from and joined back to the caller's stream.
 //!   With one stream it is the plain per-expert loop.
-//! - [`dense_gemm`]: one GEMM over all rows at the same FLOPs, the ceiling for grouped work.
+//! - [`CublasGroupedBatched`]: `cublasGemmGroupedBatchedEx` (cuBLAS 12.5+), one group of
+//!   size 1 per non-empty expert. Its problem sizes are host arrays, so it needs the same
+//!   `m_splits` read-back as the loops; the A/B/C pointer arrays are built on the host and
+//!   uploaded on every launch.
+//! - [`DenseGemm`]: one GEMM over all rows at the same FLOPs, the ceiling for grouped work.
 //!
 //! Row-major operands are handed to column-major cuBLAS as their transposes.
 
@@ -12,7 +16,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::cublas::sys as cublas;
-use cudarc::driver::{CudaEvent, CudaStream};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
 use crate::dtype::DType;
 use crate::grouped_gemm::{GemmOp, GroupedGemmSpec, WeightLayout};
@@ -73,13 +77,28 @@ pub struct Operands {
     pub d: u64,
 }
 
-/// One expert's (or the dense problem's) GEMM, in the crate's row-major terms.
-fn gemm(handle: &Handle, spec: &GroupedGemmSpec, ops: Operands, expert: usize, row0: usize, rows: usize) -> Result<()> {
+/// One column-major cuBLAS GEMM: `C[m, n] = op(A)[m, k] * op(B)[k, n]`, device addresses.
+#[derive(Clone, Copy, Debug)]
+struct GemmArgs {
+    ta: cublas::cublasOperation_t,
+    tb: cublas::cublasOperation_t,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: u64,
+    lda: usize,
+    b: u64,
+    ldb: usize,
+    c: u64,
+    ldc: usize,
+}
+
+/// One expert's (or the dense problem's) GEMM, in the crate's row-major terms, as cuBLAS sees it.
+fn gemm_args(spec: &GroupedGemmSpec, ops: Operands, expert: usize, row0: usize, rows: usize) -> GemmArgs {
     let (n, k) = (spec.n, spec.k);
     let el = spec.dtype.size_bytes() as u64;
     let out_el = spec.out_dtype.size_bytes() as u64;
     let weight = ops.b + (expert * n * k) as u64 * el;
-    let (alpha, beta) = (1.0f32, if spec.accumulate { 1.0f32 } else { 0.0f32 });
     use cublas::cublasOperation_t::{CUBLAS_OP_N as N, CUBLAS_OP_T as T};
     // Column-major view: a row-major [r, c] matrix is a column-major [c, r] one.
     let transposed = spec.weight_layout == WeightLayout::Ekn;
@@ -107,25 +126,36 @@ fn gemm(handle: &Handle, spec: &GroupedGemmSpec, ops: Operands, expert: usize, r
             }
         }
     };
+    GemmArgs { ta, tb, m, n: nn, k: kk, a: pa, lda, b: pb, ldb, c: pc, ldc }
+}
+
+fn alpha_beta(spec: &GroupedGemmSpec) -> (f32, f32) {
+    (1.0, if spec.accumulate { 1.0 } else { 0.0 })
+}
+
+/// One expert's (or the dense problem's) GEMM, in the crate's row-major terms.
+fn gemm(handle: &Handle, spec: &GroupedGemmSpec, ops: Operands, expert: usize, row0: usize, rows: usize) -> Result<()> {
+    let g = gemm_args(spec, ops, expert, row0, rows);
+    let (alpha, beta) = alpha_beta(spec);
     let status = unsafe {
         cublas::cublasGemmEx(
             handle.raw,
-            ta,
-            tb,
-            m as i32,
-            nn as i32,
-            kk as i32,
+            g.ta,
+            g.tb,
+            g.m as i32,
+            g.n as i32,
+            g.k as i32,
             &alpha as *const f32 as *const c_void,
-            pa as *const c_void,
+            g.a as *const c_void,
             cuda_type(spec.dtype),
-            lda as i32,
-            pb as *const c_void,
+            g.lda as i32,
+            g.b as *const c_void,
             cuda_type(spec.dtype),
-            ldb as i32,
+            g.ldb as i32,
             &beta as *const f32 as *const c_void,
-            pc as *mut c_void,
+            g.c as *mut c_void,
             cuda_type(spec.out_dtype),
-            ldc as i32,
+            g.ldc as i32,
             cublas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             cublas::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
         )
@@ -185,6 +215,123 @@ impl CublasLoop {
 /// The host round trip the loop baselines need: copies `m_splits` to the host and waits.
 pub fn read_splits(main: &Arc<CudaStream>, m_splits: &cudarc::driver::CudaSlice<i32>) -> Result<Vec<i64>> {
     Ok(main.clone_dtoh(m_splits)?.into_iter().map(i64::from).collect())
+}
+
+/// The loaded cuBLAS's version as (major, minor, patch), from `cublasGetProperty`.
+pub fn cublas_version() -> Result<(i32, i32, i32)> {
+    if let Some(why) = cublas_unavailable() {
+        return Err(Error::Unsupported { op: "cublas version", why });
+    }
+    let get = |what: cublas::libraryPropertyType, name: &'static str| -> Result<i32> {
+        let mut v = 0;
+        check(unsafe { cublas::cublasGetProperty(what, &mut v) }, name)?;
+        Ok(v)
+    };
+    Ok((
+        get(cublas::libraryPropertyType::MAJOR_VERSION, "cublasGetProperty(MAJOR_VERSION)")?,
+        get(cublas::libraryPropertyType::MINOR_VERSION, "cublasGetProperty(MINOR_VERSION)")?,
+        get(cublas::libraryPropertyType::PATCH_LEVEL, "cublasGetProperty(PATCH_LEVEL)")?,
+    ))
+}
+
+/// `cublasGemmGroupedBatchedEx` with one group (of batch size 1) per non-empty expert.
+///
+/// Shapes, leading dimensions, transposes and scalars are host arrays (cuBLAS reads them at
+/// the call), so the caller reads `m_splits` back first, as for [`CublasLoop`]. The A/B/C
+/// pointer arrays must be in device memory: each launch fills them on the host and copies them
+/// into buffers allocated here, on the caller's stream, before the GEMM.
+pub struct CublasGroupedBatched {
+    spec: GroupedGemmSpec,
+    handle: Handle,
+    /// `[A pointers | B pointers | C pointers]`, `spec.num_experts` each.
+    ptrs: CudaSlice<u64>,
+}
+
+impl CublasGroupedBatched {
+    pub fn new(spec: GroupedGemmSpec, main: &Arc<CudaStream>) -> Result<CublasGroupedBatched> {
+        const OP: &str = "cublas grouped batched";
+        if let Some(why) = cublas_unavailable() {
+            return Err(Error::Unsupported { op: OP, why });
+        }
+        if spec.weights_as_pointers {
+            return Err(Error::Unsupported { op: OP, why: "weights as pointer arrays".into() });
+        }
+        // cudarc's dynamic loader panics on a missing symbol: look it up first (cuBLAS < 12.5).
+        if unsafe { cublas::culib().get::<unsafe extern "C" fn()>(b"cublasGemmGroupedBatchedEx\0") }.is_err() {
+            let version = cublas_version().map(|(a, b, c)| format!("{a}.{b}.{c}")).unwrap_or_else(|_| "?".into());
+            return Err(Error::Unsupported {
+                op: OP,
+                why: format!("cuBLAS {version} has no cublasGemmGroupedBatchedEx (needs 12.5+)"),
+            });
+        }
+        let ptrs = main.alloc_zeros::<u64>(3 * spec.num_experts.max(1))?;
+        Ok(CublasGroupedBatched { spec, handle: Handle::new(main.clone())?, ptrs })
+    }
+
+    /// Uploads the pointer arrays and launches one grouped GEMM on the stream this was made
+    /// with, for host-side `m_splits` (see [`read_splits`]). Empty experts are left out, as in
+    /// [`CublasLoop`] (wgrad leaves their gradient untouched).
+    pub fn launch(&mut self, ops: Operands, m_splits: &[i64]) -> Result<()> {
+        const OP: &str = "cublas grouped batched";
+        let e = self.spec.num_experts;
+        if m_splits.len() != e {
+            return Err(Error::InvalidArgument { op: OP, why: format!("{} m_splits for {e} experts", m_splits.len()) });
+        }
+        let mut groups = Vec::with_capacity(e);
+        let mut row0 = 0usize;
+        for (expert, &rows) in m_splits.iter().enumerate() {
+            let rows = rows.max(0) as usize;
+            if rows > 0 {
+                groups.push(gemm_args(&self.spec, ops, expert, row0, rows));
+            }
+            row0 += rows;
+        }
+        let count = groups.len();
+        if count == 0 {
+            return Ok(());
+        }
+        let mut host = vec![0u64; 3 * e];
+        for (i, g) in groups.iter().enumerate() {
+            host[i] = g.a;
+            host[e + i] = g.b;
+            host[2 * e + i] = g.c;
+        }
+        self.handle.stream.memcpy_htod(&host, &mut self.ptrs)?;
+        let (alpha, beta) = alpha_beta(&self.spec);
+        let int = |f: fn(&GemmArgs) -> usize| -> Vec<i32> { groups.iter().map(|g| f(g) as i32).collect() };
+        let (m, n, k) = (int(|g| g.m), int(|g| g.n), int(|g| g.k));
+        let (lda, ldb, ldc) = (int(|g| g.lda), int(|g| g.ldb), int(|g| g.ldc));
+        let ta: Vec<_> = groups.iter().map(|g| g.ta).collect();
+        let tb: Vec<_> = groups.iter().map(|g| g.tb).collect();
+        let (alphas, betas, sizes) = (vec![alpha; count], vec![beta; count], vec![1i32; count]);
+        let (dev, _guard) = self.ptrs.device_ptr(&self.handle.stream);
+        let table = |i: u64| dev + i * e as u64 * std::mem::size_of::<u64>() as u64;
+        let status = unsafe {
+            cublas::cublasGemmGroupedBatchedEx(
+                self.handle.raw,
+                ta.as_ptr(),
+                tb.as_ptr(),
+                m.as_ptr(),
+                n.as_ptr(),
+                k.as_ptr(),
+                alphas.as_ptr() as *const c_void,
+                table(0) as *const *const c_void,
+                cuda_type(self.spec.dtype),
+                lda.as_ptr(),
+                table(1) as *const *const c_void,
+                cuda_type(self.spec.dtype),
+                ldb.as_ptr(),
+                betas.as_ptr() as *const c_void,
+                table(2) as *const *mut c_void,
+                cuda_type(self.spec.out_dtype),
+                ldc.as_ptr(),
+                count as i32,
+                sizes.as_ptr(),
+                cublas::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            )
+        };
+        check(status, "cublasGemmGroupedBatchedEx")
+    }
 }
 
 /// One dense GEMM over `rows` rows with the spec's N and K (expert 0's weight): the ceiling.

@@ -226,9 +226,9 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
                 gbps: weight_bytes / floor_us * 1e-3,
                 host_us: Some(host),
                 note: Some(format!(
-                    "us = half of one D2D copy of all expert weights (E*N*K*2 = {:.0} MB read + written, \
-                     copy {copy_us:.1} us): reading every weight once at copy bandwidth; \
-                     GB/s = (read+write bytes)/copy time; 90% of floor = {:.1} us",
+                    "HBM floor: us = half of one D2D copy of all expert weights (E*N*K*2 = {:.0} MB \
+                     read + written, copy {copy_us:.1} us), i.e. every weight moved once at copy \
+                     bandwidth; GB/s = (read+write bytes)/copy time; >= 90% of floor means <= {:.1} us",
                     weight_bytes * 1e-6,
                     floor_us / 0.9
                 )),
@@ -256,9 +256,12 @@ fn cublaslt_grouped_status(stream: &Arc<CudaStream>) -> String {
     }
 }
 
-/// (floor us, copy us, host us) of one shape, measured once and reused by its other cases.
-fn memcpy_floor(stream: &Arc<CudaStream>, args: &Args, shape: &Shape) -> Result<(f64, f64, f64), String> {
-    static FLOORS: Mutex<BTreeMap<&'static str, Result<(f64, f64, f64), String>>> = Mutex::new(BTreeMap::new());
+/// (floor us, copy us, host us) of one shape, or why it could not be measured.
+type Floor = Result<(f64, f64, f64), String>;
+
+/// One shape's floor, measured once and reused by its other (routing, op) cases.
+fn memcpy_floor(stream: &Arc<CudaStream>, args: &Args, shape: &Shape) -> Floor {
+    static FLOORS: Mutex<BTreeMap<&'static str, Floor>> = Mutex::new(BTreeMap::new());
     let mut floors = FLOORS.lock().unwrap_or_else(|e| e.into_inner());
     floors
         .entry(shape.name)

@@ -7,6 +7,9 @@
 
 use std::collections::BTreeSet;
 
+use std::ops::Range;
+
+use plotters::coord::ranged1d::{DefaultFormatting, KeyPointHint};
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
@@ -52,36 +55,54 @@ fn draw(path: &str, gpu: &str, rows: &[Row]) -> Result<(), String> {
     }
     let colour = |imp: &str| Palette99::pick(impls.iter().position(|i| *i == imp).unwrap_or(0)).to_rgba();
 
-    let (width, panel_height) = (160 * shapes.len().max(4) as u32 + 360, 420u32);
-    let root = BitMapBackend::new(path, (width, panel_height * ops.len() as u32 + 40)).into_drawing_area();
+    let (width, panel_height) = (170 * shapes.len().max(6) as u32 + 100, 400u32);
+    let text = |size: u32| ("sans-serif", size).into_font().color(&BLACK);
     let err = |e: &dyn std::fmt::Display| e.to_string();
+    // One legend for every panel, under the title: a swatch and the impl's name, in rows.
+    let mut legend = Vec::new();
+    let (mut x, mut y) = (12i32, 44i32);
+    for imp in &impls {
+        let (w, _) = text(15).font.box_size(imp).map_err(|e| err(&e))?;
+        let step = 20 + w as i32 + 24;
+        if x > 12 && x + step > width as i32 {
+            (x, y) = (12, y + 24);
+        }
+        legend.push((*imp, x, y));
+        x += step;
+    }
+    let head = y as u32 + 30;
+    let root = BitMapBackend::new(path, (width, panel_height * ops.len() as u32 + head)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| err(&e))?;
-    let (title, body) = root.split_vertically(40);
-    title
-        .draw_text(
-            &format!("capmoe-bench on {gpu}: grouped GEMM TFLOP/s, routing={ROUTING} (bf16, higher is better)"),
-            &("sans-serif", 22).into_font().color(&BLACK),
-            (12, 10),
-        )
-        .map_err(|e| err(&e))?;
+    let (head, body) = root.split_vertically(head);
+    head.draw_text(
+        &format!("capmoe-bench on {gpu}: grouped GEMM TFLOP/s, routing={ROUTING} (bf16, higher is better)"),
+        &text(22),
+        (12, 8),
+    )
+    .map_err(|e| err(&e))?;
+    for (imp, x, y) in legend {
+        head.draw(&Rectangle::new([(x, y + 2), (x + 14, y + 16)], colour(imp).filled())).map_err(|e| err(&e))?;
+        head.draw_text(imp, &text(15), (x + 20, y + 1)).map_err(|e| err(&e))?;
+    }
     let panels = body.split_evenly((ops.len(), 1));
     let slot = 0.8 / impls.len() as f64; // a shape's bars fill 80% of its unit of x
     for (panel, op) in panels.iter().zip(&ops) {
         let bars: Vec<&&Row> = rows.iter().filter(|r| r.op == *op).collect();
         let top = bars.iter().map(|r| r.tflops).fold(0.0f64, f64::max) * 1.25;
-        let centres: Vec<f64> = (0..shapes.len()).map(|i| i as f64 + 0.5).collect();
         let mut chart = ChartBuilder::on(panel)
             .caption(*op, ("sans-serif", 20))
             .margin(10)
             .x_label_area_size(30)
             .y_label_area_size(60)
-            .build_cartesian_2d((0.0..shapes.len() as f64).with_key_points(centres), 0.0..top.max(1.0))
+            .build_cartesian_2d(ShapeAxis(shapes.len()), 0.0..top.max(1.0))
             .map_err(|e| err(&e))?;
         chart
             .configure_mesh()
             .disable_x_mesh()
             .x_label_formatter(&|x| shapes.get(x.floor() as usize).map(|s| s.to_string()).unwrap_or_default())
             .y_desc("TFLOP/s")
+            .y_label_formatter(&|y| format!("{y:.0}"))
+            .light_line_style(WHITE.mix(0.0))
             .label_style(("sans-serif", 14))
             .draw()
             .map_err(|e| err(&e))?;
@@ -92,20 +113,29 @@ fn draw(path: &str, gpu: &str, rows: &[Row]) -> Result<(), String> {
             let series = bars.iter().filter(|r| r.imp == *imp).filter_map(|r| {
                 x0(&r.shape).map(|x| Rectangle::new([(x, 0.0), (x + slot * 0.9, r.tflops)], c.filled()))
             });
-            chart
-                .draw_series(series)
-                .map_err(|e| err(&e))?
-                .label(*imp)
-                .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 12, y + 6)], c.filled()));
+            chart.draw_series(series).map_err(|e| err(&e))?;
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK)
-            .label_font(("sans-serif", 13))
-            .draw()
-            .map_err(|e| err(&e))?;
     }
     root.present().map_err(|e| format!("{path}: {e}"))
+}
+
+/// x axis: shape `i` spans `[i, i + 1)`; one tick (and label) at each shape's centre.
+struct ShapeAxis(usize);
+
+impl Ranged for ShapeAxis {
+    type FormatOption = DefaultFormatting;
+    type ValueType = f64;
+
+    fn map(&self, value: &f64, limit: (i32, i32)) -> i32 {
+        let span = self.0.max(1) as f64;
+        limit.0 + ((limit.1 - limit.0) as f64 * value / span).round() as i32
+    }
+
+    fn key_points<Hint: KeyPointHint>(&self, _hint: Hint) -> Vec<f64> {
+        (0..self.0).map(|i| i as f64 + 0.5).collect()
+    }
+
+    fn range(&self) -> Range<f64> {
+        0.0..self.0.max(1) as f64
+    }
 }
