@@ -94,7 +94,9 @@ fn weights(seed: u64) -> Weights {
     }
 }
 
-/// fp64 reference of forward and backward: (y, dx, dprobs, dw1, dw2).
+/// fp64 reference of forward and backward: (y, dx, dprobs, dw1, dw2). Intermediates the GPU
+/// stores in bf16 (h, act, fc2 rows, their gradients) are rounded to bf16 here too, so the
+/// comparison measures the kernels' arithmetic rather than bf16 storage.
 #[allow(clippy::type_complexity)]
 fn reference(s: &Step, w: &Weights) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
     let (w1, w2, x, dy) = (f64s(&w.w1), f64s(&w.w2), f64s(&s.x), f64s(&s.dy));
@@ -104,6 +106,7 @@ fn reference(s: &Step, w: &Weights) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, 
     let mut dw1 = vec![0.0; E * 2 * F * H];
     let mut dw2 = vec![0.0; E * H * F];
     let sigmoid = |g: f64| 1.0 / (1.0 + (-g).exp());
+    let r = |v: f64| bf16::from_f64(v).to_f64();
     for t in 0..s.t {
         for j in 0..K {
             let e = s.ids[t * K + j];
@@ -113,15 +116,15 @@ fn reference(s: &Step, w: &Weights) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, 
             let e = e as usize;
             let p = s.probs[t * K + j] as f64;
             let xt = &x[t * H..(t + 1) * H];
-            let h: Vec<f64> = (0..2 * F).map(|o| (0..H).map(|c| w1[(e * 2 * F + o) * H + c] * xt[c]).sum()).collect();
-            let act: Vec<f64> = (0..F).map(|f| h[f] * sigmoid(h[f]) * h[F + f]).collect();
-            let out: Vec<f64> = (0..H).map(|o| (0..F).map(|f| w2[(e * H + o) * F + f] * act[f]).sum()).collect();
+            let h: Vec<f64> = (0..2 * F).map(|o| r((0..H).map(|c| w1[(e * 2 * F + o) * H + c] * xt[c]).sum())).collect();
+            let act: Vec<f64> = (0..F).map(|f| r(h[f] * sigmoid(h[f]) * h[F + f])).collect();
+            let out: Vec<f64> = (0..H).map(|o| r((0..F).map(|f| w2[(e * H + o) * F + f] * act[f]).sum())).collect();
             let dyt = &dy[t * H..(t + 1) * H];
             for o in 0..H {
                 y[t * H + o] += p * out[o];
             }
             dprobs[t * K + j] = (0..H).map(|o| dyt[o] * out[o]).sum();
-            let dout: Vec<f64> = dyt.iter().map(|d| p * d).collect();
+            let dout: Vec<f64> = dyt.iter().map(|d| r(p * d)).collect();
             let mut dact = vec![0.0; F];
             for o in 0..H {
                 for f in 0..F {
@@ -129,17 +132,23 @@ fn reference(s: &Step, w: &Weights) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, 
                     dact[f] += w2[(e * H + o) * F + f] * dout[o];
                 }
             }
+            let dact: Vec<f64> = dact.into_iter().map(r).collect();
             let mut dh = vec![0.0; 2 * F];
             for f in 0..F {
                 let (g, u, sg) = (h[f], h[F + f], sigmoid(h[f]));
                 dh[f] = dact[f] * u * sg * (1.0 + g * (1.0 - sg));
                 dh[F + f] = dact[f] * g * sg;
             }
+            let dh: Vec<f64> = dh.into_iter().map(r).collect();
+            let mut drow_in = vec![0.0; H];
             for o in 0..2 * F {
                 for c in 0..H {
                     dw1[(e * 2 * F + o) * H + c] += dh[o] * xt[c];
-                    dx[t * H + c] += w1[(e * 2 * F + o) * H + c] * dh[o];
+                    drow_in[c] += w1[(e * 2 * F + o) * H + c] * dh[o];
                 }
+            }
+            for c in 0..H {
+                dx[t * H + c] += r(drow_in[c]);
             }
         }
     }
