@@ -37,6 +37,8 @@ constexpr int64_t kMaxSpare = 1024;
 // Words of the per-tile bitmask per expert: E * W <= kMaskBudget keeps shared memory <= ~120 KB.
 constexpr int64_t kMaskBudget = 12288;
 constexpr unsigned kFull = 0xffffffffu;
+// Shared memory of the planner block with C, F and D staged (H100/B200 allow 227 KB).
+constexpr size_t kStageSmemBudget = 200 * 1024;
 
 enum Form { kFormNone = 0, kFormDense = 1, kFormTopk = 2 };
 
@@ -67,26 +69,28 @@ struct Params {
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // ---------------------------------------------------------------------------------------------
-// Shared-memory layout of the planner block.
+// Shared-memory layout of the planner block. With `stage` (the host checks it fits), C is kept
+// in shared memory as int32 (valid counts are < 2^24) and F, D are staged there as int32 so the
+// [EP, S] / [EP, E] state matrices are written coalesced at the end; otherwise C is read from
+// global memory and F, D go straight to the state.
 struct PlanSmem {
-  int64_t *n, *spill, *sps, *ce, *load, *cap, *be, *hval, *rm, *scan, *red;
-  int32_t *ps, *pc, *hexp, *se, *first, *next;
+  int64_t *n, *spill, *sps, *ce, *load, *cap, *be, *hval, *rm, *red, *total, *outq, *inq, *filled;
+  int32_t *ps, *pc, *hexp, *se, *first, *next, *c32, *f32, *d32;
   float* head;
   uint16_t* queue;  // [8][E + EP]
-  int32_t *qhead, *qtail;
-  int32_t* flags;  // [0] error bits, [1] keep_all
-  int64_t* total;
+  int32_t* flags;   // [0] error bits, [1] keep_all
 
-  __host__ __device__ static size_t bytes(int ne, int ep, int s) {
+  __host__ __device__ static size_t bytes(int ne, int ep, int s, bool stage) {
     size_t b = 0;
-    b += sizeof(int64_t) * (4 * (size_t)ne + 3 * (size_t)ep + 2 * (size_t)s + 32 + 1 + kPlanThreads);
-    b += sizeof(int32_t) * (2 * (size_t)ne + (size_t)ep + 3 * (size_t)s + 16 + 2);
+    b += sizeof(int64_t) * (4 * (size_t)ne + 5 * (size_t)ep + 3 * (size_t)s + 1 + kPlanThreads);
+    b += sizeof(int32_t) * (2 * (size_t)ne + (size_t)ep + 3 * (size_t)s + 2);
+    if (stage) b += sizeof(int32_t) * ((size_t)ep * ne + 2 * (size_t)ep * s);
     b += sizeof(float) * (size_t)ep;
     b += sizeof(uint16_t) * 8 * ((size_t)ne + (size_t)ep);
-    return b + 16;
+    return b + 32;
   }
 
-  __device__ void carve(unsigned char* base, int ne, int ep, int s) {
+  __device__ void carve(unsigned char* base, int ne, int ep, int s, bool stage) {
     int64_t* p64 = reinterpret_cast<int64_t*>(base);
     n = p64; p64 += ne;
     spill = p64; p64 += ne;
@@ -95,9 +99,11 @@ struct PlanSmem {
     load = p64; p64 += ep;
     cap = p64; p64 += ep;
     be = p64; p64 += ep;
+    outq = p64; p64 += ep;
+    inq = p64; p64 += ep;
     hval = p64; p64 += s;
     rm = p64; p64 += s;
-    scan = p64; p64 += 32;
+    filled = p64; p64 += s;
     total = p64; p64 += 1;
     red = p64; p64 += kPlanThreads;
     int32_t* p32 = reinterpret_cast<int32_t*>(p64);
@@ -107,39 +113,28 @@ struct PlanSmem {
     hexp = p32; p32 += s;
     se = p32; p32 += s;
     next = p32; p32 += s;
-    qhead = p32; p32 += 8;
-    qtail = p32; p32 += 8;
     flags = p32; p32 += 2;
+    if (stage) {
+      c32 = p32; p32 += (size_t)ep * ne;
+      f32 = p32; p32 += (size_t)ep * s;
+      d32 = p32; p32 += (size_t)ep * s;
+    } else {
+      c32 = f32 = d32 = nullptr;
+    }
     head = reinterpret_cast<float*>(p32);
     queue = reinterpret_cast<uint16_t*>(head + ep);
   }
 };
 
-// Inclusive scan of one int64 per thread over the whole (1024-thread) block.
-__device__ int64_t block_inclusive_scan(int64_t v, int64_t* scratch) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nwarps = blockDim.x >> 5;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    int64_t y = __shfl_up_sync(kFull, v, o);
-    if (lane >= o) v += y;
-  }
-  if (lane == 31) scratch[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    int64_t w = lane < nwarps ? scratch[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      int64_t y = __shfl_up_sync(kFull, w, o);
-      if (lane >= o) w += y;
-    }
-    scratch[lane] = w;
-  }
-  __syncthreads();
-  if (warp > 0) v += scratch[warp - 1];
-  __syncthreads();  // scratch may be reused right after
-  return v;
-}
+#ifdef CAPMOE_ECHO_PROF
+}  // namespace
+__device__ long long g_echo_prof[32];
+namespace {
+#define ECHO_PROF(i) \
+  do { if (threadIdx.x == 0) g_echo_prof[i] = clock64(); } while (0)
+#else
+#define ECHO_PROF(i) do { } while (0)
+#endif
 
 __device__ inline int approx_bucket(int64_t v, int64_t m, int64_t iv) {
   if (v >= m || iv == 0) return 0;
@@ -165,64 +160,122 @@ __device__ inline int first_below(const int64_t* sps, int lo, int hi, int64_t v,
   return lo;
 }
 
+__device__ inline int64_t warp_sum64(int64_t v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  return v;
+}
+
+// One warp: out[i] = in(0) + ... + in(i) for i < n (chunks of 32 with a carry).
+template <class In>
+__device__ void warp_scan_store(In in, int64_t* out, int n) {
+  const int lane = threadIdx.x & 31;
+  int64_t carry = 0;
+  for (int b = 0; b < n; b += 32) {
+    int64_t v = b + lane < n ? in(b + lane) : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      int64_t y = __shfl_up_sync(kFull, v, o);
+      if (lane >= o) v += y;
+    }
+    if (b + lane < n) out[b + lane] = carry + v;
+    carry += __shfl_sync(kFull, v, 31);
+  }
+}
+
+// Position of every item in (key desc) order, keys unique: G = 2^g threads per item count the
+// larger keys over a strided share of the items, reduced with shuffles. Every thread of the
+// block must call it (uniform loop bounds, full-warp shuffles).
+template <class Key, class Put>
+__device__ void rank_desc(int count, Key key, Put put) {
+  const int nt = blockDim.x;
+  int G = 1;
+  while (G < 32 && G * 2 * count <= nt) G *= 2;
+  for (int base = 0; base < count * G; base += nt) {
+    const int i = base + (int)threadIdx.x;
+    const bool valid = i < count * G;
+    const int x = i / G, g = i & (G - 1);
+    int cnt = 0;
+    if (valid) {
+      const uint64_t mine = key(x);
+#pragma unroll 4
+      for (int y = g; y < count; y += G) cnt += key(y) > mine ? 1 : 0;
+    }
+    for (int o = 1; o < G; o <<= 1) cnt += __shfl_xor_sync(kFull, cnt, o);
+    if (valid && g == 0) put(x, cnt);
+  }
+}
+
 // P1-P7, one block of kPlanThreads threads.
+template <bool kStage>
 __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
   const Dims d = p.d;
   const int ne = d.ne, ep = d.ep, sp = d.sp, L = d.l, S = d.s;
-  const int tid = threadIdx.x, nt = blockDim.x;
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
+  const int nwarps = nt >> 5;
   const int64_t* C = p.counts;
   int64_t* st = p.state;
   const capmoe_echo_layout_t& lay = p.lay;
   PlanSmem sm;
-  sm.carve(smem_raw, ne, ep, S);
+  sm.carve(smem_raw, ne, ep, S, kStage);
+  ECHO_PROF(0);
 
+  // P1.1 n[e], with the count checks: G = nt / E threads per expert split the source ranks
+  // (more loads in flight), partial sums combined in a fixed order. The staged copy of C is
+  // written on the way.
   if (tid == 0) {
     sm.flags[0] = 0;
     sm.flags[1] = 0;
+    sm.total[0] = 0;
   }
-  __syncthreads();
-
-  // P1.1 n[e], with the count checks: G = nt / E threads per expert split the source ranks
-  // (more loads in flight), partial sums combined in a fixed order.
-  {
-    const int groups = ne <= nt ? nt / ne : 1;
-    for (int i = tid; i < ne * groups; i += nt) {
-      const int x = i % ne, g = i / ne;
-      int64_t acc = 0;
-      bool negative = false;
+  bool negative = false;
+  const int groups = ne <= nt ? nt / ne : 1;
+  for (int i = tid; i < ne * groups; i += nt) {
+    const int x = i % ne, g = i / ne;
+    int64_t acc = 0;
 #pragma unroll 8
-      for (int r = g; r < ep; r += groups) {
-        const int64_t c = C[(int64_t)r * ne + x];
-        negative |= c < 0;
-        acc += c;
-      }
-      sm.red[i] = acc;
-      if (negative) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_NEGATIVE_COUNT);
+    for (int r = g; r < ep; r += groups) {
+      const int64_t c = C[(int64_t)r * ne + x];
+      negative |= c < 0;
+      acc += c;
+      if (kStage) sm.c32[r * ne + x] = (int32_t)c;
     }
-    __syncthreads();
-    for (int x = tid; x < ne; x += nt) {
-      int64_t acc = 0;
-      for (int g = 0; g < groups; ++g) acc += sm.red[g * ne + x];
-      sm.n[x] = acc;
-      if (acc >= (int64_t(1) << 24)) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_COUNT_TOO_LARGE);
-    }
+    sm.red[i] = acc;
   }
-  __syncthreads();
-  // P1.2 load[q]; P1.3 total via a block scan.
-  int64_t my_load = 0;
-  if (tid < ep) {
-    for (int i = 0; i < L; ++i) my_load += sm.n[tid * L + i];
-    sm.load[tid] = my_load;
+  const bool neg_any = __syncthreads_or(negative);
+  bool large = false;
+  int64_t tsum = 0;
+  for (int x = tid; x < ne; x += nt) {
+    int64_t acc = 0;
+    for (int g = 0; g < groups; ++g) acc += sm.red[g * ne + x];
+    sm.n[x] = acc;
+    st[lay.off_tokens_per_expert + x] = acc;
+    large |= acc >= (int64_t(1) << 24);
+    tsum += acc;
   }
-  int64_t incl = block_inclusive_scan(tid < ep ? my_load : 0, sm.scan);
-  if (tid == nt - 1) sm.total[0] = incl;
-  __syncthreads();
-  const bool counts_ok = sm.flags[0] == 0;
+  tsum = warp_sum64(tsum);
+  if (lane == 0 && tsum != 0)
+    atomicAdd(reinterpret_cast<unsigned long long*>(sm.total), (unsigned long long)tsum);
+  const bool large_any = __syncthreads_or(large);
+  const bool counts_ok = !neg_any && !large_any;
+  if (tid == 0)
+    sm.flags[0] = (neg_any ? CAPMOE_ECHO_ERR_NEGATIVE_COUNT : 0) |
+                  (large_any ? CAPMOE_ECHO_ERR_COUNT_TOO_LARGE : 0);
   const int64_t avg = sm.total[0] / ep;
-  // P1.4 cap, P1.5 spill: the running sum before e in its rank's (n asc, e asc) order.
+  ECHO_PROF(1);
+
+  // P1.2 load, P1.4 cap, P1.5 spill: the running sum before e in its rank's (n asc, e asc) order.
   for (int q = tid; q < ep; q += nt) {
-    int64_t c = avg - sm.load[q];
-    sm.cap[q] = counts_ok && c > 0 ? c : 0;
+    int64_t l = 0;
+    for (int i = 0; i < L; ++i) l += sm.n[q * L + i];
+    sm.load[q] = l;
+    const int64_t c = avg - l;
+    const int64_t cq = counts_ok && c > 0 ? c : 0;
+    sm.cap[q] = cq;
+    sm.outq[q] = 0;
+    sm.inq[q] = 0;
+    st[lay.off_load_per_rank + q] = l;
+    st[lay.off_spare_capacity + q] = cq;
   }
   for (int x = tid; x < ne; x += nt) {
     const int q0 = (x / L) * L;
@@ -233,42 +286,38 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
       if (ni < nx || (ni == nx && i < x)) before += ni;
     }
     int64_t a = before - avg, b = before + nx - avg;
-    sm.spill[x] = counts_ok ? (b > 0 ? b : 0) - (a > 0 ? a : 0) : 0;
-  }
-  __syncthreads();
-
-  // G.1 / G.2 / A.1: chunk order (spill desc, e asc), bucket order (cap desc, q asc).
-  for (int x = tid; x < ne; x += nt) {
-    const int64_t v = sm.spill[x];
-    int pos = 0;
-    for (int i = 0; i < ne; ++i) {
-      int64_t w = sm.spill[i];
-      pos += (w > v || (w == v && i < x)) ? 1 : 0;
-    }
-    sm.ps[pos] = x;
-    sm.sps[pos] = v;
-  }
-  for (int q = tid; q < ep; q += nt) {
-    const int64_t v = sm.cap[q];
-    int pos = 0;
-    for (int i = 0; i < ep; ++i) {
-      int64_t w = sm.cap[i];
-      pos += (w > v || (w == v && i < q)) ? 1 : 0;
-    }
-    sm.pc[pos] = q;
+    const int64_t sx = counts_ok ? (b > 0 ? b : 0) - (a > 0 ? a : 0) : 0;
+    sm.spill[x] = sx;
+    st[lay.off_spill + x] = sx;
+    sm.first[x] = 0x7fffffff;
   }
   for (int j = tid; j < S; j += nt) {
     sm.hexp[j] = -1;
     sm.hval[j] = 0;
+    sm.filled[j] = 0;
+    sm.next[j] = -1;
   }
   __syncthreads();
+  ECHO_PROF(2);
+
+  // G.1 / G.2 / A.1: chunk order (spill desc, e asc), bucket order (cap desc, q asc), as the
+  // count of larger packed keys (spill < 2^24 and cap < 2^44 when the counts are valid).
+  rank_desc(
+      ne, [&](int x) { return ((uint64_t)sm.spill[x] << 10) | (uint64_t)(1023 - x); },
+      [&](int x, int pos) {
+        sm.ps[pos] = x;
+        sm.sps[pos] = sm.spill[x];
+      });
+  rank_desc(
+      ep, [&](int q) { return ((uint64_t)sm.cap[q] << 10) | (uint64_t)(1023 - q); },
+      [&](int q, int pos) { sm.pc[pos] = q; });
+  __syncthreads();
+  ECHO_PROF(3);
 
   if (d.algorithm == CAPMOE_ECHO_GREEDY) {
-    // G.3: chunk and bucket intervals as prefix sums (ne, ep <= blockDim.x).
-    int64_t c_end = block_inclusive_scan(tid < ne ? sm.sps[tid] : 0, sm.scan);
-    if (tid < ne) sm.ce[tid] = c_end;
-    int64_t b_end = block_inclusive_scan(tid < ep ? sm.cap[sm.pc[tid]] : 0, sm.scan);
-    if (tid < ep) sm.be[tid] = b_end;
+    // G.3: chunk and bucket intervals as prefix sums, one warp each.
+    if (warp == 0) warp_scan_store([&](int a) { return sm.sps[a]; }, sm.ce, ne);
+    if (warp == 1 % nwarps) warp_scan_store([&](int b) { return sm.cap[sm.pc[b]]; }, sm.be, ep);
     __syncthreads();
     // G.4 / G.5: per bucket, the chunks with a positive overlap form a contiguous run
     // [lo, hi]; interior overlaps are whole chunks (non-increasing), so each chunk's rank in
@@ -318,67 +367,83 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
         }
       }
     }
-  } else {
-    // A.2-A.4: bucket every positive spill; one warp fills the FIFOs in position order.
+  } else if (warp == 0) {
+    // A.2-A.5 in one warp: lane k < 8 keeps FIFO k's head and tail in registers, the ranks'
+    // capacities (in order) are prefetched 32 at a time, buckets need no division.
     const int64_t m = avg, iv = avg / 7;
     const int qcap = ne + ep;
-    int64_t* rest = sm.ce;  // approx does not use chunk intervals
-    for (int a = tid; a < ne; a += nt) rest[a] = sm.sps[a];
-    if (tid < 32) {
-      const int lane = tid;
-      int cnt[8];
+    int64_t* rest = sm.ce;  // approx does not use chunk intervals; indexed by position
+    int cnt[8];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) cnt[k] = 0;
-      for (int base = 0; base < ne; base += 32) {
-        const int a = base + lane;
-        const int64_t v = a < ne ? sm.sps[a] : 0;
-        const int k = v > 0 ? approx_bucket(v, m, iv) : -1;
+    for (int k = 0; k < 8; ++k) cnt[k] = 0;
+    for (int base = 0; base < ne; base += 32) {
+      const int a = base + lane;
+      const int64_t v = a < ne ? sm.sps[a] : 0;
+      const int k = v > 0 ? approx_bucket(v, m, iv) : -1;
+      if (a < ne) rest[a] = v;
 #pragma unroll
-        for (int kk = 0; kk < 8; ++kk) {
-          unsigned ballot = __ballot_sync(kFull, k == kk);
-          if (k == kk) sm.queue[kk * qcap + cnt[kk] + __popc(ballot & ((1u << lane) - 1u))] = (uint16_t)a;
-          cnt[kk] += __popc(ballot);
-        }
-      }
-      if (lane < 8) {
-        int c = 0;
-#pragma unroll
-        for (int kk = 0; kk < 8; ++kk) if (kk == lane) c = cnt[kk];
-        sm.qhead[lane] = 0;
-        sm.qtail[lane] = c;
+      for (int kk = 0; kk < 8; ++kk) {
+        unsigned ballot = __ballot_sync(kFull, k == kk);
+        if (k == kk) sm.queue[kk * qcap + cnt[kk] + __popc(ballot & ((1u << lane) - 1u))] = (uint16_t)a;
+        cnt[kk] += __popc(ballot);
       }
     }
-    __syncthreads();
-    // A.5: one thread walks the ranks in capacity order.
-    if (tid == 0) {
-      int cur = 0;
-      for (int b = 0; b < ep; ++b) {
-        const int q = sm.pc[b];
-        const int64_t cp = sm.cap[q];
-        if (cp <= 0) break;
-        int a = -1;
-        for (int k = cur; k < 8; ++k) {
-          if (sm.qhead[k] < sm.qtail[k]) {
-            a = sm.queue[k * qcap + sm.qhead[k]++];
-            cur = k;
-            break;
+    int qh = 0, qt = 0;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) if (kk == lane) qt = cnt[kk];
+    // bucket(v) for 0 < v < m, iv > 0: 1 + #{k in 1..6 : k * iv <= m - v} (== min(7, (m-v)/iv + 1)).
+    auto bucket = [&](int64_t v) -> int {
+      if (v >= m || iv == 0) return 0;
+      const int64_t a = m - v;
+      int b = 1;
+#pragma unroll
+      for (int k = 1; k <= 6; ++k) b += a >= k * iv ? 1 : 0;
+      return b;
+    };
+    __syncwarp();
+    int cur = 0;
+    bool stop = false;
+    for (int b0 = 0; b0 < ep && !stop; b0 += 32) {
+      const int bl = b0 + lane;
+      const int ql = bl < ep ? sm.pc[bl] : 0;
+      const int64_t cpl = bl < ep ? sm.cap[ql] : 0;
+      const int nb = min(32, ep - b0);
+      for (int u = 0; u < nb; ++u) {
+        const int64_t cp = __shfl_sync(kFull, cpl, u);
+        const int q = __shfl_sync(kFull, ql, u);
+        if (cp <= 0) { stop = true; break; }
+        const unsigned avail = __ballot_sync(kFull, lane < 8 && lane >= cur && qh < qt);
+        if (avail == 0) { stop = true; break; }
+        const int k = __ffs(avail) - 1;
+        cur = k;
+        const int h = __shfl_sync(kFull, qh, k);
+        if (lane == k) ++qh;
+        const int a = sm.queue[k * qcap + h];
+        const int64_t rv = rest[a];
+        const int64_t x = min(rv, cp);
+        const int64_t left = rv - x;
+        __syncwarp();
+        if (lane == 0) {
+          rest[a] = left;
+          sm.hexp[q] = sm.ps[a];  // S_per == 1: slot index == rank index
+          sm.hval[q] = x;
+        }
+        if (left > 0) {
+          const int k2 = bucket(left);
+          const int t = __shfl_sync(kFull, qt, k2);
+          if (t < qcap) {
+            if (lane == 0) sm.queue[k2 * qcap + t] = (uint16_t)a;
+            if (lane == k2) ++qt;
+          } else if (lane == 0) {
+            sm.flags[0] |= CAPMOE_ECHO_ERR_INTERNAL;
           }
-          cur = k + 1;
         }
-        if (a < 0) break;
-        const int64_t x = min(rest[a], cp);
-        rest[a] -= x;
-        sm.hexp[q] = sm.ps[a];  // S_per == 1: slot index == rank index
-        sm.hval[q] = x;
-        if (rest[a] > 0) {
-          const int k = approx_bucket(rest[a], m, iv);
-          if (sm.qtail[k] < qcap) sm.queue[k * qcap + sm.qtail[k]++] = (uint16_t)a;
-          else sm.flags[0] |= CAPMOE_ECHO_ERR_INTERNAL;
-        }
+        __syncwarp();
       }
     }
   }
   __syncthreads();
+  ECHO_PROF(4);
 
   // H before reclaim.
   for (int j = tid; j < S; j += nt) {
@@ -423,29 +488,28 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
     __syncthreads();
   }
 
-  // P4 slot_expert; per-expert slot lists (ascending j).
+  // P4 slot_expert; each expert's lowest slot; planned tokens out of / into every rank.
   for (int j = tid; j < S; j += nt) {
     const int e = sm.hval[j] > 0 ? sm.hexp[j] : -1;
     sm.se[j] = e;
-    if (e < 0) sm.hval[j] = 0;
-  }
-  for (int x = tid; x < ne; x += nt) sm.first[x] = -1;
-  __syncthreads();
-  for (int j = tid; j < S; j += nt) {
-    const int e = sm.se[j];
-    int nxt = -1;
-    bool first = e >= 0;
-    if (e >= 0) {
-      for (int i = j + 1; i < S; ++i)
-        if (sm.se[i] == e) { nxt = i; break; }
-      for (int i = 0; i < j; ++i)
-        if (sm.se[i] == e) { first = false; break; }
+    if (e < 0) {
+      sm.hval[j] = 0;
+    } else {
+      atomicMin(&sm.first[e], j);
+      atomicAdd(reinterpret_cast<unsigned long long*>(&sm.outq[e / L]), (unsigned long long)sm.hval[j]);
+      atomicAdd(reinterpret_cast<unsigned long long*>(&sm.inq[j / sp]), (unsigned long long)sm.hval[j]);
     }
-    sm.next[j] = nxt;
-    if (first) sm.first[e] = j;
-    st[lay.off_slot_expert + j] = e;
+  }
+  __syncthreads();
+  ECHO_PROF(5);
+
+  for (int j = tid; j < S; j += nt) {
+    st[lay.off_slot_expert + j] = sm.se[j];
     st[lay.off_slot_tokens + j] = sm.hval[j];
-    st[lay.off_next_slot + j] = nxt;
+  }
+  for (int x = tid; x < ne; x += nt) {
+    const int f = sm.first[x];
+    st[lay.off_first_slot + x] = f < S ? f : -1;
   }
   {
     // Offload map M[e][j] as bytes, written 8 at a time.
@@ -464,162 +528,172 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
       mwords[w] = word;
     }
   }
-  __syncthreads();
-  for (int x = tid; x < ne; x += nt) st[lay.off_first_slot + x] = sm.first[x];
 
-  // P5 first pass, one thread per slot. NOTE: loads are batched kB at a time: the stores to
-  // the state could alias them, so an unbatched loop would serialise on every L2 round trip.
-  constexpr int kB = 8;
-  int64_t* F = st + lay.off_first_pass;
-  for (int j = tid; j < S; j += nt) {
-    const int e = sm.se[j];
-    int64_t sum = 0;
-    if (e >= 0) {
-      const float den = __ll2float_rn(sm.n[e]);
+  // P5-P7 fused, one warp per supplying expert (found at its lowest slot). Float32 stages use
+  // __fdiv_rn/__fmul_rn exactly as the spec. Values per (r, e) are < 2^24, so the warp sums
+  // of F + D fit in 32 bits.
+  int64_t* Fg = st + lay.off_first_pass;
+  int64_t* Dg = st + lay.off_second_pass;
+  int64_t* Ftg = st + lay.off_tokens_to_slot;
+  auto getC = [&](int r, int e) -> int64_t {
+    if (kStage) return sm.c32[r * ne + e];
+    return __ldg(&C[(int64_t)r * ne + e]);
+  };
+  for (int j0 = warp; j0 < S; j0 += nwarps) {
+    const int e = sm.se[j0];
+    if (e < 0 || sm.first[e] != j0) continue;
+    // The expert's slots in ascending order, as a list in next[].
+    {
+      int prev = -1;
+      for (int b = j0 & ~31; b < S; b += 32) {
+        unsigned m = __ballot_sync(kFull, b + lane < S && sm.se[b + lane] == e);
+        while (m) {
+          const int i = b + __ffs(m) - 1;
+          m &= m - 1;
+          if (prev >= 0 && lane == 0) sm.next[prev] = i;
+          prev = i;
+        }
+      }
+      __syncwarp();
+    }
+    const float den = __ll2float_rn(sm.n[e]);
+    // P5: F and Rm.
+    for (int j = j0; j >= 0; j = sm.next[j]) {
       const float cj = __ll2float_rn(sm.hval[j]);
-      for (int r0 = 0; r0 < ep; r0 += kB) {
-        int64_t cv[kB];
+      unsigned acc = 0;
+      for (int r = lane; r < ep; r += 32) {
+        const float share = __fdiv_rn(__ll2float_rn(getC(r, e)), den);
+        const int64_t f = (int64_t)floorf(__fmul_rn(share, cj));
+        if (kStage) sm.f32[r * S + j] = (int32_t)f;
+        else Fg[(int64_t)r * S + j] = f;
+        acc += (unsigned)f;
+      }
+      acc = __reduce_add_sync(kFull, acc);
+      const int64_t rmj = sm.hval[j] - (int64_t)acc;
+      if (lane == 0) {
+        sm.rm[j] = rmj;
+        st[lay.off_remaining_capacity + j] = rmj;
+        if (rmj < 0) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_INTERNAL);
+      }
+    }
+    __syncwarp();
+    // P6 / P7: source line (C1 by rank, warp scan) against the slot line (Rm in slot order).
+    int carry = 0;
+    int64_t off = 0;
+    for (int r0 = 0; r0 < ep; r0 += 32) {
+      const int r = r0 + lane;
+      const bool valid = r < ep;
+      int c1 = 0;
+      if (valid) {
+        int fs = 0;
+        for (int j = j0; j >= 0; j = sm.next[j])
+          fs += kStage ? sm.f32[r * S + j] : (int)Fg[(int64_t)r * S + j];
+        c1 = (int)getC(r, e) - fs;
+      }
+      int incl = c1;
 #pragma unroll
-        for (int u = 0; u < kB; ++u)
-          cv[u] = r0 + u < ep ? __ldg(&C[(int64_t)(r0 + u) * ne + e]) : 0;
-#pragma unroll
-        for (int u = 0; u < kB; ++u) {
-          if (r0 + u < ep) {
-            const float share = __fdiv_rn(__ll2float_rn(cv[u]), den);
-            const int64_t f = (int64_t)floorf(__fmul_rn(share, cj));
-            F[(int64_t)(r0 + u) * S + j] = f;
-            sum += f;
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(kFull, incl, o);
+        if (lane >= o) incl += y;
+      }
+      const int64_t a = (int64_t)carry + incl - c1;
+      carry += __shfl_sync(kFull, incl, 31);
+      int64_t bj = 0;
+      for (int j = j0; j >= 0; j = sm.next[j]) {
+        const int64_t rmj = sm.rm[j];
+        int ft = 0;
+        if (valid) {
+          const int64_t dv = max(int64_t(0), min(a + c1, bj + rmj) - max(a, bj));
+          const int f = kStage ? sm.f32[r * S + j] : (int)Fg[(int64_t)r * S + j];
+          ft = f + (int)dv;
+          if (kStage) {
+            sm.d32[r * S + j] = (int32_t)dv;
+          } else {
+            Dg[(int64_t)r * S + j] = dv;
+            Ftg[(int64_t)r * S + j] = ft;
           }
         }
+        const unsigned tot = __reduce_add_sync(kFull, (unsigned)ft);
+        if (d.rho >= r0 && d.rho < r0 + 32) {
+          const int ft_rho = __shfl_sync(kFull, ft, d.rho - r0);
+          if (lane == 0) st[lay.off_slot_offset + j] = off;
+          off += ft_rho;
+        }
+        if (lane == 0) sm.filled[j] += tot;
+        bj += rmj;
       }
-    } else {
-      for (int r = 0; r < ep; ++r) F[(int64_t)r * S + j] = 0;
     }
-    const int64_t rmj = sm.hval[j] - sum;
-    sm.rm[j] = rmj;
-    st[lay.off_remaining_capacity + j] = rmj;
-    if (rmj < 0) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_INTERNAL);
+    __syncwarp();
+    if (lane == 0)
+      for (int j = j0; j >= 0; j = sm.next[j])
+        if (sm.filled[j] != sm.hval[j]) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_INTERNAL);
   }
   __syncthreads();
-  // C - C1 per (r, e): zeros for experts without slots; the thread of an expert's first slot
-  // sums the expert's slot list.
-  int64_t* fpho = st + lay.off_first_pass_home_offload;
-  for (int i = tid; i < ep * ne; i += nt)
-    if (sm.first[i % ne] < 0) fpho[i] = 0;
-  for (int j = tid; j < S; j += nt) {
-    const int e = sm.se[j];
-    if (e < 0 || sm.first[e] != j) continue;
-    for (int r0 = 0; r0 < ep; r0 += kB) {
-      int64_t acc[kB];
-#pragma unroll
-      for (int u = 0; u < kB; ++u) acc[u] = 0;
-      for (int i = j; i >= 0; i = sm.next[i]) {
-#pragma unroll
-        for (int u = 0; u < kB; ++u)
-          if (r0 + u < ep) acc[u] += F[(int64_t)(r0 + u) * S + i];
-      }
-#pragma unroll
-      for (int u = 0; u < kB; ++u)
-        if (r0 + u < ep) fpho[(int64_t)(r0 + u) * ne + e] = acc[u];
-    }
-  }
-  __syncthreads();
+  ECHO_PROF(6);
 
-  // P6 second pass, one thread per slot: merge of the source line (C1 by rank) with the slot
-  // line (Rm of the expert's slots in ascending j).
-  int64_t* D = st + lay.off_second_pass;
-  int64_t* Ft = st + lay.off_tokens_to_slot;
-  for (int j = tid; j < S; j += nt) {
-    const int e = sm.se[j];
-    if (e < 0) {
-      for (int r = 0; r < ep; ++r) {
-        D[(int64_t)r * S + j] = 0;
-        Ft[(int64_t)r * S + j] = 0;
+  // Dense [EP, S] and [EP, E] sections, coalesced; zeros for empty slots and experts without
+  // slots.
+  {
+    const int sr = nt / S, sc = nt % S;
+    for (int r = tid / S, j = tid % S; r < ep;) {
+      const int64_t i = (int64_t)r * S + j;
+      if (sm.se[j] < 0) {
+        Fg[i] = 0;
+        Dg[i] = 0;
+        Ftg[i] = 0;
+      } else if (kStage) {
+        const int f = sm.f32[r * S + j], dv = sm.d32[r * S + j];
+        Fg[i] = f;
+        Dg[i] = dv;
+        Ftg[i] = f + dv;
       }
+      j += sc;
+      r += sr;
+      if (j >= S) {
+        j -= S;
+        ++r;
+      }
+    }
+  }
+  {
+    int64_t* fpho = st + lay.off_first_pass_home_offload;
+    int64_t* ho = st + lay.off_home_offload;
+    const int sr = nt / ne, sc = nt % ne;
+    for (int r = tid / ne, x = tid % ne; r < ep;) {
+      const int64_t i = (int64_t)r * ne + x;
+      int64_t fs = 0, ds = 0;
+      for (int j = sm.first[x]; j >= 0 && j < S; j = sm.next[j]) {
+        if (kStage) {
+          fs += sm.f32[r * S + j];
+          ds += sm.d32[r * S + j];
+        } else {
+          fs += Fg[(int64_t)r * S + j];
+          ds += Dg[(int64_t)r * S + j];
+        }
+      }
+      fpho[i] = fs;
+      ho[i] = fs + ds;
+      x += sc;
+      r += sr;
+      if (x >= ne) {
+        x -= ne;
+        ++r;
+      }
+    }
+  }
+  for (int j = tid; j < S; j += nt) {
+    st[lay.off_next_slot + j] = sm.next[j];
+    if (sm.se[j] < 0) {
       st[lay.off_slot_offset + j] = 0;
-      continue;
-    }
-    int64_t bj = 0;
-    for (int i = sm.first[e]; i >= 0 && i != j; i = sm.next[i]) bj += sm.rm[i];
-    const int64_t bend = bj + sm.rm[j];
-    int64_t a = 0, filled = 0;
-    for (int r0 = 0; r0 < ep; r0 += kB) {
-      int64_t c1[kB], fv[kB];
-#pragma unroll
-      for (int u = 0; u < kB; ++u) {
-        c1[u] = 0;
-        fv[u] = 0;
-        if (r0 + u < ep) {
-          const int64_t r = r0 + u;
-          c1[u] = __ldg(&C[r * ne + e]) - fpho[r * ne + e];
-          fv[u] = F[r * S + j];
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kB; ++u) {
-        if (r0 + u < ep) {
-          const int64_t dv = max(int64_t(0), min(a + c1[u], bend) - max(a, bj));
-          a += c1[u];
-          D[(int64_t)(r0 + u) * S + j] = dv;
-          const int64_t ft = fv[u] + dv;
-          Ft[(int64_t)(r0 + u) * S + j] = ft;
-          filled += ft;
-        }
-      }
-    }
-    if (filled != sm.hval[j]) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_INTERNAL);
-  }
-  __syncthreads();
-
-  // P7 home offload (as C - C1 above); this rank's slot offsets; loads after rerouting.
-  int64_t* ho = st + lay.off_home_offload;
-  for (int i = tid; i < ep * ne; i += nt)
-    if (sm.first[i % ne] < 0) ho[i] = 0;
-  for (int j = tid; j < S; j += nt) {
-    const int e = sm.se[j];
-    if (e < 0 || sm.first[e] != j) continue;
-    for (int r0 = 0; r0 < ep; r0 += kB) {
-      int64_t acc[kB];
-#pragma unroll
-      for (int u = 0; u < kB; ++u) acc[u] = 0;
-      for (int i = j; i >= 0; i = sm.next[i]) {
-#pragma unroll
-        for (int u = 0; u < kB; ++u)
-          if (r0 + u < ep) acc[u] += Ft[(int64_t)(r0 + u) * S + i];
-      }
-#pragma unroll
-      for (int u = 0; u < kB; ++u)
-        if (r0 + u < ep) ho[(int64_t)(r0 + u) * ne + e] = acc[u];
+      st[lay.off_remaining_capacity + j] = 0;
     }
   }
-  for (int j = tid; j < S; j += nt) {
-    const int e = sm.se[j];
-    if (e < 0) continue;
-    int64_t off = 0;
-    for (int i = sm.first[e]; i >= 0 && i != j; i = sm.next[i]) off += Ft[(int64_t)d.rho * S + i];
-    st[lay.off_slot_offset + j] = off;
-  }
-  for (int q = tid; q < ep; q += nt) {
-    int64_t after = sm.load[q];
-    for (int j = 0; j < S; ++j) {
-      const int e = sm.se[j];
-      if (e < 0) continue;
-      if (e / L == q) after -= sm.hval[j];
-      if (j / sp == q) after += sm.hval[j];
-    }
-    st[lay.off_load_after + q] = after;
-    st[lay.off_load_per_rank + q] = sm.load[q];
-    st[lay.off_spare_capacity + q] = sm.cap[q];
-  }
-  for (int x = tid; x < ne; x += nt) {
-    st[lay.off_tokens_per_expert + x] = sm.n[x];
-    st[lay.off_spill + x] = sm.spill[x];
-  }
-  __syncthreads();
+  for (int q = tid; q < ep; q += nt) st[lay.off_load_after + q] = sm.load[q] - sm.outq[q] + sm.inq[q];
   if (tid == 0) {
     st[lay.off_avg] = avg;
     st[lay.off_error] = sm.flags[0];
   }
+  ECHO_PROF(7);
 }
 
 // Routes per expert of one token tile (blocks 1.. of the plan launch).
@@ -658,10 +732,11 @@ __device__ void count_tile(const Params& p, int tile, int32_t* s_cnt) {
   for (int x = tid; x < ne; x += nt) p.tile_counts[(int64_t)tile * ne + x] = s_cnt[x];
 }
 
+template <bool kStage>
 __global__ void __launch_bounds__(kPlanThreads, 1) plan_kernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   if (blockIdx.x == 0) {
-    plan_block(p, smem);
+    plan_block<kStage>(p, smem);
   } else {
     count_tile(p, blockIdx.x - 1, reinterpret_cast<int32_t*>(smem));
   }
@@ -679,19 +754,22 @@ struct RerouteSmem {
   int32_t* next;    // [S]
   int32_t* first;   // [E]
   int32_t* flags;   // [1]
-  int64_t* part;    // [max(kRerouteThreads, E)] partial tile prefixes
+  int32_t* part;    // [kPartLen] partial tile prefixes (>= groups * E in both prefix paths)
+  int32_t* colx;    // [E + S] dense form: home expert of final column c, or -(slot + 1)
 
+  static constexpr int kPartLen = 4 * kRerouteThreads > kMaxExperts ? 4 * kRerouteThreads : kMaxExperts;
   __host__ __device__ static size_t bytes(int ne, int s, int words) {
-    return sizeof(int64_t) * (2 * (size_t)s + ne + kMaxExperts) + sizeof(uint32_t) * (size_t)ne * words * 2 +
-           sizeof(int32_t) * (2 * (size_t)s + ne + 1) + 16;
+    return sizeof(int64_t) * (2 * (size_t)s + ne) + sizeof(int32_t) * (kPartLen + (size_t)ne + s) +
+           sizeof(uint32_t) * (size_t)ne * words * 2 + sizeof(int32_t) * (2 * (size_t)s + ne + 1) + 16;
   }
   __device__ void carve(unsigned char* base, int ne, int s, int words) {
     int64_t* p64 = reinterpret_cast<int64_t*>(base);
     soff = p64; p64 += s;
     send = p64; p64 += s;
     moved = p64; p64 += ne;
-    part = p64; p64 += kMaxExperts;  // >= ne * groups
-    mask = reinterpret_cast<uint32_t*>(p64);
+    part = reinterpret_cast<int32_t*>(p64);
+    colx = part + kPartLen;
+    mask = reinterpret_cast<uint32_t*>(colx + ne + s);
     wbase = reinterpret_cast<int32_t*>(mask + (size_t)ne * words);
     se = wbase + (size_t)ne * words;
     next = se + s;
@@ -726,6 +804,13 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
   for (int x = tid; x < ne; x += nt) {
     sm.first[x] = (int)st[lay.off_first_slot + x];
     sm.moved[x] = st[lay.off_home_offload + (int64_t)d.rho * ne + x];
+  }
+  if (p.form == kFormDense) {
+    const int L = d.l, sp = d.sp, B = L + sp;
+    for (int c = tid; c < ne + S; c += nt) {
+      const int q = c / B, li = c % B;
+      sm.colx[c] = li < L ? q * L + li : -(q * sp + (li - L) + 1);
+    }
   }
   __syncthreads();
 
@@ -763,13 +848,33 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
 
   // Rank of each mask word's first token in its expert's list: earlier tiles + earlier words.
   // Threads of one expert split the earlier tiles; partial sums combined in a fixed order.
-  const int groups = ne <= nt ? nt / ne : 1;
-  for (int i = tid; i < ne * groups; i += nt) {
-    const int x = i % ne, g = i / ne;
-    int64_t acc = 0;
+  int groups;
+  if ((ne & 3) == 0 && (reinterpret_cast<uintptr_t>(p.tile_counts) & 15) == 0) {
+    // 16-byte loads of 4 experts' counts; nt / (E/4) groups of threads split the earlier tiles.
+    const int nq = ne >> 2;
+    groups = nq <= nt ? nt / nq : 1;
+    for (int i = tid; i < nq * groups; i += nt) {
+      const int xq = i % nq, g = i / nq;
+      int4 acc = make_int4(0, 0, 0, 0);
 #pragma unroll 8
-    for (int tl = g; tl < tile; tl += groups) acc += __ldg(&p.tile_counts[(int64_t)tl * ne + x]);
-    sm.part[i] = acc;
+      for (int tl = g; tl < tile; tl += groups) {
+        const int4 v = __ldg(reinterpret_cast<const int4*>(p.tile_counts + (int64_t)tl * ne) + xq);
+        acc.x += v.x;
+        acc.y += v.y;
+        acc.z += v.z;
+        acc.w += v.w;
+      }
+      reinterpret_cast<int4*>(sm.part + g * ne)[xq] = acc;
+    }
+  } else {
+    groups = ne <= nt ? nt / ne : 1;
+    for (int i = tid; i < ne * groups; i += nt) {
+      const int x = i % ne, g = i / ne;
+      int acc = 0;
+#pragma unroll 8
+      for (int tl = g; tl < tile; tl += groups) acc += __ldg(&p.tile_counts[(int64_t)tl * ne + x]);
+      sm.part[i] = acc;
+    }
   }
   __syncthreads();
   for (int x = tid; x < ne; x += nt) {
@@ -788,8 +893,45 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
   __syncthreads();
 
   const int L = d.l, sp = d.sp, B = L + sp;
-  if (p.form == kFormDense) {
-    const int width = ne + S;
+  const int width = ne + S;
+  if (p.form == kFormDense && (width & 3) == 0 && (reinterpret_cast<uintptr_t>(p.out_map) & 3) == 0 &&
+      (reinterpret_cast<uintptr_t>(p.out_probs_bits) & 15) == 0) {
+    // Four consecutive columns per thread: one 4-byte map store, one 16-byte probs store.
+    const int wq = width >> 2;
+    uchar4* om = reinterpret_cast<uchar4*>(p.out_map + t0 * width);
+    uint4* op = reinterpret_cast<uint4*>(p.out_probs_bits + t0 * width);
+    const uint32_t* pr = p.probs_bits + t0 * ne;
+    const int step_t = nt / wq, step_c = nt % wq;
+    for (int t = tid / wq, cq = tid % wq; t < rows;) {
+      const uint32_t bit = 1u << (t & 31);
+      const int tw = t >> 5;
+      uint32_t mv[4], pv[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int cx = sm.colx[cq * 4 + u];
+        const int j = cx < 0 ? -cx - 1 : -1;
+        const int x = cx < 0 ? sm.se[j] : cx;
+        bool on = false;
+        if (x >= 0) {
+          const uint32_t word = sm.mask[x * W + tw];
+          if (word & bit) {
+            const int64_t pos = sm.wbase[x * W + tw] + __popc(word & (bit - 1u));
+            on = j < 0 ? pos >= sm.moved[x] : (pos >= sm.soff[j] && pos < sm.send[j]);
+          }
+        }
+        mv[u] = on ? 1u : 0u;
+        pv[u] = on ? pr[(int64_t)t * ne + x] : 0u;
+      }
+      om[(int64_t)t * wq + cq] = make_uchar4(mv[0], mv[1], mv[2], mv[3]);
+      op[(int64_t)t * wq + cq] = make_uint4(pv[0], pv[1], pv[2], pv[3]);
+      cq += step_c;
+      t += step_t;
+      if (cq >= wq) {
+        cq -= wq;
+        ++t;
+      }
+    }
+  } else if (p.form == kFormDense) {
     uint8_t* om = p.out_map + t0 * width;
     uint32_t* op = p.out_probs_bits + t0 * width;
     const uint32_t* pr = p.probs_bits + t0 * ne;
@@ -977,11 +1119,18 @@ capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, i
     p.num_tiles = 0;
   }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  size_t plan_smem = PlanSmem::bytes(d.ne, d.ep, d.s);
+  // Stage C, F and D in shared memory when they fit.
+  const bool stage = PlanSmem::bytes(d.ne, d.ep, d.s, true) <= kStageSmemBudget;
+  size_t plan_smem = PlanSmem::bytes(d.ne, d.ep, d.s, stage);
   const size_t count_smem = sizeof(int32_t) * (size_t)d.ne + 16;
   if (count_smem > plan_smem) plan_smem = count_smem;
-  CAPMOE_TRY(set_smem(reinterpret_cast<const void*>(plan_kernel), plan_smem));
-  plan_kernel<<<1 + p.num_tiles, kPlanThreads, plan_smem, s>>>(p);
+  if (stage) {
+    CAPMOE_TRY(set_smem(reinterpret_cast<const void*>(plan_kernel<true>), plan_smem));
+    plan_kernel<true><<<1 + p.num_tiles, kPlanThreads, plan_smem, s>>>(p);
+  } else {
+    CAPMOE_TRY(set_smem(reinterpret_cast<const void*>(plan_kernel<false>), plan_smem));
+    plan_kernel<false><<<1 + p.num_tiles, kPlanThreads, plan_smem, s>>>(p);
+  }
   CAPMOE_TRY(launch_status());
   if (p.num_tiles > 0) {
     const size_t rr_smem = RerouteSmem::bytes(d.ne, d.s, p.words);
