@@ -5,9 +5,11 @@
 //!
 //!   capmoe-bench [--shapes a,b] [--routing uniform,zipf,onehot] [--ops fprop,dgrad,wgrad]
 //!                [--streams 4] [--reps 30] [--anchors torch_anchor.json] [--out DIR] [--quick]
+//!                [--no-paths]   (skip the expert-path and Echo planner rows)
 
 mod gemm;
 mod measure;
+mod path;
 mod plot;
 mod report;
 
@@ -25,6 +27,8 @@ struct Args {
     pub reps: usize,
     pub anchors: Option<String>,
     pub out: String,
+    /// Also time the whole expert path and the Echo planner.
+    pub paths: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -36,6 +40,7 @@ fn parse_args() -> Result<Args, String> {
         reps: 30,
         anchors: None,
         out: "bench/results".into(),
+        paths: true,
     };
     let mut it = std::env::args().skip(1);
     let list = |v: Option<String>| -> Result<Vec<String>, String> {
@@ -60,6 +65,7 @@ fn parse_args() -> Result<Args, String> {
             "--reps" => args.reps = it.next().and_then(|v| v.parse().ok()).ok_or("--reps N")?,
             "--anchors" => args.anchors = Some(it.next().ok_or("--anchors FILE")?),
             "--out" => args.out = it.next().ok_or("--out DIR")?,
+            "--no-paths" => args.paths = false,
             "--quick" => {
                 args.reps = 10;
                 args.routings = vec!["uniform".into()];
@@ -115,6 +121,10 @@ fn main() {
                 rows.extend(bench_case(&stream, &args, shape, routing_kind, op));
             }
         }
+    }
+    if args.paths {
+        rows.extend(path::expert_rows(&stream, args.reps));
+        rows.extend(path::echo_rows(&stream, args.reps));
     }
     if let Some(path) = &args.anchors {
         match report::anchor_rows(path) {

@@ -39,6 +39,24 @@ pub fn anchor_rows(path: &str) -> Result<Vec<Row>, String> {
             }
         }
     }
+    // The torch expert path (forward, CUDA-graph replay), matched by (E, T, k, H, F).
+    for r in json["path"].as_array().into_iter().flatten() {
+        let dim = |k: &str| r[k].as_u64().unwrap_or(0) as usize;
+        let (e, t, k, h, f) = (dim("E"), dim("T"), dim("topk"), dim("H"), dim("F"));
+        let Some(ms) = r["gpu_only_ms_graph"].as_f64() else { continue };
+        let us = ms * 1e3;
+        rows.push(Row {
+            shape: crate::path::path_name(e, t, k, h, f),
+            routing: "uniform".into(),
+            op: "expert_fwd".into(),
+            imp: "torch-graph".into(),
+            us,
+            tflops: 6.0 * (t * k * h * f) as f64 / us * 1e-6,
+            gbps: f64::NAN,
+            host_us: None,
+            note: Some("torch_anchor.py, same call".into()),
+        });
+    }
     Ok(rows)
 }
 
