@@ -1,6 +1,6 @@
-//! Element types that cross the C ABI, and the Rust types that carry them.
-
-use cudarc::driver::DeviceRepr;
+//! Element types that cross the C ABI. Each capability maps Rust element types onto them
+//! with its own trait (`routing::Element`, `grouped_gemm::GemmOperand`), since each accepts a
+//! different set.
 
 use crate::sys;
 
@@ -32,25 +32,4 @@ impl DType {
             DType::I64 => 8,
         }
     }
-}
-
-/// A Rust element type with a device representation and a C ABI dtype.
-pub trait Element: DeviceRepr + Copy + 'static {
-    const DTYPE: DType;
-}
-
-impl Element for half::bf16 {
-    const DTYPE: DType = DType::Bf16;
-}
-impl Element for half::f16 {
-    const DTYPE: DType = DType::F16;
-}
-impl Element for f32 {
-    const DTYPE: DType = DType::F32;
-}
-impl Element for i32 {
-    const DTYPE: DType = DType::I32;
-}
-impl Element for i64 {
-    const DTYPE: DType = DType::I64;
 }

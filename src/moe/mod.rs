@@ -51,15 +51,6 @@ pub struct MoeConfig {
     pub wgrad_accumulate: bool,
 }
 
-fn routing_dtype(dtype: DType) -> Result<routing::DType> {
-    match dtype {
-        DType::Bf16 => Ok(routing::DType::Bf16),
-        DType::F16 => Ok(routing::DType::F16),
-        DType::F32 => Ok(routing::DType::F32),
-        other => Err(Error::Unsupported { op: "MoeExperts::new", why: format!("dtype {other:?}") }),
-    }
-}
-
 /// The six grouped GEMMs of one layer.
 struct Gemms {
     fc1_fprop: GroupedGemm,
@@ -131,7 +122,7 @@ impl<T: MoeElement> MoeExperts<T> {
     /// Validates the configuration on the host, plans the routing and the six GEMMs for the
     /// device of `stream`, and allocates every intermediate buffer (the only allocation).
     pub fn new(config: MoeConfig, stream: &Arc<CudaStream>) -> Result<MoeExperts<T>> {
-        if routing_dtype(config.dtype)? != <T as routing::Element>::DTYPE {
+        if config.dtype != <T as routing::Element>::DTYPE {
             return Err(Error::Shape {
                 op: "MoeExperts::new",
                 what: "element type",
@@ -147,8 +138,8 @@ impl<T: MoeElement> MoeExperts<T> {
             max_tokens: config.max_tokens,
             capacity: config.capacity,
             expert_capacity: None,
-            dtype: routing_dtype(config.dtype)?,
-            prob_dtype: routing_dtype(config.prob_dtype)?,
+            dtype: config.dtype,
+            prob_dtype: config.prob_dtype,
         })?;
         let cap = routing.capacity();
         let gemms = Gemms::new(&config, cap, stream)?;

@@ -24,25 +24,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
 use crate::error::check;
 use crate::{sys, Error, Result};
 
-/// Element types of the routing kernels' buffers.
-// NOTE: self-contained on purpose (no dependency on other capabilities' uncommitted files);
-// it maps one to one onto the C ABI's capmoe_dtype_t.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum DType {
-    Bf16,
-    F16,
-    F32,
-}
-
-impl DType {
-    fn abi(self) -> sys::capmoe_dtype_t {
-        (match self {
-            DType::Bf16 => sys::CAPMOE_DTYPE_BF16,
-            DType::F16 => sys::CAPMOE_DTYPE_F16,
-            DType::F32 => sys::CAPMOE_DTYPE_F32,
-        }) as sys::capmoe_dtype_t
-    }
-}
+pub use crate::dtype::DType;
 
 /// A Rust type the routing kernels read and write, with its [`DType`].
 pub trait Element: DeviceRepr + reference::Scalar {
