@@ -19,8 +19,6 @@ while IFS=, read -r name arch cfg majorness in outd source; do
   a=$(layout "${majorness:0:1}"); b=$(layout "${majorness:1:1}")
   c=void; [[ "$source" == 1 ]] && c=float  # D = C + AB: the fp32 WGRAD accumulate mode
   kernel_config=$(config "$cfg")
-  # SM90 fp32 output uses the register-store epilogue (see CooperativeDirectEpilogue in sm90.cuh).
-  [[ "$arch" == 90 && "$outd" == F32 ]] && kernel_config=CooperativeDirectEpilogue
   cat > "$out/$name.cu" <<CU
 // capmoe-archs: ${arch}a
 // Grouped GEMM variant $name: A $a, B $b, $(element "$in") in, $(element "$outd") out.

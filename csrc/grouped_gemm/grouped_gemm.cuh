@@ -110,14 +110,15 @@ __device__ int32_t write_group(const ArgumentParams<Arrays>& p, int64_t e, int64
   const int64_t matrix = p.n * p.k;
   int32_t bits = 0;
 
-  // The per-expert matrix of the weight-shaped operand (W for FPROP/DGRAD, dW for WGRAD).
-  auto expert_matrix = [&](const void* base) -> const void* {
+  // The per-expert matrix of the weight-shaped operand (W for FPROP/DGRAD, dW for WGRAD),
+  // whose elements are `element_bytes` wide (dW may be fp32 while W is 16-bit).
+  auto expert_matrix = [&](const void* base, int64_t element_bytes) -> const void* {
     if (p.weights_as_pointers) {
       const void* ptr = static_cast<const void* const*>(base)[e];
       if (!aligned16(ptr)) bits |= kMisalignedPointer;
       return ptr;
     }
-    return static_cast<const char*>(base) + e * matrix * static_cast<int64_t>(sizeof(EB));
+    return static_cast<const char*>(base) + e * matrix * element_bytes;
   };
 
   int gm = 0, gn = 0, gk = 0;
@@ -128,13 +129,13 @@ __device__ int32_t write_group(const ArgumentParams<Arrays>& p, int64_t e, int64
     const int in_cols = fprop ? k : n, out_cols = fprop ? n : k;
     gm = m, gn = out_cols, gk = in_cols;
     ptr_a = static_cast<const EA*>(p.a) + start * in_cols;
-    ptr_b = expert_matrix(p.b);
+    ptr_b = expert_matrix(p.b, sizeof(EB));
     ptr_d = static_cast<ED*>(p.d) + start * out_cols;
   } else {
     // dW_e = dY_e^T X_e; stored [N, K] (ENK) or, transposed, [K, N] = X_e^T dY_e (EKN).
     const void* dy = static_cast<const EA*>(p.a) + start * n;
     const void* x = static_cast<const EB*>(p.b) + start * k;
-    ptr_d = const_cast<void*>(expert_matrix(p.d));
+    ptr_d = const_cast<void*>(expert_matrix(p.d, sizeof(ED)));
     if (p.weights_transposed) {
       gm = k, gn = n, ptr_a = x, ptr_b = dy;
     } else {

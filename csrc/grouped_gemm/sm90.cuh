@@ -21,14 +21,6 @@ struct Cooperative {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 
-// fp32 output (the WGRAD main-grad kernels). NOTE: with a float D, the TMA-store ptr-array
-// epilogue of CUTLASS 4.2 left tiles of every group after a CTA's first one unwritten or wrong
-// on the H100 (tests/grouped_gemm_gpu.rs caught it); bf16/fp16 D were correct. These kernels
-// therefore store D (and load C) directly from registers, with no per-group tensormap.
-struct CooperativeDirectEpilogue : Cooperative {
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayNoSmemWarpSpecialized;
-};
-
 // Few rows per expert: each consumer warpgroup owns a 64-row tile, and the two alternate so
 // one's epilogue overlaps the other's mainloop.
 struct Pingpong {
