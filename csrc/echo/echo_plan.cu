@@ -136,10 +136,15 @@ namespace {
 #define ECHO_PROF(i) do { } while (0)
 #endif
 
+// A.3 without a 64-bit division: for 0 < v < m and iv > 0,
+// min(7, (m - v) / iv + 1) == 1 + #{k in 1..6 : k * iv <= m - v}.
 __device__ inline int approx_bucket(int64_t v, int64_t m, int64_t iv) {
   if (v >= m || iv == 0) return 0;
-  int64_t b = (m - v) / iv + 1;
-  return b < 7 ? (int)b : 7;
+  const int64_t a = m - v;
+  int b = 1;
+#pragma unroll
+  for (int k = 1; k <= 6; ++k) b += a >= k * iv ? 1 : 0;
+  return b;
 }
 
 // Overlap of chunk position a with bucket [bs, bend).
@@ -272,6 +277,7 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
     const int64_t c = avg - l;
     const int64_t cq = counts_ok && c > 0 ? c : 0;
     sm.cap[q] = cq;
+    sm.be[q] = ((uint64_t)cq << 10) | (uint64_t)(1023 - q);  // bucket-order key (ranking only)
     sm.outq[q] = 0;
     sm.inq[q] = 0;
     st[lay.off_load_per_rank + q] = l;
@@ -288,6 +294,7 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
     int64_t a = before - avg, b = before + nx - avg;
     const int64_t sx = counts_ok ? (b > 0 ? b : 0) - (a > 0 ? a : 0) : 0;
     sm.spill[x] = sx;
+    sm.ce[x] = ((uint64_t)sx << 10) | (uint64_t)(1023 - x);  // chunk-order key (ranking only)
     st[lay.off_spill + x] = sx;
     sm.first[x] = 0x7fffffff;
   }
@@ -303,13 +310,13 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
   // G.1 / G.2 / A.1: chunk order (spill desc, e asc), bucket order (cap desc, q asc), as the
   // count of larger packed keys (spill < 2^24 and cap < 2^44 when the counts are valid).
   rank_desc(
-      ne, [&](int x) { return ((uint64_t)sm.spill[x] << 10) | (uint64_t)(1023 - x); },
+      ne, [&](int x) { return (uint64_t)sm.ce[x]; },
       [&](int x, int pos) {
         sm.ps[pos] = x;
         sm.sps[pos] = sm.spill[x];
       });
   rank_desc(
-      ep, [&](int q) { return ((uint64_t)sm.cap[q] << 10) | (uint64_t)(1023 - q); },
+      ep, [&](int q) { return (uint64_t)sm.be[q]; },
       [&](int q, int pos) { sm.pc[pos] = q; });
   __syncthreads();
   ECHO_PROF(3);
