@@ -5,8 +5,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use capturable_moe::baseline::{cublas_version, read_splits, CublasGroupedBatched, CublasLoop, DenseGemm, Operands};
+use capturable_moe::graph::capture;
 use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
-use cudarc::driver::sys::{CUdevice_attribute, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -71,19 +72,27 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     let spec = GroupedGemmSpec::new(op, shape.experts, shape.n, shape.k, shape.rows);
     let plan = GroupedGemm::new(spec.clone(), stream).expect("plan");
     let (a_len, b_len, d_len) = spec.operand_lens();
-    let a = random_bf16(stream, a_len, 1);
-    let b = random_bf16(stream, b_len, 2);
-    let mut d = unsafe { stream.alloc::<bf16>(d_len) }.unwrap();
+    // Activation-shaped operands rotate over `sets` copies so that a timed call reads them from
+    // HBM, not from the L2 the previous call left warm (the weights exceed L2 on every shape).
+    let wgrad = op == GemmOp::Wgrad;
+    let l2 = stream.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE).unwrap_or(50 << 20) as usize;
+    let rotated_bytes = 2 * if wgrad { a_len + b_len } else { a_len + d_len };
+    let sets = (2 * l2).div_ceil(rotated_bytes.max(1)).clamp(1, 8);
+    let copies = |rotated: bool| if rotated { sets } else { 1 };
+    let a: Vec<_> = (0..sets).map(|i| random_bf16(stream, a_len, 1 + 10 * i as u64)).collect();
+    let b: Vec<_> = (0..copies(wgrad)).map(|i| random_bf16(stream, b_len, 2 + 10 * i as u64)).collect();
+    let mut d: Vec<_> = (0..copies(!wgrad)).map(|_| unsafe { stream.alloc::<bf16>(d_len) }.unwrap()).collect();
     let mut check = unsafe { stream.alloc::<bf16>(d_len) }.unwrap();
     let splits32: Vec<i32> = splits.iter().map(|&s| s as i32).collect();
     let m_splits = stream.clone_htod(&splits32).unwrap();
     let mut workspace = stream.alloc_zeros::<u8>(plan.workspace_bytes()).unwrap();
     let flops = spec.flops(shape.rows);
     let bytes = ((a_len + b_len + d_len) * 2) as f64;
-    let ops_of = |d: &CudaSlice<bf16>| Operands {
-        a: a.device_ptr(stream).0,
-        b: b.device_ptr(stream).0,
-        d: d.device_ptr(stream).0,
+    // Operands of set `i`, writing into `out`.
+    let ops_at = |i: usize, out: &CudaSlice<bf16>| Operands {
+        a: a[i % a.len()].device_ptr(stream).0,
+        b: b[i % b.len()].device_ptr(stream).0,
+        d: out.device_ptr(stream).0,
     };
     let mut rows = Vec::new();
     let mut push = |imp: &str, us: f64, host: Option<f64>, note: Option<String>| {
@@ -101,33 +110,33 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     };
 
     // The crate, eager: every launch writes its arguments from the device-side m_splits.
-    let mut run_capmoe = |d: &mut CudaSlice<bf16>| {
-        plan.run(stream, &a, &b, d, &m_splits, None, &mut workspace).expect("capmoe run");
+    let mut run_capmoe = |i: usize, d: &mut [CudaSlice<bf16>]| {
+        let n = d.len();
+        plan.run(stream, &a[i % a.len()], &b[i % b.len()], &mut d[i % n], &m_splits, None, &mut workspace)
+            .expect("capmoe run");
     };
-    run_capmoe(&mut d);
-    let (us, host) = time(stream, args.reps, |_| run_capmoe(&mut d));
-    push("capmoe", us, Some(host), None);
+    let (us, host) = time(stream, args.reps, |i| run_capmoe(i, &mut d));
+    push("capmoe", us, Some(host), Some(format!("{sets} rotated operand set(s)")));
 
-    // The crate, captured once in a CUDA graph and replayed.
-    let ctx = stream.context().clone();
-    unsafe { ctx.disable_event_tracking() };
-    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
-    run_capmoe(&mut d);
-    let graph: CudaGraph = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().unwrap();
-    unsafe { ctx.enable_event_tracking() };
-    graph.upload().unwrap();
-    let (us, host) = time(stream, args.reps, |_| graph.launch().unwrap());
+    // The crate, captured once per operand set in a CUDA graph and replayed.
+    let graphs: Vec<CudaGraph> = (0..sets)
+        .map(|i| capture(stream, || Ok(run_capmoe(i, &mut d))).expect("capture"))
+        .collect();
+    graphs.iter().for_each(|g| g.upload().unwrap());
+    let (us, host) = time(stream, args.reps, |i| graphs[i % sets].launch().unwrap());
     push("capmoe-graph", us, Some(host), None);
-    drop(graph);
+    drop(graphs);
+    // The reference output for the baselines: operand set 0, computed last.
+    run_capmoe(0, &mut d);
 
     // Every cuBLAS baseline writes into `check` (zeroed first, so a baseline that writes
     // nothing fails) and must agree with the crate's `d` before it is timed.
-    let mut verify = |stream: &Arc<CudaStream>, launch: &mut dyn FnMut(Operands) -> Result<(), String>| {
+    let mut verify = |launch: &mut dyn FnMut(Operands) -> Result<(), String>| {
         stream.memset_zeros(&mut check).map_err(|e| format!("zeroing the check buffer: {e}"))?;
-        launch(ops_of(&check))?;
-        let err = sampled_relerr(stream, &check, &d, d_len);
+        launch(ops_at(0, &check))?;
+        let err = sampled_relerr(stream, &check, &d[0], d_len);
         if err <= 1e-2 {
-            Ok(ops_of(&check))
+            Ok(())
         } else {
             Err(format!("output disagrees with capmoe (normwise relerr {err:.2e} > 1e-2), not timed"))
         }
@@ -136,23 +145,9 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     // cuBLAS loops: the host reads m_splits back first (the sync TransformerEngine needs).
     for (imp, streams) in [("cublas-multistream", args.streams), ("cublas-single", 1)] {
         let timed = CublasLoop::new(spec.clone(), stream, streams).map_err(|e| e.to_string()).and_then(|baseline| {
-            let ops = verify(stream, &mut |ops| {
-                let host_splits = read_splits(stream, &m_splits).map_err(|e| e.to_string())?;
-                baseline.launch(stream, ops, &host_splits).map_err(|e| e.to_string())
-            })?;
-            let mut sync_us = Vec::new();
-            let mut failed = None;
-            let (us, host) = time(stream, args.reps, |_| {
-                let t = Instant::now();
-                let launched = read_splits(stream, &m_splits).and_then(|host_splits| {
-                    sync_us.push(t.elapsed().as_secs_f64() * 1e6);
-                    baseline.launch(stream, ops, &host_splits)
-                });
-                if let Err(e) = launched {
-                    failed.get_or_insert(e.to_string());
-                }
-            });
-            failed.map_or(Ok((us, host, median(&mut sync_us))), Err)
+            time_with_readback(stream, args.reps, &m_splits, &mut verify, |i| ops_at(i, &d[i % d.len()]), |ops, splits| {
+                baseline.launch(stream, ops, splits)
+            })
         });
         match timed {
             Ok((us, host, sync)) => push(imp, us, Some(host), Some(format!("m_splits readback {sync:.1} us"))),
@@ -164,23 +159,9 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     // arrays); the device pointer arrays are rebuilt and uploaded on every call.
     let imp = "cublas-grouped-batched";
     let timed = CublasGroupedBatched::new(spec.clone(), stream).map_err(|e| e.to_string()).and_then(|mut baseline| {
-        let ops = verify(stream, &mut |ops| {
-            let host_splits = read_splits(stream, &m_splits).map_err(|e| e.to_string())?;
-            baseline.launch(ops, &host_splits).map_err(|e| e.to_string())
-        })?;
-        let mut sync_us = Vec::new();
-        let mut failed = None;
-        let (us, host) = time(stream, args.reps, |_| {
-            let t = Instant::now();
-            let launched = read_splits(stream, &m_splits).and_then(|host_splits| {
-                sync_us.push(t.elapsed().as_secs_f64() * 1e6);
-                baseline.launch(ops, &host_splits)
-            });
-            if let Err(e) = launched {
-                failed.get_or_insert(e.to_string());
-            }
-        });
-        failed.map_or(Ok((us, host, median(&mut sync_us))), Err)
+        time_with_readback(stream, args.reps, &m_splits, &mut verify, |i| ops_at(i, &d[i % d.len()]), |ops, splits| {
+            baseline.launch(ops, splits)
+        })
     });
     match timed {
         Ok((us, host, sync)) => push(
@@ -195,10 +176,9 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     // Dense cuBLAS over all rows at the same FLOPs: the ceiling (wgrad: one K = rows GEMM).
     match DenseGemm::new(spec.clone(), stream) {
         Ok(dense) => {
-            let ops = ops_of(&check);
             let mut failed = None;
-            let (us, host) = time(stream, args.reps, |_| {
-                if let Err(e) = dense.launch(ops, shape.rows) {
+            let (us, host) = time(stream, args.reps, |i| {
+                if let Err(e) = dense.launch(ops_at(i, &d[i % d.len()]), shape.rows) {
                     failed.get_or_insert(e.to_string());
                 }
             });
@@ -278,4 +258,33 @@ fn memcpy_floor(stream: &Arc<CudaStream>, args: &Args, shape: &Shape) -> Floor {
             failed.map_or(Ok((copy_us / 2.0, copy_us, host)), Err)
         })
         .clone()
+}
+
+/// Checks, then times, a baseline that needs m_splits on the host: every call reads them back
+/// (the GPU->CPU sync) and then launches. Returns (GPU us, host us, median readback us).
+fn time_with_readback(
+    stream: &Arc<CudaStream>,
+    reps: usize,
+    m_splits: &CudaSlice<i32>,
+    verify: &mut impl FnMut(&mut dyn FnMut(Operands) -> Result<(), String>) -> Result<(), String>,
+    ops_at: impl Fn(usize) -> Operands,
+    mut launch: impl FnMut(Operands, &[i64]) -> capturable_moe::Result<()>,
+) -> Result<(f64, f64, f64), String> {
+    verify(&mut |ops| {
+        let host_splits = read_splits(stream, m_splits).map_err(|e| e.to_string())?;
+        launch(ops, &host_splits).map_err(|e| e.to_string())
+    })?;
+    let mut readback_us = Vec::new();
+    let mut failed = None;
+    let (us, host) = time(stream, reps, |i| {
+        let t = Instant::now();
+        let launched = read_splits(stream, m_splits).and_then(|host_splits| {
+            readback_us.push(t.elapsed().as_secs_f64() * 1e6);
+            launch(ops_at(i), &host_splits)
+        });
+        if let Err(e) = launched {
+            failed.get_or_insert(e.to_string());
+        }
+    });
+    failed.map_or(Ok((us, host, median(&mut readback_us))), Err)
 }
