@@ -27,7 +27,6 @@ namespace capmoe::gg {
 
 constexpr int kArgumentThreads = 1024;
 constexpr uint64_t kSectionAlign = 256;
-constexpr int32_t kMisalignedPointer = 4;  // flag bit: a per-expert pointer is not 16-byte aligned
 
 inline uint64_t align_up(uint64_t bytes) { return (bytes + kSectionAlign - 1) / kSectionAlign * kSectionAlign; }
 
@@ -115,7 +114,7 @@ __device__ int32_t write_group(const ArgumentParams<Arrays>& p, int64_t e, int64
   auto expert_matrix = [&](const void* base, int64_t element_bytes) -> const void* {
     if (p.weights_as_pointers) {
       const void* ptr = static_cast<const void* const*>(base)[e];
-      if (!aligned16(ptr)) bits |= kMisalignedPointer;
+      if (!aligned16(ptr)) bits |= CAPMOE_OVERFLOW_MISALIGNED;
       return ptr;
     }
     return static_cast<const char*>(base) + e * matrix * element_bytes;

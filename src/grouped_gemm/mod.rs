@@ -32,7 +32,7 @@ pub const OVERFLOW_CAPACITY: i32 = sys::CAPMOE_OVERFLOW_CAPACITY as i32;
 /// Device flag bit: an m_splits entry was negative.
 pub const OVERFLOW_NEGATIVE: i32 = sys::CAPMOE_OVERFLOW_NEGATIVE as i32;
 /// Device flag bit: a per-expert pointer was not 16-byte aligned (that expert was skipped).
-pub const OVERFLOW_MISALIGNED_POINTER: i32 = 4;
+pub const OVERFLOW_MISALIGNED_POINTER: i32 = sys::CAPMOE_OVERFLOW_MISALIGNED as i32;
 
 /// Which product of a linear layer's training step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

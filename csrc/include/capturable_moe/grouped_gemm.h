@@ -14,7 +14,8 @@
  * out at the exclusive prefix sum of m_splits. Rows past the device-side total are not
  * touched. When the total exceeds `capacity`, each expert is clamped to the rows that fit
  * (nothing is read or written past `capacity` rows) and bit CAPMOE_OVERFLOW_CAPACITY is OR-ed
- * into *overflow_flags; a negative count is treated as 0 and sets CAPMOE_OVERFLOW_NEGATIVE.
+ * into *overflow_flags; a negative count is treated as 0 and sets CAPMOE_OVERFLOW_NEGATIVE;
+ * a misaligned per-expert pointer skips that expert and sets CAPMOE_OVERFLOW_MISALIGNED.
  * The flags are sticky: the caller clears them.
  *
  * WGRAD: an expert with zero rows gets dW_e = 0, or, with accumulate, is left unchanged.
@@ -53,8 +54,11 @@ enum {
   CAPMOE_CONFIG_SM100_2SM = 4         /* 256x256x64 across an SM pair */
 };
 
-/* Overflow flag bits (device int32, sticky). */
-enum { CAPMOE_OVERFLOW_CAPACITY = 1, CAPMOE_OVERFLOW_NEGATIVE = 2 };
+/* Overflow flag bits (device int32, sticky). MISALIGNED: a per-expert pointer of a pointer-array
+ * operand was not 16-byte aligned; that expert was skipped. The values do not collide with the
+ * routing flags (capturable_moe/routing.h), so one word can hold both; bit 1 means capacity
+ * overflow in both. */
+enum { CAPMOE_OVERFLOW_CAPACITY = 1, CAPMOE_OVERFLOW_NEGATIVE = 2, CAPMOE_OVERFLOW_MISALIGNED = 32 };
 
 typedef struct capmoe_grouped_gemm_desc {
   capmoe_gemm_op_t op;
