@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
 use criterion::{criterion_group, criterion_main, Criterion};
+use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
 
 fn bench(c: &mut Criterion) {
@@ -30,8 +31,9 @@ fn bench(c: &mut Criterion) {
         let mut ws = stream.alloc_zeros::<u8>(plan.workspace_bytes()).unwrap();
         group.bench_function(name, |bencher| {
             bencher.iter_custom(|iters| {
-                let start = ctx.new_event(None).unwrap();
-                let end = ctx.new_event(None).unwrap();
+                // NOTE: cudarc's default event flags disable timing.
+                let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+                let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
                 start.record(&stream).unwrap();
                 for _ in 0..iters {
                     plan.run(&stream, &a, &b, &mut d, &splits, None, &mut ws).unwrap();
