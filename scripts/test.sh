@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
 # The README's test command: installs the toolchain if needed, then runs every test in release
-# (CUDA objects are shared with `cargo build --release`). GPU tests skip without a GPU unless
-# CAPMOE_REQUIRE_GPU=1.
+# (CUDA objects are shared with `cargo build --release`). GPU tests print "skipping: <reason>"
+# without a GPU unless CAPMOE_REQUIRE_GPU=1 (output is not captured, so those lines show).
+# Ends with one summary line over all test binaries, where a GPU test that skipped counts as
+# skipped, not passed. Extra arguments go to `cargo test` before its `--`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-cargo test --release "$@"
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+status=0
+cargo test --release "$@" -- --nocapture 2>&1 | tee "$log" || status=$?
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed;?$/) p += $i; if ($(i+1) ~ /^failed;?$/) f += $i } }
+     /^skipping: / { s += 1 }
+     END { printf "tests: %d passed, %d failed, %d skipped\n", p - s, f, s }' "$log"
+exit "$status"
