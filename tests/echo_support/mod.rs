@@ -140,17 +140,7 @@ impl Golden {
 
     /// Dense `[T, E]` routing map and probabilities of this rank.
     pub fn dense_inputs(&self) -> (Vec<bool>, Vec<f32>) {
-        let (e, k) = (self.cfg.num_experts, self.cfg.topk);
-        let mut map = vec![false; self.t * e];
-        let mut probs = vec![0f32; self.t * e];
-        for i in 0..self.t {
-            for s in 0..k {
-                let x = self.routes[i * k + s] as usize;
-                map[i * e + x] = true;
-                probs[i * e + x] = self.probs[i * k + s];
-            }
-        }
-        (map, probs)
+        dense_inputs(self.cfg.num_experts, self.cfg.topk, self.t, &self.routes, &self.probs)
     }
 
     /// The expected dense `[T, E+S]` outputs rebuilt from `route_dest`.
@@ -222,17 +212,7 @@ impl RandomCase {
     }
 
     pub fn dense_inputs(&self) -> (Vec<bool>, Vec<f32>) {
-        let (e, k) = (self.cfg.num_experts, self.cfg.topk);
-        let mut map = vec![false; self.t * e];
-        let mut probs = vec![0f32; self.t * e];
-        for i in 0..self.t {
-            for s in 0..k {
-                let x = self.routes[i * k + s] as usize;
-                map[i * e + x] = true;
-                probs[i * e + x] = self.probs[i * k + s];
-            }
-        }
-        (map, probs)
+        dense_inputs(self.cfg.num_experts, self.cfg.topk, self.t, &self.routes, &self.probs)
     }
 }
 
@@ -360,3 +340,16 @@ pub fn check_reroute_invariants(
     }
 }
 
+/// Dense `[T, E]` routing map and probabilities from top-k routes and their probabilities.
+fn dense_inputs(e: usize, k: usize, t: usize, routes: &[i32], route_probs: &[f32]) -> (Vec<bool>, Vec<f32>) {
+    let mut map = vec![false; t * e];
+    let mut probs = vec![0f32; t * e];
+    for i in 0..t {
+        for s in 0..k {
+            let x = routes[i * k + s] as usize;
+            map[i * e + x] = true;
+            probs[i * e + x] = route_probs[i * k + s];
+        }
+    }
+    (map, probs)
+}
