@@ -3,17 +3,19 @@
 # with CAPMOE_REQUIRE_GPU=1 so that a missing GPU fails instead of skipping. Full logs go to
 # $OUT (or gpu-bundle/logs); a summary table is printed last.
 #   bash scripts/gpu-run.sh [name-filter]      e.g. grouped_gemm
+# BUNDLE=<folder> picks another bundle folder (default gpu-bundle), e.g. one per worktree.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 filter="${1:-}"
-logs="${OUT:-$root/gpu-bundle/logs}"
-mkdir -p "$logs" gpu-bundle/run
-tar -C gpu-bundle/run -xzf gpu-bundle/bundle.tar.gz
+bundle="${BUNDLE:-gpu-bundle}"
+logs="${OUT:-$root/$bundle/logs}"
+mkdir -p "$logs" "$bundle/run"
+tar -C "$bundle/run" -xzf "$bundle/bundle.tar.gz"
 export CAPMOE_REQUIRE_GPU=1 CAPMOE_TESTDATA="$root/tests/data"
 summary=()
 failed=0
-for test in gpu-bundle/run/tests/*; do
+for test in "$bundle"/run/tests/*; do
   name="$(basename "$test")"
   [[ -n "$filter" && "$name" != *"$filter"* ]] && continue
   start=$(date +%s%N)
