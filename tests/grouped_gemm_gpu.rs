@@ -38,6 +38,34 @@ fn small_integers_are_exact_for_every_op_and_config() {
     }
 }
 
+/// The SM90 tile configurations measured against the two defaults (bf16 only), in both weight
+/// layouts, on splits with empty experts and partial tiles. Reductions stay <= 64 long so the
+/// small-integer sums (|x| <= 4 per product) are exact in bf16.
+#[test]
+fn candidate_sm90_configs_are_exact() {
+    let stream = gpu_or_skip!();
+    let candidates = [
+        GemmConfig::Sm90CooperativeNoCluster,
+        GemmConfig::Sm90CooperativeM256,
+        GemmConfig::Sm90Pingpong128,
+        GemmConfig::Sm90PingpongWide,
+    ];
+    for op in OPS {
+        for config in candidates {
+            for layout in [WeightLayout::Enk, WeightLayout::Ekn] {
+                let (mut s, splits) = match op {
+                    GemmOp::Wgrad => (spec(op, 5, 200, 136, 300), vec![64, 0, 1, 63, 33]),
+                    _ => (spec(op, 5, 64, 48, 700), vec![300, 0, 1, 257, 129]),
+                };
+                s.config = config;
+                s.weight_layout = layout;
+                let case = HostCase::new(s, splits, Data::SmallInt, 4);
+                case.run(&stream).assert_exact(&format!("{op:?} {config:?} {layout:?}"));
+            }
+        }
+    }
+}
+
 #[test]
 fn random_bf16_matches_fp64_reference() {
     let stream = gpu_or_skip!();

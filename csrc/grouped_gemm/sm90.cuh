@@ -30,6 +30,32 @@ struct Pingpong {
   using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
+// Candidates measured against the two above (bench/README.md says which won where).
+struct CooperativeNoCluster {
+  using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct CooperativeM256 {
+  using Tile = cute::Shape<cute::_256, cute::_128, cute::_64>;
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct Pingpong128 {
+  using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+struct PingpongWide {
+  using Tile = cute::Shape<cute::_64, cute::_256, cute::_64>;
+  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
 // ElementC = void: no source operand (plain output); float: D = C + AB (accumulate).
 template <class ElementIn, class LayoutA, class LayoutB, class ElementC, class ElementD, class Config>
 struct Traits {

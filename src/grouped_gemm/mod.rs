@@ -59,6 +59,14 @@ pub enum GemmConfig {
     Sm90Cooperative,
     /// SM90, 64x128x64 tile: few rows per expert (decode).
     Sm90Pingpong,
+    /// SM90, 128x256x64 tile, no cluster.
+    Sm90CooperativeNoCluster,
+    /// SM90, 256x128x64 tile, no cluster.
+    Sm90CooperativeM256,
+    /// SM90, 128x128x64 tile per warpgroup, the two warpgroups alternating.
+    Sm90Pingpong128,
+    /// SM90, 64x256x64 tile per warpgroup, the two warpgroups alternating.
+    Sm90PingpongWide,
     /// SM100, 128x256 tile per SM (compiled, never run here: no Blackwell GPU).
     Sm100OneSm,
     /// SM100, 256x256 tile across an SM pair (compiled, never run here).
@@ -71,6 +79,10 @@ impl GemmConfig {
             GemmConfig::Auto => sys::CAPMOE_CONFIG_AUTO,
             GemmConfig::Sm90Cooperative => sys::CAPMOE_CONFIG_SM90_COOPERATIVE,
             GemmConfig::Sm90Pingpong => sys::CAPMOE_CONFIG_SM90_PINGPONG,
+            GemmConfig::Sm90CooperativeNoCluster => sys::CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER,
+            GemmConfig::Sm90CooperativeM256 => sys::CAPMOE_CONFIG_SM90_COOPERATIVE_M256,
+            GemmConfig::Sm90Pingpong128 => sys::CAPMOE_CONFIG_SM90_PINGPONG_128,
+            GemmConfig::Sm90PingpongWide => sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE,
             GemmConfig::Sm100OneSm => sys::CAPMOE_CONFIG_SM100_1SM,
             GemmConfig::Sm100TwoSm => sys::CAPMOE_CONFIG_SM100_2SM,
         }) as sys::capmoe_gemm_config_t
@@ -80,16 +92,58 @@ impl GemmConfig {
         match code as u32 {
             sys::CAPMOE_CONFIG_SM90_COOPERATIVE => GemmConfig::Sm90Cooperative,
             sys::CAPMOE_CONFIG_SM90_PINGPONG => GemmConfig::Sm90Pingpong,
+            sys::CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER => GemmConfig::Sm90CooperativeNoCluster,
+            sys::CAPMOE_CONFIG_SM90_COOPERATIVE_M256 => GemmConfig::Sm90CooperativeM256,
+            sys::CAPMOE_CONFIG_SM90_PINGPONG_128 => GemmConfig::Sm90Pingpong128,
+            sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE => GemmConfig::Sm90PingpongWide,
             sys::CAPMOE_CONFIG_SM100_1SM => GemmConfig::Sm100OneSm,
             sys::CAPMOE_CONFIG_SM100_2SM => GemmConfig::Sm100TwoSm,
             _ => GemmConfig::Auto,
         }
     }
 
+    /// Every configuration, `Auto` first.
+    pub const ALL: [GemmConfig; 9] = [
+        GemmConfig::Auto,
+        GemmConfig::Sm90Cooperative,
+        GemmConfig::Sm90Pingpong,
+        GemmConfig::Sm90CooperativeNoCluster,
+        GemmConfig::Sm90CooperativeM256,
+        GemmConfig::Sm90Pingpong128,
+        GemmConfig::Sm90PingpongWide,
+        GemmConfig::Sm100OneSm,
+        GemmConfig::Sm100TwoSm,
+    ];
+
+    /// A short name for reports and command lines.
+    pub fn name(self) -> &'static str {
+        match self {
+            GemmConfig::Auto => "auto",
+            GemmConfig::Sm90Cooperative => "sm90-coop",
+            GemmConfig::Sm90Pingpong => "sm90-pingpong",
+            GemmConfig::Sm90CooperativeNoCluster => "sm90-coop-nocluster",
+            GemmConfig::Sm90CooperativeM256 => "sm90-coop-m256",
+            GemmConfig::Sm90Pingpong128 => "sm90-pingpong128",
+            GemmConfig::Sm90PingpongWide => "sm90-pingpong-wide",
+            GemmConfig::Sm100OneSm => "sm100-1sm",
+            GemmConfig::Sm100TwoSm => "sm100-2sm",
+        }
+    }
+
+    /// The configuration called `name` (see [`name`](Self::name)).
+    pub fn from_name(name: &str) -> Option<GemmConfig> {
+        GemmConfig::ALL.into_iter().find(|c| c.name() == name)
+    }
+
     fn arch(self) -> Option<Arch> {
         match self {
             GemmConfig::Auto => None,
-            GemmConfig::Sm90Cooperative | GemmConfig::Sm90Pingpong => Some(Arch::Sm90),
+            GemmConfig::Sm90Cooperative
+            | GemmConfig::Sm90Pingpong
+            | GemmConfig::Sm90CooperativeNoCluster
+            | GemmConfig::Sm90CooperativeM256
+            | GemmConfig::Sm90Pingpong128
+            | GemmConfig::Sm90PingpongWide => Some(Arch::Sm90),
             GemmConfig::Sm100OneSm | GemmConfig::Sm100TwoSm => Some(Arch::Sm100),
         }
     }

@@ -51,7 +51,11 @@ enum {
   CAPMOE_CONFIG_SM90_COOPERATIVE = 1, /* 128x256x64 tile, 2x1 cluster: many rows per expert */
   CAPMOE_CONFIG_SM90_PINGPONG = 2,    /* 64x128x64 tile, 1x1 cluster: few rows per expert */
   CAPMOE_CONFIG_SM100_1SM = 3,        /* 128x256x64 per SM */
-  CAPMOE_CONFIG_SM100_2SM = 4         /* 256x256x64 across an SM pair */
+  CAPMOE_CONFIG_SM100_2SM = 4,        /* 256x256x64 across an SM pair */
+  CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER = 5, /* 128x256x64 tile, 1x1 cluster */
+  CAPMOE_CONFIG_SM90_COOPERATIVE_M256 = 6,      /* 256x128x64 tile, 1x1 cluster */
+  CAPMOE_CONFIG_SM90_PINGPONG_128 = 7,          /* 128x128x64 tile per warpgroup, 1x1 cluster */
+  CAPMOE_CONFIG_SM90_PINGPONG_WIDE = 8          /* 64x256x64 tile per warpgroup, 1x1 cluster */
 };
 
 /* Overflow flag bits (device int32, sticky). MISALIGNED: a per-expert pointer of a pointer-array

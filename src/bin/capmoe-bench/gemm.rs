@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use capturable_moe::baseline::{cublas_version, read_splits, CublasGroupedBatched, CublasLoop, DenseGemm, Operands};
 use capturable_moe::graph::capture;
-use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
+use capturable_moe::grouped_gemm::{GemmConfig, GemmOp, GroupedGemm, GroupedGemmSpec};
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
@@ -129,6 +129,15 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     // The reference output for the baselines: operand set 0, computed last.
     run_capmoe(0, &mut d);
 
+    // Other kernel configurations asked for with --configs, each checked against Auto's output.
+    for &config in &args.configs {
+        let (imp, us, note) = match time_config(stream, args, &spec, config, &a, &b, &m_splits, &mut check, &d[0], d_len) {
+            Ok((us, err)) => (format!("capmoe-graph[{}]", config.name()), us, Some(format!("relerr vs auto {err:.1e}"))),
+            Err(e) => (format!("capmoe-graph[{}]", config.name()), f64::NAN, Some(format!("unavailable: {e}"))),
+        };
+        push(&imp, us, None, note);
+    }
+
     // Every cuBLAS baseline writes into `check` (zeroed first, so a baseline that writes
     // nothing fails) and must agree with the crate's `d` before it is timed.
     let mut verify = |launch: &mut dyn FnMut(Operands) -> Result<(), String>| {
@@ -217,6 +226,38 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
         Err(e) => push("memcpy-floor", f64::NAN, None, Some(format!("unavailable: {e}"))),
     }
     rows
+}
+
+/// Graph-replay time of one explicit configuration over the rotated operand sets, and its
+/// output's normwise error against `reference` (set 0 under `Auto`).
+#[allow(clippy::too_many_arguments)]
+fn time_config(
+    stream: &Arc<CudaStream>,
+    args: &Args,
+    spec: &GroupedGemmSpec,
+    config: GemmConfig,
+    a: &[CudaSlice<bf16>],
+    b: &[CudaSlice<bf16>],
+    m_splits: &CudaSlice<i32>,
+    out: &mut CudaSlice<bf16>,
+    reference: &CudaSlice<bf16>,
+    len: usize,
+) -> Result<(f64, f64), String> {
+    let plan = GroupedGemm::new(GroupedGemmSpec { config, ..spec.clone() }, stream).map_err(|e| e.to_string())?;
+    let mut workspace = stream.alloc_zeros::<u8>(plan.workspace_bytes().max(1)).map_err(|e| e.to_string())?;
+    let sets = a.len().max(b.len());
+    let graphs = (0..sets)
+        .map(|i| {
+            capture(stream, || plan.run(stream, &a[i % a.len()], &b[i % b.len()], out, m_splits, None, &mut workspace))
+        })
+        .collect::<capturable_moe::Result<Vec<CudaGraph>>>()
+        .map_err(|e| e.to_string())?;
+    graphs.iter().for_each(|g| g.upload().unwrap());
+    let (us, _host) = time(stream, args.reps, |i| graphs[i % sets].launch().unwrap());
+    drop(graphs);
+    stream.memset_zeros(out).map_err(|e| e.to_string())?;
+    plan.run(stream, &a[0], &b[0], out, m_splits, None, &mut workspace).map_err(|e| e.to_string())?;
+    Ok((us, sampled_relerr(stream, out, reference, len)))
 }
 
 /// Why the cuBLASLt grouped matmul with device-side sizes is not in the report.

@@ -6,6 +6,7 @@
 //!   capmoe-bench [--shapes a,b] [--routing uniform,zipf,onehot] [--ops fprop,dgrad,wgrad]
 //!                [--streams 4] [--reps 30] [--anchors torch_anchor.json] [--out DIR] [--quick]
 //!                [--no-paths]   (skip the expert-path and Echo planner rows)
+//!                [--configs sm90-coop,sm90-pingpong128,...]  (also time these kernel configs)
 
 mod gemm;
 mod measure;
@@ -14,7 +15,7 @@ mod plot;
 mod report;
 
 use capturable_moe::device::{open, DeviceInfo};
-use capturable_moe::grouped_gemm::GemmOp;
+use capturable_moe::grouped_gemm::{GemmConfig, GemmOp};
 use cudarc::driver::sys::CUdevice_attribute;
 
 use gemm::{bench_case, op_name, Shape, SHAPES};
@@ -29,6 +30,8 @@ struct Args {
     pub out: String,
     /// Also time the whole expert path and the Echo planner.
     pub paths: bool,
+    /// Explicit kernel configurations timed beside `Auto` (`--configs`).
+    pub configs: Vec<GemmConfig>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -41,6 +44,7 @@ fn parse_args() -> Result<Args, String> {
         anchors: None,
         out: "bench/results".into(),
         paths: true,
+        configs: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     let list = |v: Option<String>| -> Result<Vec<String>, String> {
@@ -66,6 +70,12 @@ fn parse_args() -> Result<Args, String> {
             "--anchors" => args.anchors = Some(it.next().ok_or("--anchors FILE")?),
             "--out" => args.out = it.next().ok_or("--out DIR")?,
             "--no-paths" => args.paths = false,
+            "--configs" => {
+                args.configs = list(it.next())?
+                    .iter()
+                    .map(|name| GemmConfig::from_name(name).ok_or(format!("unknown config {name}")))
+                    .collect::<Result<_, _>>()?
+            }
             "--quick" => {
                 args.reps = 10;
                 args.routings = vec!["uniform".into()];

@@ -10,7 +10,7 @@ use capturable_moe::echo::{Algorithm, EchoConfig};
 use capturable_moe::graph::capture;
 use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
 use capturable_moe::moe::{MoeConfig, MoeExperts};
-use capturable_moe::routing::Tokens;
+use capturable_moe::routing::{RoutingConfig, RoutingPlan, Tokens};
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -154,6 +154,8 @@ fn expert_case(
     let (fwd_gemm_us, _) = time(stream, reps, |_| fwd_gemms.launch().unwrap());
     let (bwd_gemm_us, _) = time(stream, reps, |_| bwd_gemms.launch().unwrap());
 
+    let stages = forward_stage_times(stream, reps, &moe_routing_config(moe.config()), &ids, &probs, tok, &x, &mut y)?;
+
     // Host cost of one replay of forward + backward, without waiting for the GPU.
     stream.synchronize()?;
     let mut host = Vec::new();
@@ -168,6 +170,7 @@ fn expert_case(
     Ok(vec![
         row(name, "expert_fwd", "capmoe-graph", fwd_us, fwd_flops, None, Some(format!("{:.2}x its two grouped GEMMs", fwd_us / fwd_gemm_us))),
         row(name, "expert_fwd", "capmoe-gemms-graph", fwd_gemm_us, fwd_flops, None, Some("fc1 + fc2 grouped GEMMs alone".into())),
+        row(name, "expert_fwd", "capmoe-routing-graph", stages.iter().map(|s| s.1).sum(), 0.0, None, Some(stages_note(&stages))),
         row(name, "expert_bwd", "capmoe-graph", bwd_us, 2.0 * fwd_flops, None, Some(format!("{:.2}x its four grouped GEMMs", bwd_us / bwd_gemm_us))),
         row(name, "expert_bwd", "capmoe-gemms-graph", bwd_gemm_us, 2.0 * fwd_flops, None, Some("dgrad + wgrad of fc2 and fc1 alone".into())),
         row(
@@ -180,6 +183,57 @@ fn expert_case(
             Some(format!("host time of one replay {replay_host:.1} us (launch only)")),
         ),
     ])
+}
+
+/// The routing configuration an expert path runs with.
+fn moe_routing_config(c: &MoeConfig) -> RoutingConfig {
+    RoutingConfig {
+        num_experts: c.num_experts,
+        hidden: c.hidden,
+        ffn: c.ffn,
+        topk: c.topk,
+        max_tokens: c.max_tokens,
+        capacity: c.capacity,
+        expert_capacity: None,
+        dtype: c.dtype,
+        prob_dtype: c.prob_dtype,
+    }
+}
+
+/// GPU time of each non-GEMM stage of the forward, each captured alone in a graph and
+/// replayed (build, permute, SwiGLU, unpermute), with buffers of its own.
+#[allow(clippy::too_many_arguments)]
+fn forward_stage_times(
+    stream: &Arc<CudaStream>,
+    reps: usize,
+    config: &RoutingConfig,
+    ids: &CudaSlice<i32>,
+    probs: &CudaSlice<f32>,
+    tokens: Tokens<'_>,
+    x: &CudaSlice<bf16>,
+    y: &mut CudaSlice<bf16>,
+) -> capturable_moe::Result<Vec<(&'static str, f64)>> {
+    let plan = RoutingPlan::new(config.clone())?;
+    let mut maps = plan.alloc_maps(stream)?;
+    let mut rows = stream.alloc_zeros::<bf16>(plan.rows_len())?;
+    let h = random_bf16(stream, plan.fc1_len(), 9);
+    let mut act = stream.alloc_zeros::<bf16>(plan.act_len())?;
+    plan.build(stream, ids, tokens, &mut maps)?;
+    let mut timed = |name: &'static str, f: &mut dyn FnMut() -> capturable_moe::Result<()>| {
+        let graph = capture(stream, || f())?;
+        let (us, _) = time(stream, reps, |_| graph.launch().unwrap());
+        Ok::<_, capturable_moe::Error>((name, us))
+    };
+    let build = timed("build", &mut || plan.build(stream, ids, tokens, &mut maps))?;
+    let permute = timed("permute", &mut || plan.permute(stream, x, &maps.row_of_route, tokens, &mut rows))?;
+    let swiglu = timed("swiglu", &mut || plan.swiglu(stream, &h, &maps.offsets, &mut act))?;
+    let unpermute = timed("unpermute", &mut || plan.unpermute(stream, &rows, &maps.row_of_route, probs, tokens, y))?;
+    Ok(vec![build, permute, swiglu, unpermute])
+}
+
+fn stages_note(stages: &[(&'static str, f64)]) -> String {
+    let parts: Vec<String> = stages.iter().map(|(n, us)| format!("{n} {us:.1}")).collect();
+    format!("routing stages alone, us: {}", parts.join(", "))
 }
 
 /// Echo plan + reroute at the target shape, both assignment algorithms and forms.
