@@ -219,7 +219,7 @@ fn forward_stage_times(
     let h = random_bf16(stream, plan.fc1_len(), 9);
     let mut act = stream.alloc_zeros::<bf16>(plan.act_len())?;
     plan.build(stream, ids, tokens, &mut maps)?;
-    let mut timed = |name: &'static str, f: &mut dyn FnMut() -> capturable_moe::Result<()>| {
+    let timed = |name: &'static str, f: &mut dyn FnMut() -> capturable_moe::Result<()>| {
         let graph = capture(stream, || f())?;
         let (us, _) = time(stream, reps, |_| graph.launch().unwrap());
         Ok::<_, capturable_moe::Error>((name, us))
