@@ -6,9 +6,11 @@ mod common;
 
 use capturable_moe::dtype::DType;
 use capturable_moe::graph::capture;
-use capturable_moe::moe::{MoeConfig, MoeExperts};
-use capturable_moe::routing::Tokens;
-use cudarc::driver::{CudaSlice, CudaStream};
+use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions, WeightForm};
+use capturable_moe::routing::{flags, Tokens};
+use capturable_moe::Error;
+use common::moe::{assert_bits, assert_close, bf, f64s, reference, Dims};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::sync::Arc;
@@ -18,6 +20,7 @@ const H: usize = 64;
 const F: usize = 32;
 const K: usize = 2;
 const T_MAX: usize = 48;
+const DIMS: Dims = Dims { e: E, h: H, f: F, k: K };
 
 fn config() -> MoeConfig {
     MoeConfig {
@@ -31,14 +34,6 @@ fn config() -> MoeConfig {
         prob_dtype: DType::F32,
         wgrad_accumulate: false,
     }
-}
-
-fn bf(v: &[f32]) -> Vec<bf16> {
-    v.iter().map(|&x| bf16::from_f32(x)).collect()
-}
-
-fn f64s(v: &[bf16]) -> Vec<f64> {
-    v.iter().map(|x| x.to_f64()).collect()
 }
 
 /// One step's inputs (host), already rounded to their device types.
@@ -92,67 +87,6 @@ fn weights(seed: u64) -> Weights {
         w1: bf(&(0..E * 2 * F * H).map(|_| rng.random_range(-s1..s1)).collect::<Vec<_>>()),
         w2: bf(&(0..E * H * F).map(|_| rng.random_range(-s2..s2)).collect::<Vec<_>>()),
     }
-}
-
-/// fp64 reference of forward and backward: (y, dx, dprobs, dw1, dw2). Intermediates the GPU
-/// stores in bf16 (h, act, fc2 rows, their gradients) are rounded to bf16 here too, so the
-/// comparison measures the kernels' arithmetic rather than bf16 storage.
-#[allow(clippy::type_complexity)]
-fn reference(s: &Step, w: &Weights) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
-    let (w1, w2, x, dy) = (f64s(&w.w1), f64s(&w.w2), f64s(&s.x), f64s(&s.dy));
-    let mut y = vec![0.0; T_MAX * H];
-    let mut dx = vec![0.0; T_MAX * H];
-    let mut dprobs = vec![0.0; T_MAX * K];
-    let mut dw1 = vec![0.0; E * 2 * F * H];
-    let mut dw2 = vec![0.0; E * H * F];
-    let sigmoid = |g: f64| 1.0 / (1.0 + (-g).exp());
-    let r = |v: f64| bf16::from_f64(v).to_f64();
-    for t in 0..s.t {
-        for j in 0..K {
-            let e = s.ids[t * K + j];
-            if e < 0 {
-                continue;
-            }
-            let e = e as usize;
-            let p = s.probs[t * K + j] as f64;
-            let xt = &x[t * H..(t + 1) * H];
-            let h: Vec<f64> = (0..2 * F).map(|o| r((0..H).map(|c| w1[(e * 2 * F + o) * H + c] * xt[c]).sum())).collect();
-            let act: Vec<f64> = (0..F).map(|f| r(h[f] * sigmoid(h[f]) * h[F + f])).collect();
-            let out: Vec<f64> = (0..H).map(|o| r((0..F).map(|f| w2[(e * H + o) * F + f] * act[f]).sum())).collect();
-            let dyt = &dy[t * H..(t + 1) * H];
-            for o in 0..H {
-                y[t * H + o] += p * out[o];
-            }
-            dprobs[t * K + j] = (0..H).map(|o| dyt[o] * out[o]).sum();
-            let dout: Vec<f64> = dyt.iter().map(|d| r(p * d)).collect();
-            let mut dact = vec![0.0; F];
-            for o in 0..H {
-                for f in 0..F {
-                    dw2[(e * H + o) * F + f] += dout[o] * act[f];
-                    dact[f] += w2[(e * H + o) * F + f] * dout[o];
-                }
-            }
-            let dact: Vec<f64> = dact.into_iter().map(r).collect();
-            let mut dh = vec![0.0; 2 * F];
-            for f in 0..F {
-                let (g, u, sg) = (h[f], h[F + f], sigmoid(h[f]));
-                dh[f] = dact[f] * u * sg * (1.0 + g * (1.0 - sg));
-                dh[F + f] = dact[f] * g * sg;
-            }
-            let dh: Vec<f64> = dh.into_iter().map(r).collect();
-            let mut drow_in = vec![0.0; H];
-            for o in 0..2 * F {
-                for c in 0..H {
-                    dw1[(e * 2 * F + o) * H + c] += dh[o] * xt[c];
-                    drow_in[c] += w1[(e * 2 * F + o) * H + c] * dh[o];
-                }
-            }
-            for c in 0..H {
-                dx[t * H + c] += r(drow_in[c]);
-            }
-        }
-    }
-    (y, dx, dprobs, dw1, dw2)
 }
 
 /// Device buffers whose addresses a captured graph keeps.
@@ -226,25 +160,10 @@ impl Io {
     }
 }
 
-fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
-    let (mut diff, mut norm) = (0.0f64, 0.0f64);
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(g.is_finite(), "{what}: non-finite at {i}");
-        diff += (g - w) * (g - w);
-        norm += w * w;
-    }
-    if norm == 0.0 {
-        assert!(diff == 0.0, "{what}: expected all zeros");
-        return;
-    }
-    let rel = (diff / norm).sqrt();
-    assert!(rel <= tol, "{what}: normwise relative error {rel:.3e} > {tol:.0e}");
-}
-
 fn check_against_reference(what: &str, got: &[Vec<f64>; 5], s: &Step, w: &Weights) {
-    let (y, dx, dprobs, dw1, dw2) = reference(s, w);
+    let r = reference(DIMS, s.t, &s.ids, &s.probs, &s.x, &s.dy, &w.w1, &w.w2);
     let names = ["y", "dx", "dprobs", "dw1", "dw2"];
-    for (i, want) in [y, dx, dprobs, dw1, dw2].iter().enumerate() {
+    for (i, want) in [r.y, r.dx, r.dprobs, r.dw1, r.dw2].iter().enumerate() {
         assert_close(&format!("{what} {}", names[i]), &got[i], want, 2e-2);
     }
 }
@@ -313,4 +232,245 @@ fn smaller_capacity_drops_and_flags_without_going_out_of_bounds() {
     assert_eq!(flags & capturable_moe::routing::flags::CAPACITY, capturable_moe::routing::flags::CAPACITY);
     let (_, got) = io.read(&stream);
     assert!(got.iter().all(|v| v.iter().all(|x| x.is_finite())));
+}
+
+/// Megatron's routing form for one step: `map [T_MAX, E]` and `map_probs [T_MAX, E]` (junk at
+/// unrouted entries, which must be ignored), and the top-k form the conversion must produce:
+/// each token's experts ascending, at most k of them (the lowest), -1 / 0 after.
+struct MapStep {
+    t: usize,
+    map: Vec<u8>,
+    map_probs: Vec<f32>,
+    ids: Vec<i32>,
+    probs: Vec<f32>,
+    too_many: bool,
+}
+
+fn map_step(rng: &mut StdRng, i: usize, allow_too_many: bool) -> MapStep {
+    let t = match i % 10 {
+        0 => 0,
+        1 => T_MAX,
+        _ => rng.random_range(1..=T_MAX),
+    };
+    let mut map = vec![0u8; T_MAX * E];
+    let mut map_probs: Vec<f32> = (0..T_MAX * E).map(|_| rng.random_range(-9.0f32..9.0)).collect();
+    let mut ids = vec![-1i32; T_MAX * K];
+    let mut probs = vec![0f32; T_MAX * K];
+    let mut too_many = false;
+    for tok in 0..t {
+        let routes = match rng.random_range(0..8) {
+            _ if allow_too_many && tok == 0 => K + 1,
+            0 => 0,
+            1 => K - 1,
+            2 if allow_too_many => K + 1,
+            _ => K,
+        };
+        let mut experts: Vec<usize> = match i % 10 {
+            2 => (0..routes).collect(), // everything on the lowest experts
+            _ => {
+                let mut all: Vec<usize> = (0..E).collect();
+                for a in 0..E {
+                    all.swap(a, rng.random_range(a..E));
+                }
+                all.truncate(routes);
+                all
+            }
+        };
+        experts.sort();
+        too_many |= routes > K;
+        for &e in &experts {
+            map[tok * E + e] = rng.random_range(1..=255);
+            map_probs[tok * E + e] = rng.random_range(0.05f32..1.0);
+        }
+        for (j, &e) in experts.iter().take(K).enumerate() {
+            ids[tok * K + j] = e as i32;
+            probs[tok * K + j] = map_probs[tok * E + e];
+        }
+    }
+    MapStep { t, map, map_probs, ids, probs, too_many }
+}
+
+/// The Megatron form (routing map + dense probs) through `forward_from_map` /
+/// `backward_from_map`, captured once and replayed with new maps and T, equals the top-k form
+/// run eagerly on the converted routes, bit for bit (same rows in the same order, same
+/// kernels), including dprobs in the converted route order and the converted ids.
+#[test]
+fn megatron_map_form_matches_topk_form() {
+    let stream = gpu_or_skip!();
+    let _lock = common::CAPTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let w = weights(7);
+    let mut map_moe = MoeExperts::<bf16>::new(config(), &stream).unwrap();
+    let mut topk_moe = MoeExperts::<bf16>::new(config(), &stream).unwrap();
+    let mut map_io = Io::new(&stream, &w);
+    let mut topk_io = Io::new(&stream, &w);
+    let mut map_d: CudaSlice<u8> = stream.alloc_zeros(T_MAX * E).unwrap();
+    let mut map_probs_d: CudaSlice<f32> = stream.alloc_zeros(T_MAX * E).unwrap();
+    let mut rng = StdRng::seed_from_u64(8);
+
+    let run_map = |moe: &mut MoeExperts<bf16>, io: &mut Io, map: &CudaSlice<u8>, mp: &CudaSlice<f32>| {
+        let tokens = Tokens::Device(&io.tokens);
+        moe.forward_from_map(&stream, &io.x, map, mp, tokens, &io.w1, &io.w2, &mut io.y)?;
+        moe.backward_from_map(&stream, &io.dy, tokens, &io.w1, &io.w2, &mut io.dx, &mut io.dprobs, &mut io.dw1, &mut io.dw2)
+    };
+    let load = |io: &mut Io, map_d: &mut CudaSlice<u8>, map_probs_d: &mut CudaSlice<f32>, ms: &MapStep, base: &Step| {
+        let s = Step { t: ms.t, ids: ms.ids.clone(), probs: ms.probs.clone(), x: base.x.clone(), dy: base.dy.clone() };
+        io.load(&stream, &s);
+        stream.memcpy_htod(&ms.map, map_d).unwrap();
+        stream.memcpy_htod(&ms.map_probs, map_probs_d).unwrap();
+        s
+    };
+
+    // Eager, with tokens that have more than k routes: TOO_MANY is raised, the lowest k kept.
+    let ms = map_step(&mut rng, 1, true);
+    assert!(ms.too_many);
+    let base = step(&mut rng, 1);
+    let s = load(&mut map_io, &mut map_d, &mut map_probs_d, &ms, &base);
+    run_map(&mut map_moe, &mut map_io, &map_d, &map_probs_d).unwrap();
+    topk_io.load(&stream, &s);
+    topk_io.step(&mut topk_moe, &stream).unwrap();
+    let map_flags = stream.clone_dtoh(&map_moe.maps.flags).unwrap()[0];
+    assert_eq!(map_flags, flags::TOO_MANY, "TOO_MANY and nothing else");
+    assert_bits("too-many step: outputs", &map_io.read(&stream).0, &topk_io.read(&stream).0);
+    stream.memset_zeros(&mut map_moe.maps.flags).unwrap();
+
+    let first = map_step(&mut rng, 5, false);
+    let base = step(&mut rng, 5);
+    load(&mut map_io, &mut map_d, &mut map_probs_d, &first, &base);
+    stream.synchronize().unwrap();
+    let graph = capture(&stream, || run_map(&mut map_moe, &mut map_io, &map_d, &map_probs_d)).unwrap();
+    for i in 0..60 {
+        let ms = map_step(&mut rng, i, false);
+        let base = step(&mut rng, i);
+        let s = load(&mut map_io, &mut map_d, &mut map_probs_d, &ms, &base);
+        topk_io.load(&stream, &s);
+        graph.launch().unwrap();
+        topk_io.step(&mut topk_moe, &stream).unwrap();
+        let what = format!("replay {i} (T={})", s.t);
+        let ids = stream.clone_dtoh(map_moe.map_expert_ids()).unwrap();
+        assert_bits(&format!("{what}: converted ids"), &ids[..s.t * K], &s.ids[..s.t * K]);
+        let (map_bits, got) = map_io.read(&stream);
+        assert_bits(&format!("{what}: y, dx, dw1, dw2, dprobs"), &map_bits, &topk_io.read(&stream).0);
+        if i % 20 == 3 {
+            check_against_reference(&what, &got, &s, &w);
+        }
+    }
+    assert_eq!(stream.clone_dtoh(&map_moe.maps.flags).unwrap()[0], 0);
+    assert_eq!(stream.clone_dtoh(&map_moe.gemm_flags).unwrap()[0], 0);
+}
+
+/// Per-expert pointer arrays into the same tensors give the tensor form's results bit for bit,
+/// with written (bf16) and accumulated (fp32) weight gradients.
+#[test]
+fn pointer_weights_match_tensor_weights() {
+    let stream = gpu_or_skip!();
+    let w = weights(9);
+    let ptrs = |base: u64, elems: usize, bytes: usize| -> Vec<u64> {
+        (0..E).map(|e| base + (e * elems * bytes) as u64).collect()
+    };
+    for accumulate in [false, true] {
+        let cfg = MoeConfig { wgrad_accumulate: accumulate, ..config() };
+        let mut tensor_moe = MoeExperts::<bf16>::new(cfg.clone(), &stream).unwrap();
+        let opts = MoeOptions { weights: WeightForm::Pointers, ..MoeOptions::default() };
+        let mut ptr_moe = MoeExperts::<bf16>::with_options(cfg, opts, &stream).unwrap();
+        assert_eq!(tensor_moe.gemm_configs(), ptr_moe.gemm_configs());
+        let mut io = Io::new(&stream, &w);
+        let mut rng = StdRng::seed_from_u64(10);
+        let init: Vec<f32> = (0..E * 2 * F * H).map(|_| rng.random_range(-0.5f32..0.5)).collect();
+        let mut dw1_t = stream.clone_htod(&init).unwrap();
+        let mut dw2_t = stream.clone_htod(&init[..E * H * F]).unwrap();
+        let dw1_p = stream.clone_htod(&init).unwrap();
+        let dw2_p = stream.clone_htod(&init[..E * H * F]).unwrap();
+        let (dw1_bf_p, dw2_bf_p) = (io.dw1.clone(), io.dw2.clone());
+        let w1p = stream.clone_htod(&ptrs(io.w1.device_ptr(&stream).0, 2 * F * H, 2)).unwrap();
+        let w2p = stream.clone_htod(&ptrs(io.w2.device_ptr(&stream).0, H * F, 2)).unwrap();
+        let (dw1pp, dw2pp) = if accumulate {
+            (ptrs(dw1_p.device_ptr(&stream).0, 2 * F * H, 4), ptrs(dw2_p.device_ptr(&stream).0, H * F, 4))
+        } else {
+            (ptrs(dw1_bf_p.device_ptr(&stream).0, 2 * F * H, 2), ptrs(dw2_bf_p.device_ptr(&stream).0, H * F, 2))
+        };
+        let mut dw1pp = stream.clone_htod(&dw1pp).unwrap();
+        let mut dw2pp = stream.clone_htod(&dw2pp).unwrap();
+        let (mut y_p, mut dx_p, mut dprobs_p) = (io.y.clone(), io.dx.clone(), io.dprobs.clone());
+        for i in 0..6 {
+            let s = step(&mut rng, i);
+            io.load(&stream, &s);
+            // Token rows t >= T are not written: clear them like `load` does for io's outputs.
+            stream.memset_zeros(&mut y_p).unwrap();
+            stream.memset_zeros(&mut dx_p).unwrap();
+            stream.memset_zeros(&mut dprobs_p).unwrap();
+            let tok = Tokens::Host(s.t);
+            tensor_moe.forward(&stream, &io.x, &io.ids, &io.probs, tok, &io.w1, &io.w2, &mut io.y).unwrap();
+            ptr_moe.forward(&stream, &io.x, &io.ids, &io.probs, tok, &w1p, &w2p, &mut y_p).unwrap();
+            if accumulate {
+                tensor_moe.backward(&stream, &io.dy, &io.probs, tok, &io.w1, &io.w2, &mut io.dx, &mut io.dprobs, &mut dw1_t, &mut dw2_t).unwrap();
+            } else {
+                tensor_moe.backward(&stream, &io.dy, &io.probs, tok, &io.w1, &io.w2, &mut io.dx, &mut io.dprobs, &mut io.dw1, &mut io.dw2).unwrap();
+            }
+            ptr_moe.backward(&stream, &io.dy, &io.probs, tok, &w1p, &w2p, &mut dx_p, &mut dprobs_p, &mut dw1pp, &mut dw2pp).unwrap();
+            let what = format!("accumulate={accumulate} step {i} (T={})", s.t);
+            let bits16 = |v: &CudaSlice<bf16>| stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+            let bits32 = |v: &CudaSlice<f32>| stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+            assert_bits(&format!("{what}: y"), &bits16(&y_p), &bits16(&io.y));
+            assert_bits(&format!("{what}: dx"), &bits16(&dx_p), &bits16(&io.dx));
+            assert_bits(&format!("{what}: dprobs"), &bits32(&dprobs_p), &bits32(&io.dprobs));
+            if accumulate {
+                assert_bits(&format!("{what}: dw1"), &bits32(&dw1_p), &bits32(&dw1_t));
+                assert_bits(&format!("{what}: dw2"), &bits32(&dw2_p), &bits32(&dw2_t));
+            } else {
+                assert_bits(&format!("{what}: dw1"), &bits16(&dw1_bf_p), &bits16(&io.dw1));
+                assert_bits(&format!("{what}: dw2"), &bits16(&dw2_bf_p), &bits16(&io.dw2));
+            }
+        }
+        for moe in [&tensor_moe, &ptr_moe] {
+            assert_eq!(stream.clone_dtoh(&moe.maps.flags).unwrap()[0], 0);
+            assert_eq!(stream.clone_dtoh(&moe.gemm_flags).unwrap()[0], 0);
+        }
+    }
+}
+
+/// A weight or gradient in the wrong form, too short, or of the wrong element type is an
+/// `Error::Shape` naming the operand, raised on the host.
+#[test]
+fn mismatched_weight_forms_are_typed_errors() {
+    let stream = gpu_or_skip!();
+    let w = weights(11);
+    let mut io = Io::new(&stream, &w);
+    let ptrs: CudaSlice<u64> = stream.alloc_zeros(E).unwrap();
+    let short_ptrs: CudaSlice<u64> = stream.alloc_zeros(E - 1).unwrap();
+    let tok = Tokens::Host(4);
+    let is_shape = |r: capturable_moe::Result<()>, want: &str| match r {
+        Err(Error::Shape { what, .. }) if what.starts_with(want) => {}
+        other => panic!("expected Error::Shape for {want}, got {other:?}"),
+    };
+
+    let mut tensor_moe = MoeExperts::<bf16>::new(config(), &stream).unwrap();
+    is_shape(tensor_moe.forward(&stream, &io.x, &io.ids, &io.probs, tok, &ptrs, &ptrs, &mut io.y), "fc1_weight");
+    let short_w1: CudaSlice<bf16> = stream.alloc_zeros(E * 2 * F * H - 1).unwrap();
+    is_shape(tensor_moe.forward(&stream, &io.x, &io.ids, &io.probs, tok, &short_w1, &io.w2, &mut io.y), "fc1_weight");
+    let probs16: CudaSlice<bf16> = stream.alloc_zeros(T_MAX * K).unwrap();
+    is_shape(tensor_moe.forward(&stream, &io.x, &io.ids, &probs16, tok, &io.w1, &io.w2, &mut io.y), "probs");
+    let mut short_y: CudaSlice<bf16> = stream.alloc_zeros(T_MAX * H - 1).unwrap();
+    is_shape(tensor_moe.forward(&stream, &io.x, &io.ids, &io.probs, tok, &io.w1, &io.w2, &mut short_y), "y");
+
+    let acc = MoeConfig { wgrad_accumulate: true, ..config() };
+    let mut acc_moe = MoeExperts::<bf16>::new(acc.clone(), &stream).unwrap();
+    let r = acc_moe.backward(&stream, &io.dy, &io.probs, tok, &io.w1, &io.w2, &mut io.dx, &mut io.dprobs, &mut io.dw1, &mut io.dw2);
+    is_shape(r, "dw1"); // bf16 gradients into an fp32 main-grad plan
+
+    let opts = MoeOptions { weights: WeightForm::Pointers, ..MoeOptions::default() };
+    let mut ptr_moe = MoeExperts::<bf16>::with_options(acc, opts, &stream).unwrap();
+    is_shape(ptr_moe.forward(&stream, &io.x, &io.ids, &io.probs, tok, &io.w1, &io.w2, &mut io.y), "fc1_weight");
+    is_shape(ptr_moe.forward(&stream, &io.x, &io.ids, &io.probs, tok, &short_ptrs, &ptrs, &mut io.y), "fc1_weight");
+    is_shape(ptr_moe.forward(&stream, &io.x, &io.ids, &io.probs, tok, &ptrs, &short_ptrs, &mut io.y), "fc2_weight");
+    let mut dw_t: CudaSlice<f32> = stream.alloc_zeros(E * 2 * F * H).unwrap();
+    let mut dw_t2: CudaSlice<f32> = stream.alloc_zeros(E * 2 * F * H).unwrap();
+    let r = ptr_moe.backward(&stream, &io.dy, &io.probs, tok, &ptrs, &ptrs, &mut io.dx, &mut io.dprobs, &mut dw_t, &mut dw_t2);
+    is_shape(r, "dw1");
+    let short_map: CudaSlice<u8> = stream.alloc_zeros(T_MAX * E - 1).unwrap();
+    let mp: CudaSlice<f32> = stream.alloc_zeros(T_MAX * E).unwrap();
+    is_shape(tensor_moe.forward_from_map(&stream, &io.x, &short_map, &mp, tok, &io.w1, &io.w2, &mut io.y), "routing_map");
+    for moe in [&tensor_moe, &acc_moe, &ptr_moe] {
+        assert_eq!(stream.clone_dtoh(&moe.maps.flags).unwrap()[0], 0);
+        assert_eq!(stream.clone_dtoh(&moe.gemm_flags).unwrap()[0], 0);
+    }
 }

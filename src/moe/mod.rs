@@ -7,30 +7,53 @@
 //! Backward: unpermute backward (drows, dprobs) -> fc2 dgrad + wgrad -> SwiGLU backward ->
 //!           fc1 dgrad + wgrad -> permute backward into dx.
 //!
-//! Layouts: `x, y, dx [T_max, H]`; `expert_ids, probs [T_max, k]`; fc1 weight `[E, 2F, H]`
-//! whose first F output rows are the gate and the next F the up projection (nn.Linear layout:
-//! `h = rows · W1ᵀ`, `h[:, :F]` gate, `h[:, F:]` up); fc2 weight `[E, H, F]`. Gradients have the
-//! weights' shapes: `dW1 [E, 2F, H]`, `dW2 [E, H, F]`, in the activation dtype, or fp32 main
-//! grads (`wgrad_accumulate`: `dW += ...`).
+//! Layouts: `x, y, dx [T_max, H]`; `expert_ids, probs, dprobs [T_max, k]`; fc1 weight
+//! `[E, 2F, H]` whose first F output rows are the gate and the next F the up projection
+//! (nn.Linear layout: `h = rows · W1ᵀ`, `h[:, :F]` gate, `h[:, F:]` up); fc2 weight `[E, H, F]`.
+//! Gradients have the weights' shapes: `dW1 [E, 2F, H]`, `dW2 [E, H, F]`, in the activation
+//! dtype, or fp32 main grads (`wgrad_accumulate`: `dW += ...`).
+//!
+//! Weight forms ([`WeightForm`], fixed at plan time by [`MoeOptions`]):
+//! * `Tensor` (the default): fc1, fc2, dW1, dW2 are each one `[E, ...]` tensor as above.
+//! * `Pointers`: each of the four is a device array of `num_experts` u64 addresses; entry `e`
+//!   points at expert `e`'s packed matrix (fc1 / dW1 `[2F, H]`, fc2 / dW2 `[H, F]`, of the
+//!   activation dtype, dW1 / dW2 fp32 with `wgrad_accumulate`), 16-byte aligned (a misaligned
+//!   entry skips that expert and raises [`crate::grouped_gemm::OVERFLOW_MISALIGNED_POINTER`]
+//!   in `gemm_flags`). `num_experts` then counts weight slots, e.g. Echo's `E + S` columns,
+//!   whose spare slots hold copies of home experts and write their gradients into separate
+//!   fp32 buffers that [`crate::echo::fold_spare_grads`] adds into the home experts
+//!   ([`echo_slot_pointers`] builds such tables; README "Echo with the expert path").
+//!   The arrays are read on the device at every launch, so their contents may change between
+//!   graph replays; the matrices they point at must be live whenever a launch or replay runs.
+//!
+//! Routing forms: top-k (`expert_ids` + `probs`, [`MoeExperts::forward`]) and Megatron's
+//! routing map `[T_max, E]` + probs `[T_max, E]` ([`MoeExperts::forward_from_map`], converted on
+//! the GPU into the plan's own `[T_max, k]` buffers).
 //!
 //! Fixed pointers: the plan owns every intermediate buffer (allocated once in
 //! [`MoeExperts::new`]); a captured graph also bakes in the addresses of the caller's x,
-//! expert_ids, probs, weights, y, dy, dx, dprobs and gradients, so those must stay allocated
-//! and unmoved while the graph is replayed: write new inputs into them between replays.
-//! T may change per replay when given as [`Tokens::Device`].
+//! expert_ids / routing map, probs, weights (tensors or pointer arrays), y, dy, dx, dprobs and
+//! gradients, so those must stay allocated and unmoved while the graph is replayed: write new
+//! inputs into them between replays. T may change per replay when given as
+//! [`Tokens::Device`].
+
+mod slots;
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, ValidAsZeroBits};
 
+pub use slots::{echo_slot_pointers, echo_slot_table};
+
 use crate::dtype::DType;
-use crate::grouped_gemm::{GemmOperand, GemmOp, GroupedGemm, GroupedGemmSpec};
+use crate::grouped_gemm::{GemmConfig, GemmOp, GemmOperand, GroupedGemm, GroupedGemmSpec};
 use crate::routing::{self, RouteMaps, RoutingConfig, RoutingPlan, Tokens};
 use crate::{Error, Result};
 
 /// Shapes and types of one MoE layer's experts, fixed at plan time.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MoeConfig {
+    /// E: experts, or weight slots with [`WeightForm::Pointers`] (e.g. Echo's `E + S`).
     pub num_experts: usize,
     /// H, the model width.
     pub hidden: usize,
@@ -51,6 +74,35 @@ pub struct MoeConfig {
     pub wgrad_accumulate: bool,
 }
 
+/// How fc1 / fc2 weights and their gradients dW1 / dW2 are handed to the expert path.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum WeightForm {
+    /// One tensor each: `[E, 2F, H]` and `[E, H, F]`.
+    #[default]
+    Tensor,
+    /// A device array of `num_experts` u64 matrix addresses each (module docs).
+    Pointers,
+}
+
+/// Plan-time choices beyond the layer's shapes. `MoeOptions::default()` is what
+/// [`MoeExperts::new`] uses: tensor weights, `GemmConfig::Auto`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeOptions {
+    pub weights: WeightForm,
+    /// Kernel of the four row-wise GEMMs (fc1 / fc2 fprop and dgrad). `Auto` applies the grouped
+    /// GEMM heuristic, which looks at `capacity / num_experts`, so two plans with different
+    /// `num_experts` may pick different kernels; force one to make them run the same kernel
+    /// (then each row's result is bitwise the same in both). The wgrad GEMMs always resolve
+    /// `Auto`: one wgrad kernel exists per arch.
+    pub gemm_config: GemmConfig,
+}
+
+impl Default for MoeOptions {
+    fn default() -> Self {
+        MoeOptions { weights: WeightForm::Tensor, gemm_config: GemmConfig::Auto }
+    }
+}
+
 /// The six grouped GEMMs of one layer.
 struct Gemms {
     fc1_fprop: GroupedGemm,
@@ -62,13 +114,18 @@ struct Gemms {
 }
 
 impl Gemms {
-    fn new(config: &MoeConfig, capacity: usize, stream: &CudaStream) -> Result<Gemms> {
+    fn new(config: &MoeConfig, options: &MoeOptions, capacity: usize, stream: &CudaStream) -> Result<Gemms> {
         let (e, h, f) = (config.num_experts, config.hidden, config.ffn);
         let plan = |op: GemmOp, n: usize, k: usize| {
             let mut spec = GroupedGemmSpec::new(op, e, n, k, capacity).with_dtype(config.dtype);
-            if op == GemmOp::Wgrad && config.wgrad_accumulate {
-                spec.out_dtype = DType::F32;
-                spec.accumulate = true;
+            spec.weights_as_pointers = options.weights == WeightForm::Pointers;
+            if op == GemmOp::Wgrad {
+                if config.wgrad_accumulate {
+                    spec.out_dtype = DType::F32;
+                    spec.accumulate = true;
+                }
+            } else {
+                spec.config = options.gemm_config;
             }
             GroupedGemm::new(spec, stream)
         };
@@ -99,18 +156,33 @@ struct Buffers<T> {
     drows_in: CudaSlice<T>, // [cap, H]  grad of rows
 }
 
+/// The routing plan, GEMMs, intermediates and GEMM workspace: everything forward and backward
+/// need besides the route maps and flag words (public fields of [`MoeExperts`]).
+struct Path<T> {
+    routing: RoutingPlan,
+    gemms: Gemms,
+    buffers: Buffers<T>,
+    /// One workspace shared by the six GEMMs: they run one after another on one stream.
+    workspace: CudaSlice<u8>,
+}
+
+/// The `[T_max, k]` routes [`MoeExperts::forward_from_map`] converts the Megatron form into.
+struct MapRoutes {
+    ids: CudaSlice<i32>,
+    /// `T_max · k` probs of the plan's prob dtype (at most 4 bytes each), as fp32-sized storage.
+    probs: CudaSlice<f32>,
+}
+
 /// A MoE layer's expert path with every buffer allocated at plan time.
 pub struct MoeExperts<T> {
     config: MoeConfig,
-    routing: RoutingPlan,
-    gemms: Gemms,
+    options: MoeOptions,
+    path: Path<T>,
+    map_routes: MapRoutes,
     /// Route maps and the routing flag word (see [`crate::routing::flags`]).
     pub maps: RouteMaps,
-    buffers: Buffers<T>,
     /// Grouped GEMM flag word (see [`crate::grouped_gemm::OVERFLOW_CAPACITY`]).
     pub gemm_flags: CudaSlice<i32>,
-    /// One workspace shared by the six GEMMs: they run one after another on one stream.
-    workspace: CudaSlice<u8>,
 }
 
 /// Element types the expert path runs on.
@@ -118,10 +190,20 @@ pub trait MoeElement: routing::Element + GemmOperand + ValidAsZeroBits {}
 impl MoeElement for half::bf16 {}
 impl MoeElement for half::f16 {}
 
+fn form_name(dtype: Option<DType>) -> String {
+    dtype.map_or_else(|| "a u64 pointer array (WeightForm::Pointers)".into(), |d| format!("a {d:?} tensor (WeightForm::Tensor)"))
+}
+
 impl<T: MoeElement> MoeExperts<T> {
     /// Validates the configuration on the host, plans the routing and the six GEMMs for the
     /// device of `stream`, and allocates every intermediate buffer (the only allocation).
+    /// Tensor weights, `GemmConfig::Auto`; see [`with_options`](Self::with_options).
     pub fn new(config: MoeConfig, stream: &Arc<CudaStream>) -> Result<MoeExperts<T>> {
+        Self::with_options(config, MoeOptions::default(), stream)
+    }
+
+    /// [`new`](Self::new) with a weight form and a forced GEMM kernel.
+    pub fn with_options(config: MoeConfig, options: MoeOptions, stream: &Arc<CudaStream>) -> Result<MoeExperts<T>> {
         if config.dtype != <T as routing::Element>::DTYPE {
             return Err(Error::Shape {
                 op: "MoeExperts::new",
@@ -142,7 +224,7 @@ impl<T: MoeElement> MoeExperts<T> {
             prob_dtype: config.prob_dtype,
         })?;
         let cap = routing.capacity();
-        let gemms = Gemms::new(&config, cap, stream)?;
+        let gemms = Gemms::new(&config, &options, cap, stream)?;
         let (h, f) = (config.hidden, config.ffn);
         let zeros = |len: usize| stream.alloc_zeros::<T>(len.max(1));
         let buffers = Buffers {
@@ -156,14 +238,14 @@ impl<T: MoeElement> MoeExperts<T> {
             drows_in: zeros(cap * h)?,
         };
         let workspace_bytes = gemms.all().iter().map(|g| g.workspace_bytes()).max().unwrap_or(0);
+        let routes = routing.routes_len().max(1);
         Ok(MoeExperts {
             maps: routing.alloc_maps(stream)?,
             gemm_flags: stream.alloc_zeros(1)?,
-            workspace: stream.alloc_zeros(workspace_bytes.max(1))?,
+            map_routes: MapRoutes { ids: stream.alloc_zeros(routes)?, probs: stream.alloc_zeros(routes)? },
+            path: Path { workspace: stream.alloc_zeros(workspace_bytes.max(1))?, routing, gemms, buffers },
             config,
-            routing,
-            gemms,
-            buffers,
+            options,
         })
     }
 
@@ -171,59 +253,256 @@ impl<T: MoeElement> MoeExperts<T> {
         &self.config
     }
 
+    pub fn options(&self) -> &MoeOptions {
+        &self.options
+    }
+
     /// Rows of the permuted buffers.
     pub fn capacity(&self) -> usize {
-        self.routing.capacity()
+        self.path.routing.capacity()
+    }
+
+    /// The GEMM kernels the plan runs, as resolved: (fc1 fprop, fc2 fprop, fc2 dgrad,
+    /// fc2 wgrad, fc1 dgrad, fc1 wgrad).
+    pub fn gemm_configs(&self) -> [GemmConfig; 6] {
+        self.path.gemms.all().map(|g| g.config())
     }
 
     /// `y = Σ_j probs[t, j] · fc2(SwiGLU(fc1(x[t])))` over each token's routed experts.
+    /// `fc1_weight` / `fc2_weight` are tensors of `T` or u64 pointer arrays, as the plan's
+    /// [`WeightForm`] says (anything else is an [`Error::Shape`] before any launch).
     #[allow(clippy::too_many_arguments)]
-    pub fn forward<P: routing::Element>(
+    pub fn forward<P: routing::Element, W: GemmOperand>(
         &mut self,
         stream: &CudaStream,
         x: &impl DevicePtr<T>,
         expert_ids: &impl DevicePtr<i32>,
         probs: &impl DevicePtr<P>,
         tokens: Tokens<'_>,
-        fc1_weight: &impl DevicePtr<T>,
-        fc2_weight: &impl DevicePtr<T>,
+        fc1_weight: &impl DevicePtr<W>,
+        fc2_weight: &impl DevicePtr<W>,
         y: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
-        let (r, g, b) = (&self.routing, &self.gemms, &mut self.buffers);
-        let maps = &mut self.maps;
+        const OP: &str = "MoeExperts::forward";
+        self.check_routes(OP, "expert_ids", expert_ids.len())?;
+        self.check_forward::<P, W>(OP, x.len(), probs.len(), fc1_weight.len(), fc2_weight.len(), y.len())?;
+        self.path.forward(stream, &mut self.maps, &mut self.gemm_flags, x, expert_ids, probs, tokens, fc1_weight, fc2_weight, y)
+    }
+
+    /// Gradients of [`forward`](Self::forward) (which must have run with the same inputs):
+    /// `dx`, `dprobs`, and the weight gradients `dw1 [E, 2F, H]`, `dw2 [E, H, F]` (element
+    /// type `T`, or `f32` with `wgrad_accumulate`, which adds into them), as tensors or u64
+    /// pointer arrays per the plan's [`WeightForm`], like the weights.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward<P: routing::Element, W: GemmOperand, G: GemmOperand>(
+        &mut self,
+        stream: &CudaStream,
+        dy: &impl DevicePtr<T>,
+        probs: &impl DevicePtr<P>,
+        tokens: Tokens<'_>,
+        fc1_weight: &impl DevicePtr<W>,
+        fc2_weight: &impl DevicePtr<W>,
+        dx: &mut impl DevicePtrMut<T>,
+        dprobs: &mut impl DevicePtrMut<P>,
+        dw1: &mut impl DevicePtrMut<G>,
+        dw2: &mut impl DevicePtrMut<G>,
+    ) -> Result<()> {
+        const OP: &str = "MoeExperts::backward";
+        self.check_routes(OP, "dprobs", dprobs.len())?;
+        self.check_backward::<P, W, G>(OP, dy.len(), probs.len(), fc1_weight.len(), fc2_weight.len(), dx.len(), dw1.len(), dw2.len())?;
+        self.path.backward(stream, &self.maps, &mut self.gemm_flags, dy, probs, tokens, fc1_weight, fc2_weight, dx, dprobs, dw1, dw2)
+    }
+
+    /// [`forward`](Self::forward) from Megatron's routing form: `routing_map [T_max, E]` (u8,
+    /// nonzero = routed) and `map_probs [T_max, E]` (the plan's prob dtype). One extra launch
+    /// converts them into the plan's own `[T_max, k]` buffers ([`RoutingPlan::from_map`]:
+    /// each token's routes in ascending expert order; fewer than k routes leave id -1, more
+    /// keep the k lowest experts and raise [`routing::flags::TOO_MANY`] in `maps.flags`).
+    /// Those buffers are fixed too, so a graph may hold this call.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_from_map<P: routing::Element, W: GemmOperand>(
+        &mut self,
+        stream: &CudaStream,
+        x: &impl DevicePtr<T>,
+        routing_map: &impl DevicePtr<u8>,
+        map_probs: &impl DevicePtr<P>,
+        tokens: Tokens<'_>,
+        fc1_weight: &impl DevicePtr<W>,
+        fc2_weight: &impl DevicePtr<W>,
+        y: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        const OP: &str = "MoeExperts::forward_from_map";
+        let map_len = self.config.max_tokens * self.config.num_experts;
+        for (what, len) in [("routing_map [T_max, E]", routing_map.len()), ("map_probs [T_max, E]", map_probs.len())] {
+            if len < map_len {
+                return Err(Error::Shape { op: OP, what, expected: format!(">= {map_len} elements"), got: len.to_string() });
+            }
+        }
+        let routes = self.path.routing.routes_len();
+        self.check_forward::<P, W>(OP, x.len(), routes, fc1_weight.len(), fc2_weight.len(), y.len())?;
+        let mr = &mut self.map_routes;
+        {
+            // SAFETY: every prob dtype (bf16, f16, f32) is at most 4 bytes and valid as any
+            // bits, and the fp32-sized storage holds `routes` of them.
+            let mut probs = unsafe { mr.probs.transmute_mut::<P>(routes) }.expect("map probs storage holds T_max * k");
+            self.path.routing.from_map(stream, routing_map, map_probs, tokens, &mut mr.ids, &mut probs, &mut self.maps.flags)?;
+        }
+        // SAFETY: as above.
+        let probs = unsafe { mr.probs.transmute::<P>(routes) }.expect("map probs storage holds T_max * k");
+        self.path.forward(stream, &mut self.maps, &mut self.gemm_flags, x, &mr.ids, &probs, tokens, fc1_weight, fc2_weight, y)
+    }
+
+    /// [`backward`](Self::backward) after [`forward_from_map`](Self::forward_from_map), with
+    /// the probs it converted. `dprobs` is `[T_max, k]` in the converted route order (route j
+    /// of token t is expert [`map_expert_ids`](Self::map_expert_ids)`[t, j]`, -1 = none).
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward_from_map<P: routing::Element, W: GemmOperand, G: GemmOperand>(
+        &mut self,
+        stream: &CudaStream,
+        dy: &impl DevicePtr<T>,
+        tokens: Tokens<'_>,
+        fc1_weight: &impl DevicePtr<W>,
+        fc2_weight: &impl DevicePtr<W>,
+        dx: &mut impl DevicePtrMut<T>,
+        dprobs: &mut impl DevicePtrMut<P>,
+        dw1: &mut impl DevicePtrMut<G>,
+        dw2: &mut impl DevicePtrMut<G>,
+    ) -> Result<()> {
+        const OP: &str = "MoeExperts::backward_from_map";
+        let routes = self.path.routing.routes_len();
+        self.check_routes(OP, "dprobs", dprobs.len())?;
+        self.check_backward::<P, W, G>(OP, dy.len(), routes, fc1_weight.len(), fc2_weight.len(), dx.len(), dw1.len(), dw2.len())?;
+        // SAFETY: as in forward_from_map (any bits are a valid prob of at most 4 bytes).
+        let probs = unsafe { self.map_routes.probs.transmute::<P>(routes) }.expect("map probs storage holds T_max * k");
+        self.path.backward(stream, &self.maps, &mut self.gemm_flags, dy, &probs, tokens, fc1_weight, fc2_weight, dx, dprobs, dw1, dw2)
+    }
+
+    /// `[T_max, k]` expert ids the last [`forward_from_map`](Self::forward_from_map) converted.
+    pub fn map_expert_ids(&self) -> &CudaSlice<i32> {
+        &self.map_routes.ids
+    }
+
+    // ---- host checks, all before the first launch ----
+
+    fn check_routes(&self, op: &'static str, what: &'static str, len: usize) -> Result<()> {
+        let need = self.path.routing.routes_len();
+        if len < need {
+            return Err(Error::Shape { op, what, expected: format!(">= {need} elements (T_max * k)"), got: len.to_string() });
+        }
+        Ok(())
+    }
+
+    fn check_tokens(&self, op: &'static str, what: &'static str, len: usize) -> Result<()> {
+        let need = self.path.routing.tokens_len();
+        if len < need {
+            return Err(Error::Shape { op, what, expected: format!(">= {need} elements (T_max * H)"), got: len.to_string() });
+        }
+        Ok(())
+    }
+
+    fn check_probs<P: routing::Element>(&self, op: &'static str, len: usize) -> Result<()> {
+        if P::DTYPE != self.config.prob_dtype {
+            return Err(Error::Shape { op, what: "probs element type", expected: format!("{:?}", self.config.prob_dtype), got: format!("{:?}", P::DTYPE) });
+        }
+        self.check_routes(op, "probs", len)
+    }
+
+    /// A weight-shaped operand: a tensor of `dtype` holding `E` matrices of `matrix` elements,
+    /// or a u64 array of `E` pointers, per the plan's [`WeightForm`].
+    fn check_weight<W: GemmOperand>(&self, op: &'static str, what: &'static str, len: usize, dtype: DType, matrix: usize) -> Result<()> {
+        let e = self.config.num_experts;
+        let (want, need) = match self.options.weights {
+            WeightForm::Tensor => (Some(dtype), e * matrix),
+            WeightForm::Pointers => (None, e),
+        };
+        if W::DTYPE != want {
+            return Err(Error::Shape { op, what, expected: form_name(want), got: form_name(W::DTYPE) });
+        }
+        if len < need {
+            return Err(Error::Shape { op, what, expected: format!(">= {need} elements ({})", form_name(want)), got: len.to_string() });
+        }
+        Ok(())
+    }
+
+    fn check_weights<W: GemmOperand>(&self, op: &'static str, fc1: usize, fc2: usize) -> Result<()> {
+        let (h, f, dtype) = (self.config.hidden, self.config.ffn, self.config.dtype);
+        self.check_weight::<W>(op, "fc1_weight [E, 2F, H]", fc1, dtype, 2 * f * h)?;
+        self.check_weight::<W>(op, "fc2_weight [E, H, F]", fc2, dtype, h * f)
+    }
+
+    fn check_forward<P: routing::Element, W: GemmOperand>(&self, op: &'static str, x: usize, probs: usize, fc1: usize, fc2: usize, y: usize) -> Result<()> {
+        self.check_tokens(op, "x", x)?;
+        self.check_tokens(op, "y", y)?;
+        self.check_probs::<P>(op, probs)?;
+        self.check_weights::<W>(op, fc1, fc2)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn check_backward<P: routing::Element, W: GemmOperand, G: GemmOperand>(
+        &self,
+        op: &'static str,
+        dy: usize,
+        probs: usize,
+        fc1: usize,
+        fc2: usize,
+        dx: usize,
+        dw1: usize,
+        dw2: usize,
+    ) -> Result<()> {
+        self.check_tokens(op, "dy", dy)?;
+        self.check_tokens(op, "dx", dx)?;
+        self.check_probs::<P>(op, probs)?;
+        self.check_weights::<W>(op, fc1, fc2)?;
+        let (h, f) = (self.config.hidden, self.config.ffn);
+        let gdt = if self.config.wgrad_accumulate { DType::F32 } else { self.config.dtype };
+        self.check_weight::<G>(op, "dw1 [E, 2F, H]", dw1, gdt, 2 * f * h)?;
+        self.check_weight::<G>(op, "dw2 [E, H, F]", dw2, gdt, h * f)
+    }
+}
+
+impl<T: MoeElement> Path<T> {
+    #[allow(clippy::too_many_arguments)]
+    fn forward<P: routing::Element, W: GemmOperand>(
+        &mut self,
+        stream: &CudaStream,
+        maps: &mut RouteMaps,
+        flags: &mut CudaSlice<i32>,
+        x: &impl DevicePtr<T>,
+        expert_ids: &impl DevicePtr<i32>,
+        probs: &impl DevicePtr<P>,
+        tokens: Tokens<'_>,
+        fc1_weight: &impl DevicePtr<W>,
+        fc2_weight: &impl DevicePtr<W>,
+        y: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        let (r, g, b, ws) = (&self.routing, &self.gemms, &mut self.buffers, &mut self.workspace);
         r.build(stream, expert_ids, tokens, maps)?;
         r.permute(stream, x, &maps.row_of_route, tokens, &mut b.rows)?;
         let splits = &maps.m_splits_i32;
-        let flags = &mut self.gemm_flags;
-        let ws = &mut self.workspace;
         g.fc1_fprop.run(stream, &b.rows, fc1_weight, &mut b.h, splits, Some(&mut *flags), ws)?;
         r.swiglu(stream, &b.h, &maps.offsets, &mut b.act)?;
         g.fc2_fprop.run(stream, &b.act, fc2_weight, &mut b.out_rows, splits, Some(&mut *flags), ws)?;
         r.unpermute(stream, &b.out_rows, &maps.row_of_route, probs, tokens, y)
     }
 
-    /// Gradients of [`forward`](Self::forward) (which must have run with the same inputs):
-    /// `dx`, `dprobs`, and the weight gradients `dw1 [E, 2F, H]`, `dw2 [E, H, F]` (element
-    /// type `T`, or `f32` with `wgrad_accumulate`, which adds into them).
     #[allow(clippy::too_many_arguments)]
-    pub fn backward<P: routing::Element, W: GemmOperand>(
+    fn backward<P: routing::Element, W: GemmOperand, G: GemmOperand>(
         &mut self,
         stream: &CudaStream,
+        maps: &RouteMaps,
+        flags: &mut CudaSlice<i32>,
         dy: &impl DevicePtr<T>,
         probs: &impl DevicePtr<P>,
         tokens: Tokens<'_>,
-        fc1_weight: &impl DevicePtr<T>,
-        fc2_weight: &impl DevicePtr<T>,
+        fc1_weight: &impl DevicePtr<W>,
+        fc2_weight: &impl DevicePtr<W>,
         dx: &mut impl DevicePtrMut<T>,
         dprobs: &mut impl DevicePtrMut<P>,
-        dw1: &mut impl DevicePtrMut<W>,
-        dw2: &mut impl DevicePtrMut<W>,
+        dw1: &mut impl DevicePtrMut<G>,
+        dw2: &mut impl DevicePtrMut<G>,
     ) -> Result<()> {
-        let (r, g, b) = (&self.routing, &self.gemms, &mut self.buffers);
-        let maps = &self.maps;
+        let (r, g, b, ws) = (&self.routing, &self.gemms, &mut self.buffers, &mut self.workspace);
         let splits = &maps.m_splits_i32;
-        let flags = &mut self.gemm_flags;
-        let ws = &mut self.workspace;
         r.unpermute_backward(stream, dy, &b.out_rows, &maps.row_of_route, probs, tokens, &mut b.drows, dprobs)?;
         g.fc2_dgrad.run(stream, &b.drows, fc2_weight, &mut b.dact, splits, Some(&mut *flags), ws)?;
         g.fc2_wgrad.run(stream, &b.drows, &b.act, dw2, splits, Some(&mut *flags), ws)?;

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod gemm;
+pub mod moe;
 
 use std::sync::Arc;
 

@@ -1,0 +1,127 @@
+//! fp64 CPU reference of the whole expert path (forward and backward) and comparison helpers,
+//! shared by the expert-path tests.
+#![allow(dead_code)]
+
+use half::bf16;
+
+/// Shapes of one layer: E experts, model width H, FFN width F, k routes per token.
+#[derive(Clone, Copy, Debug)]
+pub struct Dims {
+    pub e: usize,
+    pub h: usize,
+    pub f: usize,
+    pub k: usize,
+}
+
+/// Reference outputs, sized like the GPU buffers: y, dx `[T_max, H]`, dprobs `[T_max, k]`,
+/// dw1 `[E, 2F, H]`, dw2 `[E, H, F]` (the gradients alone, without any accumulation base).
+pub struct Reference {
+    pub y: Vec<f64>,
+    pub dx: Vec<f64>,
+    pub dprobs: Vec<f64>,
+    pub dw1: Vec<f64>,
+    pub dw2: Vec<f64>,
+}
+
+pub fn bf(v: &[f32]) -> Vec<bf16> {
+    v.iter().map(|&x| bf16::from_f32(x)).collect()
+}
+
+pub fn f64s(v: &[bf16]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f64()).collect()
+}
+
+/// fp64 reference of forward and backward for the first `t` tokens of `x`, `dy`
+/// (`[T_max, H]`), routed by `ids` / `probs` (`[T_max, k]`, id -1 = no route) to experts with
+/// weights `w1 [E, 2F, H]`, `w2 [E, H, F]`. Intermediates the GPU stores in bf16 (h, act, fc2
+/// rows, their gradients) are rounded to bf16 here too, so the comparison measures the kernels'
+/// arithmetic rather than bf16 storage.
+#[allow(clippy::too_many_arguments)]
+pub fn reference(d: Dims, t: usize, ids: &[i32], probs: &[f32], x: &[bf16], dy: &[bf16], w1: &[bf16], w2: &[bf16]) -> Reference {
+    let Dims { e: ne, h: hh, f: ff, k: kk } = d;
+    let t_max = x.len() / hh;
+    let (w1, w2, x, dy) = (f64s(w1), f64s(w2), f64s(x), f64s(dy));
+    let mut out = Reference {
+        y: vec![0.0; t_max * hh],
+        dx: vec![0.0; t_max * hh],
+        dprobs: vec![0.0; t_max * kk],
+        dw1: vec![0.0; ne * 2 * ff * hh],
+        dw2: vec![0.0; ne * hh * ff],
+    };
+    let sigmoid = |g: f64| 1.0 / (1.0 + (-g).exp());
+    let r = |v: f64| bf16::from_f64(v).to_f64();
+    for tok in 0..t {
+        for j in 0..kk {
+            let e = ids[tok * kk + j];
+            if e < 0 {
+                continue;
+            }
+            let e = e as usize;
+            let p = probs[tok * kk + j] as f64;
+            let xt = &x[tok * hh..(tok + 1) * hh];
+            let w1e = &w1[e * 2 * ff * hh..(e + 1) * 2 * ff * hh];
+            let w2e = &w2[e * hh * ff..(e + 1) * hh * ff];
+            let h: Vec<f64> = (0..2 * ff).map(|o| r((0..hh).map(|c| w1e[o * hh + c] * xt[c]).sum())).collect();
+            let act: Vec<f64> = (0..ff).map(|f| r(h[f] * sigmoid(h[f]) * h[ff + f])).collect();
+            let o_rows: Vec<f64> = (0..hh).map(|o| r((0..ff).map(|f| w2e[o * ff + f] * act[f]).sum())).collect();
+            let dyt = &dy[tok * hh..(tok + 1) * hh];
+            for o in 0..hh {
+                out.y[tok * hh + o] += p * o_rows[o];
+            }
+            out.dprobs[tok * kk + j] = (0..hh).map(|o| dyt[o] * o_rows[o]).sum();
+            let dout: Vec<f64> = dyt.iter().map(|dv| r(p * dv)).collect();
+            let mut dact = vec![0.0; ff];
+            for o in 0..hh {
+                for f in 0..ff {
+                    out.dw2[(e * hh + o) * ff + f] += dout[o] * act[f];
+                    dact[f] += w2e[o * ff + f] * dout[o];
+                }
+            }
+            let dact: Vec<f64> = dact.into_iter().map(r).collect();
+            let mut dh = vec![0.0; 2 * ff];
+            for f in 0..ff {
+                let (g, u, sg) = (h[f], h[ff + f], sigmoid(h[f]));
+                dh[f] = dact[f] * u * sg * (1.0 + g * (1.0 - sg));
+                dh[ff + f] = dact[f] * g * sg;
+            }
+            let dh: Vec<f64> = dh.into_iter().map(r).collect();
+            let mut drow_in = vec![0.0; hh];
+            for o in 0..2 * ff {
+                for c in 0..hh {
+                    out.dw1[(e * 2 * ff + o) * hh + c] += dh[o] * xt[c];
+                    drow_in[c] += w1e[o * hh + c] * dh[o];
+                }
+            }
+            for c in 0..hh {
+                out.dx[tok * hh + c] += r(drow_in[c]);
+            }
+        }
+    }
+    out
+}
+
+/// Normwise relative error `|got - want| / |want| <= tol`; NaN or inf never passes.
+pub fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(g.is_finite(), "{what}: non-finite {g} at {i} (expected {w})");
+        diff += (g - w) * (g - w);
+        norm += w * w;
+    }
+    if norm == 0.0 {
+        assert!(diff == 0.0, "{what}: expected all zeros");
+        return;
+    }
+    let rel = (diff / norm).sqrt();
+    assert!(rel <= tol, "{what}: normwise relative error {rel:.3e} > {tol:.0e}");
+}
+
+/// Bit-for-bit equality, reporting the first differing index.
+pub fn assert_bits<B: PartialEq + std::fmt::Debug>(what: &str, got: &[B], want: &[B]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != want[i]) {
+        let n = got.iter().zip(want).filter(|(a, b)| a != b).count();
+        panic!("{what}: {n} of {} elements differ; first at {i}: got {:?}, expected {:?}", got.len(), got[i], want[i]);
+    }
+}

@@ -1,0 +1,570 @@
+//! Echo with the expert path, on one GPU simulating one rank's view of an EP group.
+//!
+//! One CUDA graph, captured once, holds the whole sequence: plan + top-k reroute (routes
+//! rewritten to Echo's `E + S` final columns) -> spare-slot weight fill (fc1, fc2) from the
+//! plan's slot -> home-expert table -> expert path forward + backward over the `E + S` slots
+//! with per-slot weight and gradient pointers -> fold of the spare slots' fp32 gradients into
+//! their home experts. It is replayed with fresh count matrices, routings, activations and
+//! (now and then) weights written between replays, and every replay is checked against the
+//! plain expert path over the E home experts on the same inputs:
+//! * reroute, slot table and spare weights bitwise against the CPU reference / home weights;
+//! * y, dx and dprobs bit for bit (same kernels, forced GemmConfig; each route's row sees the
+//!   same weights, and the per-token sums run in the same route order);
+//! * folded dW1 / dW2 of every home expert within fp32 tolerance (the spare slots' rows are
+//!   summed separately, then added), and bit for bit for experts that moved no tokens;
+//! * no flag in any error word; once per case also the fp64 CPU reference.
+//!
+//! `CAPMOE_ECHO_MOE_REPLAYS` sets the replays per case (default 60), e.g. fewer under
+//! compute-sanitizer.
+
+mod common;
+
+use std::sync::Arc;
+
+use capturable_moe::device::{Arch, DeviceInfo};
+use capturable_moe::dtype::DType;
+use capturable_moe::echo::{self as echo, reference, Algorithm, EchoConfig, EchoPlan};
+use capturable_moe::graph::capture;
+use capturable_moe::grouped_gemm::GemmConfig;
+use capturable_moe::moe::{echo_slot_pointers, echo_slot_table, MoeConfig, MoeExperts, MoeOptions, WeightForm};
+use capturable_moe::routing::Tokens;
+use common::moe::{assert_bits, assert_close, bf, f64s, Dims};
+use cudarc::driver::{CudaSlice, CudaStream};
+use half::bf16;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+const E: usize = 16;
+const EP: usize = 4;
+const H: usize = 256;
+const F: usize = 128;
+const K: usize = 4;
+const W1: usize = 2 * F * H; // elements of one fc1 matrix
+const W2: usize = H * F; // elements of one fc2 matrix
+const DIMS: Dims = Dims { e: E, h: H, f: F, k: K };
+
+fn replays() -> usize {
+    std::env::var("CAPMOE_ECHO_MOE_REPLAYS").ok().and_then(|v| v.parse().ok()).unwrap_or(60)
+}
+
+/// The routing situations the replays cycle through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// Every expert has the same total: no spill-over, nothing may move.
+    Balanced,
+    /// One expert in every token of every rank.
+    Hot,
+    /// Half of the experts get no token from any rank.
+    Empty,
+    /// All routes of all ranks go to the experts of one home rank.
+    OneHomeRank,
+    /// Heavy-tailed expert popularity.
+    Skewed,
+    /// Skewed, and the other ranks have no tokens at all.
+    SourceOnly,
+}
+
+const KINDS: [Kind; 6] = [Kind::Hot, Kind::Balanced, Kind::Skewed, Kind::Empty, Kind::OneHomeRank, Kind::SourceOnly];
+
+/// k distinct experts drawn by `weights` (zero = never), `forced` first if given.
+fn draw(rng: &mut StdRng, weights: &[f64], forced: Option<usize>) -> Vec<usize> {
+    let mut picked: Vec<usize> = forced.into_iter().collect();
+    while picked.len() < K {
+        let total: f64 = (0..E).filter(|e| !picked.contains(e)).map(|e| weights[e]).sum();
+        let mut u = rng.random::<f64>() * total;
+        let mut choice = None;
+        for e in (0..E).filter(|e| !picked.contains(e) && weights[*e] > 0.0) {
+            choice = Some(e);
+            if u < weights[e] {
+                break;
+            }
+            u -= weights[e];
+        }
+        picked.push(choice.expect("at least k experts with weight"));
+    }
+    picked
+}
+
+/// One replay's routing: counts `[EP, E]` whose row `rho` is this rank's routing.
+struct Routing {
+    counts: Vec<i64>,
+    ids: Vec<i32>,
+    probs: Vec<f32>,
+}
+
+fn routing(rng: &mut StdRng, cfg: &EchoConfig, t: usize, kind: Kind) -> Routing {
+    let rho = cfg.ep_rank;
+    let l = E / EP;
+    let mut weights = vec![1.0f64; E];
+    let mut forced = None;
+    match kind {
+        Kind::Balanced => {}
+        Kind::Hot => forced = Some(rng.random_range(0..E)),
+        Kind::Empty => {
+            let mut order: Vec<usize> = (0..E).collect();
+            for a in 0..E {
+                order.swap(a, rng.random_range(a..E));
+            }
+            for &e in &order[..E / 2] {
+                weights[e] = 0.0;
+            }
+        }
+        Kind::OneHomeRank => {
+            let q = rng.random_range(0..EP);
+            for (e, w) in weights.iter_mut().enumerate() {
+                *w = if e / l == q { 1.0 } else { 0.0 };
+            }
+        }
+        Kind::Skewed | Kind::SourceOnly => {
+            let skew = rng.random_range(1.0..4.0);
+            for w in &mut weights {
+                *w = (rng.random::<f64>() * skew).exp();
+            }
+        }
+    }
+    let mut counts = vec![0i64; EP * E];
+    let mut ids = Vec::with_capacity(t * K);
+    for _ in 0..t {
+        for e in draw(rng, &weights, forced) {
+            ids.push(e as i32);
+            counts[rho * E + e] += 1;
+        }
+    }
+    let probs = (0..t * K).map(|_| rng.random_range(0.05f32..1.0)).collect();
+    for r in (0..EP).filter(|&r| r != rho) {
+        if kind == Kind::Balanced {
+            continue;
+        }
+        let tokens = if kind == Kind::SourceOnly { 0 } else { rng.random_range(t / 2..=2 * t) };
+        for _ in 0..tokens {
+            for e in draw(rng, &weights, forced) {
+                counts[r * E + e] += 1;
+            }
+        }
+    }
+    if kind == Kind::Balanced {
+        // Every expert totals m: the other ranks make up the difference in random shares.
+        let m = (0..E).map(|e| counts[rho * E + e]).max().unwrap() + rng.random_range(0..=16);
+        for e in 0..E {
+            let mut rest = m - counts[rho * E + e];
+            let others: Vec<usize> = (0..EP).filter(|&r| r != rho).collect();
+            for (i, &r) in others.iter().enumerate() {
+                let share = if i + 1 == others.len() { rest } else { rng.random_range(0..=rest) };
+                counts[r * E + e] = share;
+                rest -= share;
+            }
+        }
+    }
+    Routing { counts, ids, probs }
+}
+
+/// One planner configuration, with the GEMM kernel both paths are forced to run.
+struct Case {
+    name: &'static str,
+    cfg: EchoConfig,
+    t: usize,
+    gemm: GemmConfig,
+}
+
+fn cases(arch: Arch) -> Vec<Case> {
+    let sm90 = arch == Arch::Sm90;
+    let echo = |ep_rank, spare_per_rank, algorithm, threshold_multiplier| EchoConfig {
+        ep: EP,
+        num_experts: E,
+        spare_per_rank,
+        ep_rank,
+        topk: K,
+        algorithm,
+        threshold_multiplier,
+    };
+    vec![
+        Case {
+            name: "approx S_per=1",
+            cfg: echo(1, 1, Algorithm::Approx, 0.0),
+            t: 256,
+            gemm: if sm90 { GemmConfig::Sm90Pingpong } else { GemmConfig::Auto },
+        },
+        Case {
+            name: "greedy S_per=2",
+            cfg: echo(2, 2, Algorithm::Greedy, 0.0),
+            t: 200,
+            gemm: if sm90 { GemmConfig::Sm90Cooperative } else { GemmConfig::Auto },
+        },
+        Case {
+            name: "greedy S_per=2 reclaim 0.1",
+            cfg: echo(0, 2, Algorithm::Greedy, 0.1),
+            t: 160,
+            gemm: if sm90 { GemmConfig::Sm90Pingpong } else { GemmConfig::Auto },
+        },
+    ]
+}
+
+fn random_bf16(rng: &mut StdRng, len: usize, scale: f32) -> Vec<bf16> {
+    bf(&(0..len).map(|_| rng.random_range(-scale..scale)).collect::<Vec<_>>())
+}
+
+fn bits16(stream: &Arc<CudaStream>, v: &CudaSlice<bf16>) -> Vec<u16> {
+    stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect()
+}
+
+fn bits32(stream: &Arc<CudaStream>, v: &CudaSlice<f32>) -> Vec<u32> {
+    stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect()
+}
+
+/// Every device buffer of one case; the graph keeps all their addresses.
+struct Rig {
+    plan: EchoPlan,
+    t: usize,
+    // inputs, written between replays
+    counts: CudaSlice<i64>,
+    ids: CudaSlice<i32>,
+    probs: CudaSlice<f32>,
+    x: CudaSlice<bf16>,
+    dy: CudaSlice<bf16>,
+    w1: CudaSlice<bf16>, // [E, 2F, H] home experts, also the plain path's weights
+    w2: CudaSlice<bf16>, // [E, H, F]
+    // Echo
+    state: CudaSlice<i64>,
+    ws: CudaSlice<i32>,
+    dest: CudaSlice<i32>,
+    dest_probs: CudaSlice<f32>,
+    w1_spare: CudaSlice<bf16>, // [S, 2F, H]
+    w2_spare: CudaSlice<bf16>, // [S, H, F]
+    dw1: CudaSlice<f32>,       // [E, 2F, H] fp32 main grads of the home experts
+    dw2: CudaSlice<f32>,
+    dw1_spare: CudaSlice<f32>, // [S, 2F, H]
+    dw2_spare: CudaSlice<f32>,
+    w1_ptrs: CudaSlice<u64>, // [E + S] per final column
+    w2_ptrs: CudaSlice<u64>,
+    dw1_ptrs: CudaSlice<u64>,
+    dw2_ptrs: CudaSlice<u64>,
+    slot_errors: CudaSlice<i64>,
+    y: CudaSlice<bf16>,
+    dx: CudaSlice<bf16>,
+    dprobs: CudaSlice<f32>,
+    moe: MoeExperts<bf16>,
+    // plain path over the E home experts, same inputs
+    plain: MoeExperts<bf16>,
+    plain_dw1: CudaSlice<f32>,
+    plain_dw2: CudaSlice<f32>,
+    plain_y: CudaSlice<bf16>,
+    plain_dx: CudaSlice<bf16>,
+    plain_dprobs: CudaSlice<f32>,
+}
+
+fn moe_config(num_experts: usize, t: usize) -> MoeConfig {
+    MoeConfig {
+        num_experts,
+        hidden: H,
+        ffn: F,
+        topk: K,
+        max_tokens: t,
+        capacity: None,
+        dtype: DType::Bf16,
+        prob_dtype: DType::F32,
+        wgrad_accumulate: true,
+    }
+}
+
+impl Rig {
+    fn new(stream: &Arc<CudaStream>, case: &Case) -> Rig {
+        let (cfg, t) = (&case.cfg, case.t);
+        let s = cfg.num_spare();
+        let plan = EchoPlan::new(cfg.clone(), t).unwrap();
+        let z16 = |n: usize| stream.alloc_zeros::<bf16>(n).unwrap();
+        let z32 = |n: usize| stream.alloc_zeros::<f32>(n).unwrap();
+        let w1 = z16(E * W1);
+        let w2 = z16(E * W2);
+        let w1_spare = z16(s * W1);
+        let w2_spare = z16(s * W2);
+        let dw1 = z32(E * W1);
+        let dw2 = z32(E * W2);
+        let dw1_spare = z32(s * W1);
+        let dw2_spare = z32(s * W2);
+        let table = |home: &CudaSlice<bf16>, spare: &CudaSlice<bf16>, per: usize| {
+            stream.clone_htod(&echo_slot_pointers(stream, cfg, home, spare, per).unwrap()).unwrap()
+        };
+        let table32 = |home: &CudaSlice<f32>, spare: &CudaSlice<f32>, per: usize| {
+            stream.clone_htod(&echo_slot_pointers(stream, cfg, home, spare, per).unwrap()).unwrap()
+        };
+        let opts = MoeOptions { weights: WeightForm::Pointers, gemm_config: case.gemm };
+        let moe = MoeExperts::<bf16>::with_options(moe_config(cfg.num_columns(), t), opts, stream).unwrap();
+        let plain_opts = MoeOptions { weights: WeightForm::Tensor, gemm_config: case.gemm };
+        let plain = MoeExperts::<bf16>::with_options(moe_config(E, t), plain_opts, stream).unwrap();
+        assert_eq!(moe.gemm_configs(), plain.gemm_configs(), "{}: both paths must run the same kernels", case.name);
+        Rig {
+            t,
+            counts: stream.alloc_zeros(EP * E).unwrap(),
+            ids: stream.alloc_zeros(t * K).unwrap(),
+            probs: z32(t * K),
+            x: z16(t * H),
+            dy: z16(t * H),
+            state: stream.alloc_zeros(plan.state_len()).unwrap(),
+            ws: stream.alloc_zeros(plan.workspace_len().max(1)).unwrap(),
+            dest: stream.alloc_zeros(t * K).unwrap(),
+            dest_probs: z32(t * K),
+            w1_ptrs: table(&w1, &w1_spare, W1),
+            w2_ptrs: table(&w2, &w2_spare, W2),
+            dw1_ptrs: table32(&dw1, &dw1_spare, W1),
+            dw2_ptrs: table32(&dw2, &dw2_spare, W2),
+            slot_errors: stream.alloc_zeros(1).unwrap(),
+            y: z16(t * H),
+            dx: z16(t * H),
+            dprobs: z32(t * K),
+            plain_dw1: z32(E * W1),
+            plain_dw2: z32(E * W2),
+            plain_y: z16(t * H),
+            plain_dx: z16(t * H),
+            plain_dprobs: z32(t * K),
+            plan,
+            w1,
+            w2,
+            w1_spare,
+            w2_spare,
+            dw1,
+            dw2,
+            dw1_spare,
+            dw2_spare,
+            moe,
+            plain,
+        }
+    }
+
+    /// The captured sequence: plan + reroute, slot weights, expert path over E + S slots, fold.
+    fn echo_step(&mut self, stream: &Arc<CudaStream>) -> capturable_moe::Result<()> {
+        let cfg = self.plan.config().clone();
+        let s = cfg.num_spare();
+        let t = self.t;
+        self.plan.plan_reroute_topk(stream, &self.counts, &self.ids, &self.probs, t, &mut self.state, &mut self.ws, &mut self.dest, &mut self.dest_probs)?;
+        let off = self.plan.layout().slot_expert;
+        let slot_expert = self.state.slice(off..off + s);
+        echo::fill_spare_weights(stream, &slot_expert, E, 0, s, &self.w1, &mut self.w1_spare, W1, &mut self.slot_errors)?;
+        echo::fill_spare_weights(stream, &slot_expert, E, 0, s, &self.w2, &mut self.w2_spare, W2, &mut self.slot_errors)?;
+        stream.memset_zeros(&mut self.dw1_spare)?;
+        stream.memset_zeros(&mut self.dw2_spare)?;
+        let tok = Tokens::Host(t);
+        self.moe.forward(stream, &self.x, &self.dest, &self.dest_probs, tok, &self.w1_ptrs, &self.w2_ptrs, &mut self.y)?;
+        self.moe.backward(
+            stream, &self.dy, &self.dest_probs, tok, &self.w1_ptrs, &self.w2_ptrs, &mut self.dx, &mut self.dprobs,
+            &mut self.dw1_ptrs, &mut self.dw2_ptrs,
+        )?;
+        echo::fold_spare_grads(stream, &slot_expert, E, s, &self.dw1_spare, &mut self.dw1, W1, &mut self.slot_errors)?;
+        echo::fold_spare_grads(stream, &slot_expert, E, s, &self.dw2_spare, &mut self.dw2, W2, &mut self.slot_errors)
+    }
+
+    /// The plain expert path over the E home experts on the original routes.
+    fn plain_step(&mut self, stream: &Arc<CudaStream>) -> capturable_moe::Result<()> {
+        let tok = Tokens::Host(self.t);
+        self.plain.forward(stream, &self.x, &self.ids, &self.probs, tok, &self.w1, &self.w2, &mut self.plain_y)?;
+        self.plain.backward(
+            stream, &self.dy, &self.probs, tok, &self.w1, &self.w2, &mut self.plain_dx, &mut self.plain_dprobs,
+            &mut self.plain_dw1, &mut self.plain_dw2,
+        )
+    }
+}
+
+/// Per-expert comparison of folded fp32 gradients: `got - init` against `want - init`
+/// (normwise <= 1e-5, and every element within 1e-4 of the expert's largest gradient), and
+/// bit for bit where `exact[e]`. Returns how many experts were bitwise equal.
+fn check_grads(what: &str, got: &[f32], want: &[f32], init: &[f32], per: usize, exact: &[bool]) -> usize {
+    let mut equal = 0;
+    for e in 0..E {
+        let r = e * per..(e + 1) * per;
+        let g: Vec<f64> = r.clone().map(|i| got[i] as f64 - init[i] as f64).collect();
+        let w: Vec<f64> = r.clone().map(|i| want[i] as f64 - init[i] as f64).collect();
+        let bitwise = got[r.clone()].iter().zip(&want[r.clone()]).all(|(a, b)| a.to_bits() == b.to_bits());
+        equal += bitwise as usize;
+        if exact[e] {
+            assert!(bitwise, "{what}: expert {e} moved no tokens, so its gradient must equal the plain path's bit for bit");
+        }
+        let scale = w.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        for (i, (a, b)) in g.iter().zip(&w).enumerate() {
+            assert!(a.is_finite() && (a - b).abs() <= 1e-4 * scale, "{what}: expert {e} element {i}: got {a:e}, plain path {b:e} (largest {scale:e})");
+        }
+        assert_close(&format!("{what}: expert {e}"), &g, &w, 1e-5);
+    }
+    equal
+}
+
+fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
+    let (cfg, t) = (&case.cfg, case.t);
+    let s = cfg.num_spare();
+    let rho = cfg.ep_rank;
+    let name = case.name;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut rig = Rig::new(stream, case);
+    let poison16 = vec![bf16::from_bits(0xFFFF); (s * W1).max(t * H)]; // NaN
+    let poison32 = vec![f32::from_bits(0xFFFF_FFFF); t * K];
+    let load_weights = |rig: &mut Rig, rng: &mut StdRng| {
+        let w1 = random_bf16(rng, E * W1, 1.0 / (H as f32).sqrt());
+        let w2 = random_bf16(rng, E * W2, 1.0 / (F as f32).sqrt());
+        stream.memcpy_htod(&w1, &mut rig.w1).unwrap();
+        stream.memcpy_htod(&w2, &mut rig.w2).unwrap();
+        (w1, w2)
+    };
+    let mut weights = load_weights(&mut rig, &mut rng);
+
+    // Capture once, on the first replay's inputs.
+    let first = routing(&mut rng, cfg, t, Kind::Skewed);
+    stream.memcpy_htod(&first.counts, &mut rig.counts).unwrap();
+    stream.memcpy_htod(&first.ids, &mut rig.ids).unwrap();
+    stream.memcpy_htod(&first.probs, &mut rig.probs).unwrap();
+    stream.synchronize().unwrap();
+    let graph = capture(stream, || rig.echo_step(stream)).unwrap();
+
+    let (mut moved_replays, mut moved_routes, mut bitwise_experts, mut checked_reference) = (0, 0, 0, false);
+    let mut kinds_seen = Vec::new();
+    for i in 0..replays() {
+        let kind = KINDS[i % KINDS.len()];
+        if i % 7 == 6 {
+            weights = load_weights(&mut rig, &mut rng);
+        }
+        let ro = routing(&mut rng, cfg, t, kind);
+        let x = random_bf16(&mut rng, t * H, 1.0);
+        let dy = random_bf16(&mut rng, t * H, 1.0);
+        let init1: Vec<f32> = (0..E * W1).map(|_| rng.random_range(-0.01f32..0.01)).collect();
+        let init2: Vec<f32> = (0..E * W2).map(|_| rng.random_range(-0.01f32..0.01)).collect();
+        stream.memcpy_htod(&ro.counts, &mut rig.counts).unwrap();
+        stream.memcpy_htod(&ro.ids, &mut rig.ids).unwrap();
+        stream.memcpy_htod(&ro.probs, &mut rig.probs).unwrap();
+        stream.memcpy_htod(&x, &mut rig.x).unwrap();
+        stream.memcpy_htod(&dy, &mut rig.dy).unwrap();
+        for (dst, src) in [(&mut rig.dw1, &init1), (&mut rig.plain_dw1, &init1)] {
+            stream.memcpy_htod(src, dst).unwrap();
+        }
+        for (dst, src) in [(&mut rig.dw2, &init2), (&mut rig.plain_dw2, &init2)] {
+            stream.memcpy_htod(src, dst).unwrap();
+        }
+        // Poison every output and the spare weights, so nothing stale can pass.
+        for dst in [&mut rig.y, &mut rig.dx, &mut rig.plain_y, &mut rig.plain_dx] {
+            stream.memcpy_htod(&poison16[..t * H], dst).unwrap();
+        }
+        stream.memcpy_htod(&poison16[..s * W1], &mut rig.w1_spare).unwrap();
+        stream.memcpy_htod(&poison16[..s * W2], &mut rig.w2_spare).unwrap();
+        for dst in [&mut rig.dprobs, &mut rig.plain_dprobs, &mut rig.dest_probs] {
+            stream.memcpy_htod(&poison32, dst).unwrap();
+        }
+        stream.memcpy_htod(&vec![-7777i32; t * K], &mut rig.dest).unwrap();
+
+        graph.launch().unwrap();
+        rig.plain_step(stream).unwrap();
+
+        let what = format!("{name}: replay {i} ({kind:?})");
+        // Plan, reroute and slot weights.
+        assert!(rig.plan.read_errors(stream, &rig.state).unwrap().is_empty(), "{what}: planner error word");
+        let want_plan = reference::plan(cfg, &ro.counts).unwrap();
+        let stages = rig.plan.read_stages(stream, &rig.state).unwrap();
+        assert_eq!(stages.slot_expert, want_plan.slot_expert, "{what}: slot -> home expert table");
+        assert_eq!(stages.tokens_to_slot, want_plan.tokens_to_slot, "{what}: Ftot");
+        let want_dest = reference::reroute_topk(cfg, &want_plan, &ro.counts, &ro.ids, t).unwrap();
+        let dest = stream.clone_dtoh(&rig.dest).unwrap();
+        assert_bits(&format!("{what}: rerouted columns"), &dest, &want_dest);
+        assert_bits(&format!("{what}: rerouted probs"), &bits32(stream, &rig.dest_probs), &ro.probs.iter().map(|p| p.to_bits()).collect::<Vec<_>>());
+        let slot_cols: Vec<usize> = (0..s).map(|j| cfg.slot_column(j)).collect();
+        let moved = dest.iter().filter(|&&c| slot_cols.contains(&(c as usize))).count();
+        let planned: i64 = stages.tokens_to_slot[rho * s..(rho + 1) * s].iter().sum();
+        assert_eq!(moved as i64, planned, "{what}: routes moved to spare slots");
+        if kind == Kind::Balanced {
+            assert_eq!(moved, 0, "{what}: a balanced load must move nothing");
+            assert!(stages.slot_expert.iter().all(|&e| e == -1), "{what}: no slot may be filled");
+        }
+        moved_replays += (moved > 0) as usize;
+        moved_routes += moved;
+        let spare1 = bits16(stream, &rig.w1_spare);
+        let spare2 = bits16(stream, &rig.w2_spare);
+        let home1: Vec<u16> = weights.0.iter().map(|b| b.to_bits()).collect();
+        let home2: Vec<u16> = weights.1.iter().map(|b| b.to_bits()).collect();
+        for (j, &e) in stages.slot_expert.iter().enumerate() {
+            if e >= 0 {
+                let e = e as usize;
+                assert_bits(&format!("{what}: fc1 slot {j} = expert {e}"), &spare1[j * W1..(j + 1) * W1], &home1[e * W1..(e + 1) * W1]);
+                assert_bits(&format!("{what}: fc2 slot {j} = expert {e}"), &spare2[j * W2..(j + 1) * W2], &home2[e * W2..(e + 1) * W2]);
+            }
+        }
+
+        // The expert path: Echo over E + S slots against the plain path over E experts (every
+        // token has k routes, so every output element was written over its poison).
+        let y = stream.clone_dtoh(&rig.y).unwrap();
+        let dxv = stream.clone_dtoh(&rig.dx).unwrap();
+        let dpv = stream.clone_dtoh(&rig.dprobs).unwrap();
+        assert!(y.iter().chain(&dxv).all(|v| v.is_finite()) && dpv.iter().all(|v| v.is_finite()), "{what}: unwritten or non-finite output");
+        assert_bits(&format!("{what}: y"), &bits16(stream, &rig.y), &bits16(stream, &rig.plain_y));
+        assert_bits(&format!("{what}: dx"), &bits16(stream, &rig.dx), &bits16(stream, &rig.plain_dx));
+        assert_bits(&format!("{what}: dprobs"), &bits32(stream, &rig.dprobs), &bits32(stream, &rig.plain_dprobs));
+        // Experts none of whose routes moved have the same rows, in the same order.
+        let mut exact = vec![true; E];
+        for (r, &c) in dest.iter().enumerate() {
+            if slot_cols.contains(&(c as usize)) {
+                exact[ro.ids[r] as usize] = false;
+            }
+        }
+        let dw1 = stream.clone_dtoh(&rig.dw1).unwrap();
+        let dw2 = stream.clone_dtoh(&rig.dw2).unwrap();
+        bitwise_experts += check_grads(&format!("{what}: dW1"), &dw1, &stream.clone_dtoh(&rig.plain_dw1).unwrap(), &init1, W1, &exact);
+        bitwise_experts += check_grads(&format!("{what}: dW2"), &dw2, &stream.clone_dtoh(&rig.plain_dw2).unwrap(), &init2, W2, &exact);
+
+        for (flag, word) in [
+            ("routing", stream.clone_dtoh(&rig.moe.maps.flags).unwrap()[0]),
+            ("gemm", stream.clone_dtoh(&rig.moe.gemm_flags).unwrap()[0]),
+            ("plain routing", stream.clone_dtoh(&rig.plain.maps.flags).unwrap()[0]),
+            ("plain gemm", stream.clone_dtoh(&rig.plain.gemm_flags).unwrap()[0]),
+        ] {
+            assert_eq!(word, 0, "{what}: {flag} flag word");
+        }
+        assert_eq!(stream.clone_dtoh(&rig.slot_errors).unwrap()[0], 0, "{what}: fill / fold error word");
+
+        // Once per case, with tokens moved: the fp64 CPU reference on the home routes.
+        if !checked_reference && moved > 0 {
+            let r = common::moe::reference(DIMS, t, &ro.ids, &ro.probs, &x, &dy, &weights.0, &weights.1);
+            let delta = |got: &[f32], init: &[f32]| got.iter().zip(init).map(|(g, i)| *g as f64 - *i as f64).collect::<Vec<_>>();
+            assert_close(&format!("{what}: y vs fp64"), &f64s(&y), &r.y, 2e-2);
+            assert_close(&format!("{what}: dx vs fp64"), &f64s(&dxv), &r.dx, 2e-2);
+            let dp: Vec<f64> = dpv.iter().map(|&v| v as f64).collect();
+            assert_close(&format!("{what}: dprobs vs fp64"), &dp, &r.dprobs, 2e-2);
+            assert_close(&format!("{what}: dW1 vs fp64"), &delta(&dw1, &init1), &r.dw1, 2e-2);
+            assert_close(&format!("{what}: dW2 vs fp64"), &delta(&dw2, &init2), &r.dw2, 2e-2);
+            checked_reference = true;
+        }
+        if !kinds_seen.contains(&kind) {
+            kinds_seen.push(kind);
+        }
+    }
+    println!(
+        "{name}: {} replays of one graph, {moved_replays} moved tokens to spare slots ({moved_routes} routes in all); \
+         {bitwise_experts} of {} home-expert gradients bitwise equal to the plain path; kernels {:?}",
+        replays(),
+        2 * E * replays(),
+        rig.moe.gemm_configs()
+    );
+    if replays() >= 2 * KINDS.len() {
+        assert!(moved_replays >= replays() / 3, "{name}: too few replays exercised the spare slots");
+        assert!(checked_reference, "{name}: no replay moved tokens, so the fp64 check never ran");
+    }
+}
+
+#[test]
+fn echo_plan_reroute_slots_and_expert_path_in_one_graph() {
+    let stream = gpu_or_skip!();
+    let _lock = common::CAPTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let arch = DeviceInfo::of_stream(&stream).unwrap().arch;
+    for (i, case) in cases(arch).iter().enumerate() {
+        run_case(&stream, case, 100 + i as u64);
+    }
+}
+
+/// The slot table maps every final column to its own matrix: home columns to the home
+/// experts in order, spare columns to the spare slots in order. Host only.
+#[test]
+fn slot_table_follows_the_final_column_order() {
+    for (ep, ne, sp) in [(4usize, 16usize, 2usize), (1, 8, 1), (8, 64, 1), (2, 6, 3)] {
+        let cfg = EchoConfig { ep, num_experts: ne, spare_per_rank: sp, ep_rank: 0, topk: 1, algorithm: Algorithm::Greedy, threshold_multiplier: 0.0 };
+        let (home, spare, bytes) = (0x1000_0000u64, 0x9000_0000u64, 4096usize);
+        let table = echo_slot_table(&cfg, home, spare, bytes);
+        assert_eq!(table.len(), ne + ep * sp);
+        let l = ne / ep;
+        for (c, &p) in table.iter().enumerate() {
+            let (q, i) = (c / (l + sp), c % (l + sp));
+            let want = if i < l { home + ((q * l + i) * bytes) as u64 } else { spare + ((q * sp + i - l) * bytes) as u64 };
+            assert_eq!(p, want, "ep={ep} E={ne} S_per={sp}: column {c}");
+        }
+    }
+}
