@@ -74,6 +74,23 @@ pub struct MoeConfig {
     pub wgrad_accumulate: bool,
 }
 
+impl MoeConfig {
+    /// The routing plan's configuration for this layer (no per-expert capacity).
+    pub fn routing_config(&self) -> RoutingConfig {
+        RoutingConfig {
+            num_experts: self.num_experts,
+            hidden: self.hidden,
+            ffn: self.ffn,
+            topk: self.topk,
+            max_tokens: self.max_tokens,
+            capacity: self.capacity,
+            expert_capacity: None,
+            dtype: self.dtype,
+            prob_dtype: self.prob_dtype,
+        }
+    }
+}
+
 /// How fc1 / fc2 weights and their gradients dW1 / dW2 are handed to the expert path.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum WeightForm {
@@ -212,17 +229,7 @@ impl<T: MoeElement> MoeExperts<T> {
                 got: format!("{:?}", <T as routing::Element>::DTYPE),
             });
         }
-        let routing = RoutingPlan::new(RoutingConfig {
-            num_experts: config.num_experts,
-            hidden: config.hidden,
-            ffn: config.ffn,
-            topk: config.topk,
-            max_tokens: config.max_tokens,
-            capacity: config.capacity,
-            expert_capacity: None,
-            dtype: config.dtype,
-            prob_dtype: config.prob_dtype,
-        })?;
+        let routing = RoutingPlan::new(config.routing_config())?;
         let cap = routing.capacity();
         let gemms = Gemms::new(&config, &options, cap, stream)?;
         let (h, f) = (config.hidden, config.ffn);

@@ -154,7 +154,7 @@ fn expert_case(
     let (fwd_gemm_us, _) = time(stream, reps, |_| fwd_gemms.launch().unwrap());
     let (bwd_gemm_us, _) = time(stream, reps, |_| bwd_gemms.launch().unwrap());
 
-    let stages = forward_stage_times(stream, reps, &moe_routing_config(moe.config()), &ids, &probs, tok, &x, &mut y)?;
+    let stages = forward_stage_times(stream, reps, &moe.config().routing_config(), &ids, &probs, tok, &x, &mut y)?;
 
     // Host cost of one replay of forward + backward, without waiting for the GPU.
     stream.synchronize()?;
@@ -183,21 +183,6 @@ fn expert_case(
             Some(format!("host time of one replay {replay_host:.1} us (launch only)")),
         ),
     ])
-}
-
-/// The routing configuration an expert path runs with.
-fn moe_routing_config(c: &MoeConfig) -> RoutingConfig {
-    RoutingConfig {
-        num_experts: c.num_experts,
-        hidden: c.hidden,
-        ffn: c.ffn,
-        topk: c.topk,
-        max_tokens: c.max_tokens,
-        capacity: c.capacity,
-        expert_capacity: None,
-        dtype: c.dtype,
-        prob_dtype: c.prob_dtype,
-    }
 }
 
 /// GPU time of each non-GEMM stage of the forward, each captured alone in a graph and
