@@ -107,3 +107,34 @@ fn operand_lengths_follow_the_layout_contract() {
     let s = GroupedGemmSpec { op: GemmOp::Wgrad, ..s };
     assert_eq!(s.operand_lens(), (100 * 16, 100 * 8, 4 * 16 * 8));
 }
+
+#[test]
+fn config_names_round_trip() {
+    for config in GemmConfig::ALL {
+        assert_eq!(GemmConfig::from_name(config.name()), Some(config), "{config:?}");
+    }
+    assert_eq!(GemmConfig::from_name("sm90-nonsense"), None);
+}
+
+#[test]
+fn candidate_sm90_configs_are_bf16_only() {
+    let hopper = DeviceInfo { ordinal: 0, name: "test".into(), arch: Arch::Sm90, sm_count: 132 };
+    if !Arch::Sm90.is_built() {
+        return;
+    }
+    let candidates = [
+        GemmConfig::Sm90CooperativeNoCluster,
+        GemmConfig::Sm90CooperativeM256,
+        GemmConfig::Sm90Pingpong128,
+        GemmConfig::Sm90PingpongWide,
+    ];
+    for op in [GemmOp::Fprop, GemmOp::Dgrad, GemmOp::Wgrad] {
+        for config in candidates {
+            let mut s = spec(op);
+            s.config = config;
+            assert_eq!(GroupedGemm::for_device(s.clone(), &hopper).unwrap().config(), config);
+            let f16 = GroupedGemmSpec { config, ..s.with_dtype(DType::F16) };
+            assert!(matches!(GroupedGemm::for_device(f16, &hopper), Err(Error::Unsupported { .. })), "{op:?} {config:?}");
+        }
+    }
+}
