@@ -181,19 +181,19 @@ fn cases(arch: Arch) -> Vec<Case> {
             name: "approx S_per=1",
             cfg: echo(1, 1, Algorithm::Approx, 0.0),
             t: 256,
-            gemm: if sm90 { GemmConfig::Sm90Pingpong } else { GemmConfig::Auto },
+            gemm: if sm90 { GemmConfig::Sm90Pingpong } else { GemmConfig::Sm100OneSm },
         },
         Case {
             name: "greedy S_per=2",
             cfg: echo(2, 2, Algorithm::Greedy, 0.0),
             t: 200,
-            gemm: if sm90 { GemmConfig::Sm90Cooperative } else { GemmConfig::Auto },
+            gemm: if sm90 { GemmConfig::Sm90Cooperative } else { GemmConfig::Sm100OneSm },
         },
         Case {
             name: "greedy S_per=2 reclaim 0.1",
             cfg: echo(0, 2, Algorithm::Greedy, 0.1),
             t: 160,
-            gemm: if sm90 { GemmConfig::Sm90Pingpong } else { GemmConfig::Auto },
+            gemm: if sm90 { GemmConfig::Sm90Pingpong } else { GemmConfig::Sm100OneSm },
         },
     ]
 }
