@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use capturable_moe::baseline::{cublas_version, read_splits, CublasGroupedBatched, CublasLoop, DenseGemm, Operands};
 use capturable_moe::graph::capture;
-use capturable_moe::grouped_gemm::{GemmConfig, GemmOp, GroupedGemm, GroupedGemmSpec};
+use capturable_moe::grouped_gemm::{GemmConfig, GemmOp, GroupedGemm, GroupedGemmSpec, WeightLayout};
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
@@ -69,7 +69,13 @@ pub fn op_name(op: GemmOp) -> &'static str {
 /// Every implementation on one (shape, routing, op).
 pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_kind: &str, op: GemmOp) -> Vec<Row> {
     let splits = routing(routing_kind, shape.experts, shape.rows, 7).unwrap();
-    let spec = GroupedGemmSpec::new(op, shape.experts, shape.n, shape.k, shape.rows);
+    let mut spec = GroupedGemmSpec::new(op, shape.experts, shape.n, shape.k, shape.rows);
+    spec.weight_layout = args.weight_layout;
+    // Rows with transposed weights are told apart by the shape name.
+    let shape_name = match args.weight_layout {
+        WeightLayout::Enk => shape.name.to_string(),
+        WeightLayout::Ekn => format!("{}@ekn", shape.name),
+    };
     let plan = GroupedGemm::new(spec.clone(), stream).expect("plan");
     let (a_len, b_len, d_len) = spec.operand_lens();
     // Activation-shaped operands rotate over `sets` copies so that a timed call reads them from
@@ -97,7 +103,7 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     let mut rows = Vec::new();
     let mut push = |imp: &str, us: f64, host: Option<f64>, note: Option<String>| {
         rows.push(Row {
-            shape: shape.name.into(),
+            shape: shape_name.clone(),
             routing: routing_kind.into(),
             op: op_name(op).into(),
             imp: imp.into(),
@@ -206,7 +212,7 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
         Ok((floor_us, copy_us, host)) => {
             let weight_bytes = (shape.experts * shape.n * shape.k * 2) as f64;
             rows.push(Row {
-                shape: shape.name.into(),
+                shape: shape_name.clone(),
                 routing: routing_kind.into(),
                 op: op_name(op).into(),
                 imp: "memcpy-floor".into(),

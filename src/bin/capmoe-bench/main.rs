@@ -7,6 +7,7 @@
 //!                [--streams 4] [--reps 30] [--anchors torch_anchor.json] [--out DIR] [--quick]
 //!                [--no-paths]   (skip the expert-path and Echo planner rows)
 //!                [--configs sm90-coop,sm90-pingpong128,...]  (also time these kernel configs)
+//!                [--weight-layout enk|ekn]  (weights [E, N, K], the default, or [E, K, N])
 
 mod gemm;
 mod measure;
@@ -15,7 +16,7 @@ mod plot;
 mod report;
 
 use capturable_moe::device::{open, DeviceInfo};
-use capturable_moe::grouped_gemm::{GemmConfig, GemmOp};
+use capturable_moe::grouped_gemm::{GemmConfig, GemmOp, WeightLayout};
 use cudarc::driver::sys::CUdevice_attribute;
 
 use gemm::{bench_case, op_name, Shape, SHAPES};
@@ -32,6 +33,8 @@ struct Args {
     pub paths: bool,
     /// Explicit kernel configurations timed beside `Auto` (`--configs`).
     pub configs: Vec<GemmConfig>,
+    /// Weight layout of every GEMM row (`--weight-layout enk|ekn`).
+    pub weight_layout: WeightLayout,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -45,6 +48,7 @@ fn parse_args() -> Result<Args, String> {
         out: "bench/results".into(),
         paths: true,
         configs: Vec::new(),
+        weight_layout: WeightLayout::Enk,
     };
     let mut it = std::env::args().skip(1);
     let list = |v: Option<String>| -> Result<Vec<String>, String> {
@@ -70,6 +74,13 @@ fn parse_args() -> Result<Args, String> {
             "--anchors" => args.anchors = Some(it.next().ok_or("--anchors FILE")?),
             "--out" => args.out = it.next().ok_or("--out DIR")?,
             "--no-paths" => args.paths = false,
+            "--weight-layout" => {
+                args.weight_layout = match it.next().as_deref() {
+                    Some("enk") => WeightLayout::Enk,
+                    Some("ekn") => WeightLayout::Ekn,
+                    _ => return Err("--weight-layout enk|ekn".into()),
+                }
+            }
             "--configs" => {
                 args.configs = list(it.next())?
                     .iter()
