@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # One device call (run from the repo root on the GPU machine, after scripts/gpu-bundle.sh here):
-# whole GPU suite, memcheck of the Echo+expert-path graph test, GEMM config
-# sweep and the expert-path breakdown. Logs under $R (one tarball, refreshed after each step).
+# the whole GPU suite, the Echo planner rows, the GEMM tile-config sweep (both weight layouts),
+# the expert-path breakdown and a memcheck of the Echo + expert path graph test. Logs under $R (one tarball, refreshed after each step).
 set -uo pipefail
 R=${R:-${OUT:?set OUT to a folder for the logs}}; BUNDLE=${BUNDLE:-gpu-bundle}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-mkdir -p /tmp/logs /tmp/sweep /tmp/sweep_ekn /tmp/paths
-save() { tar -C /tmp -czf $R/logs.tgz logs sweep sweep_ekn paths 2>/dev/null; }
+mkdir -p /tmp/logs /tmp/sweep /tmp/sweep_ekn /tmp/paths /tmp/echo
+save() { tar -C /tmp -czf $R/logs.tgz logs sweep sweep_ekn paths echo 2>/dev/null; }
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader > /tmp/logs/gpu.txt
-BUNDLE=$BUNDLE OUT=/tmp/logs timeout 280 bash scripts/gpu-run.sh > /tmp/logs/suite.txt 2>&1; save
+BUNDLE=$BUNDLE OUT=/tmp/logs timeout 270 bash scripts/gpu-run.sh > /tmp/logs/suite.txt 2>&1; save
 cat /tmp/logs/gpu.txt /tmp/logs/suite.txt
 T=$BUNDLE/run/tests; B=$BUNDLE/run/bin/capmoe-bench
-CAPMOE_REQUIRE_GPU=1 CAPMOE_ECHO_MOE_REPLAYS=2 timeout 70 /usr/local/cuda/bin/compute-sanitizer --tool memcheck $T/echo_moe_gpu --test-threads=1 > /tmp/logs/memcheck.txt 2>&1; echo "memcheck rc=$?" >> /tmp/logs/memcheck.txt; save
-tail -3 /tmp/logs/memcheck.txt
+timeout 40 $B --only echo --reps 50 --out /tmp/echo > /tmp/logs/echo_bench.log 2>&1; save; grep -E "\[echo\]|echo_plan" /tmp/logs/echo_bench.log
 CFG=sm90-coop,sm90-pingpong,sm90-coop-nocluster,sm90-coop-m256,sm90-pingpong128,sm90-pingpong-wide
-timeout 130 $B --shapes dsv3_ep8_fc1,dsv3_ep8_fc2,qwen3moe_fc1,qwen3moe_fc2,decode_fc1 --routing uniform --ops fprop,dgrad,wgrad --configs $CFG --reps 8 --no-paths --out /tmp/sweep > /tmp/logs/sweep.log 2>&1; save
+timeout 120 $B --shapes dsv3_ep8_fc1,dsv3_ep8_fc2,qwen3moe_fc1,qwen3moe_fc2,decode_fc1 --routing uniform --ops fprop,dgrad,wgrad --configs $CFG --reps 8 --no-paths --out /tmp/sweep > /tmp/logs/sweep.log 2>&1; save
 timeout 50 $B --shapes dsv3_ep8_fc1,qwen3moe_fc1,decode_fc1 --routing uniform --ops fprop --weight-layout ekn --configs $CFG --reps 8 --no-paths --out /tmp/sweep_ekn > /tmp/logs/sweep_ekn.log 2>&1; save
 timeout 40 $B --shapes decode_fc1 --routing uniform --ops fprop --reps 8 --out /tmp/paths > /tmp/logs/paths.log 2>&1; save
 cat /tmp/logs/sweep.log /tmp/logs/sweep_ekn.log | grep -E "capmoe-graph|cublas-dense" | awk -F'|' '{printf "%s|%s|%s|%s\n",$1,$3,$4,$5}' | sed 's/  */ /g'
 grep -E "expert_fwd" /tmp/logs/paths.log | sed 's/  */ /g'
+CAPMOE_REQUIRE_GPU=1 CAPMOE_ECHO_MOE_REPLAYS=2 timeout 60 /usr/local/cuda/bin/compute-sanitizer --tool memcheck $T/echo_moe_gpu --test-threads=1 > /tmp/logs/memcheck.txt 2>&1; echo "memcheck rc=$?" >> /tmp/logs/memcheck.txt; save
+tail -3 /tmp/logs/memcheck.txt
