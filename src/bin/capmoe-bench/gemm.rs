@@ -137,11 +137,13 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
 
     // Other kernel configurations asked for with --configs, each checked against Auto's output.
     for &config in &args.configs {
-        let (imp, us, note) = match time_config(stream, args, &spec, config, &a, &b, &m_splits, &mut check, &d[0], d_len) {
-            Ok((us, err)) => (format!("capmoe-graph[{}]", config.name()), us, Some(format!("relerr vs auto {err:.1e}"))),
-            Err(e) => (format!("capmoe-graph[{}]", config.name()), f64::NAN, Some(format!("unavailable: {e}"))),
+        let (us, note) = match time_config(stream, args, &spec, config, &a, &b, &m_splits, &mut check, &d[0], d_len) {
+            // Different tiles sum in a different order: agreement within bf16 rounding.
+            Ok((us, err)) if err <= 1e-2 => (us, format!("relerr vs auto {err:.1e}")),
+            Ok((_, err)) => (f64::NAN, format!("output disagrees with auto (relerr {err:.2e} > 1e-2), time not reported")),
+            Err(e) => (f64::NAN, format!("unavailable: {e}")),
         };
-        push(&imp, us, None, note);
+        push(&format!("capmoe-graph[{}]", config.name()), us, None, Some(note));
     }
 
     // Every cuBLAS baseline writes into `check` (zeroed first, so a baseline that writes
