@@ -3,6 +3,8 @@
 // only (wgmma needs the arch-specific target).
 #pragma once
 
+#include <type_traits>
+
 #include "cute/tensor.hpp"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/epilogue/fusion/operations.hpp"
@@ -12,49 +14,30 @@
 
 namespace capmoe::gg::sm90 {
 
-// Many rows per expert: two consumer warpgroups share a 128x256 tile, 2-CTA cluster along M
-// so the B (weight) tile is multicast.
-struct Cooperative {
-  using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using Cluster = cute::Shape<cute::_2, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+// A kernel configuration: CTA tile (K step 64), cluster along M, and the warp-specialized
+// schedule. Cooperative: both consumer warpgroups share one tile. Pingpong: each consumer
+// warpgroup owns a whole tile and the two alternate, so one's epilogue overlaps the other's
+// mainloop.
+template <int TileM, int TileN, int ClusterM, bool PingpongSchedule>
+struct TileConfig {
+  using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
+  using Cluster = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
+  using KernelSchedule = std::conditional_t<PingpongSchedule, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                            cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule = std::conditional_t<PingpongSchedule, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                                              cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 };
 
-// Few rows per expert: each consumer warpgroup owns a 64-row tile, and the two alternate so
-// one's epilogue overlaps the other's mainloop.
-struct Pingpong {
-  using Tile = cute::Shape<cute::_64, cute::_128, cute::_64>;
-  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
-
-// Candidates measured against the two above (bench/README.md says which won where).
-struct CooperativeNoCluster {
-  using Tile = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-struct CooperativeM256 {
-  using Tile = cute::Shape<cute::_256, cute::_128, cute::_64>;
-  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-struct Pingpong128 {
-  using Tile = cute::Shape<cute::_128, cute::_128, cute::_64>;
-  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
-struct PingpongWide {
-  using Tile = cute::Shape<cute::_64, cute::_256, cute::_64>;
-  using Cluster = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
+// Many rows per expert: a 128x256 tile, 2-CTA cluster along M so the B (weight) tile is
+// multicast.
+using Cooperative = TileConfig<128, 256, 2, false>;
+// Few rows per expert (decode): 64-row tiles.
+using Pingpong = TileConfig<64, 128, 1, true>;
+// Candidates to measure against the two above (bench/README.md, scripts/gpu-all.sh).
+using CooperativeNoCluster = TileConfig<128, 256, 1, false>;
+using CooperativeM256 = TileConfig<256, 128, 1, false>;
+using Pingpong128 = TileConfig<128, 128, 1, true>;
+using PingpongWide = TileConfig<64, 256, 1, true>;
 
 // ElementC = void: no source operand (plain output); float: D = C + AB (accumulate).
 template <class ElementIn, class LayoutA, class LayoutB, class ElementC, class ElementD, class Config>
