@@ -207,6 +207,14 @@ pub trait MoeElement: routing::Element + GemmOperand + ValidAsZeroBits {}
 impl MoeElement for half::bf16 {}
 impl MoeElement for half::f16 {}
 
+/// `len >= need`, else an [`Error::Shape`] "`>= need elements{unit}`".
+fn at_least(op: &'static str, what: &'static str, len: usize, need: usize, unit: &str) -> Result<()> {
+    if len < need {
+        return Err(Error::Shape { op, what, expected: format!(">= {need} elements{unit}"), got: len.to_string() });
+    }
+    Ok(())
+}
+
 fn form_name(dtype: Option<DType>) -> String {
     dtype.map_or_else(|| "a u64 pointer array (WeightForm::Pointers)".into(), |d| format!("a {d:?} tensor (WeightForm::Tensor)"))
 }
@@ -340,11 +348,8 @@ impl<T: MoeElement> MoeExperts<T> {
     ) -> Result<()> {
         const OP: &str = "MoeExperts::forward_from_map";
         let map_len = self.config.max_tokens * self.config.num_experts;
-        for (what, len) in [("routing_map [T_max, E]", routing_map.len()), ("map_probs [T_max, E]", map_probs.len())] {
-            if len < map_len {
-                return Err(Error::Shape { op: OP, what, expected: format!(">= {map_len} elements"), got: len.to_string() });
-            }
-        }
+        at_least(OP, "routing_map [T_max, E]", routing_map.len(), map_len, "")?;
+        at_least(OP, "map_probs [T_max, E]", map_probs.len(), map_len, "")?;
         let routes = self.path.routing.routes_len();
         self.check_forward::<P, W>(OP, x.len(), routes, fc1_weight.len(), fc2_weight.len(), y.len())?;
         let mr = &mut self.map_routes;
@@ -392,19 +397,11 @@ impl<T: MoeElement> MoeExperts<T> {
     // ---- host checks, all before the first launch ----
 
     fn check_routes(&self, op: &'static str, what: &'static str, len: usize) -> Result<()> {
-        let need = self.path.routing.routes_len();
-        if len < need {
-            return Err(Error::Shape { op, what, expected: format!(">= {need} elements (T_max * k)"), got: len.to_string() });
-        }
-        Ok(())
+        at_least(op, what, len, self.path.routing.routes_len(), " (T_max * k)")
     }
 
     fn check_tokens(&self, op: &'static str, what: &'static str, len: usize) -> Result<()> {
-        let need = self.path.routing.tokens_len();
-        if len < need {
-            return Err(Error::Shape { op, what, expected: format!(">= {need} elements (T_max * H)"), got: len.to_string() });
-        }
-        Ok(())
+        at_least(op, what, len, self.path.routing.tokens_len(), " (T_max * H)")
     }
 
     fn check_probs<P: routing::Element>(&self, op: &'static str, len: usize) -> Result<()> {
@@ -425,10 +422,7 @@ impl<T: MoeElement> MoeExperts<T> {
         if W::DTYPE != want {
             return Err(Error::Shape { op, what, expected: form_name(want), got: form_name(W::DTYPE) });
         }
-        if len < need {
-            return Err(Error::Shape { op, what, expected: format!(">= {need} elements ({})", form_name(want)), got: len.to_string() });
-        }
-        Ok(())
+        at_least(op, what, len, need, &format!(" ({})", form_name(want)))
     }
 
     fn check_weights<W: GemmOperand>(&self, op: &'static str, fc1: usize, fc2: usize) -> Result<()> {
