@@ -4,24 +4,41 @@
 // (P8-P9), as two capturable launches:
 //
 //   1. plan_kernel<<<1 + num_tiles, 1024>>>: block 0 runs P1-P7 for the whole [EP, E] count
-//      matrix in shared memory (one block: E, S <= 1024) and writes every stage into `state`;
+//      matrix in shared memory (one block: E, S <= 1024) and writes the plan into `state`;
 //      blocks 1.. count this rank's routes per expert for one token tile each (`tile_counts`).
-//   2. reroute_kernel<<<num_tiles, 512>>>: each block takes one tile of 32*W tokens, builds a
-//      per-expert bitmask of its routed tokens, gets the rank of every routed token within its
-//      expert's (ascending) token list from the tile prefix + popcounts, and writes the outputs
-//      in gather form: each output element is computed independently from the plan, so there
-//      are no write races and the result is deterministic.
+//      Every block lets the dependent reroute launch start at once (griddepcontrol).
+//   2. reroute_kernel<<<num_tiles, 512>>>, a programmatic dependent launch: each block first
+//      reads its tile of 32*W tokens while the plan still runs (a per-expert bitmask of its
+//      routed tokens; the dense form also stages the tile's probs in shared memory, the top-k
+//      form copies its probs), then waits for the plan (griddepcontrol.wait), gets the rank of
+//      every routed token within its expert's (ascending) token list from the tile prefix +
+//      popcounts, and writes the outputs in gather form: each output element is computed
+//      independently from the plan, so there are no write races and the result is deterministic.
+//
+// Planner phases (block 0, one __syncthreads between phases):
+//   A  load C [EP, E] (int32 copy in shared memory, transposed) and column partial sums
+//   B  n[e]                      C  load, cap, spill (P1)
+//   D  compact the experts with spill > 0 and the ranks with cap > 0
+//   E  rank them by packed key (value desc, index asc) with their interval ends (G.1-G.3)
+//   F  assignment: greedy, one thread per bucket over at most S_per + 2 candidate chunks;
+//      approx, one thread with the eight FIFO fronts in registers
+//   G  P3 reclaim (greedy, thr > 0), P4 slot_expert
+//   H  P5-P7, one warp per supplying expert, two source ranks per lane
+//   I  the rest of the state
 //
 // Layout contract (all row-major, contiguous; see capturable_moe/echo.h):
-//   counts [EP, E] int64; state [layout.state_len] int64; tile_counts [num_tiles, E] int32;
-//   routing_map [T, E] uint8 + probs [T, E] f32 -> out_map / out_probs [T, E+S] (interleaved
-//   columns, spec P9); or expert_ids [T, k] int32 + probs [T, k] -> out_dest [T, k] int32.
+//   counts [EP, E] int64; state [layout.state_len] int64 with int32 sections;
+//   tile_counts [num_tiles, E] int32; routing_map [T, E] uint8 + probs [T, E] f32 -> out_map /
+//   out_probs [T, E+S] (interleaved columns, spec P9); or expert_ids [T, k] int32 + probs [T, k]
+//   -> out_dest [T, k] int32.
 //
 // NOTE: the float32 stages (P3 reclaim, P5 first pass) use __fadd_rn/__fmul_rn/__fdiv_rn so the
 // compiler can neither contract them into FMAs nor use approximate division: the spec's
 // results depend on the exact float32 rounding (golden case s12).
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <atomic>
 
 #include "capturable_moe/echo.h"
 #include "common/boundary.cuh"
@@ -31,14 +48,20 @@ namespace echo {
 namespace {
 
 constexpr int kPlanThreads = 1024;
+constexpr int kPlanWarps = kPlanThreads / 32;
+// Phase E: threads [0, kChunkThreads) rank the chunks, the rest the buckets.
+constexpr int kChunkThreads = 768;
 constexpr int kRerouteThreads = 512;
 constexpr int64_t kMaxExperts = 1024;
 constexpr int64_t kMaxSpare = 1024;
 // Words of the per-tile bitmask per expert: E * W <= kMaskBudget keeps shared memory <= ~120 KB.
 constexpr int64_t kMaskBudget = 12288;
 constexpr unsigned kFull = 0xffffffffu;
-// Shared memory of the planner block with C, F and D staged (H100/B200 allow 227 KB).
-constexpr size_t kStageSmemBudget = 200 * 1024;
+// Shared memory a block may take (H100/B200 allow 227 KB).
+constexpr size_t kSmemBudget = 220 * 1024;
+// The reroute stages its tile of dense probs in shared memory up to this size.
+constexpr size_t kProbStageBudget = 96 * 1024;
+constexpr int64_t kCountLimit = int64_t(1) << 24;
 
 enum Form { kFormNone = 0, kFormDense = 1, kFormTopk = 2 };
 
@@ -53,6 +76,9 @@ struct Params {
   capmoe_echo_layout_t lay;
   Dims d;
   int form;
+  bool stage_c;      // planner: C staged in shared memory (else read from global)
+  bool stage_f;      // planner: F staged in shared memory (else read back from the state)
+  bool stage_probs;  // reroute (dense): the tile's probs staged in shared memory
   const uint8_t* map;
   const uint32_t* probs_bits;  // probs as raw bits: copied, never computed
   const int32_t* ids;
@@ -68,61 +94,77 @@ struct Params {
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// ---------------------------------------------------------------------------------------------
-// Shared-memory layout of the planner block. With `stage` (the host checks it fits), C is kept
-// in shared memory as int32 (valid counts are < 2^24) and F, D are staged there as int32 so the
-// [EP, S] / [EP, E] state matrices are written coalesced at the end; otherwise C is read from
-// global memory and F, D go straight to the state.
-struct PlanSmem {
-  int64_t *n, *spill, *sps, *ce, *load, *cap, *be, *hval, *rm, *red, *total, *outq, *inq, *filled;
-  int32_t *ps, *pc, *hexp, *se, *first, *next, *c32, *f32, *d32;
-  float* head;
-  uint16_t* queue;  // [8][E + EP]
-  int32_t* flags;   // [0] error bits, [1] keep_all
-
-  __host__ __device__ static size_t bytes(int ne, int ep, int s, bool stage) {
-    size_t b = 0;
-    b += sizeof(int64_t) * (4 * (size_t)ne + 5 * (size_t)ep + 3 * (size_t)s + 1 + kPlanThreads);
-    b += sizeof(int32_t) * (2 * (size_t)ne + (size_t)ep + 3 * (size_t)s + 2);
-    if (stage) b += sizeof(int32_t) * ((size_t)ep * ne + 2 * (size_t)ep * s);
-    b += sizeof(float) * (size_t)ep;
-    b += sizeof(uint16_t) * 8 * ((size_t)ne + (size_t)ep);
-    return b + 32;
+// Bump allocator over a shared-memory block; on the host (base unused) it only measures.
+// NOTE: the device pointers stay plain pointer arithmetic on the extern __shared__ array, so
+// the compiler keeps shared-memory instructions (a round trip through an integer would turn
+// every access into a generic one).
+struct Carver {
+  unsigned char* base;
+  size_t off;
+  template <class T>
+  __host__ __device__ T* take(size_t n) {
+    off = (off + 15) & ~size_t(15);
+#ifdef __CUDA_ARCH__
+    T* p = reinterpret_cast<T*>(base + off);
+#else
+    T* p = nullptr;
+#endif
+    off += n * sizeof(T);
+    return p;
   }
+};
 
-  __device__ void carve(unsigned char* base, int ne, int ep, int s, bool stage) {
-    int64_t* p64 = reinterpret_cast<int64_t*>(base);
-    n = p64; p64 += ne;
-    spill = p64; p64 += ne;
-    sps = p64; p64 += ne;
-    ce = p64; p64 += ne;
-    load = p64; p64 += ep;
-    cap = p64; p64 += ep;
-    be = p64; p64 += ep;
-    outq = p64; p64 += ep;
-    inq = p64; p64 += ep;
-    hval = p64; p64 += s;
-    rm = p64; p64 += s;
-    filled = p64; p64 += s;
-    total = p64; p64 += 1;
-    red = p64; p64 += kPlanThreads;
-    int32_t* p32 = reinterpret_cast<int32_t*>(p64);
-    ps = p32; p32 += ne;
-    first = p32; p32 += ne;
-    pc = p32; p32 += ep;
-    hexp = p32; p32 += s;
-    se = p32; p32 += s;
-    next = p32; p32 += s;
-    flags = p32; p32 += 2;
-    if (stage) {
-      c32 = p32; p32 += (size_t)ep * ne;
-      f32 = p32; p32 += (size_t)ep * s;
-      d32 = p32; p32 += (size_t)ep * s;
-    } else {
-      c32 = f32 = d32 = nullptr;
-    }
-    head = reinterpret_cast<float*>(p32);
-    queue = reinterpret_cast<uint16_t*>(head + ep);
+// ---------------------------------------------------------------------------------------------
+// Shared memory of the planner block.
+struct PlanSmem {
+  int64_t *red, *wsum, *n, *load, *cap, *ce, *be;
+  uint64_t *ckey, *qkey, *queue;  // queue: [E] approx FIFO words by chunk position
+  unsigned long long *outq, *inq;
+  int32_t *spill, *ps, *sps, *pc, *cps;
+  int32_t *hexp, *hval, *se, *nxt, *rm, *filled, *soff, *send;
+  int32_t *first, *flags;
+  uint32_t *pmask, *qmask;
+  float* head;
+  int32_t* ct;  // [E, EP + 1] C transposed (row stride EP + 1 against bank conflicts)
+  int32_t* fs;  // [S, EP] F transposed
+
+  // Returns the bytes used from `base`.
+  __host__ __device__ size_t carve(unsigned char* base, int ne, int ep, int s, bool approx,
+                                   bool stage_c, bool stage_f) {
+    Carver c{base, 0};
+    red = c.take<int64_t>(2 * kPlanThreads);
+    wsum = c.take<int64_t>(kPlanWarps);
+    n = c.take<int64_t>(ne);
+    load = c.take<int64_t>(ep);
+    cap = c.take<int64_t>(ep);
+    ce = c.take<int64_t>(ne);
+    be = c.take<int64_t>(ep);
+    ckey = c.take<uint64_t>(ne);
+    qkey = c.take<uint64_t>(ep);
+    outq = c.take<unsigned long long>(ep);
+    inq = c.take<unsigned long long>(ep);
+    queue = c.take<uint64_t>(approx ? ne : 0);
+    spill = c.take<int32_t>(ne);
+    ps = c.take<int32_t>(ne);
+    sps = c.take<int32_t>(ne);
+    pc = c.take<int32_t>(ep);
+    cps = c.take<int32_t>(ep);
+    hexp = c.take<int32_t>(s);
+    hval = c.take<int32_t>(s);
+    se = c.take<int32_t>(s);
+    nxt = c.take<int32_t>(s);
+    rm = c.take<int32_t>(s);
+    filled = c.take<int32_t>(s);
+    soff = c.take<int32_t>(s);
+    send = c.take<int32_t>(s);
+    first = c.take<int32_t>(ne);
+    flags = c.take<int32_t>(4 + 8);  // [0] error bits, [1] keep-all (reclaim), [4..12) FIFO heads
+    pmask = c.take<uint32_t>(kPlanWarps);
+    qmask = c.take<uint32_t>(kPlanWarps);
+    head = c.take<float>(ep);
+    ct = stage_c ? c.take<int32_t>((size_t)ne * (ep + 1)) : nullptr;
+    fs = stage_f ? c.take<int32_t>((size_t)s * ep) : nullptr;
+    return c.off + 16;
   }
 };
 
@@ -136,34 +178,8 @@ namespace {
 #define ECHO_PROF(i) do { } while (0)
 #endif
 
-// A.3 without a 64-bit division: for 0 < v < m and iv > 0,
-// min(7, (m - v) / iv + 1) == 1 + #{k in 1..6 : k * iv <= m - v}.
-__device__ inline int approx_bucket(int64_t v, int64_t m, int64_t iv) {
-  if (v >= m || iv == 0) return 0;
-  const int64_t a = m - v;
-  int b = 1;
-#pragma unroll
-  for (int k = 1; k <= 6; ++k) b += a >= k * iv ? 1 : 0;
-  return b;
-}
-
-// Overlap of chunk position a with bucket [bs, bend).
-__device__ inline int64_t overlap(const PlanSmem& sm, int a, int64_t bs, int64_t bend) {
-  int64_t ce = sm.ce[a], cs = ce - sm.sps[a];
-  int64_t v = min(ce, bend) - max(cs, bs);
-  return v > 0 ? v : 0;
-}
-
-// Smallest index in [lo, hi) with sps[idx] <= v (strict = false) or < v (strict = true);
-// sps is non-increasing.
-__device__ inline int first_below(const int64_t* sps, int lo, int hi, int64_t v, bool strict) {
-  while (lo < hi) {
-    int mid = (lo + hi) >> 1;
-    bool below = strict ? sps[mid] < v : sps[mid] <= v;
-    if (below) hi = mid; else lo = mid + 1;
-  }
-  return lo;
-}
+__device__ inline void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ inline void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
 
 __device__ inline int64_t warp_sum64(int64_t v) {
 #pragma unroll
@@ -171,296 +187,406 @@ __device__ inline int64_t warp_sum64(int64_t v) {
   return v;
 }
 
-// One warp: out[i] = in(0) + ... + in(i) for i < n (chunks of 32 with a carry).
-template <class In>
-__device__ void warp_scan_store(In in, int64_t* out, int n) {
-  const int lane = threadIdx.x & 31;
-  int64_t carry = 0;
-  for (int b = 0; b < n; b += 32) {
-    int64_t v = b + lane < n ? in(b + lane) : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      int64_t y = __shfl_up_sync(kFull, v, o);
-      if (lane >= o) v += y;
-    }
-    if (b + lane < n) out[b + lane] = carry + v;
-    carry += __shfl_sync(kFull, v, 31);
-  }
+__device__ inline unsigned lanemask_lt() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
 }
 
-// Position of every item in (key desc) order, keys unique: G = 2^g threads per item count the
-// larger keys over a strided share of the items, reduced with shuffles. Every thread of the
-// block must call it (uniform loop bounds, full-warp shuffles).
-template <class Key, class Put>
-__device__ void rank_desc(int count, Key key, Put put) {
-  const int nt = blockDim.x;
-  int G = 1;
-  while (G < 32 && G * 2 * count <= nt) G *= 2;
-  for (int base = 0; base < count * G; base += nt) {
-    const int i = base + (int)threadIdx.x;
+// Position of each of `count` items with unique packed keys (value << 11 | (2047 - index),
+// larger first) and the inclusive running sum of the values in that order, computed by the
+// whole warps of threads [t0, t0 + nthr): G = 2^g threads per item each compare a strided share
+// of the keys, combined with shuffles. put(item, position, running_sum).
+template <class Put>
+__device__ void rank_keys(const uint64_t* keys, int count, int t0, int nthr, Put put) {
+  const int i0 = (int)threadIdx.x - t0;
+  if (i0 < 0 || i0 >= nthr) return;  // whole warps
+  int lg = 0;
+  while (lg < 5 && (2 << lg) * count <= nthr) ++lg;
+  const int G = 1 << lg;
+  for (int base = 0; base < count * G; base += nthr) {
+    const int i = base + i0;
     const bool valid = i < count * G;
-    const int x = i / G, g = i & (G - 1);
+    const int x = i >> lg, g = i & (G - 1);
     int cnt = 0;
+    int64_t sum = 0;
+    uint64_t mine = 0;
     if (valid) {
-      const uint64_t mine = key(x);
+      mine = keys[x];
 #pragma unroll 4
-      for (int y = g; y < count; y += G) cnt += key(y) > mine ? 1 : 0;
+      for (int y = g; y < count; y += G) {
+        const uint64_t k = keys[y];
+        if (k > mine) {
+          ++cnt;
+          sum += (int64_t)(k >> 11);
+        }
+      }
     }
-    for (int o = 1; o < G; o <<= 1) cnt += __shfl_xor_sync(kFull, cnt, o);
-    if (valid && g == 0) put(x, cnt);
+    for (int o = 1; o < G; o <<= 1) {
+      cnt += __shfl_xor_sync(kFull, cnt, o);
+      sum += __shfl_xor_sync(kFull, sum, o);
+    }
+    if (valid && g == 0) put(x, cnt, sum + (int64_t)(mine >> 11));
   }
 }
 
 // P1-P7, one block of kPlanThreads threads.
-template <bool kStage>
 __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
   const Dims d = p.d;
   const int ne = d.ne, ep = d.ep, sp = d.sp, L = d.l, S = d.s;
   const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
   const int nwarps = nt >> 5;
+  const bool approx = d.algorithm == CAPMOE_ECHO_APPROX;
   const int64_t* C = p.counts;
   int64_t* st = p.state;
   const capmoe_echo_layout_t& lay = p.lay;
+  int32_t* Fg = reinterpret_cast<int32_t*>(st + lay.off_first_pass);
+  int32_t* Dg = reinterpret_cast<int32_t*>(st + lay.off_second_pass);
+  int4* slot_route = reinterpret_cast<int4*>(st + lay.off_slot_route);
+  int2* expert_route = reinterpret_cast<int2*>(st + lay.off_expert_route);
   PlanSmem sm;
-  sm.carve(smem_raw, ne, ep, S, kStage);
+  sm.carve(smem_raw, ne, ep, S, approx, p.stage_c, p.stage_f);
+  const int cst = ep + 1;  // row stride of the transposed C
   ECHO_PROF(0);
 
-  // P1.1 n[e], with the count checks: G = nt / E threads per expert split the source ranks
-  // (more loads in flight), partial sums combined in a fixed order. The staged copy of C is
-  // written on the way.
+  // A: C with 16-byte loads where possible; G groups of threads split the source ranks.
+  bool negative = false;
+  int64_t tsum = 0;
+  int groups;
+  if ((ne & 1) == 0 && (reinterpret_cast<uintptr_t>(C) & 15) == 0) {
+    const int np = ne >> 1;
+    groups = np <= nt ? nt / np : 1;
+    for (int i = tid; i < np * groups; i += nt) {
+      const int pr = i % np, g = i / np;
+      int64_t a0 = 0, a1 = 0;
+#pragma unroll 8
+      for (int r = g; r < ep; r += groups) {
+        const longlong2 c = __ldg(reinterpret_cast<const longlong2*>(C + (int64_t)r * ne) + pr);
+        negative |= (c.x | c.y) < 0;
+        a0 += c.x;
+        a1 += c.y;
+        if (p.stage_c) {
+          sm.ct[(2 * pr) * cst + r] = (int32_t)c.x;
+          sm.ct[(2 * pr + 1) * cst + r] = (int32_t)c.y;
+        }
+      }
+      sm.red[g * ne + 2 * pr] = a0;
+      sm.red[g * ne + 2 * pr + 1] = a1;
+      tsum += a0 + a1;
+    }
+  } else {
+    groups = ne <= nt ? nt / ne : 1;
+    for (int i = tid; i < ne * groups; i += nt) {
+      const int x = i % ne, g = i / ne;
+      int64_t acc = 0;
+#pragma unroll 8
+      for (int r = g; r < ep; r += groups) {
+        const int64_t c = __ldg(&C[(int64_t)r * ne + x]);
+        negative |= c < 0;
+        acc += c;
+        if (p.stage_c) sm.ct[x * cst + r] = (int32_t)c;
+      }
+      sm.red[g * ne + x] = acc;
+      tsum += acc;
+    }
+  }
+  tsum = warp_sum64(tsum);
+  if (lane == 0) sm.wsum[warp] = tsum;
   if (tid == 0) {
     sm.flags[0] = 0;
     sm.flags[1] = 0;
-    sm.total[0] = 0;
-  }
-  bool negative = false;
-  const int groups = ne <= nt ? nt / ne : 1;
-  for (int i = tid; i < ne * groups; i += nt) {
-    const int x = i % ne, g = i / ne;
-    int64_t acc = 0;
-#pragma unroll 8
-    for (int r = g; r < ep; r += groups) {
-      const int64_t c = C[(int64_t)r * ne + x];
-      negative |= c < 0;
-      acc += c;
-      if (kStage) sm.c32[r * ne + x] = (int32_t)c;
-    }
-    sm.red[i] = acc;
   }
   const bool neg_any = __syncthreads_or(negative);
+  ECHO_PROF(1);
+
+  // B: n[e]; slot and expert tables initialised.
   bool large = false;
-  int64_t tsum = 0;
   for (int x = tid; x < ne; x += nt) {
     int64_t acc = 0;
     for (int g = 0; g < groups; ++g) acc += sm.red[g * ne + x];
     sm.n[x] = acc;
     st[lay.off_tokens_per_expert + x] = acc;
-    large |= acc >= (int64_t(1) << 24);
-    tsum += acc;
-  }
-  tsum = warp_sum64(tsum);
-  if (lane == 0 && tsum != 0)
-    atomicAdd(reinterpret_cast<unsigned long long*>(sm.total), (unsigned long long)tsum);
-  const bool large_any = __syncthreads_or(large);
-  const bool counts_ok = !neg_any && !large_any;
-  if (tid == 0)
-    sm.flags[0] = (neg_any ? CAPMOE_ECHO_ERR_NEGATIVE_COUNT : 0) |
-                  (large_any ? CAPMOE_ECHO_ERR_COUNT_TOO_LARGE : 0);
-  const int64_t avg = sm.total[0] / ep;
-  ECHO_PROF(1);
-
-  // P1.2 load, P1.4 cap, P1.5 spill: the running sum before e in its rank's (n asc, e asc) order.
-  for (int q = tid; q < ep; q += nt) {
-    int64_t l = 0;
-    for (int i = 0; i < L; ++i) l += sm.n[q * L + i];
-    sm.load[q] = l;
-    const int64_t c = avg - l;
-    const int64_t cq = counts_ok && c > 0 ? c : 0;
-    sm.cap[q] = cq;
-    sm.be[q] = ((uint64_t)cq << 10) | (uint64_t)(1023 - q);  // bucket-order key (ranking only)
-    sm.outq[q] = 0;
-    sm.inq[q] = 0;
-    st[lay.off_load_per_rank + q] = l;
-    st[lay.off_spare_capacity + q] = cq;
-  }
-  for (int x = tid; x < ne; x += nt) {
-    const int q0 = (x / L) * L;
-    const int64_t nx = sm.n[x];
-    int64_t before = 0;
-    for (int i = q0; i < q0 + L; ++i) {
-      int64_t ni = sm.n[i];
-      if (ni < nx || (ni == nx && i < x)) before += ni;
-    }
-    int64_t a = before - avg, b = before + nx - avg;
-    const int64_t sx = counts_ok ? (b > 0 ? b : 0) - (a > 0 ? a : 0) : 0;
-    sm.spill[x] = sx;
-    sm.ce[x] = ((uint64_t)sx << 10) | (uint64_t)(1023 - x);  // chunk-order key (ranking only)
-    st[lay.off_spill + x] = sx;
+    large |= acc >= kCountLimit;
     sm.first[x] = 0x7fffffff;
   }
   for (int j = tid; j < S; j += nt) {
     sm.hexp[j] = -1;
     sm.hval[j] = 0;
+    sm.nxt[j] = -1;
+    sm.rm[j] = 0;
     sm.filled[j] = 0;
-    sm.next[j] = -1;
   }
-  __syncthreads();
+  for (int q = tid; q < ep; q += nt) {
+    sm.outq[q] = 0;
+    sm.inq[q] = 0;
+  }
+  const bool large_any = __syncthreads_or(large);
+  const bool counts_ok = !neg_any && !large_any;
   ECHO_PROF(2);
 
-  // G.1 / G.2 / A.1: chunk order (spill desc, e asc), bucket order (cap desc, q asc), as the
-  // count of larger packed keys (spill < 2^24 and cap < 2^44 when the counts are valid).
-  rank_desc(
-      ne, [&](int x) { return (uint64_t)sm.ce[x]; },
-      [&](int x, int pos) {
-        sm.ps[pos] = x;
-        sm.sps[pos] = sm.spill[x];
-      });
-  rank_desc(
-      ep, [&](int q) { return (uint64_t)sm.be[q]; },
-      [&](int q, int pos) { sm.pc[pos] = q; });
+  // C: total and avg from the warp totals; P1.2 load, P1.4 cap, P1.5 spill (the running sum
+  // before e in its rank's (n asc, e asc) order); ballots of the positive ones.
+  int64_t total = warp_sum64(lane < nwarps ? sm.wsum[lane] : 0);
+  const int64_t avg = total / ep;
+  {
+    const int q = tid;
+    int64_t cq = 0;
+    if (q < ep) {
+      int64_t l = 0;
+      for (int i = 0; i < L; ++i) l += sm.n[q * L + i];
+      const int64_t c = avg - l;
+      cq = counts_ok && c > 0 ? c : 0;
+      sm.load[q] = l;
+      sm.cap[q] = cq;
+      st[lay.off_load_per_rank + q] = l;
+      st[lay.off_spare_capacity + q] = cq;
+    }
+    const unsigned qm = __ballot_sync(kFull, q < ep && cq > 0);
+    if (lane == 0) sm.qmask[warp] = qm;
+    const int x = tid;
+    int64_t sx = 0;
+    if (x < ne) {
+      const int q0 = (x / L) * L;
+      const int64_t nx = sm.n[x];
+      int64_t before = 0;
+      for (int i = q0; i < q0 + L; ++i) {
+        const int64_t ni = sm.n[i];
+        if (ni < nx || (ni == nx && i < x)) before += ni;
+      }
+      const int64_t a = before - avg, b = before + nx - avg;
+      sx = counts_ok ? (b > 0 ? b : 0) - (a > 0 ? a : 0) : 0;
+      sm.spill[x] = (int32_t)sx;
+      st[lay.off_spill + x] = sx;
+    }
+    const unsigned pm = __ballot_sync(kFull, x < ne && sx > 0);
+    if (lane == 0) sm.pmask[warp] = pm;
+  }
   __syncthreads();
   ECHO_PROF(3);
 
-  if (d.algorithm == CAPMOE_ECHO_GREEDY) {
-    // G.3: chunk and bucket intervals as prefix sums, one warp each.
-    if (warp == 0) warp_scan_store([&](int a) { return sm.sps[a]; }, sm.ce, ne);
-    if (warp == 1 % nwarps) warp_scan_store([&](int b) { return sm.cap[sm.pc[b]]; }, sm.be, ep);
-    __syncthreads();
-    // G.4 / G.5: per bucket, the chunks with a positive overlap form a contiguous run
-    // [lo, hi]; interior overlaps are whole chunks (non-increasing), so each chunk's rank in
-    // (ov desc, position asc) order follows from two comparisons and a binary search.
-    for (int b = tid; b < ep; b += nt) {
-      const int q = sm.pc[b];
-      const int64_t c = sm.cap[q];
-      if (c <= 0) continue;
-      const int64_t bend = sm.be[b], bs = bend - c;
-      // lo: first chunk ending after bs; hi: last chunk starting before bend.
-      int lo = 0, hi = ne;
-      while (lo < hi) {
-        int mid = (lo + hi) >> 1;
-        if (sm.ce[mid] > bs) hi = mid; else lo = mid + 1;
-      }
-      const int a_lo = lo;
-      lo = a_lo;
-      hi = ne;
-      while (lo < hi) {
-        int mid = (lo + hi) >> 1;
-        if (sm.ce[mid] - sm.sps[mid] < bend) lo = mid + 1; else hi = mid;
-      }
-      const int a_hi = lo - 1;
-      if (a_lo >= ne || a_hi < a_lo) continue;
-      const int64_t ov_lo = overlap(sm, a_lo, bs, bend);
-      const int64_t ov_hi = overlap(sm, a_hi, bs, bend);
-      for (int a = a_lo; a <= a_hi; ++a) {
-        const int64_t v = a == a_lo ? ov_lo : a == a_hi ? ov_hi : sm.sps[a];
-        if (v <= 0) continue;
-        int rank = 0;
-        if (a != a_lo && (ov_lo > v || (ov_lo == v && a_lo < a))) ++rank;
-        if (a_hi != a_lo && a != a_hi && (ov_hi > v || (ov_hi == v && a_hi < a))) ++rank;
-        const int i_lo = a_lo + 1, i_hi = a_hi;  // interior [i_lo, i_hi)
-        if (i_hi > i_lo) {
-          if (a > a_lo && a < a_hi) {
-            rank += a - i_lo;
-          } else if (a == a_lo) {
-            rank += first_below(sm.sps, i_lo, i_hi, v, false) - i_lo;
-          } else {
-            rank += first_below(sm.sps, i_lo, i_hi, v, true) - i_lo;
-          }
-        }
-        if (rank < sp) {
-          const int j = q * sp + rank;
-          sm.hexp[j] = sm.ps[a];
-          sm.hval[j] = v;
-        }
-      }
+  // D: compacted packed keys of the positive spills (chunks) and capacities (buckets).
+  int P, Q;
+  {
+    const int cp = lane < nwarps ? __popc(sm.pmask[lane]) : 0;
+    const int cq = lane < nwarps ? __popc(sm.qmask[lane]) : 0;
+    P = __reduce_add_sync(kFull, cp);
+    Q = __reduce_add_sync(kFull, cq);
+    const int pbefore = __reduce_add_sync(kFull, lane < warp ? cp : 0);
+    const int qbefore = __reduce_add_sync(kFull, lane < warp ? cq : 0);
+    const unsigned lt = lanemask_lt();
+    if (tid < ne && sm.spill[tid] > 0) {
+      const int pos = pbefore + __popc(sm.pmask[warp] & lt);
+      sm.ckey[pos] = ((uint64_t)sm.spill[tid] << 11) | (uint64_t)(2047 - tid);
     }
-  } else if (warp == 0) {
-    // A.2-A.5 in one warp: lane k < 8 keeps FIFO k's head and tail in registers, the ranks'
-    // capacities (in order) are prefetched 32 at a time, buckets need no division.
-    const int64_t m = avg, iv = avg / 7;
-    const int qcap = ne + ep;
-    int64_t* rest = sm.ce;  // approx does not use chunk intervals; indexed by position
-    int cnt[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) cnt[k] = 0;
-    for (int base = 0; base < ne; base += 32) {
-      const int a = base + lane;
-      const int64_t v = a < ne ? sm.sps[a] : 0;
-      const int k = v > 0 ? approx_bucket(v, m, iv) : -1;
-      if (a < ne) rest[a] = v;
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk) {
-        unsigned ballot = __ballot_sync(kFull, k == kk);
-        if (k == kk) sm.queue[kk * qcap + cnt[kk] + __popc(ballot & ((1u << lane) - 1u))] = (uint16_t)a;
-        cnt[kk] += __popc(ballot);
-      }
-    }
-    int qh = 0, qt = 0;
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) if (kk == lane) qt = cnt[kk];
-    // bucket(v) for 0 < v < m, iv > 0: 1 + #{k in 1..6 : k * iv <= m - v} (== min(7, (m-v)/iv + 1)).
-    auto bucket = [&](int64_t v) -> int {
-      if (v >= m || iv == 0) return 0;
-      const int64_t a = m - v;
-      int b = 1;
-#pragma unroll
-      for (int k = 1; k <= 6; ++k) b += a >= k * iv ? 1 : 0;
-      return b;
-    };
-    __syncwarp();
-    int cur = 0;
-    bool stop = false;
-    for (int b0 = 0; b0 < ep && !stop; b0 += 32) {
-      const int bl = b0 + lane;
-      const int ql = bl < ep ? sm.pc[bl] : 0;
-      const int64_t cpl = bl < ep ? sm.cap[ql] : 0;
-      const int nb = min(32, ep - b0);
-      for (int u = 0; u < nb; ++u) {
-        const int64_t cp = __shfl_sync(kFull, cpl, u);
-        const int q = __shfl_sync(kFull, ql, u);
-        if (cp <= 0) { stop = true; break; }
-        const unsigned avail = __ballot_sync(kFull, lane < 8 && lane >= cur && qh < qt);
-        if (avail == 0) { stop = true; break; }
-        const int k = __ffs(avail) - 1;
-        cur = k;
-        const int h = __shfl_sync(kFull, qh, k);
-        if (lane == k) ++qh;
-        const int a = sm.queue[k * qcap + h];
-        const int64_t rv = rest[a];
-        const int64_t x = min(rv, cp);
-        const int64_t left = rv - x;
-        __syncwarp();
-        if (lane == 0) {
-          rest[a] = left;
-          sm.hexp[q] = sm.ps[a];  // S_per == 1: slot index == rank index
-          sm.hval[q] = x;
-        }
-        if (left > 0) {
-          const int k2 = bucket(left);
-          const int t = __shfl_sync(kFull, qt, k2);
-          if (t < qcap) {
-            if (lane == 0) sm.queue[k2 * qcap + t] = (uint16_t)a;
-            if (lane == k2) ++qt;
-          } else if (lane == 0) {
-            sm.flags[0] |= CAPMOE_ECHO_ERR_INTERNAL;
-          }
-        }
-        __syncwarp();
-      }
+    if (tid < ep && sm.cap[tid] > 0) {
+      const int pos = qbefore + __popc(sm.qmask[warp] & lt);
+      sm.qkey[pos] = ((uint64_t)sm.cap[tid] << 11) | (uint64_t)(2047 - tid);
     }
   }
   __syncthreads();
   ECHO_PROF(4);
 
-  // H before reclaim.
-  for (int j = tid; j < S; j += nt) {
-    const bool on = sm.hval[j] > 0;
-    st[lay.off_pre_reclaim_expert + j] = on ? sm.hexp[j] : -1;
-    st[lay.off_pre_reclaim_tokens + j] = on ? sm.hval[j] : 0;
-  }
+  // E: G.1 / G.2 / A.1 chunk order (spill desc, e asc) and bucket order (cap desc, q asc) with
+  // G.3's interval ends.
+  rank_keys(sm.ckey, P, 0, kChunkThreads, [&](int i, int pos, int64_t end) {
+    const uint64_t k = sm.ckey[i];
+    sm.ps[pos] = 2047 - (int)(k & 2047);
+    sm.sps[pos] = (int32_t)(k >> 11);
+    sm.ce[pos] = end;
+  });
+  rank_keys(sm.qkey, Q, kChunkThreads, nt - kChunkThreads, [&](int i, int pos, int64_t end) {
+    const uint64_t k = sm.qkey[i];
+    const int64_t c = (int64_t)(k >> 11);
+    sm.pc[pos] = 2047 - (int)(k & 2047);
+    sm.cps[pos] = (int32_t)(c < kCountLimit ? c : kCountLimit);
+    sm.be[pos] = end;
+  });
+  __syncthreads();
+  ECHO_PROF(5);
 
-  // P3 reclaim (greedy, thr > 0).
-  if (d.algorithm == CAPMOE_ECHO_GREEDY && d.thr > 0.0f) {
+  if (!approx) {
+    // G.4 / G.5 per bucket b: the chunks with a positive overlap form a run [a_lo, a_hi];
+    // interior chunks overlap whole (non-increasing), so the top S_per by (ov desc, position
+    // asc) are among a_lo, a_hi and the first S_per interior chunks.
+    for (int b = tid; b < Q; b += nt) {
+      const int q = sm.pc[b];
+      const int64_t bend = sm.be[b], bs = bend - sm.cap[q];
+      int lo = 0, hi = P;
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (sm.ce[mid] > bs) hi = mid; else lo = mid + 1;
+      }
+      const int a_lo = lo;
+      hi = P;
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (sm.ce[mid] >= bend) hi = mid; else lo = mid + 1;
+      }
+      const int a_hi = lo < P ? lo : P - 1;
+      if (a_lo >= P || a_hi < a_lo) continue;
+      auto ov = [&](int a) -> int64_t {
+        const int64_t e_ = sm.ce[a], s_ = e_ - sm.sps[a];
+        const int64_t v = (e_ < bend ? e_ : bend) - (s_ > bs ? s_ : bs);
+        return v > 0 ? v : 0;
+      };
+      auto put = [&](int rank, int a, int64_t v) {
+        if (rank < sp && v > 0) {
+          sm.hexp[q * sp + rank] = sm.ps[a];
+          sm.hval[q * sp + rank] = (int32_t)v;
+        }
+      };
+      const int64_t ov_lo = ov(a_lo);
+      const bool has_hi = a_hi != a_lo;
+      const int64_t ov_hi = has_hi ? ov(a_hi) : 0;
+      const int n_int = a_hi - a_lo - 1 > 0 ? a_hi - a_lo - 1 : 0;
+      const int n_try = n_int < sp ? n_int : sp;
+      int r_lo = has_hi && ov_hi > ov_lo ? 1 : 0;
+      int r_hi = ov_lo >= ov_hi ? 1 : 0;
+      for (int i = 0; i < n_try; ++i) {
+        const int a = a_lo + 1 + i;
+        const int64_t v = sm.sps[a];
+        r_lo += v > ov_lo ? 1 : 0;
+        r_hi += v >= ov_hi ? 1 : 0;
+        put(i + (ov_lo >= v ? 1 : 0) + (has_hi && ov_hi > v ? 1 : 0), a, v);
+      }
+      put(r_lo, a_lo, ov_lo);
+      if (has_hi) put(r_hi, a_hi, ov_hi);
+    }
+  } else if (warp == 0) {
+    // A.2-A.5. The eight FIFOs are linked lists over chunk positions: word[a] = remaining
+    // spill << 32 | a << 16 | next position in the same FIFO (0xffff: none); a position is in
+    // at most one FIFO at a time. The warp queues the chunks (ballots per bucket); one thread
+    // then pops, with each FIFO's front word and tail in registers, so a step waits on no
+    // shared-memory load of its own (the next front's load overlaps the rest of the step).
+    const int64_t m = avg, iv = avg / 7;
+    int thr[6];
+#pragma unroll
+    for (int k = 0; k < 6; ++k) {
+      const int64_t t = m - (k + 1) * iv;
+      thr[k] = (int)(t < 0 ? -1 : (t > (int64_t(1) << 25) ? (int64_t(1) << 25) : t));
+      // NOTE: opaque to the compiler, which would otherwise recompute the 64-bit bounds inside
+      // the serial loop below rather than keep six registers.
+      asm volatile("mov.b32 %0, %0;" : "+r"(thr[k]));
+    }
+    const int m32 = (int)(m < (int64_t(1) << 25) ? m : (int64_t(1) << 25));
+    // A.3, division-free: for 0 < v < m and iv > 0, min(7, (m - v) / iv + 1) ==
+    // 1 + #{k in 1..6 : v <= m - k * iv}; v < 2^24, so clamping the bounds changes nothing.
+    auto bucket = [&](int v) -> int {
+      if (v >= m32 || iv == 0) return 0;
+      int b = 1;
+#pragma unroll
+      for (int k = 0; k < 6; ++k) b += v <= thr[k] ? 1 : 0;
+      return b;
+    };
+    constexpr uint64_t kNone = 0xffff;
+    uint64_t* word = sm.queue;
+    int firstp[8], lastp[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) firstp[k] = lastp[k] = -1;
+    for (int base = 0; base < P; base += 32) {
+      const int a = base + lane;
+      const int v = a < P ? sm.sps[a] : 0;
+      const int k = a < P ? bucket(v) : -1;
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk) {
+        const unsigned bal = __ballot_sync(kFull, k == kk);
+        if (bal == 0) continue;
+        if (k == kk) {
+          const unsigned above = bal & ~((2u << lane) - 1u);
+          const uint64_t nx = above ? (uint64_t)(base + __ffs(above) - 1) : kNone;
+          word[a] = ((uint64_t)v << 32) | ((uint64_t)a << 16) | nx;
+        }
+        const int lo = base + __ffs(bal) - 1, hi = base + 31 - __clz(bal);
+        if (lastp[kk] >= 0 && lane == 0) reinterpret_cast<uint16_t*>(word + lastp[kk])[0] = (uint16_t)lo;
+        if (firstp[kk] < 0) firstp[kk] = lo;
+        lastp[kk] = hi;
+      }
+      __syncwarp();
+    }
+    if (lane == 0) {
+      // Pops never go below `cur` and `cur` never decreases (a remainder re-queues at or above
+      // it), so only the FIFO popped last is live in registers: its front word and tail. The
+      // others keep head | tail << 16 in shared memory (0xffff: none), read when a remainder
+      // joins them or when the pops move on to them (at most 8 times).
+      uint32_t* ht = reinterpret_cast<uint32_t*>(sm.flags + 4);
+      unsigned nonempty = 0;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        ht[k] = ((uint32_t)(lastp[k] & 0xffff) << 16) | (uint32_t)(firstp[k] & 0xffff);
+        nonempty |= (firstp[k] >= 0 ? 1u : 0u) << k;
+      }
+      int cur = 0, loaded = -1;
+      uint64_t front = 0;
+      uint32_t ctail = 0;
+      int q_next = Q > 0 ? sm.pc[0] : 0, cp_next = Q > 0 ? sm.cps[0] : 0;
+      for (int b = 0; b < Q; ++b) {
+        const int q = q_next, cp = cp_next;
+        if (b + 1 < Q) {
+          q_next = sm.pc[b + 1];
+          cp_next = sm.cps[b + 1];
+        }
+        const unsigned avail = nonempty & ~((1u << cur) - 1u);
+        if (avail == 0) break;
+        const int k = __ffs(avail) - 1;
+        if (k != loaded) {
+          const uint32_t h = ht[k];
+          front = word[h & 0xffffu];
+          ctail = h >> 16;
+          loaded = k;
+        }
+        const uint64_t e = front;
+        const int v = (int)(e >> 32), a = (int)((e >> 16) & 0xffff);
+        const uint32_t nx = (uint32_t)(e & kNone);
+        const bool drained = nx == (uint32_t)kNone;
+        const uint64_t nf = drained ? 0 : word[nx];  // the next front
+        if (drained) nonempty &= ~(1u << k);
+        const int x = v < cp ? v : cp;
+        const int left = v - x;
+        sm.hexp[q] = a;  // chunk position; S_per == 1: slot index == rank index
+        sm.hval[q] = x;
+        front = nf;
+        if (left > 0) {
+          const int k2 = bucket(left);
+          const uint64_t ent = ((uint64_t)left << 32) | ((uint64_t)a << 16) | kNone;
+          word[a] = ent;
+          if (k2 == k) {
+            if (drained) {
+              front = ent;
+              nonempty |= 1u << k;
+            } else {
+              reinterpret_cast<uint16_t*>(word + ctail)[0] = (uint16_t)a;
+              if (ctail == nx) front = (nf & ~kNone) | (uint64_t)a;  // the front is the tail
+            }
+            ctail = a;
+          } else if (nonempty & (1u << k2)) {
+            const uint32_t h = ht[k2];
+            reinterpret_cast<uint16_t*>(word + (h >> 16))[0] = (uint16_t)a;
+            ht[k2] = (h & 0xffffu) | ((uint32_t)a << 16);
+          } else {
+            ht[k2] = ((uint32_t)a << 16) | (uint32_t)a;
+            nonempty |= 1u << k2;
+          }
+        }
+        cur = k;
+      }
+    }
+  }
+  __syncthreads();
+  ECHO_PROF(6);
+
+  // G: H before reclaim; P3 reclaim (greedy, thr > 0); P4 slot_expert, each expert's lowest
+  // slot, planned tokens out of / into every rank.
+  const bool reclaim = !approx && d.thr > 0.0f;
+  for (int j = tid; j < S; j += nt) {
+    const int v = sm.hval[j];
+    int e = sm.hexp[j];
+    if (approx && v > 0) e = sm.ps[e];
+    sm.hexp[j] = v > 0 ? e : -1;
+    st[lay.off_pre_reclaim_expert + j] = v > 0 ? e : -1;
+    st[lay.off_pre_reclaim_tokens + j] = v > 0 ? v : 0;
+  }
+  if (reclaim) {
+    __syncthreads();
     const float avgf = __ll2float_rn(avg);
     const float maxload = __fadd_rn(avgf, __fmul_rn(d.thr, avgf));
     for (int q = tid; q < ep; q += nt) {
@@ -492,37 +618,164 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
       sm.hval[tid] = 0;
       sm.hexp[tid] = -1;
     }
-    __syncthreads();
   }
-
-  // P4 slot_expert; each expert's lowest slot; planned tokens out of / into every rank.
   for (int j = tid; j < S; j += nt) {
-    const int e = sm.hval[j] > 0 ? sm.hexp[j] : -1;
+    const int v = sm.hval[j];
+    const int e = v > 0 ? sm.hexp[j] : -1;
     sm.se[j] = e;
     if (e < 0) {
       sm.hval[j] = 0;
     } else {
       atomicMin(&sm.first[e], j);
-      atomicAdd(reinterpret_cast<unsigned long long*>(&sm.outq[e / L]), (unsigned long long)sm.hval[j]);
-      atomicAdd(reinterpret_cast<unsigned long long*>(&sm.inq[j / sp]), (unsigned long long)sm.hval[j]);
+      atomicAdd(&sm.outq[e / L], (unsigned long long)v);
+      atomicAdd(&sm.inq[j / sp], (unsigned long long)v);
     }
   }
   __syncthreads();
-  ECHO_PROF(5);
+  ECHO_PROF(7);
 
+  // H: P5-P7 fused, one warp per supplying expert (found at its lowest slot), two consecutive
+  // source ranks per lane so one warp scan covers 64 ranks. Float32 stages use
+  // __fdiv_rn/__fmul_rn exactly as the spec. Every value here is below 2^24 (valid counts).
+  auto getC = [&](int r, int e) -> int {
+    if (p.stage_c) return sm.ct[e * cst + r];
+    return (int)__ldg(&C[(int64_t)r * ne + e]);
+  };
+  // F as read back: the staged copy or the state (one uniform branch, so each stays a
+  // shared-memory or a global access rather than a generic one).
+  auto getF = [&](int j, int r) -> int {
+    if (p.stage_f) return sm.fs[j * ep + r];
+    return Fg[(int64_t)j * ep + r];
+  };
+  for (int j0 = warp; j0 < S; j0 += nwarps) {
+    const int e = sm.se[j0];
+    if (e < 0 || sm.first[e] != j0) continue;
+    // The expert's slots in ascending order, as a list in nxt[].
+    {
+      int prev = j0;
+      for (int b = j0 & ~31; b < S; b += 32) {
+        unsigned m = __ballot_sync(kFull, b + lane < S && b + lane > j0 && sm.se[b + lane] == e);
+        while (m) {
+          const int i = b + __ffs(m) - 1;
+          m &= m - 1;
+          if (lane == 0) sm.nxt[prev] = i;
+          prev = i;
+        }
+      }
+      __syncwarp();
+    }
+    const float den = __int2float_rn((int)sm.n[e]);
+    // P5: F, and per slot the sum over ranks (-> Rm).
+    for (int r0 = 0; r0 < ep; r0 += 64) {
+      const int ra = r0 + 2 * lane, rb = ra + 1;
+      const bool va = ra < ep, vb = rb < ep;
+      const float sa = __fdiv_rn(__int2float_rn(va ? getC(ra, e) : 0), den);
+      const float sb = __fdiv_rn(__int2float_rn(vb ? getC(rb, e) : 0), den);
+      for (int j = j0; j >= 0; j = sm.nxt[j]) {
+        const float cj = __int2float_rn(sm.hval[j]);
+        const int fa = va ? (int)floorf(__fmul_rn(sa, cj)) : 0;
+        const int fb = vb ? (int)floorf(__fmul_rn(sb, cj)) : 0;
+        if (va) {
+          Fg[(int64_t)j * ep + ra] = fa;
+          if (p.stage_f) sm.fs[j * ep + ra] = fa;
+        }
+        if (vb) {
+          Fg[(int64_t)j * ep + rb] = fb;
+          if (p.stage_f) sm.fs[j * ep + rb] = fb;
+        }
+        const int tot = __reduce_add_sync(kFull, fa + fb);
+        if (lane == 0) sm.rm[j] += tot;
+      }
+    }
+    __syncwarp();
+    if (lane == 0) {
+      for (int j = j0; j >= 0; j = sm.nxt[j]) {
+        const int rmj = sm.hval[j] - sm.rm[j];
+        sm.rm[j] = rmj;
+        if (rmj < 0) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_INTERNAL);
+      }
+    }
+    __syncwarp();
+    // P6 / P7: the source line (C1 by rank, warp scan) against the slot line (Rm in slot
+    // order); Ftot[rho] gives each slot's range in the expert's token list on rank rho.
+    int carry = 0, off = 0;
+    for (int r0 = 0; r0 < ep; r0 += 64) {
+      const int ra = r0 + 2 * lane, rb = ra + 1;
+      const bool va = ra < ep, vb = rb < ep;
+      int c1a = va ? getC(ra, e) : 0, c1b = vb ? getC(rb, e) : 0;
+      for (int j = j0; j >= 0; j = sm.nxt[j]) {
+        if (va) c1a -= getF(j, ra);
+        if (vb) c1b -= getF(j, rb);
+      }
+      const int pair = c1a + c1b;
+      int incl = pair;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(kFull, incl, o);
+        if (lane >= o) incl += y;
+      }
+      const int aa = carry + incl - pair, ab = aa + c1a;
+      carry += __shfl_sync(kFull, incl, 31);
+      const bool has_rho = d.rho >= r0 && d.rho < r0 + 64;
+      const int rho_lane = (d.rho - r0) >> 1;
+      int bj = 0;
+      for (int j = j0; j >= 0; j = sm.nxt[j]) {
+        const int rmj = sm.rm[j];
+        int fta = 0, ftb = 0;
+        if (va) {
+          const int da = max(0, min(aa + c1a, bj + rmj) - max(aa, bj));
+          Dg[(int64_t)j * ep + ra] = da;
+          fta = getF(j, ra) + da;
+        }
+        if (vb) {
+          const int db = max(0, min(ab + c1b, bj + rmj) - max(ab, bj));
+          Dg[(int64_t)j * ep + rb] = db;
+          ftb = getF(j, rb) + db;
+        }
+        const int tot = __reduce_add_sync(kFull, fta + ftb);
+        if (has_rho) {
+          const int fa = __shfl_sync(kFull, fta, rho_lane), fb = __shfl_sync(kFull, ftb, rho_lane);
+          const int f_rho = (d.rho & 1) ? fb : fa;
+          if (lane == 0) {
+            sm.soff[j] = off;
+            sm.send[j] = off + f_rho;
+          }
+          off += f_rho;
+        }
+        if (lane == 0) sm.filled[j] += tot;
+        bj += rmj;
+      }
+    }
+    __syncwarp();
+    if (lane == 0) {
+      for (int j = j0; j >= 0; j = sm.nxt[j]) {
+        if (sm.filled[j] != sm.hval[j]) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_INTERNAL);
+        slot_route[j] = make_int4(e, sm.nxt[j], sm.soff[j], sm.send[j]);
+      }
+      expert_route[e] = make_int2(j0, off);
+    }
+  }
+  __syncthreads();
+  ECHO_PROF(8);
+
+  // I: the rest of the state.
   for (int j = tid; j < S; j += nt) {
-    st[lay.off_slot_expert + j] = sm.se[j];
+    const int e = sm.se[j];
+    st[lay.off_slot_expert + j] = e;
     st[lay.off_slot_tokens + j] = sm.hval[j];
+    st[lay.off_remaining_capacity + j] = e >= 0 ? sm.rm[j] : 0;
+    if (e < 0) slot_route[j] = make_int4(-1, -1, 0, 0);
   }
-  for (int x = tid; x < ne; x += nt) {
-    const int f = sm.first[x];
-    st[lay.off_first_slot + x] = f < S ? f : -1;
-  }
-  {
-    // Offload map M[e][j] as bytes, written 8 at a time.
+  for (int x = tid; x < ne; x += nt)
+    if (sm.first[x] >= S) expert_route[x] = make_int2(-1, 0);
+  for (int q = tid; q < ep; q += nt)
+    st[lay.off_load_after + q] = sm.load[q] - (int64_t)sm.outq[q] + (int64_t)sm.inq[q];
+  if (p.num_tiles == 0) {
+    // Offload map M[e][j] as bytes, written 8 at a time (the reroute launch writes it when
+    // there are tokens).
     uint64_t* mwords = reinterpret_cast<uint64_t*>(st + lay.off_offload_map);
-    const int nbytes = ne * S, nwords = (nbytes + 7) / 8;
-    for (int w = tid; w < nwords; w += nt) {
+    const int nbytes = ne * S, nw = (nbytes + 7) / 8;
+    for (int w = tid; w < nw; w += nt) {
       uint64_t word = 0;
       int i = w * 8, x = i / S, jj = i % S;
       for (int b = 0; b < 8 && i < nbytes; ++b, ++i) {
@@ -535,172 +788,12 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
       mwords[w] = word;
     }
   }
-
-  // P5-P7 fused, one warp per supplying expert (found at its lowest slot). Float32 stages use
-  // __fdiv_rn/__fmul_rn exactly as the spec. Values per (r, e) are < 2^24, so the warp sums
-  // of F + D fit in 32 bits.
-  int64_t* Fg = st + lay.off_first_pass;
-  int64_t* Dg = st + lay.off_second_pass;
-  int64_t* Ftg = st + lay.off_tokens_to_slot;
-  auto getC = [&](int r, int e) -> int64_t {
-    if (kStage) return sm.c32[r * ne + e];
-    return __ldg(&C[(int64_t)r * ne + e]);
-  };
-  for (int j0 = warp; j0 < S; j0 += nwarps) {
-    const int e = sm.se[j0];
-    if (e < 0 || sm.first[e] != j0) continue;
-    // The expert's slots in ascending order, as a list in next[].
-    {
-      int prev = -1;
-      for (int b = j0 & ~31; b < S; b += 32) {
-        unsigned m = __ballot_sync(kFull, b + lane < S && sm.se[b + lane] == e);
-        while (m) {
-          const int i = b + __ffs(m) - 1;
-          m &= m - 1;
-          if (prev >= 0 && lane == 0) sm.next[prev] = i;
-          prev = i;
-        }
-      }
-      __syncwarp();
-    }
-    const float den = __ll2float_rn(sm.n[e]);
-    // P5: F and Rm.
-    for (int j = j0; j >= 0; j = sm.next[j]) {
-      const float cj = __ll2float_rn(sm.hval[j]);
-      unsigned acc = 0;
-      for (int r = lane; r < ep; r += 32) {
-        const float share = __fdiv_rn(__ll2float_rn(getC(r, e)), den);
-        const int64_t f = (int64_t)floorf(__fmul_rn(share, cj));
-        if (kStage) sm.f32[r * S + j] = (int32_t)f;
-        else Fg[(int64_t)r * S + j] = f;
-        acc += (unsigned)f;
-      }
-      acc = __reduce_add_sync(kFull, acc);
-      const int64_t rmj = sm.hval[j] - (int64_t)acc;
-      if (lane == 0) {
-        sm.rm[j] = rmj;
-        st[lay.off_remaining_capacity + j] = rmj;
-        if (rmj < 0) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_INTERNAL);
-      }
-    }
-    __syncwarp();
-    // P6 / P7: source line (C1 by rank, warp scan) against the slot line (Rm in slot order).
-    int carry = 0;
-    int64_t off = 0;
-    for (int r0 = 0; r0 < ep; r0 += 32) {
-      const int r = r0 + lane;
-      const bool valid = r < ep;
-      int c1 = 0;
-      if (valid) {
-        int fs = 0;
-        for (int j = j0; j >= 0; j = sm.next[j])
-          fs += kStage ? sm.f32[r * S + j] : (int)Fg[(int64_t)r * S + j];
-        c1 = (int)getC(r, e) - fs;
-      }
-      int incl = c1;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(kFull, incl, o);
-        if (lane >= o) incl += y;
-      }
-      const int64_t a = (int64_t)carry + incl - c1;
-      carry += __shfl_sync(kFull, incl, 31);
-      int64_t bj = 0;
-      for (int j = j0; j >= 0; j = sm.next[j]) {
-        const int64_t rmj = sm.rm[j];
-        int ft = 0;
-        if (valid) {
-          const int64_t dv = max(int64_t(0), min(a + c1, bj + rmj) - max(a, bj));
-          const int f = kStage ? sm.f32[r * S + j] : (int)Fg[(int64_t)r * S + j];
-          ft = f + (int)dv;
-          if (kStage) {
-            sm.d32[r * S + j] = (int32_t)dv;
-          } else {
-            Dg[(int64_t)r * S + j] = dv;
-            Ftg[(int64_t)r * S + j] = ft;
-          }
-        }
-        const unsigned tot = __reduce_add_sync(kFull, (unsigned)ft);
-        if (d.rho >= r0 && d.rho < r0 + 32) {
-          const int ft_rho = __shfl_sync(kFull, ft, d.rho - r0);
-          if (lane == 0) st[lay.off_slot_offset + j] = off;
-          off += ft_rho;
-        }
-        if (lane == 0) sm.filled[j] += tot;
-        bj += rmj;
-      }
-    }
-    __syncwarp();
-    if (lane == 0)
-      for (int j = j0; j >= 0; j = sm.next[j])
-        if (sm.filled[j] != sm.hval[j]) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_INTERNAL);
-  }
-  __syncthreads();
-  ECHO_PROF(6);
-
-  // Dense [EP, S] and [EP, E] sections, coalesced; zeros for empty slots and experts without
-  // slots.
-  {
-    const int sr = nt / S, sc = nt % S;
-    for (int r = tid / S, j = tid % S; r < ep;) {
-      const int64_t i = (int64_t)r * S + j;
-      if (sm.se[j] < 0) {
-        Fg[i] = 0;
-        Dg[i] = 0;
-        Ftg[i] = 0;
-      } else if (kStage) {
-        const int f = sm.f32[r * S + j], dv = sm.d32[r * S + j];
-        Fg[i] = f;
-        Dg[i] = dv;
-        Ftg[i] = f + dv;
-      }
-      j += sc;
-      r += sr;
-      if (j >= S) {
-        j -= S;
-        ++r;
-      }
-    }
-  }
-  {
-    int64_t* fpho = st + lay.off_first_pass_home_offload;
-    int64_t* ho = st + lay.off_home_offload;
-    const int sr = nt / ne, sc = nt % ne;
-    for (int r = tid / ne, x = tid % ne; r < ep;) {
-      const int64_t i = (int64_t)r * ne + x;
-      int64_t fs = 0, ds = 0;
-      for (int j = sm.first[x]; j >= 0 && j < S; j = sm.next[j]) {
-        if (kStage) {
-          fs += sm.f32[r * S + j];
-          ds += sm.d32[r * S + j];
-        } else {
-          fs += Fg[(int64_t)r * S + j];
-          ds += Dg[(int64_t)r * S + j];
-        }
-      }
-      fpho[i] = fs;
-      ho[i] = fs + ds;
-      x += sc;
-      r += sr;
-      if (x >= ne) {
-        x -= ne;
-        ++r;
-      }
-    }
-  }
-  for (int j = tid; j < S; j += nt) {
-    st[lay.off_next_slot + j] = sm.next[j];
-    if (sm.se[j] < 0) {
-      st[lay.off_slot_offset + j] = 0;
-      st[lay.off_remaining_capacity + j] = 0;
-    }
-  }
-  for (int q = tid; q < ep; q += nt) st[lay.off_load_after + q] = sm.load[q] - sm.outq[q] + sm.inq[q];
   if (tid == 0) {
     st[lay.off_avg] = avg;
-    st[lay.off_error] = sm.flags[0];
+    st[lay.off_error] = sm.flags[0] | (neg_any ? CAPMOE_ECHO_ERR_NEGATIVE_COUNT : 0) |
+                        (large_any ? CAPMOE_ECHO_ERR_COUNT_TOO_LARGE : 0);
   }
-  ECHO_PROF(7);
+  ECHO_PROF(9);
 }
 
 // Routes per expert of one token tile (blocks 1.. of the plan launch).
@@ -739,11 +832,13 @@ __device__ void count_tile(const Params& p, int tile, int32_t* s_cnt) {
   for (int x = tid; x < ne; x += nt) p.tile_counts[(int64_t)tile * ne + x] = s_cnt[x];
 }
 
-template <bool kStage>
 __global__ void __launch_bounds__(kPlanThreads, 1) plan_kernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
+  // NOTE: the reroute launch may start now; it reads nothing of ours before its
+  // griddepcontrol.wait, which waits for this whole grid to finish and flush.
+  launch_dependents();
   if (blockIdx.x == 0) {
-    plan_block<kStage>(p, smem);
+    plan_block(p, smem);
   } else {
     count_tile(p, blockIdx.x - 1, reinterpret_cast<int32_t*>(smem));
   }
@@ -752,38 +847,39 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_kernel(const Params p) {
 // ---------------------------------------------------------------------------------------------
 // Reroute: one block per token tile.
 struct RerouteSmem {
-  uint32_t* mask;   // [E][W]
-  int32_t* wbase;   // [E][W]: rank of the first token of word w in the expert's token list
-  int64_t* soff;    // [S]
-  int64_t* send;    // [S]  soff + Ftot[rho][j]
-  int64_t* moved;   // [E]  home_offload[rho][e]
-  int32_t* se;      // [S]
-  int32_t* next;    // [S]
-  int32_t* first;   // [E]
-  int32_t* flags;   // [1]
-  int32_t* part;    // [kPartLen] partial tile prefixes (>= groups * E in both prefix paths)
-  int32_t* colx;    // [E + S] dense form: home expert of final column c, or -(slot + 1)
+  uint32_t* mask;    // [E][W]
+  int32_t* wbase;    // [E][W]: rank of the first token of word w in the expert's token list
+  int4* slot;        // [S] the state's slot_route
+  int2* expr;        // [E] the state's expert_route
+  int32_t* part;     // [kPartLen] partial tile prefixes (>= groups * E in both prefix paths)
+  int32_t* colx;     // [E + S] dense form: home expert of final column c, or -(slot + 1)
+  int32_t* ids;      // [32 W k] top-k form: the tile's expert ids
+  uint32_t* probs;   // [32 W E] dense form with stage_probs: the tile's probs
+  int32_t* flags;    // [1]
 
   static constexpr int kPartLen = 4 * kRerouteThreads > kMaxExperts ? 4 * kRerouteThreads : kMaxExperts;
-  __host__ __device__ static size_t bytes(int ne, int s, int words) {
-    return sizeof(int64_t) * (2 * (size_t)s + ne) + sizeof(int32_t) * (kPartLen + (size_t)ne + s) +
-           sizeof(uint32_t) * (size_t)ne * words * 2 + sizeof(int32_t) * (2 * (size_t)s + ne + 1) + 16;
-  }
-  __device__ void carve(unsigned char* base, int ne, int s, int words) {
-    int64_t* p64 = reinterpret_cast<int64_t*>(base);
-    soff = p64; p64 += s;
-    send = p64; p64 += s;
-    moved = p64; p64 += ne;
-    part = reinterpret_cast<int32_t*>(p64);
-    colx = part + kPartLen;
-    mask = reinterpret_cast<uint32_t*>(colx + ne + s);
-    wbase = reinterpret_cast<int32_t*>(mask + (size_t)ne * words);
-    se = wbase + (size_t)ne * words;
-    next = se + s;
-    first = next + s;
-    flags = first + ne;
+
+  __host__ __device__ size_t carve(unsigned char* base, int ne, int s, int words, int form, int topk,
+                                   bool stage_probs) {
+    Carver c{base, 0};
+    mask = c.take<uint32_t>((size_t)ne * words);
+    wbase = c.take<int32_t>((size_t)ne * words);
+    slot = c.take<int4>(s);
+    expr = c.take<int2>(ne);
+    part = c.take<int32_t>(kPartLen);
+    colx = c.take<int32_t>(form == kFormDense ? ne + s : 0);
+    ids = c.take<int32_t>(form == kFormTopk ? (size_t)32 * words * topk : 0);
+    probs = c.take<uint32_t>(stage_probs ? (size_t)32 * words * ne : 0);
+    flags = c.take<int32_t>(1);
+    return c.off + 16;
   }
 };
+
+__device__ inline void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ inline void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -796,32 +892,31 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
   const int64_t* st = p.state;
   const capmoe_echo_layout_t& lay = p.lay;
   RerouteSmem sm;
-  sm.carve(smem, ne, S, W);
+  sm.carve(smem, ne, S, W, p.form, d.topk, p.stage_probs);
+  const int L = d.l, sp = d.sp, B = L + sp;
 
+  // Before the plan is known: the tile's routes (and probs).
   if (tid == 0) sm.flags[0] = 0;
   for (int i = tid; i < ne * W; i += nt) sm.mask[i] = 0;
-  for (int j = tid; j < S; j += nt) {
-    const int e = (int)st[lay.off_slot_expert + j];
-    sm.se[j] = e;
-    sm.next[j] = (int)st[lay.off_next_slot + j];
-    const int64_t off = st[lay.off_slot_offset + j];
-    sm.soff[j] = off;
-    sm.send[j] = off + st[lay.off_tokens_to_slot + (int64_t)d.rho * S + j];
-  }
-  for (int x = tid; x < ne; x += nt) {
-    sm.first[x] = (int)st[lay.off_first_slot + x];
-    sm.moved[x] = st[lay.off_home_offload + (int64_t)d.rho * ne + x];
-  }
   if (p.form == kFormDense) {
-    const int L = d.l, sp = d.sp, B = L + sp;
+    if (p.stage_probs) {
+      const char* src = reinterpret_cast<const char*>(p.probs_bits + t0 * ne);
+      char* dst = reinterpret_cast<char*>(sm.probs);
+      const int chunks = rows * ne / 4;  // 16-byte pieces (host: E % 4 == 0, 16-byte aligned)
+      for (int i = tid; i < chunks; i += nt) cp_async16(dst + 16 * (size_t)i, src + 16 * (size_t)i);
+    }
     for (int c = tid; c < ne + S; c += nt) {
       const int q = c / B, li = c % B;
       sm.colx[c] = li < L ? q * L + li : -(q * sp + (li - L) + 1);
     }
+  } else {
+    const int k = d.topk;
+    const int32_t* ids = p.ids + t0 * k;
+    for (int i = tid; i < rows * k; i += nt) sm.ids[i] = ids[i];
+    if (p.out_probs_k_bits)
+      for (int i = tid; i < rows * k; i += nt) p.out_probs_k_bits[t0 * k + i] = p.probs_bits[t0 * k + i];
   }
   __syncthreads();
-
-  // Bitmask of routed tokens per expert.
   if (p.form == kFormDense) {
     const uint8_t* m = p.map + t0 * ne;
     const int64_t n = (int64_t)rows * ne;
@@ -843,16 +938,22 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
     }
   } else {
     const int k = d.topk;
-    const int32_t* ids = p.ids + t0 * k;
     for (int i = tid; i < rows * k; i += nt) {
-      const int32_t x = ids[i];
+      const int32_t x = sm.ids[i];
       const int t = i / k;
       if (x >= 0 && x < ne) atomicOr(&sm.mask[x * W + (t >> 5)], 1u << (t & 31));
       else atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_EXPERT_OUT_OF_RANGE);
     }
   }
-  __syncthreads();
 
+  // The plan (and every tile's counts) from here on.
+  grid_dependency_wait();
+  {
+    const int4* sr = reinterpret_cast<const int4*>(st + lay.off_slot_route);
+    const int2* er = reinterpret_cast<const int2*>(st + lay.off_expert_route);
+    for (int j = tid; j < S; j += nt) sm.slot[j] = sr[j];
+    for (int x = tid; x < ne; x += nt) sm.expr[x] = er[x];
+  }
   // Rank of each mask word's first token in its expert's list: earlier tiles + earlier words.
   // Threads of one expert split the earlier tiles; partial sums combined in a fixed order.
   int groups;
@@ -865,7 +966,7 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
       int4 acc = make_int4(0, 0, 0, 0);
 #pragma unroll 8
       for (int tl = g; tl < tile; tl += groups) {
-        const int4 v = __ldg(reinterpret_cast<const int4*>(p.tile_counts + (int64_t)tl * ne) + xq);
+        const int4 v = *(reinterpret_cast<const int4*>(p.tile_counts + (int64_t)tl * ne) + xq);
         acc.x += v.x;
         acc.y += v.y;
         acc.z += v.z;
@@ -879,7 +980,7 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
       const int x = i % ne, g = i / ne;
       int acc = 0;
 #pragma unroll 8
-      for (int tl = g; tl < tile; tl += groups) acc += __ldg(&p.tile_counts[(int64_t)tl * ne + x]);
+      for (int tl = g; tl < tile; tl += groups) acc += p.tile_counts[(int64_t)tl * ne + x];
       sm.part[i] = acc;
     }
   }
@@ -897,103 +998,129 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
     if (tile == p.num_tiles - 1 && base + in_tile != p.counts[(int64_t)d.rho * ne + x])
       atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_ROUTING_MISMATCH);
   }
+  if (p.stage_probs) cp_async_wait_all();
   __syncthreads();
 
-  const int L = d.l, sp = d.sp, B = L + sp;
   const int width = ne + S;
-  if (p.form == kFormDense && (width & 3) == 0 && (reinterpret_cast<uintptr_t>(p.out_map) & 3) == 0 &&
-      (reinterpret_cast<uintptr_t>(p.out_probs_bits) & 15) == 0) {
-    // Four consecutive columns per thread: one 4-byte map store, one 16-byte probs store.
-    const int wq = width >> 2;
-    uchar4* om = reinterpret_cast<uchar4*>(p.out_map + t0 * width);
-    uint4* op = reinterpret_cast<uint4*>(p.out_probs_bits + t0 * width);
-    const uint32_t* pr = p.probs_bits + t0 * ne;
-    const int step_t = nt / wq, step_c = nt % wq;
-    for (int t = tid / wq, cq = tid % wq; t < rows;) {
-      const uint32_t bit = 1u << (t & 31);
-      const int tw = t >> 5;
-      uint32_t mv[4], pv[4];
+  if (p.form == kFormDense) {
+    // Probs of row t, expert x: the staged tile or global memory (a uniform branch: shared
+    // and global accesses stay what they are).
+    const uint32_t* prg = p.probs_bits + t0 * ne;
+    auto prob = [&](int t, int x) -> uint32_t {
+      if (p.stage_probs) return sm.probs[t * ne + x];
+      return prg[(int64_t)t * ne + x];
+    };
+    if ((width & 3) == 0 && (reinterpret_cast<uintptr_t>(p.out_map) & 3) == 0 &&
+        (reinterpret_cast<uintptr_t>(p.out_probs_bits) & 15) == 0) {
+      // Four consecutive columns per thread: one 4-byte map store, one 16-byte probs store.
+      const int wq = width >> 2;
+      uchar4* om = reinterpret_cast<uchar4*>(p.out_map + t0 * width);
+      uint4* op = reinterpret_cast<uint4*>(p.out_probs_bits + t0 * width);
+      const int step_t = nt / wq, step_c = nt % wq;
+      for (int t = tid / wq, cq = tid % wq; t < rows;) {
+        const uint32_t bit = 1u << (t & 31);
+        const int tw = t >> 5;
+        uint32_t mv[4], pv[4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int cx = sm.colx[cq * 4 + u];
+        for (int u = 0; u < 4; ++u) {
+          const int cx = sm.colx[cq * 4 + u];
+          const int j = cx < 0 ? -cx - 1 : -1;
+          const int4 sl = j >= 0 ? sm.slot[j] : make_int4(-1, -1, 0, 0);
+          const int x = cx < 0 ? sl.x : cx;
+          bool on = false;
+          if (x >= 0) {
+            const uint32_t word = sm.mask[x * W + tw];
+            if (word & bit) {
+              const int pos = sm.wbase[x * W + tw] + __popc(word & (bit - 1u));
+              on = j < 0 ? pos >= sm.expr[x].y : (pos >= sl.z && pos < sl.w);
+            }
+          }
+          mv[u] = on ? 1u : 0u;
+          pv[u] = on ? prob(t, x) : 0u;
+        }
+        om[(int64_t)t * wq + cq] = make_uchar4(mv[0], mv[1], mv[2], mv[3]);
+        op[(int64_t)t * wq + cq] = make_uint4(pv[0], pv[1], pv[2], pv[3]);
+        cq += step_c;
+        t += step_t;
+        if (cq >= wq) {
+          cq -= wq;
+          ++t;
+        }
+      }
+    } else {
+      uint8_t* om = p.out_map + t0 * width;
+      uint32_t* op = p.out_probs_bits + t0 * width;
+      // (t, c) advanced incrementally: no division per element.
+      const int step_t = nt / width, step_c = nt % width;
+      for (int t = tid / width, c = tid % width; t < rows;) {
+        const int64_t i = (int64_t)t * width + c;
+        const int cx = sm.colx[c];
         const int j = cx < 0 ? -cx - 1 : -1;
-        const int x = cx < 0 ? sm.se[j] : cx;
+        const int4 sl = j >= 0 ? sm.slot[j] : make_int4(-1, -1, 0, 0);
+        const int x = cx < 0 ? sl.x : cx;
         bool on = false;
         if (x >= 0) {
-          const uint32_t word = sm.mask[x * W + tw];
+          const uint32_t word = sm.mask[x * W + (t >> 5)];
+          const uint32_t bit = 1u << (t & 31);
           if (word & bit) {
-            const int64_t pos = sm.wbase[x * W + tw] + __popc(word & (bit - 1u));
-            on = j < 0 ? pos >= sm.moved[x] : (pos >= sm.soff[j] && pos < sm.send[j]);
+            const int pos = sm.wbase[x * W + (t >> 5)] + __popc(word & (bit - 1u));
+            on = j < 0 ? pos >= sm.expr[x].y : (pos >= sl.z && pos < sl.w);
           }
         }
-        mv[u] = on ? 1u : 0u;
-        pv[u] = on ? pr[(int64_t)t * ne + x] : 0u;
-      }
-      om[(int64_t)t * wq + cq] = make_uchar4(mv[0], mv[1], mv[2], mv[3]);
-      op[(int64_t)t * wq + cq] = make_uint4(pv[0], pv[1], pv[2], pv[3]);
-      cq += step_c;
-      t += step_t;
-      if (cq >= wq) {
-        cq -= wq;
-        ++t;
-      }
-    }
-  } else if (p.form == kFormDense) {
-    uint8_t* om = p.out_map + t0 * width;
-    uint32_t* op = p.out_probs_bits + t0 * width;
-    const uint32_t* pr = p.probs_bits + t0 * ne;
-    // (t, c) advanced incrementally: no division per element.
-    const int step_t = nt / width, step_c = nt % width;
-    for (int t = tid / width, c = tid % width; t < rows;) {
-      const int64_t i = (int64_t)t * width + c;
-      const int q = c / B, li = c % B;
-      int x, j = -1;
-      if (li < L) {
-        x = q * L + li;
-      } else {
-        j = q * sp + (li - L);
-        x = sm.se[j];
-      }
-      bool on = false;
-      if (x >= 0) {
-        const uint32_t word = sm.mask[x * W + (t >> 5)];
-        const uint32_t bit = 1u << (t & 31);
-        if (word & bit) {
-          const int64_t pos = sm.wbase[x * W + (t >> 5)] + __popc(word & (bit - 1u));
-          on = j < 0 ? pos >= sm.moved[x] : (pos >= sm.soff[j] && pos < sm.send[j]);
+        om[i] = on ? 1 : 0;
+        op[i] = on ? prob(t, x) : 0u;
+        c += step_c;
+        t += step_t;
+        if (c >= width) {
+          c -= width;
+          ++t;
         }
-      }
-      om[i] = on ? 1 : 0;
-      op[i] = on ? pr[(int64_t)t * ne + x] : 0u;
-      c += step_c;
-      t += step_t;
-      if (c >= width) {
-        c -= width;
-        ++t;
       }
     }
   } else {
     const int k = d.topk;
-    const int32_t* ids = p.ids + t0 * k;
     int32_t* od = p.out_dest + t0 * k;
     for (int i = tid; i < rows * k; i += nt) {
-      const int32_t x = ids[i];
+      const int32_t x = sm.ids[i];
       const int t = i / k;
       int32_t col = -1;
       if (x >= 0 && x < ne) {
         col = (x / L) * B + x % L;
         const uint32_t word = sm.mask[x * W + (t >> 5)];
         const uint32_t bit = 1u << (t & 31);
-        const int64_t pos = sm.wbase[x * W + (t >> 5)] + __popc(word & (bit - 1u));
-        if (pos < sm.moved[x]) {
-          int j = sm.first[x];
-          while (j >= 0 && pos >= sm.send[j]) j = sm.next[j];
-          if (j >= 0 && pos >= sm.soff[j]) col = (j / sp) * B + L + j % sp;
+        const int pos = sm.wbase[x * W + (t >> 5)] + __popc(word & (bit - 1u));
+        const int2 ex = sm.expr[x];
+        if (pos < ex.y) {
+          int j = ex.x;
+          int4 sl = j >= 0 ? sm.slot[j] : make_int4(-1, -1, 0, 0);
+          while (j >= 0 && pos >= sl.w) {
+            j = sl.y;
+            if (j >= 0) sl = sm.slot[j];
+          }
+          if (j >= 0 && pos >= sl.z) col = (j / sp) * B + L + j % sp;
           else atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_INTERNAL);
         }
       }
       od[i] = col;
-      if (p.out_probs_k_bits) p.out_probs_k_bits[t0 * k + i] = p.probs_bits[t0 * k + i];
+    }
+  }
+  {
+    // This block's share of the offload map M[e][j] (bytes, 8 at a time).
+    uint64_t* mwords = reinterpret_cast<uint64_t*>(p.state + lay.off_offload_map);
+    const int nbytes = ne * S, nw = (nbytes + 7) / 8;
+    const int per = (nw + p.num_tiles - 1) / p.num_tiles;
+    const int w_end = min(nw, (tile + 1) * per);
+    for (int w = tile * per + tid; w < w_end; w += nt) {
+      uint64_t word = 0;
+      int i = w * 8, x = i / S, jj = i % S;
+      for (int b = 0; b < 8 && i < nbytes; ++b, ++i) {
+        if (sm.slot[jj].x == x) word |= uint64_t(1) << (8 * b);
+        if (++jj == S) {
+          jj = 0;
+          ++x;
+        }
+      }
+      mwords[w] = word;
     }
   }
   __syncthreads();
@@ -1036,6 +1163,13 @@ void make_layout(const Dims& d, capmoe_echo_layout_t* L) {
     o += n;
     return at;
   };
+  // int32 sections: 16-byte aligned, n int32 rounded up to whole int64 elements.
+  auto take32 = [&o](int64_t n) {
+    o = (o + 1) & ~int64_t(1);
+    int64_t at = o;
+    o += (n + 1) / 2;
+    return at;
+  };
   const int64_t ne = d.ne, ep = d.ep, s = d.s;
   L->off_error = take(1);
   L->off_avg = take(1);
@@ -1047,16 +1181,12 @@ void make_layout(const Dims& d, capmoe_echo_layout_t* L) {
   L->off_pre_reclaim_tokens = take(s);
   L->off_slot_tokens = take(s);
   L->off_slot_expert = take(s);
-  L->off_first_pass = take(ep * s);
-  L->off_first_pass_home_offload = take(ep * ne);
   L->off_remaining_capacity = take(s);
-  L->off_second_pass = take(ep * s);
-  L->off_tokens_to_slot = take(ep * s);
-  L->off_home_offload = take(ep * ne);
   L->off_load_after = take(ep);
-  L->off_slot_offset = take(s);
-  L->off_first_slot = take(ne);
-  L->off_next_slot = take(s);
+  L->off_first_pass = take32(s * ep);
+  L->off_second_pass = take32(s * ep);
+  L->off_slot_route = take32(4 * s);
+  L->off_expert_route = take32(2 * ne);
   L->off_offload_map = take(ceil_div(ne * s, 8));
   L->state_len = o;
 }
@@ -1085,10 +1215,24 @@ int64_t tiles_bound(const Dims& d, int64_t t_max) {
   return b < 1 ? 1 : b;
 }
 
-capmoe_status_t set_smem(const void* kernel, size_t bytes) {
+// Raises a kernel's dynamic shared-memory limit once per device (kTag: one per kernel).
+template <int kTag>
+capmoe_status_t ensure_smem(const void* kernel, size_t bytes) {
   if (bytes <= 48 * 1024) return CAPMOE_OK;
-  return cuda_status(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+  constexpr int kDevices = 64;
+  static std::atomic<size_t> done[kDevices];
+  int dev = 0;
+  CAPMOE_TRY(cuda_status(cudaGetDevice(&dev)));
+  if (dev >= 0 && dev < kDevices && done[dev].load(std::memory_order_relaxed) >= bytes)
+    return CAPMOE_OK;
+  CAPMOE_TRY(cuda_status(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes)));
+  if (dev >= 0 && dev < kDevices) {
+    size_t cur = done[dev].load(std::memory_order_relaxed);
+    while (cur < bytes && !done[dev].compare_exchange_weak(cur, bytes)) {
+    }
+  }
+  return CAPMOE_OK;
 }
 
 capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, int form,
@@ -1126,24 +1270,39 @@ capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, i
     p.num_tiles = 0;
   }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  // Stage C, F and D in shared memory when they fit.
-  const bool stage = PlanSmem::bytes(d.ne, d.ep, d.s, true) <= kStageSmemBudget;
-  size_t plan_smem = PlanSmem::bytes(d.ne, d.ep, d.s, stage);
+  // Stage C and F in shared memory when they fit (C first: it is read most).
+  const bool approx = d.algorithm == CAPMOE_ECHO_APPROX;
+  PlanSmem ps;
+  p.stage_c = true;
+  p.stage_f = true;
+  if (ps.carve(nullptr, d.ne, d.ep, d.s, approx, true, true) > kSmemBudget) p.stage_f = false;
+  if (ps.carve(nullptr, d.ne, d.ep, d.s, approx, true, p.stage_f) > kSmemBudget) p.stage_c = false;
+  if (!p.stage_c && ps.carve(nullptr, d.ne, d.ep, d.s, approx, false, true) <= kSmemBudget) p.stage_f = true;
+  size_t plan_smem = ps.carve(nullptr, d.ne, d.ep, d.s, approx, p.stage_c, p.stage_f);
   const size_t count_smem = sizeof(int32_t) * (size_t)d.ne + 16;
   if (count_smem > plan_smem) plan_smem = count_smem;
-  if (stage) {
-    CAPMOE_TRY(set_smem(reinterpret_cast<const void*>(plan_kernel<true>), plan_smem));
-    plan_kernel<true><<<1 + p.num_tiles, kPlanThreads, plan_smem, s>>>(p);
-  } else {
-    CAPMOE_TRY(set_smem(reinterpret_cast<const void*>(plan_kernel<false>), plan_smem));
-    plan_kernel<false><<<1 + p.num_tiles, kPlanThreads, plan_smem, s>>>(p);
-  }
+  if (plan_smem > kSmemBudget) return CAPMOE_ERR_INVALID_ARGUMENT;
+  CAPMOE_TRY(ensure_smem<0>(reinterpret_cast<const void*>(plan_kernel), plan_smem));
+  plan_kernel<<<1 + p.num_tiles, kPlanThreads, plan_smem, s>>>(p);
   CAPMOE_TRY(launch_status());
   if (p.num_tiles > 0) {
-    const size_t rr_smem = RerouteSmem::bytes(d.ne, d.s, p.words);
-    CAPMOE_TRY(set_smem(reinterpret_cast<const void*>(reroute_kernel), rr_smem));
-    reroute_kernel<<<p.num_tiles, kRerouteThreads, rr_smem, s>>>(p);
-    CAPMOE_TRY(launch_status());
+    RerouteSmem rs;
+    const size_t tile_probs = sizeof(uint32_t) * 32 * (size_t)p.words * d.ne;
+    p.stage_probs = form == kFormDense && (d.ne & 3) == 0 &&
+                    (reinterpret_cast<uintptr_t>(probs) & 15) == 0 && tile_probs <= kProbStageBudget;
+    const size_t rr_smem = rs.carve(nullptr, d.ne, d.s, p.words, form, d.topk, p.stage_probs);
+    CAPMOE_TRY(ensure_smem<1>(reinterpret_cast<const void*>(reroute_kernel), rr_smem));
+    cudaLaunchConfig_t lc = {};
+    lc.gridDim = dim3((unsigned)p.num_tiles);
+    lc.blockDim = dim3(kRerouteThreads);
+    lc.dynamicSmemBytes = rr_smem;
+    lc.stream = s;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    lc.attrs = attr;
+    lc.numAttrs = 1;
+    CAPMOE_TRY(cuda_status(cudaLaunchKernelEx(&lc, reroute_kernel, p)));
   }
   return CAPMOE_OK;
 }

@@ -1,7 +1,9 @@
 //! Timing of plan + reroute for the benchmark report (op `echo_plan`): the two launches are
-//! captured once in a CUDA graph and the graph is replayed; GPU time from CUDA events.
+//! captured once in a CUDA graph and the graph is replayed; GPU time from CUDA events. The host
+//! enqueue time of the eager sequence (the launcher call itself, no sync) is timed too.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::CudaStream;
@@ -18,12 +20,15 @@ pub enum Form {
     TopK,
 }
 
-/// Median and minimum GPU time of one plan + reroute graph replay.
+/// Median and minimum GPU time of one plan + reroute graph replay, and the median host time of
+/// one eager `plan_reroute_*` call (enqueue only: the call returns before the GPU runs it).
 #[derive(Clone, Debug)]
 pub struct Timing {
     pub median_us: f64,
     pub min_us: f64,
     pub replays: usize,
+    pub host_median_us: f64,
+    pub host_calls: usize,
 }
 
 /// Deterministic inputs: skewed top-k routing on this rank, consistent `counts[ep_rank]`,
@@ -107,6 +112,27 @@ pub fn time_plan_reroute(
     };
     run(stream)?; // warm-up outside the graph (module load, smem attributes)
     stream.synchronize()?;
+
+    // Host enqueue of the eager sequence: wall time of the launcher call alone, median over
+    // many calls after warm-up; the stream is drained every 16 calls, outside the timed region,
+    // so the launch queue never fills up and blocks a call.
+    for _ in 0..20 {
+        run(stream)?;
+    }
+    stream.synchronize()?;
+    let host_calls = (4 * replays).max(64);
+    let mut host = Vec::with_capacity(host_calls);
+    for i in 0..host_calls {
+        let t0 = Instant::now();
+        run(stream)?;
+        host.push(t0.elapsed().as_secs_f64() * 1e6);
+        if i % 16 == 15 {
+            stream.synchronize()?;
+        }
+    }
+    stream.synchronize()?;
+    host.sort_by(|a, b| a.partial_cmp(b).unwrap());
+
     let ctx = stream.context();
     // SAFETY: every buffer is used on `stream` only.
     unsafe { ctx.disable_event_tracking() };
@@ -128,5 +154,11 @@ pub fn time_plan_reroute(
         us.push(start.elapsed_ms(&stop)? as f64 * 1e3);
     }
     us.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    Ok(Timing { median_us: us[us.len() / 2], min_us: us[0], replays: us.len() })
+    Ok(Timing {
+        median_us: us[us.len() / 2],
+        min_us: us[0],
+        replays: us.len(),
+        host_median_us: host[host.len() / 2],
+        host_calls,
+    })
 }

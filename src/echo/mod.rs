@@ -8,7 +8,7 @@
 //! access; they set bits in the state's error word, read with [`EchoPlan::read_errors`].
 //!
 //! Buffers (row-major, contiguous):
-//! * `counts [EP, E]` i64, `state [state_len]` i64 (every stage, see [`Layout`]),
+//! * `counts [EP, E]` i64, `state [state_len]` i64 (the plan, see [`Layout`]),
 //!   `workspace [workspace_len]` i32;
 //! * Megatron form: `routing_map [T, E]` u8 (nonzero = routed) + `probs [T, E]` f32 ->
 //!   `out_map [T, E+S]` u8 + `out_probs [T, E+S]` f32, columns interleaved per rank (spec P9);
@@ -29,7 +29,8 @@ use reference::PlanStages;
 use crate::error::check;
 use crate::{sys, Error, Result};
 
-/// Offsets (in i64 elements) of every section of the plan state.
+/// Offsets (in i64 elements) of every section of the plan state (see `capturable_moe/echo.h`).
+/// Sections documented as i32 hold packed i32 from that i64 element on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Layout {
     pub state_len: usize,
@@ -42,18 +43,20 @@ pub struct Layout {
     pub pre_reclaim_expert: usize,
     pub pre_reclaim_tokens: usize,
     pub slot_tokens: usize,
-    /// `[S]` home expert of each slot, -1 = empty (the slot -> home expert table).
+    /// `[S]` home expert of each slot, -1 = empty (the slot -> home expert table; i64, so
+    /// [`fill_spare_weights`] takes a slice of the state as is).
     pub slot_expert: usize,
-    pub first_pass: usize,
-    pub first_pass_home_offload: usize,
     pub remaining_capacity: usize,
-    pub second_pass: usize,
-    pub tokens_to_slot: usize,
-    pub home_offload: usize,
     pub load_after: usize,
-    pub slot_offset: usize,
-    pub first_slot: usize,
-    pub next_slot: usize,
+    /// i32 `[S, EP]`: `F[r][j]` at `j * EP + r`; only rows of non-empty slots are written.
+    pub first_pass: usize,
+    /// i32 `[S, EP]`: `D[r][j]` at `j * EP + r`; only rows of non-empty slots are written.
+    pub second_pass: usize,
+    /// i32 `[S, 4]`: slot expert, next slot of the same expert, start and end of the slot's
+    /// range in that expert's token list on `ep_rank`.
+    pub slot_route: usize,
+    /// i32 `[E, 2]`: lowest slot fed by the expert (-1 none), tokens of `ep_rank` moved off it.
+    pub expert_route: usize,
     /// `E * S` bytes of `M[e][j]` (0/1) from this i64 element on.
     pub offload_map: usize,
 }
@@ -139,16 +142,12 @@ impl EchoPlan {
             pre_reclaim_tokens: u(raw.off_pre_reclaim_tokens),
             slot_tokens: u(raw.off_slot_tokens),
             slot_expert: u(raw.off_slot_expert),
-            first_pass: u(raw.off_first_pass),
-            first_pass_home_offload: u(raw.off_first_pass_home_offload),
             remaining_capacity: u(raw.off_remaining_capacity),
-            second_pass: u(raw.off_second_pass),
-            tokens_to_slot: u(raw.off_tokens_to_slot),
-            home_offload: u(raw.off_home_offload),
             load_after: u(raw.off_load_after),
-            slot_offset: u(raw.off_slot_offset),
-            first_slot: u(raw.off_first_slot),
-            next_slot: u(raw.off_next_slot),
+            first_pass: u(raw.off_first_pass),
+            second_pass: u(raw.off_second_pass),
+            slot_route: u(raw.off_slot_route),
+            expert_route: u(raw.off_expert_route),
             offload_map: u(raw.off_offload_map),
         };
         Ok(EchoPlan { cfg, t_max, layout, workspace_len: u(ws), abi })
@@ -196,7 +195,8 @@ impl EchoPlan {
         unsafe { self.plan_raw(stream.cu_stream() as *mut c_void, c, s) }
     }
 
-    /// P1–P9, Megatron form. Two launches; no host sync, no allocation.
+    /// P1–P9, Megatron form. Two launches (the second a programmatic dependent launch that
+    /// reads its token tile while the plan runs); no host sync, no allocation.
     #[allow(clippy::too_many_arguments)]
     pub fn plan_reroute_dense(
         &self,
@@ -369,26 +369,46 @@ impl EchoPlan {
         Ok(DeviceErrors(v[0] as u32))
     }
 
-    /// Downloads every stage of the plan into the CPU reference's dense form (the offload map
-    /// is rebuilt from `slot_expert`; [`read_offload_map`](Self::read_offload_map) reads the
-    /// kernel's). Synchronises the stream: diagnostics and tests only.
+    /// Downloads every stage of the plan into the CPU reference's dense form. The offload map
+    /// is rebuilt from `slot_expert` ([`read_offload_map`](Self::read_offload_map) reads the
+    /// kernel's); `Ftot = F + D` and the `[EP, E]` home-offload matrices (`C - C1`, `C - C2`)
+    /// are summed here from the kernel's `F` and `D` rows over each expert's slots, as spec P7
+    /// defines them (the state does not hold them). Synchronises the stream: diagnostics and
+    /// tests only.
     pub fn read_stages(&self, stream: &std::sync::Arc<CudaStream>, state: &CudaSlice<i64>) -> Result<PlanStages> {
         let st = stream.clone_dtoh(&state.slice(0..self.state_len()))?;
         let (ep, ne, s) = (self.cfg.ep, self.cfg.num_experts, self.cfg.num_spare());
         let l = &self.layout;
         let sec = |off: usize, len: usize| st[off..off + len].to_vec();
+        // Packed i32 sections: element i of the section at i64 offset `off`.
+        let i32_at = |off: usize, i: usize| -> i64 {
+            let w = st[off + i / 2] as u64;
+            (if i % 2 == 0 { w as u32 } else { (w >> 32) as u32 }) as i32 as i64
+        };
+        let slot_expert = sec(l.slot_expert, s);
         let mut pre = vec![0i64; ne * s];
         let mut h = vec![0i64; ne * s];
         let mut rm = vec![0i64; ne * s];
+        let (mut f, mut d) = (vec![0i64; ep * s], vec![0i64; ep * s]);
+        let (mut ftot, mut fpho, mut ho) = (vec![0i64; ep * s], vec![0i64; ep * ne], vec![0i64; ep * ne]);
         for j in 0..s {
             let pe = st[l.pre_reclaim_expert + j];
             if pe >= 0 && (pe as usize) < ne {
                 pre[pe as usize * s + j] = st[l.pre_reclaim_tokens + j];
             }
-            let e = st[l.slot_expert + j];
+            let e = slot_expert[j];
             if e >= 0 && (e as usize) < ne {
-                h[e as usize * s + j] = st[l.slot_tokens + j];
-                rm[e as usize * s + j] = st[l.remaining_capacity + j];
+                let e = e as usize;
+                h[e * s + j] = st[l.slot_tokens + j];
+                rm[e * s + j] = st[l.remaining_capacity + j];
+                for r in 0..ep {
+                    let (fv, dv) = (i32_at(l.first_pass, j * ep + r), i32_at(l.second_pass, j * ep + r));
+                    f[r * s + j] = fv;
+                    d[r * s + j] = dv;
+                    ftot[r * s + j] = fv + dv;
+                    fpho[r * ne + e] += fv;
+                    ho[r * ne + e] += fv + dv;
+                }
             }
         }
         Ok(PlanStages {
@@ -399,15 +419,35 @@ impl EchoPlan {
             spare_capacity: sec(l.spare_capacity, ep),
             assignment_pre_reclaim: pre,
             assignment: h,
-            slot_expert: sec(l.slot_expert, s),
-            first_pass: sec(l.first_pass, ep * s),
-            first_pass_home_offload: sec(l.first_pass_home_offload, ep * ne),
+            slot_expert,
+            first_pass: f,
+            first_pass_home_offload: fpho,
             remaining_capacity: rm,
-            second_pass: sec(l.second_pass, ep * s),
-            tokens_to_slot: sec(l.tokens_to_slot, ep * s),
-            home_offload: sec(l.home_offload, ep * ne),
+            second_pass: d,
+            tokens_to_slot: ftot,
+            home_offload: ho,
             load_after: sec(l.load_after, ep),
         })
+    }
+
+    /// The kernel's reroute tables for `ep_rank`: per slot `(slot expert, next slot of the same
+    /// expert, start, end)` of its range in the expert's token list, per expert `(lowest slot,
+    /// tokens moved off)`. Synchronises: diagnostics and tests only.
+    #[allow(clippy::type_complexity)]
+    pub fn read_route_tables(
+        &self,
+        stream: &std::sync::Arc<CudaStream>,
+        state: &CudaSlice<i64>,
+    ) -> Result<(Vec<[i32; 4]>, Vec<[i32; 2]>)> {
+        let (ne, s) = (self.cfg.num_experts, self.cfg.num_spare());
+        let l = &self.layout;
+        let words = |off: usize, n: usize| -> Result<Vec<i32>> {
+            let w = stream.clone_dtoh(&state.slice(off..off + n.div_ceil(2)))?;
+            Ok(w.iter().flat_map(|&x| [x as u64 as u32 as i32, (x as u64 >> 32) as u32 as i32]).take(n).collect())
+        };
+        let sr = words(l.slot_route, 4 * s)?;
+        let er = words(l.expert_route, 2 * ne)?;
+        Ok((sr.chunks(4).map(|c| [c[0], c[1], c[2], c[3]]).collect(), er.chunks(2).map(|c| [c[0], c[1]]).collect()))
     }
 
     /// The kernel-written offload map `M [E, S]`. Synchronises: diagnostics and tests only.

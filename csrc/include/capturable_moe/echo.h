@@ -6,8 +6,10 @@
  *
  * Device buffers:
  *   counts       [EP, E]      int64  C[r][e], tokens of source rank r routed to expert e
- *   state        [state_len]  int64  the plan (every stage P1-P7), layout in capmoe_echo_layout_t;
- *                                    written whole by every plan launch
+ *   state        [state_len]  int64  the plan (P1-P7), layout in capmoe_echo_layout_t; every
+ *                                    section is written by every launch sequence (F and D: the
+ *                                    rows of non-empty slots; the offload map by the reroute
+ *                                    launch when T > 0, else by the plan launch)
  *   workspace    [workspace_len] int32  per-token-tile expert counts (reroute launches only)
  *   routing_map  [T, E]       uint8  Megatron form (nonzero = routed), probs [T, E] float32
  *   out_map      [T, E+S]     uint8  0/1, columns interleaved per rank (spec P9):
@@ -54,30 +56,37 @@ typedef struct capmoe_echo_config_t {
   float threshold_multiplier; /* P3 reclaim, greedy only, off when <= 0 */
 } capmoe_echo_config_t;
 
-/* Offsets (in int64 elements) of every section of the plan state. Dense matrices are row-major.
- * offload_map is E*S bytes stored from int64 element off_offload_map on. */
+/* Offsets (in int64 elements) of every section of the plan state. Sections marked int64 hold
+ * one int64 per entry; sections marked int32 hold packed int32 from that int64 element on
+ * (16-byte aligned). Matrices are row-major.
+ *
+ * F and D are stored transposed, one row per slot ([S, EP]); only the rows of slots with a
+ * home expert (slot_expert[j] >= 0) are written, the rows of empty slots are left as they were
+ * (F and D are 0 there by definition). Ftot = F + D and the [EP, E] home-offload matrices of
+ * the spec (P5's C - C1, P7's C - C2) are sums of these rows over each expert's slots and are
+ * not stored. */
 typedef struct capmoe_echo_layout_t {
   int64_t state_len;                 /* int64 elements */
-  int64_t off_error;                 /* [1]  CAPMOE_ECHO_ERR_* bits */
-  int64_t off_avg;                   /* [1]  P1 avg */
-  int64_t off_tokens_per_expert;     /* [E]  P1 n */
-  int64_t off_load_per_rank;         /* [EP] P1 load */
-  int64_t off_spill;                 /* [E]  P1 spill */
-  int64_t off_spare_capacity;        /* [EP] P1 cap */
-  int64_t off_pre_reclaim_expert;    /* [S]  P2 supplier of slot j before reclaim (-1 none) */
-  int64_t off_pre_reclaim_tokens;    /* [S]  P2 H[expert][j] before reclaim */
-  int64_t off_slot_tokens;           /* [S]  P3 H[slot_expert[j]][j] (0 for empty slots) */
-  int64_t off_slot_expert;           /* [S]  P4 home expert of slot j, -1 = empty */
-  int64_t off_first_pass;            /* [EP, S] P5 F */
-  int64_t off_first_pass_home_offload; /* [EP, E] P5 C - C1 */
-  int64_t off_remaining_capacity;    /* [S]  P5 Rm[slot_expert[j]][j] */
-  int64_t off_second_pass;           /* [EP, S] P6 D */
-  int64_t off_tokens_to_slot;        /* [EP, S] P7 Ftot */
-  int64_t off_home_offload;          /* [EP, E] P7 C - C2 */
-  int64_t off_load_after;            /* [EP] load of each rank after rerouting */
-  int64_t off_slot_offset;           /* [S]  start of slot j's range in its expert's token list (rank ep_rank) */
-  int64_t off_first_slot;            /* [E]  lowest slot fed by expert e, -1 none */
-  int64_t off_next_slot;             /* [S]  next higher slot fed by the same expert, -1 none */
+  int64_t off_error;                 /* int64 [1]  CAPMOE_ECHO_ERR_* bits */
+  int64_t off_avg;                   /* int64 [1]  P1 avg */
+  int64_t off_tokens_per_expert;     /* int64 [E]  P1 n */
+  int64_t off_load_per_rank;         /* int64 [EP] P1 load */
+  int64_t off_spill;                 /* int64 [E]  P1 spill */
+  int64_t off_spare_capacity;        /* int64 [EP] P1 cap */
+  int64_t off_pre_reclaim_expert;    /* int64 [S]  P2 supplier of slot j before reclaim (-1 none) */
+  int64_t off_pre_reclaim_tokens;    /* int64 [S]  P2 H[expert][j] before reclaim */
+  int64_t off_slot_tokens;           /* int64 [S]  P3 H[slot_expert[j]][j] (0 for empty slots) */
+  int64_t off_slot_expert;           /* int64 [S]  P4 home expert of slot j, -1 = empty */
+  int64_t off_remaining_capacity;    /* int64 [S]  P5 Rm[slot_expert[j]][j] (0 for empty slots) */
+  int64_t off_load_after;            /* int64 [EP] load of each rank after rerouting */
+  int64_t off_first_pass;            /* int32 [S, EP] P5 F transposed: F[r][j] at j * EP + r */
+  int64_t off_second_pass;           /* int32 [S, EP] P6 D transposed: D[r][j] at j * EP + r */
+  int64_t off_slot_route;            /* int32 [S, 4] per slot j: slot_expert[j], next higher slot
+                                        fed by the same expert (-1 none), start and end of slot j's
+                                        range in that expert's token list on rank ep_rank
+                                        (end - start = Ftot[ep_rank][j]); -1, -1, 0, 0 if empty */
+  int64_t off_expert_route;          /* int32 [E, 2] per expert e: lowest slot fed by e (-1 none),
+                                        home_offload[ep_rank][e] (tokens of ep_rank moved off e) */
   int64_t off_offload_map;           /* E*S bytes: M[e][j] = 1 iff slot_expert[j] == e */
 } capmoe_echo_layout_t;
 
@@ -87,11 +96,13 @@ typedef struct capmoe_echo_layout_t {
 capmoe_status_t capmoe_echo_layout(const capmoe_echo_config_t* cfg, int64_t t_max,
                                    capmoe_echo_layout_t* layout, int64_t* workspace_len);
 
-/* P1-P7 from counts into state (one launch, one block). */
+/* P1-P7 from counts into state (one launch, one block). No host sync, no allocation. */
 capmoe_status_t capmoe_echo_plan(const capmoe_echo_config_t* cfg, const int64_t* counts,
                                  int64_t* state, void* stream);
 
-/* P1-P9, Megatron form: plan + reroute of this rank's [T, E] routing map (two launches). */
+/* P1-P9, Megatron form: plan + reroute of this rank's [T, E] routing map (two launches, the
+ * second a programmatic dependent launch that loads its token tile while the plan runs). No host
+ * sync, no allocation. */
 capmoe_status_t capmoe_echo_plan_reroute_dense(const capmoe_echo_config_t* cfg,
                                                const int64_t* counts, const uint8_t* routing_map,
                                                const float* probs, int64_t num_tokens,
@@ -99,8 +110,8 @@ capmoe_status_t capmoe_echo_plan_reroute_dense(const capmoe_echo_config_t* cfg,
                                                int64_t workspace_len, uint8_t* out_map,
                                                float* out_probs, void* stream);
 
-/* P1-P9, top-k form: plan + rewrite of [T, k] expert ids to final columns (two launches).
- * out_probs may be NULL. */
+/* P1-P9, top-k form: plan + rewrite of [T, k] expert ids to final columns (two launches, as the
+ * dense form). out_probs may be NULL. No host sync, no allocation. */
 capmoe_status_t capmoe_echo_plan_reroute_topk(const capmoe_echo_config_t* cfg,
                                               const int64_t* counts, const int32_t* expert_ids,
                                               const float* probs, int64_t num_tokens,

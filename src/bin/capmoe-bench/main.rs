@@ -8,6 +8,7 @@
 //!                [--no-paths]   (skip the expert-path and Echo planner rows)
 //!                [--configs sm90-coop,sm90-pingpong128,...]  (also time these kernel configs)
 //!                [--weight-layout enk|ekn]  (weights [E, N, K], the default, or [E, K, N])
+//!                [--only echo]  (the Echo planner rows alone)
 
 mod gemm;
 mod measure;
@@ -35,6 +36,8 @@ struct Args {
     pub configs: Vec<GemmConfig>,
     /// Weight layout of every GEMM row (`--weight-layout enk|ekn`).
     pub weight_layout: WeightLayout,
+    /// Only the Echo planner rows.
+    pub only_echo: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -49,6 +52,7 @@ fn parse_args() -> Result<Args, String> {
         paths: true,
         configs: Vec::new(),
         weight_layout: WeightLayout::Enk,
+        only_echo: false,
     };
     let mut it = std::env::args().skip(1);
     let list = |v: Option<String>| -> Result<Vec<String>, String> {
@@ -87,12 +91,16 @@ fn parse_args() -> Result<Args, String> {
                     .map(|name| GemmConfig::from_name(name).ok_or(format!("unknown config {name}")))
                     .collect::<Result<_, _>>()?
             }
+            "--only" => match it.next().as_deref() {
+                Some("echo") => args.only_echo = true,
+                other => return Err(format!("--only takes `echo`, got {other:?}")),
+            },
             "--quick" => {
                 args.reps = 10;
                 args.routings = vec!["uniform".into()];
             }
             "-h" | "--help" => {
-                println!("{}", include_str!("main.rs").lines().take(8).collect::<Vec<_>>().join("\n"));
+                println!("{}", include_str!("main.rs").lines().take(10).collect::<Vec<_>>().join("\n"));
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other} (try --help)")),
@@ -134,7 +142,7 @@ fn main() {
     let shapes: Vec<&Shape> = SHAPES.iter().filter(|s| args.shapes.iter().any(|n| n == s.name)).collect();
     let total = shapes.len() * args.routings.len() * args.ops.len();
     let mut done = 0;
-    for shape in &shapes {
+    for shape in shapes.iter().filter(|_| !args.only_echo) {
         for routing_kind in &args.routings {
             for &op in &args.ops {
                 done += 1;
@@ -143,8 +151,10 @@ fn main() {
             }
         }
     }
-    if args.paths {
+    if args.paths && !args.only_echo {
         rows.extend(path::expert_rows(&stream, args.reps));
+    }
+    if args.paths || args.only_echo {
         rows.extend(path::echo_rows(&stream, args.reps));
     }
     if let Some(path) = &args.anchors {
