@@ -1,6 +1,7 @@
 //! GPU tests of the Echo planner and reroute kernels: golden vectors (every stage, both
 //! reroute forms), bitwise agreement with the CPU reference on random inputs, device error
-//! flags, the spare-slot weight kernels, and a CUDA graph capture replayed with new data.
+//! flags, the spare-slot weight kernels, and CUDA graph captures replayed with new data (one of
+//! them with the token count in device memory, a new T every replay).
 
 mod common;
 mod echo_support;
@@ -9,6 +10,7 @@ use std::sync::Arc;
 
 use capturable_moe::echo::reference::{self, PlanStages};
 use capturable_moe::echo::{self as echo, Algorithm, DeviceErrors, EchoConfig, EchoPlan};
+use capturable_moe::routing::Tokens;
 use capturable_moe::Error;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream};
@@ -69,10 +71,18 @@ impl Bufs {
     }
 
     fn topk(&mut self, s: &Arc<CudaStream>, plan: &EchoPlan, t: usize) -> capturable_moe::Result<()> {
+        self.topk_tokens(s, plan, Tokens::Host(t))
+    }
+
+    fn topk_tokens(&mut self, s: &Arc<CudaStream>, plan: &EchoPlan, t: Tokens<'_>) -> capturable_moe::Result<()> {
         plan.plan_reroute_topk(s, &self.counts, &self.ids, &self.probs_k, t, &mut self.state, &mut self.ws, &mut self.out_dest, &mut self.out_pk)
     }
 
     fn dense(&mut self, s: &Arc<CudaStream>, plan: &EchoPlan, t: usize) -> capturable_moe::Result<()> {
+        self.dense_tokens(s, plan, Tokens::Host(t))
+    }
+
+    fn dense_tokens(&mut self, s: &Arc<CudaStream>, plan: &EchoPlan, t: Tokens<'_>) -> capturable_moe::Result<()> {
         plan.plan_reroute_dense(s, &self.counts, &self.map, &self.probs, t, &mut self.state, &mut self.ws, &mut self.out_map, &mut self.out_probs)
     }
 }
@@ -312,6 +322,72 @@ fn graph_capture_replays_with_new_data() {
     }
 }
 
+/// One graph captured with the token count in device memory, replayed for T = t_max, 0 and
+/// counts in between. Rows past T keep the routes of other replays, which must be ignored, and
+/// no output row past T is written. A count outside `[0, t_max]` sets `BAD_TOKENS`.
+#[test]
+fn graph_replays_with_a_device_token_count() {
+    let stream = gpu_or_skip!();
+    let _lock = common::CAPTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    // SAFETY: every buffer of this test lives on `stream` only.
+    unsafe { stream.context().disable_event_tracking() };
+    let cfg = EchoConfig { ep: 8, num_experts: 64, spare_per_rank: 2, ep_rank: 3, topk: 6, algorithm: Algorithm::Greedy, threshold_multiplier: 0.0 };
+    let (t_max, e, k, w) = (700usize, cfg.num_experts, cfg.topk, cfg.num_columns());
+    let first = RandomCase::new(cfg.clone(), t_max, 1);
+    let plan = EchoPlan::new(cfg.clone(), t_max).unwrap();
+    let mut bufs = Bufs::new(&stream, &plan, &first.counts, &first.routes, &first.probs, t_max);
+    let mut tokens = stream.clone_htod(&[t_max as i32]).unwrap();
+    stream.synchronize().unwrap();
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+    let r1 = bufs.topk_tokens(&stream, &plan, Tokens::Device(&tokens));
+    let r2 = bufs.dense_tokens(&stream, &plan, Tokens::Device(&tokens));
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap();
+    r1.unwrap();
+    r2.unwrap();
+    let graph = graph.expect("captured graph");
+    for (i, t) in [700usize, 0, 1, 333, 64, 699, 65].into_iter().enumerate() {
+        let rc = RandomCase::new(cfg.clone(), t, 40 + i as u64);
+        let (map, p, b) = dense(&cfg, t, &rc.routes, &rc.probs);
+        stream.memcpy_htod(&rc.counts, &mut bufs.counts).unwrap();
+        if t > 0 {
+            stream.memcpy_htod(&rc.routes, &mut bufs.ids.slice_mut(..t * k)).unwrap();
+            stream.memcpy_htod(&rc.probs, &mut bufs.probs_k.slice_mut(..t * k)).unwrap();
+            stream.memcpy_htod(&map, &mut bufs.map.slice_mut(..t * e)).unwrap();
+            stream.memcpy_htod(&p, &mut bufs.probs.slice_mut(..t * e)).unwrap();
+        }
+        stream.memcpy_htod(&vec![POISON_I32; t_max * k], &mut bufs.out_dest).unwrap();
+        stream.memcpy_htod(&vec![POISON_F32; t_max * k], &mut bufs.out_pk).unwrap();
+        stream.memcpy_htod(&vec![POISON_U8; t_max * w], &mut bufs.out_map).unwrap();
+        stream.memcpy_htod(&vec![POISON_F32; t_max * w], &mut bufs.out_probs).unwrap();
+        stream.memcpy_htod(&[t as i32], &mut tokens).unwrap();
+        graph.launch().unwrap();
+
+        let name = format!("device T = {t} (t_max {t_max})");
+        let want = reference::plan(&cfg, &rc.counts).unwrap();
+        stages_equal(&name, &plan.read_stages(&stream, &bufs.state).unwrap(), &want);
+        assert!(plan.read_errors(&stream, &bufs.state).unwrap().is_empty(), "{name}: error word");
+        let dest = stream.clone_dtoh(&bufs.out_dest).unwrap();
+        assert_eq!(&dest[..t * k], &reference::reroute_topk(&cfg, &want, &rc.counts, &rc.routes, t).unwrap()[..], "{name}: destinations");
+        assert!(dest[t * k..].iter().all(|&c| c == POISON_I32), "{name}: a destination past T was written");
+        let pk = bits(&stream.clone_dtoh(&bufs.out_pk).unwrap());
+        assert_eq!(&pk[..t * k], &bits(&rc.probs)[..], "{name}: top-k probs");
+        assert!(pk[t * k..].iter().all(|&v| v == POISON_F32.to_bits()), "{name}: a top-k prob past T was written");
+        let (wm, wp) = reference::reroute_dense(&cfg, &want, &rc.counts, &b, &p, t).unwrap();
+        let om = stream.clone_dtoh(&bufs.out_map).unwrap();
+        let op = bits(&stream.clone_dtoh(&bufs.out_probs).unwrap());
+        assert_eq!(om[..t * w].iter().map(|&v| v == 1).collect::<Vec<_>>(), wm, "{name}: dense map");
+        assert_eq!(&op[..t * w], &bits(&wp)[..], "{name}: dense probs");
+        assert!(om[t * w..].iter().all(|&v| v == POISON_U8), "{name}: a dense map row past T was written");
+        assert!(op[t * w..].iter().all(|&v| v == POISON_F32.to_bits()), "{name}: a dense prob row past T was written");
+    }
+    for bad in [-1i32, t_max as i32 + 1] {
+        stream.memcpy_htod(&[bad], &mut tokens).unwrap();
+        graph.launch().unwrap();
+        let errs = plan.read_errors(&stream, &bufs.state).unwrap();
+        assert!(errs.contains(DeviceErrors::BAD_TOKENS), "device T = {bad}: {errs:?}");
+    }
+}
+
 #[test]
 fn device_error_flags() {
     let stream = gpu_or_skip!();
@@ -363,12 +439,12 @@ fn host_checks_reject_bad_buffers() {
     let mut b = Bufs::new(&stream, &plan, &rc.counts, &rc.routes, &rc.probs, t);
     assert!(matches!(b.topk(&stream, &plan, t + 1), Err(Error::InvalidArgument { .. })));
     let mut small_ws = stream.alloc_zeros::<i32>(plan.workspace_len() - 1).unwrap();
-    let r = plan.plan_reroute_topk(&stream, &b.counts, &b.ids, &b.probs_k, t, &mut b.state, &mut small_ws, &mut b.out_dest, &mut b.out_pk);
+    let r = plan.plan_reroute_topk(&stream, &b.counts, &b.ids, &b.probs_k, Tokens::Host(t), &mut b.state, &mut small_ws, &mut b.out_dest, &mut b.out_pk);
     assert!(matches!(r, Err(Error::Shape { .. })), "{r:?}");
     let short = stream.alloc_zeros::<i64>(10).unwrap();
     assert!(matches!(plan.plan(&stream, &short, &mut b.state), Err(Error::Shape { .. })));
     let mut short_out = stream.alloc_zeros::<u8>(t * cfg.num_columns() - 1).unwrap();
-    let r = plan.plan_reroute_dense(&stream, &b.counts, &b.map, &b.probs, t, &mut b.state, &mut b.ws, &mut short_out, &mut b.out_probs);
+    let r = plan.plan_reroute_dense(&stream, &b.counts, &b.map, &b.probs, Tokens::Host(t), &mut b.state, &mut b.ws, &mut short_out, &mut b.out_probs);
     assert!(matches!(r, Err(Error::Shape { .. })), "{r:?}");
     let bad = EchoConfig { spare_per_rank: 2, algorithm: Algorithm::Approx, ..cfg };
     assert!(matches!(EchoPlan::new(bad, 8), Err(Error::InvalidArgument { .. })));

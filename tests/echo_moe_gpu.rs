@@ -4,14 +4,17 @@
 //! rewritten to Echo's `E + S` final columns) -> spare-slot weight fill (fc1, fc2) from the
 //! plan's slot -> home-expert table -> expert path forward + backward over the `E + S` slots
 //! with per-slot weight and gradient pointers -> fold of the spare slots' fp32 gradients into
-//! their home experts. It is replayed with fresh count matrices, routings, activations and
-//! (now and then) weights written between replays, and every replay is checked against the
-//! plain expert path over the E home experts on the same inputs:
+//! their home experts. It is replayed with fresh count matrices, routings, activations, token
+//! counts (a device `i32`: T = T_max, 0 and random values in between; rows past T hold stale
+//! routes that must be ignored) and (now and then) weights written between replays, and every
+//! replay is checked against the plain expert path over the E home experts on the same inputs
+//! (host T, eager):
 //! * reroute, slot table and spare weights bitwise against the CPU reference / home weights;
 //! * y, dx and dprobs bit for bit (same kernels, forced GemmConfig; each route's row sees the
 //!   same weights, and the per-token sums run in the same route order);
 //! * folded dW1 / dW2 of every home expert within fp32 tolerance (the spare slots' rows are
 //!   summed separately, then added), and bit for bit for experts that moved no tokens;
+//! * rows at or past T of every output left as they were (poison);
 //! * no flag in any error word; once per case also the fp64 CPU reference.
 //!
 //! `CAPMOE_ECHO_MOE_REPLAYS` sets the replays per case (default 60), e.g. fewer under
@@ -161,8 +164,17 @@ fn routing(rng: &mut StdRng, cfg: &EchoConfig, t: usize, kind: Kind) -> Routing 
 struct Case {
     name: &'static str,
     cfg: EchoConfig,
-    t: usize,
+    t_max: usize,
     gemm: GemmConfig,
+}
+
+/// The token count of replay `i`: T_max, 0 and random counts in between.
+fn replay_tokens(rng: &mut StdRng, i: usize, t_max: usize) -> usize {
+    match i % 10 {
+        0 | 5 => t_max,
+        3 => 0,
+        _ => rng.random_range(1..=t_max),
+    }
 }
 
 fn cases(arch: Arch) -> Vec<Case> {
@@ -180,19 +192,19 @@ fn cases(arch: Arch) -> Vec<Case> {
         Case {
             name: "approx S_per=1",
             cfg: echo(1, 1, Algorithm::Approx, 0.0),
-            t: 256,
+            t_max: 256,
             gemm: if sm90 { GemmConfig::Sm90Pingpong } else { GemmConfig::Sm100OneSm },
         },
         Case {
             name: "greedy S_per=2",
             cfg: echo(2, 2, Algorithm::Greedy, 0.0),
-            t: 200,
+            t_max: 200,
             gemm: if sm90 { GemmConfig::Sm90Cooperative } else { GemmConfig::Sm100OneSm },
         },
         Case {
             name: "greedy S_per=2 reclaim 0.1",
             cfg: echo(0, 2, Algorithm::Greedy, 0.1),
-            t: 160,
+            t_max: 160,
             gemm: if sm90 { GemmConfig::Sm90Pingpong } else { GemmConfig::Sm100OneSm },
         },
     ]
@@ -213,8 +225,11 @@ fn bits32(stream: &Arc<CudaStream>, v: &CudaSlice<f32>) -> Vec<u32> {
 /// Every device buffer of one case; the graph keeps all their addresses.
 struct Rig {
     plan: EchoPlan,
+    /// This replay's token count (host copy of `tokens`, for the plain path and the checks).
     t: usize,
     // inputs, written between replays
+    /// `[1]` i32 token count T of the captured sequence.
+    tokens: CudaSlice<i32>,
     counts: CudaSlice<i64>,
     ids: CudaSlice<i32>,
     probs: CudaSlice<f32>,
@@ -267,7 +282,7 @@ fn moe_config(num_experts: usize, t: usize) -> MoeConfig {
 
 impl Rig {
     fn new(stream: &Arc<CudaStream>, case: &Case) -> Rig {
-        let (cfg, t) = (&case.cfg, case.t);
+        let (cfg, t) = (&case.cfg, case.t_max);
         let s = cfg.num_spare();
         let plan = EchoPlan::new(cfg.clone(), t).unwrap();
         let z16 = |n: usize| stream.alloc_zeros::<bf16>(n).unwrap();
@@ -293,6 +308,7 @@ impl Rig {
         assert_eq!(moe.gemm_configs(), plain.gemm_configs(), "{}: both paths must run the same kernels", case.name);
         Rig {
             t,
+            tokens: stream.clone_htod(&[t as i32]).unwrap(),
             counts: stream.alloc_zeros(EP * E).unwrap(),
             ids: stream.alloc_zeros(t * K).unwrap(),
             probs: z32(t * K),
@@ -333,15 +349,14 @@ impl Rig {
     fn echo_step(&mut self, stream: &Arc<CudaStream>) -> capturable_moe::Result<()> {
         let cfg = self.plan.config().clone();
         let s = cfg.num_spare();
-        let t = self.t;
-        self.plan.plan_reroute_topk(stream, &self.counts, &self.ids, &self.probs, t, &mut self.state, &mut self.ws, &mut self.dest, &mut self.dest_probs)?;
+        let tok = Tokens::Device(&self.tokens);
+        self.plan.plan_reroute_topk(stream, &self.counts, &self.ids, &self.probs, tok, &mut self.state, &mut self.ws, &mut self.dest, &mut self.dest_probs)?;
         let off = self.plan.layout().slot_expert;
         let slot_expert = self.state.slice(off..off + s);
         echo::fill_spare_weights(stream, &slot_expert, E, 0, s, &self.w1, &mut self.w1_spare, W1, &mut self.slot_errors)?;
         echo::fill_spare_weights(stream, &slot_expert, E, 0, s, &self.w2, &mut self.w2_spare, W2, &mut self.slot_errors)?;
         stream.memset_zeros(&mut self.dw1_spare)?;
         stream.memset_zeros(&mut self.dw2_spare)?;
-        let tok = Tokens::Host(t);
         self.moe.forward(stream, &self.x, &self.dest, &self.dest_probs, tok, &self.w1_ptrs, &self.w2_ptrs, &mut self.y)?;
         self.moe.backward(
             stream, &self.dy, &self.dest_probs, tok, &self.w1_ptrs, &self.w2_ptrs, &mut self.dx, &mut self.dprobs,
@@ -386,14 +401,14 @@ fn check_grads(what: &str, got: &[f32], want: &[f32], init: &[f32], per: usize, 
 }
 
 fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
-    let (cfg, t) = (&case.cfg, case.t);
+    let (cfg, t_max) = (&case.cfg, case.t_max);
     let s = cfg.num_spare();
     let rho = cfg.ep_rank;
     let name = case.name;
     let mut rng = StdRng::seed_from_u64(seed);
     let mut rig = Rig::new(stream, case);
-    let poison16 = vec![bf16::from_bits(0xFFFF); (s * W1).max(t * H)]; // NaN
-    let poison32 = vec![f32::from_bits(0xFFFF_FFFF); t * K];
+    let poison16 = vec![bf16::from_bits(0xFFFF); (s * W1).max(t_max * H)]; // NaN
+    let poison32 = vec![f32::from_bits(0xFFFF_FFFF); t_max * K];
     let load_weights = |rig: &mut Rig, rng: &mut StdRng| {
         let w1 = random_bf16(rng, E * W1, 1.0 / (H as f32).sqrt());
         let w2 = random_bf16(rng, E * W2, 1.0 / (F as f32).sqrt());
@@ -404,7 +419,7 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
     let mut weights = load_weights(&mut rig, &mut rng);
 
     // Capture once, on the first replay's inputs.
-    let first = routing(&mut rng, cfg, t, Kind::Skewed);
+    let first = routing(&mut rng, cfg, t_max, Kind::Skewed);
     stream.memcpy_htod(&first.counts, &mut rig.counts).unwrap();
     stream.memcpy_htod(&first.ids, &mut rig.ids).unwrap();
     stream.memcpy_htod(&first.probs, &mut rig.probs).unwrap();
@@ -418,14 +433,20 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
         if i % 7 == 6 {
             weights = load_weights(&mut rig, &mut rng);
         }
+        let t = replay_tokens(&mut rng, i, t_max);
+        rig.t = t;
         let ro = routing(&mut rng, cfg, t, kind);
-        let x = random_bf16(&mut rng, t * H, 1.0);
-        let dy = random_bf16(&mut rng, t * H, 1.0);
+        let x = random_bf16(&mut rng, t_max * H, 1.0);
+        let dy = random_bf16(&mut rng, t_max * H, 1.0);
         let init1: Vec<f32> = (0..E * W1).map(|_| rng.random_range(-0.01f32..0.01)).collect();
         let init2: Vec<f32> = (0..E * W2).map(|_| rng.random_range(-0.01f32..0.01)).collect();
+        // Rows at or past T keep the routes of earlier replays: the kernels must ignore them.
+        stream.memcpy_htod(&[t as i32], &mut rig.tokens).unwrap();
         stream.memcpy_htod(&ro.counts, &mut rig.counts).unwrap();
-        stream.memcpy_htod(&ro.ids, &mut rig.ids).unwrap();
-        stream.memcpy_htod(&ro.probs, &mut rig.probs).unwrap();
+        if t > 0 {
+            stream.memcpy_htod(&ro.ids, &mut rig.ids.slice_mut(..t * K)).unwrap();
+            stream.memcpy_htod(&ro.probs, &mut rig.probs.slice_mut(..t * K)).unwrap();
+        }
         stream.memcpy_htod(&x, &mut rig.x).unwrap();
         stream.memcpy_htod(&dy, &mut rig.dy).unwrap();
         for (dst, src) in [(&mut rig.dw1, &init1), (&mut rig.plain_dw1, &init1)] {
@@ -436,19 +457,19 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
         }
         // Poison every output and the spare weights, so nothing stale can pass.
         for dst in [&mut rig.y, &mut rig.dx, &mut rig.plain_y, &mut rig.plain_dx] {
-            stream.memcpy_htod(&poison16[..t * H], dst).unwrap();
+            stream.memcpy_htod(&poison16[..t_max * H], dst).unwrap();
         }
         stream.memcpy_htod(&poison16[..s * W1], &mut rig.w1_spare).unwrap();
         stream.memcpy_htod(&poison16[..s * W2], &mut rig.w2_spare).unwrap();
         for dst in [&mut rig.dprobs, &mut rig.plain_dprobs, &mut rig.dest_probs] {
             stream.memcpy_htod(&poison32, dst).unwrap();
         }
-        stream.memcpy_htod(&vec![-7777i32; t * K], &mut rig.dest).unwrap();
+        stream.memcpy_htod(&vec![-7777i32; t_max * K], &mut rig.dest).unwrap();
 
         graph.launch().unwrap();
         rig.plain_step(stream).unwrap();
 
-        let what = format!("{name}: replay {i} ({kind:?})");
+        let what = format!("{name}: replay {i} ({kind:?}, T = {t})");
         // Plan, reroute and slot weights.
         assert!(rig.plan.read_errors(stream, &rig.state).unwrap().is_empty(), "{what}: planner error word");
         let want_plan = reference::plan(cfg, &ro.counts).unwrap();
@@ -456,9 +477,13 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
         assert_eq!(stages.slot_expert, want_plan.slot_expert, "{what}: slot -> home expert table");
         assert_eq!(stages.tokens_to_slot, want_plan.tokens_to_slot, "{what}: Ftot");
         let want_dest = reference::reroute_topk(cfg, &want_plan, &ro.counts, &ro.ids, t).unwrap();
-        let dest = stream.clone_dtoh(&rig.dest).unwrap();
-        assert_bits(&format!("{what}: rerouted columns"), &dest, &want_dest);
-        assert_bits(&format!("{what}: rerouted probs"), &bits32(stream, &rig.dest_probs), &ro.probs.iter().map(|p| p.to_bits()).collect::<Vec<_>>());
+        let dest_all = stream.clone_dtoh(&rig.dest).unwrap();
+        let (dest, dest_past) = dest_all.split_at(t * K);
+        assert_bits(&format!("{what}: rerouted columns"), dest, &want_dest);
+        assert!(dest_past.iter().all(|&c| c == -7777), "{what}: reroute wrote a route past T");
+        let dest_probs = bits32(stream, &rig.dest_probs);
+        assert_bits(&format!("{what}: rerouted probs"), &dest_probs[..t * K], &ro.probs.iter().map(|p| p.to_bits()).collect::<Vec<_>>());
+        assert!(dest_probs[t * K..].iter().all(|&b| b == 0xFFFF_FFFF), "{what}: reroute wrote a prob past T");
         let slot_cols: Vec<usize> = (0..s).map(|j| cfg.slot_column(j)).collect();
         let moved = dest.iter().filter(|&&c| slot_cols.contains(&(c as usize))).count();
         let planned: i64 = stages.tokens_to_slot[rho * s..(rho + 1) * s].iter().sum();
@@ -482,10 +507,17 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
         }
 
         // The expert path: Echo over E + S slots against the plain path over E experts (every
-        // token has k routes, so every output element was written over its poison).
-        let y = stream.clone_dtoh(&rig.y).unwrap();
-        let dxv = stream.clone_dtoh(&rig.dx).unwrap();
-        let dpv = stream.clone_dtoh(&rig.dprobs).unwrap();
+        // token has k routes, so every output element of the first T rows was written over its
+        // poison; the rows past T keep it).
+        let mut y = stream.clone_dtoh(&rig.y).unwrap();
+        let mut dxv = stream.clone_dtoh(&rig.dx).unwrap();
+        let mut dpv = stream.clone_dtoh(&rig.dprobs).unwrap();
+        let untouched16 = |v: &[bf16]| v.iter().all(|b| b.to_bits() == 0xFFFF);
+        assert!(untouched16(&y[t * H..]) && untouched16(&dxv[t * H..]), "{what}: y or dx written past T");
+        assert!(dpv[t * K..].iter().all(|b| b.to_bits() == 0xFFFF_FFFF), "{what}: dprobs written past T");
+        y.truncate(t * H);
+        dxv.truncate(t * H);
+        dpv.truncate(t * K);
         assert!(y.iter().chain(&dxv).all(|v| v.is_finite()) && dpv.iter().all(|v| v.is_finite()), "{what}: unwritten or non-finite output");
         assert_bits(&format!("{what}: y"), &bits16(stream, &rig.y), &bits16(stream, &rig.plain_y));
         assert_bits(&format!("{what}: dx"), &bits16(stream, &rig.dx), &bits16(stream, &rig.plain_dx));

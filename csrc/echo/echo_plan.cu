@@ -82,7 +82,10 @@ struct Params {
   const uint8_t* map;
   const uint32_t* probs_bits;  // probs as raw bits: copied, never computed
   const int32_t* ids;
+  // Tokens: the host count, or with tokens_device the bound its device value is clamped to.
+  // The tiles (words, num_tiles) are sized for this host value either way.
   int64_t num_tokens;
+  const int32_t* tokens_device;
   int words;  // W: bitmask words per expert per tile; a tile is 32 * W tokens
   int num_tiles;
   int32_t* tile_counts;
@@ -93,6 +96,26 @@ struct Params {
 };
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// This launch's token count T: the device value clamped into [0, num_tokens] when given.
+__device__ inline int64_t resolve_tokens(const Params& p) {
+  if (p.tokens_device == nullptr) return p.num_tokens;
+  const int64_t t = __ldg(p.tokens_device);
+  return t < 0 ? 0 : (t > p.num_tokens ? p.num_tokens : t);
+}
+
+__device__ inline bool tokens_out_of_range(const Params& p) {
+  if (p.tokens_device == nullptr) return false;
+  const int64_t t = __ldg(p.tokens_device);
+  return t < 0 || t > p.num_tokens;
+}
+
+// Rows of `tile` that hold tokens (0 for tiles past T when T lives on the device).
+__device__ inline int tile_rows(const Params& p, int tile) {
+  const int64_t tile_tokens = 32 * (int64_t)p.words;
+  const int64_t left = resolve_tokens(p) - tile * tile_tokens;
+  return (int)(left < 0 ? 0 : (left > tile_tokens ? tile_tokens : left));
+}
 
 // Bump allocator over a shared-memory block; on the host (base unused) it only measures.
 // NOTE: the device pointers stay plain pointer arithmetic on the extern __shared__ array, so
@@ -801,7 +824,7 @@ __device__ void count_tile(const Params& p, int tile, int32_t* s_cnt) {
   const int ne = p.d.ne, tid = threadIdx.x, nt = blockDim.x;
   const int64_t tile_tokens = 32 * (int64_t)p.words;
   const int64_t t0 = tile * tile_tokens;
-  const int64_t rows = min(tile_tokens, p.num_tokens - t0);
+  const int64_t rows = tile_rows(p, tile);
   for (int x = tid; x < ne; x += nt) s_cnt[x] = 0;
   __syncthreads();
   if (p.form == kFormDense) {
@@ -888,7 +911,7 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
   const int tile = blockIdx.x;
   const int64_t tile_tokens = 32 * (int64_t)W;
   const int64_t t0 = tile * tile_tokens;
-  const int rows = (int)min(tile_tokens, p.num_tokens - t0);
+  const int rows = tile_rows(p, tile);
   const int64_t* st = p.state;
   const capmoe_echo_layout_t& lay = p.lay;
   RerouteSmem sm;
@@ -896,7 +919,7 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
   const int L = d.l, sp = d.sp, B = L + sp;
 
   // Before the plan is known: the tile's routes (and probs).
-  if (tid == 0) sm.flags[0] = 0;
+  if (tid == 0) sm.flags[0] = tile == 0 && tokens_out_of_range(p) ? CAPMOE_ECHO_ERR_BAD_TOKENS : 0;
   for (int i = tid; i < ne * W; i += nt) sm.mask[i] = 0;
   if (p.form == kFormDense) {
     if (p.stage_probs) {
@@ -1237,9 +1260,9 @@ capmoe_status_t ensure_smem(const void* kernel, size_t bytes) {
 
 capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, int form,
                        const uint8_t* map, const float* probs, const int32_t* ids,
-                       int64_t num_tokens, int64_t* state, int32_t* workspace,
-                       int64_t workspace_len, uint8_t* out_map, float* out_probs,
-                       int32_t* out_dest, float* out_probs_k, void* stream) {
+                       int64_t num_tokens, const int32_t* num_tokens_device, int64_t* state,
+                       int32_t* workspace, int64_t workspace_len, uint8_t* out_map,
+                       float* out_probs, int32_t* out_dest, float* out_probs_k, void* stream) {
   Dims d;
   CAPMOE_TRY(make_dims(cfg, &d));
   if (!counts || !state) return CAPMOE_ERR_INVALID_ARGUMENT;
@@ -1251,6 +1274,7 @@ capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, i
   p.d = d;
   p.form = form;
   p.num_tokens = form == kFormNone ? 0 : num_tokens;
+  p.tokens_device = form == kFormNone ? nullptr : num_tokens_device;
   p.words = words_for(d, p.num_tokens);
   p.num_tiles = (int)tiles_for(d, p.num_tokens);
   if (p.num_tokens > 0) {
@@ -1330,27 +1354,29 @@ extern "C" capmoe_status_t capmoe_echo_plan(const capmoe_echo_config_t* cfg,
                                             const int64_t* counts, int64_t* state,
                                             void* stream) {
   return capmoe::guarded([&]() -> capmoe_status_t {
-    return launch(cfg, counts, kFormNone, nullptr, nullptr, nullptr, 0, state, nullptr, 0,
-                  nullptr, nullptr, nullptr, nullptr, stream);
+    return launch(cfg, counts, kFormNone, nullptr, nullptr, nullptr, 0, nullptr, state, nullptr,
+                  0, nullptr, nullptr, nullptr, nullptr, stream);
   });
 }
 
 extern "C" capmoe_status_t capmoe_echo_plan_reroute_dense(
     const capmoe_echo_config_t* cfg, const int64_t* counts, const uint8_t* routing_map,
-    const float* probs, int64_t num_tokens, int64_t* state, int32_t* workspace,
-    int64_t workspace_len, uint8_t* out_map, float* out_probs, void* stream) {
+    const float* probs, int64_t num_tokens, const int32_t* num_tokens_device, int64_t* state,
+    int32_t* workspace, int64_t workspace_len, uint8_t* out_map, float* out_probs, void* stream) {
   return capmoe::guarded([&]() -> capmoe_status_t {
-    return launch(cfg, counts, kFormDense, routing_map, probs, nullptr, num_tokens, state,
-                  workspace, workspace_len, out_map, out_probs, nullptr, nullptr, stream);
+    return launch(cfg, counts, kFormDense, routing_map, probs, nullptr, num_tokens,
+                  num_tokens_device, state, workspace, workspace_len, out_map, out_probs, nullptr,
+                  nullptr, stream);
   });
 }
 
 extern "C" capmoe_status_t capmoe_echo_plan_reroute_topk(
     const capmoe_echo_config_t* cfg, const int64_t* counts, const int32_t* expert_ids,
-    const float* probs, int64_t num_tokens, int64_t* state, int32_t* workspace,
-    int64_t workspace_len, int32_t* out_dest, float* out_probs, void* stream) {
+    const float* probs, int64_t num_tokens, const int32_t* num_tokens_device, int64_t* state,
+    int32_t* workspace, int64_t workspace_len, int32_t* out_dest, float* out_probs, void* stream) {
   return capmoe::guarded([&]() -> capmoe_status_t {
-    return launch(cfg, counts, kFormTopk, nullptr, probs, expert_ids, num_tokens, state,
-                  workspace, workspace_len, nullptr, nullptr, out_dest, out_probs, stream);
+    return launch(cfg, counts, kFormTopk, nullptr, probs, expert_ids, num_tokens,
+                  num_tokens_device, state, workspace, workspace_len, nullptr, nullptr, out_dest,
+                  out_probs, stream);
   });
 }

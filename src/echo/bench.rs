@@ -9,6 +9,7 @@ use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptu
 use cudarc::driver::CudaStream;
 
 use super::{EchoConfig, EchoPlan};
+use crate::routing::Tokens;
 use crate::Result;
 
 /// Which reroute form to time.
@@ -106,8 +107,8 @@ pub fn time_plan_reroute(
     let mut out_pk = stream.alloc_zeros::<f32>((t * k).max(1))?;
     let mut run = |s: &Arc<CudaStream>| -> Result<()> {
         match form {
-            Form::Dense => plan.plan_reroute_dense(s, &counts, &map, &probs, t, &mut state, &mut ws, &mut out_map, &mut out_probs),
-            Form::TopK => plan.plan_reroute_topk(s, &counts, &ids, &probs_k, t, &mut state, &mut ws, &mut out_dest, &mut out_pk),
+            Form::Dense => plan.plan_reroute_dense(s, &counts, &map, &probs, Tokens::Host(t), &mut state, &mut ws, &mut out_map, &mut out_probs),
+            Form::TopK => plan.plan_reroute_topk(s, &counts, &ids, &probs_k, Tokens::Host(t), &mut state, &mut ws, &mut out_dest, &mut out_pk),
         }
     };
     run(stream)?; // warm-up outside the graph (module load, smem attributes)

@@ -14,6 +14,11 @@
 //!   `out_map [T, E+S]` u8 + `out_probs [T, E+S]` f32, columns interleaved per rank (spec P9);
 //! * top-k form: `expert_ids [T, k]` i32 (distinct per token) + `probs [T, k]` f32 ->
 //!   `out_dest [T, k]` i32 (final interleaved column of each route) + `out_probs [T, k]` f32.
+//!
+//! The token count `T` of a reroute is a [`Tokens`]: a host count, or a device `i32` read on
+//! the GPU and clamped into `[0, t_max]` (out of range sets [`DeviceErrors::BAD_TOKENS`]), so
+//! one captured graph serves a different `T` every replay. With a device count, the token
+//! buffers must hold `t_max` rows; rows `t >= T` of the outputs are not written.
 
 pub mod bench;
 mod config;
@@ -21,12 +26,13 @@ pub mod reference;
 
 use std::ffi::c_void;
 
-use cudarc::driver::{sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
+use cudarc::driver::{sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop};
 
 pub use config::{Algorithm, EchoConfig, MAX_EXPERTS, MAX_SPARE};
 use reference::PlanStages;
 
 use crate::error::check;
+use crate::routing::Tokens;
 use crate::{sys, Error, Result};
 
 /// Offsets (in i64 elements) of every section of the plan state (see `capturable_moe/echo.h`).
@@ -73,6 +79,7 @@ impl DeviceErrors {
     pub const DUPLICATE_ROUTE: u32 = sys::CAPMOE_ECHO_ERR_DUPLICATE_ROUTE as u32;
     pub const INTERNAL: u32 = sys::CAPMOE_ECHO_ERR_INTERNAL as u32;
     pub const BAD_SLOT_EXPERT: u32 = sys::CAPMOE_ECHO_ERR_BAD_SLOT_EXPERT as u32;
+    pub const BAD_TOKENS: u32 = sys::CAPMOE_ECHO_ERR_BAD_TOKENS as u32;
 
     pub fn is_empty(self) -> bool {
         self.0 == 0
@@ -97,6 +104,17 @@ fn shape(op: &'static str, what: &'static str, want: usize, got: usize) -> Resul
         return Err(Error::Shape { op, what, expected: format!(">= {want} elements"), got: got.to_string() });
     }
     Ok(())
+}
+
+/// The device pointer of a device token count (0 for a host count), with its guard.
+fn device_count<'a>(stream: &'a CudaStream, tokens: Tokens<'a>) -> (CUdeviceptr, Option<SyncOnDrop<'a>>) {
+    match tokens {
+        Tokens::Host(_) => (0, None),
+        Tokens::Device(count) => {
+            let (p, guard) = count.device_ptr(stream);
+            (p, Some(guard))
+        }
+    }
 }
 
 fn exact(op: &'static str, what: &'static str, want: usize, got: usize) -> Result<()> {
@@ -178,6 +196,15 @@ impl EchoPlan {
         Ok(())
     }
 
+    /// The rows the token buffers must hold: the host count, or `t_max` for a device count
+    /// (which may be anything up to it).
+    fn token_rows(&self, op: &'static str, tokens: Tokens<'_>) -> Result<usize> {
+        match tokens {
+            Tokens::Host(t) => self.check_tokens(op, t).map(|_| t),
+            Tokens::Device(count) => shape(op, "num_tokens_device", 1, count.len()).map(|_| self.t_max),
+        }
+    }
+
     /// P1–P7 from `counts [EP, E]` into `state`. One launch; no host sync, no allocation.
     pub fn plan(
         &self,
@@ -204,7 +231,7 @@ impl EchoPlan {
         counts: &impl DevicePtr<i64>,
         routing_map: &impl DevicePtr<u8>,
         probs: &impl DevicePtr<f32>,
-        num_tokens: usize,
+        tokens: Tokens<'_>,
         state: &mut impl DevicePtrMut<i64>,
         workspace: &mut impl DevicePtrMut<i32>,
         out_map: &mut impl DevicePtrMut<u8>,
@@ -212,7 +239,7 @@ impl EchoPlan {
     ) -> Result<()> {
         const OP: &str = "echo plan+reroute (dense)";
         let (e, w) = (self.cfg.num_experts, self.cfg.num_columns());
-        self.check_tokens(OP, num_tokens)?;
+        let num_tokens = self.token_rows(OP, tokens)?;
         exact(OP, "counts [EP, E]", self.cfg.ep * e, counts.len())?;
         shape(OP, "routing_map [T, E]", num_tokens * e, routing_map.len())?;
         shape(OP, "probs [T, E]", num_tokens * e, probs.len())?;
@@ -229,9 +256,10 @@ impl EchoPlan {
         let (ws, _g5) = workspace.device_ptr_mut(stream);
         let (om, _g6) = out_map.device_ptr_mut(stream);
         let (op, _g7) = out_probs.device_ptr_mut(stream);
+        let (t_dev, _g8) = device_count(stream, tokens);
         // SAFETY: every length checked above; guards alive until the end of the call.
         unsafe {
-            self.plan_reroute_dense_raw(stream.cu_stream() as *mut c_void, c, m, p, num_tokens, s, ws, ws_len, om, op)
+            self.plan_reroute_dense_raw(stream.cu_stream() as *mut c_void, c, m, p, num_tokens, t_dev, s, ws, ws_len, om, op)
         }
     }
 
@@ -244,7 +272,7 @@ impl EchoPlan {
         counts: &impl DevicePtr<i64>,
         expert_ids: &impl DevicePtr<i32>,
         probs: &impl DevicePtr<f32>,
-        num_tokens: usize,
+        tokens: Tokens<'_>,
         state: &mut impl DevicePtrMut<i64>,
         workspace: &mut impl DevicePtrMut<i32>,
         out_dest: &mut impl DevicePtrMut<i32>,
@@ -252,7 +280,7 @@ impl EchoPlan {
     ) -> Result<()> {
         const OP: &str = "echo plan+reroute (top-k)";
         let (e, k) = (self.cfg.num_experts, self.cfg.topk);
-        self.check_tokens(OP, num_tokens)?;
+        let num_tokens = self.token_rows(OP, tokens)?;
         exact(OP, "counts [EP, E]", self.cfg.ep * e, counts.len())?;
         shape(OP, "expert_ids [T, k]", num_tokens * k, expert_ids.len())?;
         shape(OP, "probs [T, k]", num_tokens * k, probs.len())?;
@@ -269,9 +297,10 @@ impl EchoPlan {
         let (ws, _g5) = workspace.device_ptr_mut(stream);
         let (od, _g6) = out_dest.device_ptr_mut(stream);
         let (op, _g7) = out_probs.device_ptr_mut(stream);
+        let (t_dev, _g8) = device_count(stream, tokens);
         // SAFETY: every length checked above; guards alive until the end of the call.
         unsafe {
-            self.plan_reroute_topk_raw(stream.cu_stream() as *mut c_void, c, ids, p, num_tokens, s, ws, ws_len, od, op)
+            self.plan_reroute_topk_raw(stream.cu_stream() as *mut c_void, c, ids, p, num_tokens, t_dev, s, ws, ws_len, od, op)
         }
     }
 
@@ -290,7 +319,9 @@ impl EchoPlan {
     /// # Safety
     /// As [`plan_raw`](Self::plan_raw), plus: `routing_map` / `probs` hold `T * E` u8 / f32,
     /// `workspace` `workspace_len` i32, `out_map` / `out_probs` `T * (E + S)` u8 / f32, all
-    /// device memory valid until the launches have run; `num_tokens <= t_max`.
+    /// device memory valid until the launches have run; `num_tokens <= t_max`. With
+    /// `num_tokens_device` (0 = none: T = `num_tokens`) T is that i32 read on the GPU, clamped
+    /// into `[0, num_tokens]`, and the buffers hold `num_tokens` rows.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn plan_reroute_dense_raw(
         &self,
@@ -299,6 +330,7 @@ impl EchoPlan {
         routing_map: CUdeviceptr,
         probs: CUdeviceptr,
         num_tokens: usize,
+        num_tokens_device: CUdeviceptr,
         state: CUdeviceptr,
         workspace: CUdeviceptr,
         workspace_len: usize,
@@ -313,6 +345,7 @@ impl EchoPlan {
                 routing_map as *const u8,
                 probs as *const f32,
                 num_tokens as i64,
+                num_tokens_device as *const i32,
                 state as *mut i64,
                 workspace as *mut i32,
                 workspace_len as i64,
@@ -329,7 +362,8 @@ impl EchoPlan {
     /// # Safety
     /// As [`plan_raw`](Self::plan_raw), plus: `expert_ids` / `probs` / `out_dest` /
     /// `out_probs` hold `T * k` elements, `workspace` `workspace_len` i32, all device memory
-    /// valid until the launches have run; `num_tokens <= t_max`.
+    /// valid until the launches have run; `num_tokens <= t_max`. `num_tokens_device` as in
+    /// [`plan_reroute_dense_raw`](Self::plan_reroute_dense_raw).
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn plan_reroute_topk_raw(
         &self,
@@ -338,6 +372,7 @@ impl EchoPlan {
         expert_ids: CUdeviceptr,
         probs: CUdeviceptr,
         num_tokens: usize,
+        num_tokens_device: CUdeviceptr,
         state: CUdeviceptr,
         workspace: CUdeviceptr,
         workspace_len: usize,
@@ -352,6 +387,7 @@ impl EchoPlan {
                 expert_ids as *const i32,
                 probs as *const f32,
                 num_tokens as i64,
+                num_tokens_device as *const i32,
                 state as *mut i64,
                 workspace as *mut i32,
                 workspace_len as i64,

@@ -19,6 +19,13 @@
  *   out_dest     [T, k]       int32  final interleaved column of every route (-1: bad id)
  *   out_probs_k  [T, k]       float32 (optional) the route's probability, copied bit-exact
  *
+ * Token count of the reroute launches: `num_tokens` (host) and `num_tokens_device` (const
+ * int32*, may be NULL). Without the device pointer T = num_tokens. With it, T is its value read
+ * on the GPU and clamped into [0, num_tokens] (a value outside sets CAPMOE_ECHO_ERR_BAD_TOKENS),
+ * so one captured graph serves every T up to that bound: the launches are sized for
+ * num_tokens, and token rows t >= T of the outputs are not written. num_tokens <= the t_max the
+ * workspace was sized for.
+ *
  * Device-side errors never cause an out-of-bounds access; they set bits in state[off_error]
  * (see CAPMOE_ECHO_ERR_*). Each plan launch overwrites the word; reroute launches OR into it.
  * Every kernel is deterministic (bitwise identical outputs for identical inputs). */
@@ -43,7 +50,8 @@ enum {
   CAPMOE_ECHO_ERR_EXPERT_OUT_OF_RANGE = 8,/* an expert id outside [0, E): that route gets -1 */
   CAPMOE_ECHO_ERR_DUPLICATE_ROUTE = 16,   /* a token lists one expert twice (top-k form) */
   CAPMOE_ECHO_ERR_INTERNAL = 32,          /* a spec invariant failed (sum F + D != H) */
-  CAPMOE_ECHO_ERR_BAD_SLOT_EXPERT = 64    /* weight kernels: slot_expert outside [-1, E) */
+  CAPMOE_ECHO_ERR_BAD_SLOT_EXPERT = 64,   /* weight kernels: slot_expert outside [-1, E) */
+  CAPMOE_ECHO_ERR_BAD_TOKENS = 128        /* the device token count was outside [0, num_tokens] */
 };
 
 typedef struct capmoe_echo_config_t {
@@ -101,11 +109,12 @@ capmoe_status_t capmoe_echo_plan(const capmoe_echo_config_t* cfg, const int64_t*
                                  int64_t* state, void* stream);
 
 /* P1-P9, Megatron form: plan + reroute of this rank's [T, E] routing map (two launches, the
- * second a programmatic dependent launch that loads its token tile while the plan runs). No host
- * sync, no allocation. */
+ * second a programmatic dependent launch that loads its token tile while the plan runs). T as
+ * described above. No host sync, no allocation. */
 capmoe_status_t capmoe_echo_plan_reroute_dense(const capmoe_echo_config_t* cfg,
                                                const int64_t* counts, const uint8_t* routing_map,
                                                const float* probs, int64_t num_tokens,
+                                               const int32_t* num_tokens_device,
                                                int64_t* state, int32_t* workspace,
                                                int64_t workspace_len, uint8_t* out_map,
                                                float* out_probs, void* stream);
@@ -115,6 +124,7 @@ capmoe_status_t capmoe_echo_plan_reroute_dense(const capmoe_echo_config_t* cfg,
 capmoe_status_t capmoe_echo_plan_reroute_topk(const capmoe_echo_config_t* cfg,
                                               const int64_t* counts, const int32_t* expert_ids,
                                               const float* probs, int64_t num_tokens,
+                                              const int32_t* num_tokens_device,
                                               int64_t* state, int32_t* workspace,
                                               int64_t workspace_len, int32_t* out_dest,
                                               float* out_probs, void* stream);
