@@ -37,6 +37,15 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// `Error::Shape` when a buffer of `len` elements is shorter than the `need` an op reads or
+/// writes; `unit` (may be empty) says what `need` counts, e.g. `" (T_max * k)"`.
+pub(crate) fn ensure_len(op: &'static str, what: &'static str, len: usize, need: usize, unit: &str) -> Result<()> {
+    if len < need {
+        return Err(Error::Shape { op, what, expected: format!(">= {need} elements{unit}"), got: len.to_string() });
+    }
+    Ok(())
+}
+
 /// Turns a status returned by the C ABI into a `Result`, naming the operation.
 pub(crate) fn check(status: sys::capmoe_status_t, op: &'static str) -> Result<()> {
     let status = status as u32;

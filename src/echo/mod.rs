@@ -31,7 +31,7 @@ use cudarc::driver::{sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DeviceP
 pub use config::{Algorithm, EchoConfig, MAX_EXPERTS, MAX_SPARE};
 use reference::PlanStages;
 
-use crate::error::check;
+use crate::error::{check, ensure_len};
 use crate::routing::Tokens;
 use crate::{sys, Error, Result};
 
@@ -97,13 +97,6 @@ pub struct EchoPlan {
     layout: Layout,
     workspace_len: usize,
     abi: sys::capmoe_echo_config_t,
-}
-
-fn shape(op: &'static str, what: &'static str, want: usize, got: usize) -> Result<()> {
-    if got < want {
-        return Err(Error::Shape { op, what, expected: format!(">= {want} elements"), got: got.to_string() });
-    }
-    Ok(())
 }
 
 /// The device pointer of a device token count (0 for a host count), with its guard.
@@ -201,7 +194,7 @@ impl EchoPlan {
     fn token_rows(&self, op: &'static str, tokens: Tokens<'_>) -> Result<usize> {
         match tokens {
             Tokens::Host(t) => self.check_tokens(op, t).map(|_| t),
-            Tokens::Device(count) => shape(op, "num_tokens_device", 1, count.len()).map(|_| self.t_max),
+            Tokens::Device(count) => ensure_len(op, "num_tokens_device", count.len(), 1, "").map(|_| self.t_max),
         }
     }
 
@@ -214,7 +207,7 @@ impl EchoPlan {
     ) -> Result<()> {
         const OP: &str = "echo plan";
         exact(OP, "counts [EP, E]", self.cfg.ep * self.cfg.num_experts, counts.len())?;
-        shape(OP, "state", self.state_len(), state.len())?;
+        ensure_len(OP, "state", state.len(), self.state_len(), "")?;
         stream.context().bind_to_thread()?;
         let (c, _gc) = counts.device_ptr(stream);
         let (s, _gs) = state.device_ptr_mut(stream);
@@ -241,12 +234,12 @@ impl EchoPlan {
         let (e, w) = (self.cfg.num_experts, self.cfg.num_columns());
         let num_tokens = self.token_rows(OP, tokens)?;
         exact(OP, "counts [EP, E]", self.cfg.ep * e, counts.len())?;
-        shape(OP, "routing_map [T, E]", num_tokens * e, routing_map.len())?;
-        shape(OP, "probs [T, E]", num_tokens * e, probs.len())?;
-        shape(OP, "state", self.state_len(), state.len())?;
-        shape(OP, "workspace", self.workspace_len, workspace.len())?;
-        shape(OP, "out_map [T, E+S]", num_tokens * w, out_map.len())?;
-        shape(OP, "out_probs [T, E+S]", num_tokens * w, out_probs.len())?;
+        ensure_len(OP, "routing_map [T, E]", routing_map.len(), num_tokens * e, "")?;
+        ensure_len(OP, "probs [T, E]", probs.len(), num_tokens * e, "")?;
+        ensure_len(OP, "state", state.len(), self.state_len(), "")?;
+        ensure_len(OP, "workspace", workspace.len(), self.workspace_len, "")?;
+        ensure_len(OP, "out_map [T, E+S]", out_map.len(), num_tokens * w, "")?;
+        ensure_len(OP, "out_probs [T, E+S]", out_probs.len(), num_tokens * w, "")?;
         let ws_len = workspace.len();
         stream.context().bind_to_thread()?;
         let (c, _g1) = counts.device_ptr(stream);
@@ -282,12 +275,12 @@ impl EchoPlan {
         let (e, k) = (self.cfg.num_experts, self.cfg.topk);
         let num_tokens = self.token_rows(OP, tokens)?;
         exact(OP, "counts [EP, E]", self.cfg.ep * e, counts.len())?;
-        shape(OP, "expert_ids [T, k]", num_tokens * k, expert_ids.len())?;
-        shape(OP, "probs [T, k]", num_tokens * k, probs.len())?;
-        shape(OP, "state", self.state_len(), state.len())?;
-        shape(OP, "workspace", self.workspace_len, workspace.len())?;
-        shape(OP, "out_dest [T, k]", num_tokens * k, out_dest.len())?;
-        shape(OP, "out_probs [T, k]", num_tokens * k, out_probs.len())?;
+        ensure_len(OP, "expert_ids [T, k]", expert_ids.len(), num_tokens * k, "")?;
+        ensure_len(OP, "probs [T, k]", probs.len(), num_tokens * k, "")?;
+        ensure_len(OP, "state", state.len(), self.state_len(), "")?;
+        ensure_len(OP, "workspace", workspace.len(), self.workspace_len, "")?;
+        ensure_len(OP, "out_dest [T, k]", out_dest.len(), num_tokens * k, "")?;
+        ensure_len(OP, "out_probs [T, k]", out_probs.len(), num_tokens * k, "")?;
         let ws_len = workspace.len();
         stream.context().bind_to_thread()?;
         let (c, _g1) = counts.device_ptr(stream);
@@ -514,10 +507,10 @@ pub fn fill_spare_weights<T: DeviceRepr>(
     error_flags: &mut impl DevicePtrMut<i64>,
 ) -> Result<()> {
     const OP: &str = "echo fill spare weights";
-    shape(OP, "slot_expert", slot_begin + num_slots, slot_expert.len())?;
-    shape(OP, "home [E, per_expert]", num_experts * per_expert, home.len())?;
-    shape(OP, "spare [num_slots, per_expert]", num_slots * per_expert, spare.len())?;
-    shape(OP, "error_flags", 1, error_flags.len())?;
+    ensure_len(OP, "slot_expert", slot_expert.len(), slot_begin + num_slots, "")?;
+    ensure_len(OP, "home [E, per_expert]", home.len(), num_experts * per_expert, "")?;
+    ensure_len(OP, "spare [num_slots, per_expert]", spare.len(), num_slots * per_expert, "")?;
+    ensure_len(OP, "error_flags", error_flags.len(), 1, "")?;
     stream.context().bind_to_thread()?;
     let (se, _g1) = slot_expert.device_ptr(stream);
     let (h, _g2) = home.device_ptr(stream);
@@ -554,10 +547,10 @@ pub fn fold_spare_grads(
     error_flags: &mut impl DevicePtrMut<i64>,
 ) -> Result<()> {
     const OP: &str = "echo fold spare grads";
-    shape(OP, "slot_expert", num_slots, slot_expert.len())?;
-    shape(OP, "dw_slot [num_slots, per_expert]", num_slots * per_expert, dw_slot.len())?;
-    shape(OP, "dw_home [E, per_expert]", num_experts * per_expert, dw_home.len())?;
-    shape(OP, "error_flags", 1, error_flags.len())?;
+    ensure_len(OP, "slot_expert", slot_expert.len(), num_slots, "")?;
+    ensure_len(OP, "dw_slot [num_slots, per_expert]", dw_slot.len(), num_slots * per_expert, "")?;
+    ensure_len(OP, "dw_home [E, per_expert]", dw_home.len(), num_experts * per_expert, "")?;
+    ensure_len(OP, "error_flags", error_flags.len(), 1, "")?;
     stream.context().bind_to_thread()?;
     let (se, _g1) = slot_expert.device_ptr(stream);
     let (s, _g2) = dw_slot.device_ptr(stream);

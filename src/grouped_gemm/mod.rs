@@ -24,7 +24,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr}
 
 use crate::device::{Arch, DeviceInfo};
 use crate::dtype::DType;
-use crate::error::check;
+use crate::error::{check, ensure_len};
 use crate::{sys, Error, Result};
 
 /// Device flag bit: the m_splits total exceeded the plan's capacity.
@@ -470,10 +470,7 @@ impl GroupedGemm {
                     got: type_name(got),
                 });
             }
-            if len < want_len {
-                return Err(Error::Shape { op: "grouped_gemm", what, expected: format!(">= {want_len} elements"), got: len.to_string() });
-            }
-            Ok(())
+            ensure_len("grouped_gemm", what, len, want_len, "")
         };
         let ptrs = spec.weights_as_pointers;
         expect("a", TA::DTYPE, a_len, spec.dtype, a_need, false)?;

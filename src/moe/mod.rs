@@ -48,6 +48,7 @@ pub use slots::{echo_slot_pointers, echo_slot_table};
 use crate::dtype::DType;
 use crate::grouped_gemm::{GemmConfig, GemmOp, GemmOperand, GroupedGemm, GroupedGemmSpec};
 use crate::routing::{self, RouteMaps, RoutingConfig, RoutingPlan, Tokens};
+use crate::error::ensure_len;
 use crate::{Error, Result};
 
 /// Shapes and types of one MoE layer's experts, fixed at plan time.
@@ -208,13 +209,6 @@ impl MoeElement for half::bf16 {}
 impl MoeElement for half::f16 {}
 
 /// `len >= need`, else an [`Error::Shape`] "`>= need elements{unit}`".
-fn at_least(op: &'static str, what: &'static str, len: usize, need: usize, unit: &str) -> Result<()> {
-    if len < need {
-        return Err(Error::Shape { op, what, expected: format!(">= {need} elements{unit}"), got: len.to_string() });
-    }
-    Ok(())
-}
-
 fn form_name(dtype: Option<DType>) -> String {
     dtype.map_or_else(|| "a u64 pointer array (WeightForm::Pointers)".into(), |d| format!("a {d:?} tensor (WeightForm::Tensor)"))
 }
@@ -348,8 +342,8 @@ impl<T: MoeElement> MoeExperts<T> {
     ) -> Result<()> {
         const OP: &str = "MoeExperts::forward_from_map";
         let map_len = self.config.max_tokens * self.config.num_experts;
-        at_least(OP, "routing_map [T_max, E]", routing_map.len(), map_len, "")?;
-        at_least(OP, "map_probs [T_max, E]", map_probs.len(), map_len, "")?;
+        ensure_len(OP, "routing_map [T_max, E]", routing_map.len(), map_len, "")?;
+        ensure_len(OP, "map_probs [T_max, E]", map_probs.len(), map_len, "")?;
         let routes = self.path.routing.routes_len();
         self.check_forward::<P, W>(OP, x.len(), routes, fc1_weight.len(), fc2_weight.len(), y.len())?;
         let mr = &mut self.map_routes;
@@ -397,11 +391,11 @@ impl<T: MoeElement> MoeExperts<T> {
     // ---- host checks, all before the first launch ----
 
     fn check_routes(&self, op: &'static str, what: &'static str, len: usize) -> Result<()> {
-        at_least(op, what, len, self.path.routing.routes_len(), " (T_max * k)")
+        ensure_len(op, what, len, self.path.routing.routes_len(), " (T_max * k)")
     }
 
     fn check_tokens(&self, op: &'static str, what: &'static str, len: usize) -> Result<()> {
-        at_least(op, what, len, self.path.routing.tokens_len(), " (T_max * H)")
+        ensure_len(op, what, len, self.path.routing.tokens_len(), " (T_max * H)")
     }
 
     fn check_probs<P: routing::Element>(&self, op: &'static str, len: usize) -> Result<()> {
@@ -422,7 +416,7 @@ impl<T: MoeElement> MoeExperts<T> {
         if W::DTYPE != want {
             return Err(Error::Shape { op, what, expected: form_name(want), got: form_name(W::DTYPE) });
         }
-        at_least(op, what, len, need, &format!(" ({})", form_name(want)))
+        ensure_len(op, what, len, need, &format!(" ({})", form_name(want)))
     }
 
     fn check_weights<W: GemmOperand>(&self, op: &'static str, fc1: usize, fc2: usize) -> Result<()> {

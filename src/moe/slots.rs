@@ -12,6 +12,7 @@
 use cudarc::driver::{CudaStream, DevicePtr, DeviceRepr};
 
 use crate::echo::EchoConfig;
+use crate::error::ensure_len;
 use crate::{Error, Result};
 
 /// The `E + S` addresses, in Echo's final column order, of one weight-shaped operand whose
@@ -47,9 +48,7 @@ pub fn echo_slot_pointers<T: DeviceRepr>(
         ("home [E, per_expert]", home.len(), cfg.num_experts * per_expert),
         ("spare [S, per_expert]", spare.len(), cfg.num_spare() * per_expert),
     ] {
-        if len < need {
-            return Err(Error::Shape { op: OP, what, expected: format!(">= {need} elements"), got: len.to_string() });
-        }
+        ensure_len(OP, what, len, need, "")?;
     }
     let bytes = per_expert * std::mem::size_of::<T>();
     if !bytes.is_multiple_of(16) {

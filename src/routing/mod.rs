@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice};
 
-use crate::error::check;
+use crate::error::{check, ensure_len};
 use crate::{sys, Error, Result};
 
 pub use crate::dtype::DType;
@@ -120,10 +120,6 @@ pub struct RoutingPlan {
 
 fn invalid(op: &'static str, why: String) -> Error {
     Error::InvalidArgument { op, why }
-}
-
-fn shape(op: &'static str, what: &'static str, expected: String, got: String) -> Error {
-    Error::Shape { op, what, expected, got }
 }
 
 impl RoutingPlan {
@@ -268,10 +264,7 @@ impl RoutingPlan {
         need: usize,
     ) -> Result<()> {
         Self::same_context(op, stream, s)?;
-        if s.len() < need {
-            return Err(shape(op, what, format!("at least {need} elements"), format!("{}", s.len())));
-        }
-        Ok(())
+        ensure_len(op, what, s.len(), need, "")
     }
 
     fn dtype_is(&self, op: &'static str, what: &'static str, got: DType, want: DType) -> Result<()> {
