@@ -35,13 +35,13 @@
 // NOTE: the float32 stages (P3 reclaim, P5 first pass) use __fadd_rn/__fmul_rn/__fdiv_rn so the
 // compiler can neither contract them into FMAs nor use approximate division: the spec's
 // results depend on the exact float32 rounding (golden case s12).
-#include <cuda_runtime.h>
 #include <stdint.h>
 
 #include <atomic>
 
 #include "capturable_moe/echo.h"
 #include "common/boundary.cuh"
+#include "common/device_primitives.cuh"
 
 namespace capmoe {
 namespace echo {
@@ -127,7 +127,7 @@ struct Carver {
   template <class T>
   __host__ __device__ T* take(size_t n) {
     off = (off + 15) & ~size_t(15);
-#ifdef __CUDA_ARCH__
+#if defined(__CUDA_ARCH__) || defined(CAPMOE_CPU_EMULATION)
     T* p = reinterpret_cast<T*>(base + off);
 #else
     T* p = nullptr;
@@ -201,19 +201,10 @@ namespace {
 #define ECHO_PROF(i) do { } while (0)
 #endif
 
-__device__ inline void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ inline void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;"); }
-
 __device__ inline int64_t warp_sum64(int64_t v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
   return v;
-}
-
-__device__ inline unsigned lanemask_lt() {
-  unsigned m;
-  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
-  return m;
 }
 
 // Position of each of `count` items with unique packed keys (value << 11 | (2047 - index),
@@ -489,7 +480,7 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
       thr[k] = (int)(t < 0 ? -1 : (t > (int64_t(1) << 25) ? (int64_t(1) << 25) : t));
       // NOTE: opaque to the compiler, which would otherwise recompute the 64-bit bounds inside
       // the serial loop below rather than keep six registers.
-      asm volatile("mov.b32 %0, %0;" : "+r"(thr[k]));
+      keep_in_register(thr[k]);
     }
     const int m32 = (int)(m < (int64_t(1) << 25) ? m : (int64_t(1) << 25));
     // A.3, division-free: for 0 < v < m and iv > 0, min(7, (m - v) / iv + 1) ==
@@ -856,7 +847,7 @@ __device__ void count_tile(const Params& p, int tile, int32_t* s_cnt) {
 }
 
 __global__ void __launch_bounds__(kPlanThreads, 1) plan_kernel(const Params p) {
-  extern __shared__ __align__(16) unsigned char smem[];
+  CAPMOE_DYNAMIC_SMEM(smem);
   // NOTE: the reroute launch may start now; it reads nothing of ours before its
   // griddepcontrol.wait, which waits for this whole grid to finish and flush.
   launch_dependents();
@@ -898,14 +889,8 @@ struct RerouteSmem {
   }
 };
 
-__device__ inline void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ inline void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
 __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p) {
-  extern __shared__ __align__(16) unsigned char smem[];
+  CAPMOE_DYNAMIC_SMEM(smem);
   const Dims d = p.d;
   const int ne = d.ne, S = d.s, W = p.words, tid = threadIdx.x, nt = blockDim.x;
   const int tile = blockIdx.x;
@@ -1307,8 +1292,12 @@ capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, i
   if (count_smem > plan_smem) plan_smem = count_smem;
   if (plan_smem > kSmemBudget) return CAPMOE_ERR_INVALID_ARGUMENT;
   CAPMOE_TRY(ensure_smem<0>(reinterpret_cast<const void*>(plan_kernel), plan_smem));
-  plan_kernel<<<1 + p.num_tiles, kPlanThreads, plan_smem, s>>>(p);
-  CAPMOE_TRY(launch_status());
+  cudaLaunchConfig_t plan_launch = {};
+  plan_launch.gridDim = dim3((unsigned)(1 + p.num_tiles));
+  plan_launch.blockDim = dim3(kPlanThreads);
+  plan_launch.dynamicSmemBytes = plan_smem;
+  plan_launch.stream = s;
+  CAPMOE_TRY(cuda_status(cudaLaunchKernelEx(&plan_launch, plan_kernel, p)));
   if (p.num_tiles > 0) {
     RerouteSmem rs;
     const size_t tile_probs = sizeof(uint32_t) * 32 * (size_t)p.words * d.ne;

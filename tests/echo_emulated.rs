@@ -1,0 +1,138 @@
+//! The Echo kernels without a GPU: `csrc/echo/echo_plan.cu` compiled as host C++ against the
+//! CPU emulation of `tests/emulation/` (one OS thread per CUDA thread, real barriers for
+//! `__syncthreads` and the warp intrinsics) and run on the golden vectors and random cases.
+//! Every stage of the plan and both reroute forms must equal the Rust CPU reference bit for
+//! bit, with the token count on the host, from device memory under a larger bound (junk routes
+//! past T neither read nor overwritten), and out of range (flagged). This is CI's check of the
+//! kernels' logic; `echo_gpu` checks the same on the device.
+//!
+//! Needs a C++17 compiler (`CXX`, default `c++`); ~15 s. `CAPMOE_EMULATION_CASES=all` adds
+//! larger random shapes (E up to 1024, EP up to 256; ~1 min).
+
+mod echo_support;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use capturable_moe::echo::{bench::synthetic_inputs, reference, Algorithm, EchoConfig};
+use echo_support::{golden_files, load, RandomCase};
+
+/// Builds the emulated kernels + driver into the test's scratch folder.
+fn build_emulator() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("echo_emulator");
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let out = Command::new(&cxx)
+        // -U_FORTIFY_SOURCE: the emulation switches stacks with _longjmp (cpu_emulation.h).
+        .args(["-std=c++17", "-O2", "-U_FORTIFY_SOURCE", "-ffp-contract=off", "-DCAPMOE_CPU_EMULATION"])
+        .arg("-I").arg(root.join("tests/emulation"))
+        .arg("-I").arg(root.join("csrc"))
+        .arg("-I").arg(root.join("csrc/include"))
+        .arg("-x").arg("c++").arg(root.join("csrc/echo/echo_plan.cu"))
+        .arg(root.join("csrc/common/status.cu"))
+        .arg(root.join("tests/emulation/echo_driver.cpp"))
+        .arg("-o").arg(&exe)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run the C++ compiler `{cxx}` (set CXX): {e}"));
+    assert!(out.status.success(), "building the emulated kernels failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    exe
+}
+
+fn put_i64(out: &mut Vec<u8>, v: &[i64]) {
+    v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+}
+
+/// Appends one case in the driver's format: header, inputs, then the reference's stages and
+/// outputs (see `Case::read` in tests/emulation/echo_driver.cpp).
+fn put_case(out: &mut Vec<u8>, cfg: &EchoConfig, counts: &[i64], ids: &[i32], probs: &[f32], t: usize, plan_only: bool) {
+    let st = reference::plan(cfg, counts).unwrap();
+    let approx = (cfg.algorithm == Algorithm::Approx) as i64;
+    let header = [cfg.ep, cfg.num_experts, cfg.spare_per_rank, cfg.ep_rank, cfg.topk].map(|v| v as i64);
+    put_i64(out, &header);
+    put_i64(out, &[approx, cfg.threshold_multiplier.to_bits() as i64, t as i64, plan_only as i64]);
+    put_i64(out, counts);
+    ids.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+    probs.iter().for_each(|x| out.extend_from_slice(&x.to_bits().to_le_bytes()));
+    for stage in [&st.tokens_per_expert, &st.load_per_rank, &vec![st.avg], &st.spill, &st.spare_capacity] {
+        put_i64(out, stage);
+    }
+    for stage in [&st.assignment_pre_reclaim, &st.assignment, &st.slot_expert, &st.first_pass, &st.first_pass_home_offload] {
+        put_i64(out, stage);
+    }
+    for stage in [&st.remaining_capacity, &st.second_pass, &st.tokens_to_slot, &st.home_offload, &st.load_after] {
+        put_i64(out, stage);
+    }
+    if plan_only || t == 0 {
+        return;
+    }
+    let dest = reference::reroute_topk(cfg, &st, counts, ids, t).unwrap();
+    dest.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
+    let (e, k) = (cfg.num_experts, cfg.topk);
+    let mut routed = vec![false; t * e];
+    let mut dense_probs = vec![0f32; t * e];
+    for i in 0..t * k {
+        routed[(i / k) * e + ids[i] as usize] = true;
+        dense_probs[(i / k) * e + ids[i] as usize] = probs[i];
+    }
+    let (map, map_probs) = reference::reroute_dense(cfg, &st, counts, &routed, &dense_probs, t).unwrap();
+    map.iter().for_each(|&m| out.push(m as u8));
+    map_probs.iter().for_each(|x| out.extend_from_slice(&x.to_bits().to_le_bytes()));
+}
+
+/// Random configurations: (EP, E, k) shapes x spare slots per rank x algorithm x reclaim x T.
+fn random_cases(out: &mut Vec<u8>, thorough: bool) -> usize {
+    let mut shapes = vec![(1, 8, 2), (2, 8, 2), (4, 16, 4), (8, 64, 6), (3, 12, 3), (5, 15, 2), (16, 64, 8)];
+    if thorough {
+        shapes.extend([(64, 256, 8), (32, 32, 4), (8, 1024, 8), (256, 256, 4)]);
+    }
+    let token_counts: &[usize] = if thorough { &[0, 1, 63, 64, 65, 700] } else { &[0, 1, 65, 300] };
+    let mut n = 0;
+    for (i, &(ep, e, k)) in shapes.iter().enumerate() {
+        for sp in [1usize, 2, 3] {
+            for (alg, thr) in [(Algorithm::Greedy, 0.0f32), (Algorithm::Greedy, 0.1), (Algorithm::Approx, 0.0)] {
+                if ep * sp > 1024 || sp > e || (alg == Algorithm::Approx && sp != 1) {
+                    continue;
+                }
+                for &t in token_counts {
+                    let cfg = EchoConfig { ep, num_experts: e, spare_per_rank: sp, ep_rank: (t + i) % ep, topk: k, algorithm: alg, threshold_multiplier: thr };
+                    let rc = RandomCase::new(cfg.clone(), t, 177 + n as u64);
+                    put_case(out, &cfg, &rc.counts, &rc.routes, &rc.probs, t, false);
+                    n += 1;
+                }
+            }
+        }
+    }
+    n
+}
+
+#[test]
+fn echo_kernels_match_the_reference_under_cpu_emulation() {
+    let thorough = std::env::var("CAPMOE_EMULATION_CASES").is_ok_and(|v| v == "all");
+    let mut cases = Vec::new();
+    let mut n = 0;
+    for path in golden_files() {
+        let g = load(&path);
+        if !g.rejected() {
+            put_case(&mut cases, &g.cfg, &g.counts, &g.routes, &g.probs, g.t, g.count_only);
+            n += 1;
+        }
+    }
+    n += random_cases(&mut cases, thorough);
+    for sp in [1usize, 2] {
+        let cfg = EchoConfig { ep: 64, num_experts: 256, spare_per_rank: sp, ep_rank: 5, topk: 8, algorithm: Algorithm::default_for(sp), threshold_multiplier: 0.0 };
+        for t in [300, 8192] {
+            let (counts, ids, probs) = synthetic_inputs(&cfg, t, 3);
+            put_case(&mut cases, &cfg, &counts, &ids, &probs, t, false);
+            n += 1;
+        }
+    }
+    let file = Path::new(env!("CARGO_TARGET_TMPDIR")).join("echo_emulated_cases.bin");
+    std::fs::write(&file, &cases).unwrap();
+
+    let exe = build_emulator();
+    let run = Command::new(&exe).arg(&file).output().expect("run the emulated kernels");
+    let report = String::from_utf8_lossy(&run.stdout);
+    println!("{report}");
+    assert!(run.status.success(), "emulated Echo kernels disagree with the reference ({n} cases written):\n{report}{}", String::from_utf8_lossy(&run.stderr));
+    assert!(report.contains(&format!("{n} cases, 0 failures")), "the driver did not read every case:\n{report}");
+}
