@@ -5,9 +5,10 @@ mod common;
 
 use capturable_moe::dtype::DType;
 use capturable_moe::grouped_gemm::{
-    GemmConfig, GemmOp, GroupedGemm, GroupedGemmSpec, WeightLayout, OVERFLOW_CAPACITY, OVERFLOW_NEGATIVE,
+    GemmConfig, GemmOp, GroupedGemm, GroupedGemmSpec, WeightLayout, OVERFLOW_CAPACITY, OVERFLOW_MISALIGNED_POINTER,
+    OVERFLOW_NEGATIVE, OVERFLOW_NULL_POINTER,
 };
-use common::gemm::{skewed_splits, Data, DeviceCase, HostCase};
+use common::gemm::{skewed_splits, Data, DeviceCase, HostCase, POISON};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 
 const OPS: [GemmOp; 3] = [GemmOp::Fprop, GemmOp::Dgrad, GemmOp::Wgrad];
@@ -163,6 +164,52 @@ fn over_capacity_is_clamped_and_flagged() {
     let out = case.run(&stream);
     assert_eq!(out.flags & OVERFLOW_NEGATIVE, OVERFLOW_NEGATIVE);
     out.assert_exact("negative count");
+}
+
+/// A null or misaligned entry of a pointer array skips that expert (nothing is read or
+/// written through it) and raises its flag; the other experts are computed as usual. Expert 3
+/// has no rows and a null pointer: plain wgrad's zero fill of empty experts must skip it too.
+#[test]
+fn null_and_misaligned_expert_pointers_are_skipped_and_flagged() {
+    let stream = gpu_or_skip!();
+    let splits = vec![20i64, 10, 15, 0, 30];
+    let (n, k) = (64usize, 64usize);
+    for op in OPS {
+        let mut s = spec(op, splits.len(), n, k, 100);
+        s.weights_as_pointers = true;
+        let case = HostCase::new(s, splits.clone(), Data::SmallInt, 21);
+        let mut dev = DeviceCase::upload(&case, &stream);
+        let table = if op == GemmOp::Wgrad { &mut dev.d.pointers } else { &mut dev.b.pointers };
+        let table = table.as_mut().expect("pointer array");
+        let mut ptrs = stream.clone_dtoh(table).unwrap();
+        ptrs[1] = 0;
+        ptrs[2] += 2;
+        ptrs[3] = 0;
+        stream.memcpy_htod(&ptrs, table).unwrap();
+        dev.launch(&stream).expect("launch");
+        let out = dev.outcome(&case, &stream);
+        let what = format!("{op:?}");
+        assert_eq!(out.flags & OVERFLOW_NULL_POINTER, OVERFLOW_NULL_POINTER, "{what}: null flag");
+        assert_eq!(out.flags & OVERFLOW_MISALIGNED_POINTER, OVERFLOW_MISALIGNED_POINTER, "{what}: misaligned flag");
+        // Output element ranges of each expert: rows of d, or (wgrad) each expert's own matrix.
+        let width = if op == GemmOp::Fprop { n } else { k };
+        let range = |e: usize| -> std::ops::Range<usize> {
+            if op == GemmOp::Wgrad {
+                e * n * k..(e + 1) * n * k
+            } else {
+                let start: usize = splits[..e].iter().sum::<i64>() as usize;
+                start * width..(start + splits[e] as usize) * width
+            }
+        };
+        for e in [0usize, 4] {
+            assert_eq!(&out.got[range(e)], &out.expected[range(e)], "{what}: expert {e} must be computed as usual");
+        }
+        // Expert 2's matrix (wgrad) or rows (fprop/dgrad) were skipped: still poison.
+        assert!(out.got[range(2)].iter().all(|&v| v == POISON as f64), "{what}: the misaligned expert was written");
+        if op != GemmOp::Wgrad {
+            assert!(out.got[range(1)].iter().all(|&v| v == POISON as f64), "{what}: the null expert's rows were written");
+        }
+    }
 }
 
 #[test]

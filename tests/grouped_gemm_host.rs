@@ -55,6 +55,14 @@ fn bad_shapes_and_types_are_typed_errors() {
     let mut s = spec(GemmOp::Fprop);
     s.split_dtype = DType::Bf16;
     assert!(matches!(s.validate(), Err(Error::InvalidArgument { .. })));
+    // Byte sizes past i64 (E * N * K = 16 * 2^30 * 2^30 elements would wrap a usize product).
+    let mut s = spec(GemmOp::Fprop);
+    (s.num_experts, s.n, s.k, s.capacity) = (16, 1 << 30, 1 << 30, 1);
+    let err = s.validate().unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { .. }) && err.to_string().contains("64-bit"), "{err}");
+    let mut s = spec(GemmOp::Wgrad);
+    (s.n, s.k, s.capacity) = (i32::MAX as usize & !7, 8, i32::MAX as usize - 1);
+    assert!(matches!(s.validate(), Err(Error::InvalidArgument { .. })), "capacity * N rows too large");
 }
 
 #[test]

@@ -11,7 +11,7 @@ use bytemuck::Pod;
 use capturable_moe::routing::reference::{self as r, Scalar};
 use capturable_moe::routing::{flags, DType, Element, RouteMaps, RoutingConfig, RoutingPlan, Tokens};
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -383,6 +383,28 @@ fn random_floats_are_bitwise_deterministic() {
     assert_bitwise("unpermute vs reference", &g1, &y_want);
 }
 
+/// Maps straight from `alloc_maps` say "no row" for every route, so permute and the
+/// unpermute backward on them write nothing (rather than race on row 0).
+#[test]
+fn maps_never_built_are_no_ops() {
+    let s = gpu_or_skip!();
+    let _g = serial();
+    let (e, k, h, t) = (8, 2, 64, 40);
+    let plan = RoutingPlan::new(RoutingConfig {
+        num_experts: e, hidden: h, ffn: 32, topk: k, max_tokens: t, capacity: None,
+        expert_capacity: None, dtype: DType::Bf16, prob_dtype: DType::F32,
+    })
+    .unwrap();
+    let maps = plan.alloc_maps(&s).unwrap();
+    assert!(download(&s, &maps.row_of_route).iter().all(|&r| r == -1), "row_of_route starts unmapped");
+    assert!(download(&s, &maps.token_of_row).iter().all(|&r| r == -1), "token_of_row starts unmapped");
+    let x: Vec<bf16> = (0..t * h).map(|i| bf16::from_f32((i % 7) as f32)).collect();
+    let poison = vec![bf16::from_bits(0x7fa5); t * k * h];
+    let mut rows = upload(&s, &poison);
+    plan.permute(&s, &upload(&s, &x), &maps.row_of_route, Tokens::Host(t), &mut rows).unwrap();
+    assert_bitwise("permute on unbuilt maps", &download(&s, &rows), &poison);
+}
+
 #[test]
 fn megatron_map_conversion_matches_reference() {
     let s = gpu_or_skip!();
@@ -443,6 +465,21 @@ fn launchers_reject_bad_buffers_before_launching() {
     let x_view = x.slice(1..);
     let e = plan.permute(&s, &x_view, &maps.row_of_route, Tokens::Host(10), &mut rows).unwrap_err();
     assert!(matches!(e, capturable_moe::Error::InvalidArgument { .. }), "misaligned view: {e}");
+    // Raw entry points: scalar arrays off their natural alignment are refused before any launch
+    // (on the device they would fault and poison the context).
+    let rows = upload(&s, &vec![bf16::from_f32(0.0); 20 * 64]);
+    let probs = upload(&s, &[0.5f32; 21]);
+    let mut y = upload(&s, &vec![bf16::from_f32(0.0); 640]);
+    let (rows_p, ror_p, probs_p, y_p) =
+        (rows.device_ptr(&s).0, maps.row_of_route.device_ptr(&s).0, probs.device_ptr(&s).0, y.device_ptr_mut(&s).0);
+    for (what, ror, pr) in [("row_of_route + 2 bytes", ror_p + 2, probs_p), ("probs + 2 bytes", ror_p, probs_p + 2)] {
+        // SAFETY: the pointers are checked and refused before anything is launched.
+        let e = unsafe {
+            plan.unpermute_raw(rows_p as *const _, ror as *const i32, pr as *const _, 10, std::ptr::null(), y_p as *mut _, &s)
+        }
+        .unwrap_err();
+        assert!(matches!(e, capturable_moe::Error::InvalidArgument { .. }) && e.to_string().contains("aligned"), "{what}: {e}");
+    }
 }
 
 /// Captures build -> permute -> SwiGLU -> unpermute -> their backwards once, with T on the

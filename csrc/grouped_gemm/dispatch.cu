@@ -60,6 +60,11 @@ capmoe_status_t validate(const capmoe_grouped_gemm_desc_t* d) {
   if (d->accumulate && !(wgrad && d->out_dtype == CAPMOE_DTYPE_F32)) return CAPMOE_ERR_UNSUPPORTED;
   // TMA moves 16-byte rows: every leading dimension must be a multiple of 8 elements.
   if (d->n % 8 != 0 || d->k % 8 != 0) return CAPMOE_ERR_MISALIGNED;
+  // Every operand's size in bytes (at most 4 per element) must fit in int64, the type of the
+  // device's offsets. n, k <= 2^31 and E <= 2^16 keep these products within unsigned 128 bits.
+  const unsigned __int128 weight_bytes = (unsigned __int128)d->num_experts * d->n * d->k * 4;
+  const unsigned __int128 rows_bytes = (unsigned __int128)(d->capacity + 1) * (d->n > d->k ? d->n : d->k) * 4;
+  if (weight_bytes > INT64_MAX || rows_bytes > INT64_MAX) return CAPMOE_ERR_INVALID_ARGUMENT;
   return CAPMOE_OK;
 }
 

@@ -114,7 +114,8 @@ __device__ int32_t write_group(const ArgumentParams<Arrays>& p, int64_t e, int64
   auto expert_matrix = [&](const void* base, int64_t element_bytes) -> const void* {
     if (p.weights_as_pointers) {
       const void* ptr = static_cast<const void* const*>(base)[e];
-      if (!aligned16(ptr)) bits |= CAPMOE_OVERFLOW_MISALIGNED;
+      if (ptr == nullptr) bits |= CAPMOE_OVERFLOW_NULL_POINTER;
+      else if (!aligned16(ptr)) bits |= CAPMOE_OVERFLOW_MISALIGNED;
       return ptr;
     }
     return static_cast<const char*>(base) + e * matrix * element_bytes;
@@ -143,7 +144,7 @@ __device__ int32_t write_group(const ArgumentParams<Arrays>& p, int64_t e, int64
     gk = m;
     if (m == 0) gm = gn = 0;  // no tiles: never run a mainloop of length zero
   }
-  if (bits) gm = gn = gk = 0;  // a misaligned expert is skipped, never read through TMA
+  if (bits) gm = gn = gk = 0;  // a null / misaligned expert is skipped, never read through TMA
 
   arr.problems[e] = typename Arrays::ProblemShape(gm, gn, gk);
   arr.a[e] = static_cast<const EA*>(ptr_a);
@@ -209,7 +210,7 @@ __global__ void zero_empty_experts(const int64_t* row_offsets, void* d, bool d_i
   if (row_offsets[e + 1] != row_offsets[e]) return;
   ElementD* out = d_is_pointer_array ? static_cast<ElementD* const*>(d)[e]
                                      : static_cast<ElementD*>(d) + e * elements_per_expert;
-  if (!aligned16(out)) return;  // flagged by write_arguments
+  if (out == nullptr || !aligned16(out)) return;  // flagged by write_arguments
   constexpr int kVec = 16 / sizeof(ElementD);
   const int64_t vectors = elements_per_expert / kVec;  // N*K is a multiple of 8 (host-checked)
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < vectors; i += int64_t(gridDim.x) * blockDim.x) {

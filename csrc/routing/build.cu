@@ -312,6 +312,8 @@ extern "C" capmoe_status_t capmoe_routing_from_map(const capmoe_routing_desc_t* 
         (routing_map == nullptr || map_probs == nullptr || expert_ids == nullptr ||
          probs == nullptr))
       return CAPMOE_ERR_INVALID_ARGUMENT;
+    CAPMOE_TRY(check_aligned(prob_bytes(desc), {map_probs, probs}));
+    CAPMOE_TRY(check_aligned(4, {expert_ids, flags}));
     FromMap f{desc,       routing_map, map_probs, num_tokens,
               num_tokens_device, expert_ids, probs, flags,
               static_cast<cudaStream_t>(stream)};
@@ -333,6 +335,9 @@ extern "C" capmoe_status_t capmoe_routing_build(
     if (offsets == nullptr || (desc->max_tokens > 0 && (expert_ids == nullptr ||
                                                         row_of_route == nullptr)))
       return CAPMOE_ERR_INVALID_ARGUMENT;
+    CAPMOE_TRY(check_aligned(4, {expert_ids, m_splits_i32, row_of_route, token_of_row,
+                                 expert_counts, flags, workspace}));
+    CAPMOE_TRY(check_aligned(8, {m_splits_i64, offsets}));
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     const int E = static_cast<int>(desc->num_experts);
     const int k = static_cast<int>(desc->topk);

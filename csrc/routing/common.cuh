@@ -6,6 +6,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include <initializer_list>
+
 #include "capturable_moe/routing.h"
 #include "common/boundary.cuh"
 
@@ -17,6 +19,18 @@ constexpr unsigned kFull = 0xffffffffu;
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+// Scalar arrays must be naturally aligned: a misaligned load faults on the device and poisons
+// the context, so the entry points turn it into CAPMOE_ERR_MISALIGNED (null passes here).
+inline capmoe_status_t check_aligned(size_t bytes, std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % bytes != 0) return CAPMOE_ERR_MISALIGNED;
+  return CAPMOE_OK;
+}
+
+inline size_t prob_bytes(const capmoe_routing_desc_t* d) {
+  return d->prob_dtype == CAPMOE_DTYPE_F32 ? 4 : 2;
+}
+
 // Host-checkable facts of a plan. NOTE: the index math of the kernels uses int32 for route
 // and row numbers and uint32 for 16-byte vector indices; these limits keep both exact.
 inline capmoe_status_t check_desc(const capmoe_routing_desc_t* d) {
@@ -26,11 +40,14 @@ inline capmoe_status_t check_desc(const capmoe_routing_desc_t* d) {
   if (d->topk < 1 || d->topk > CAPMOE_ROUTING_MAX_TOPK) return CAPMOE_ERR_INVALID_ARGUMENT;
   if (d->hidden < kVec || d->hidden % kVec != 0) return CAPMOE_ERR_MISALIGNED;
   if (d->ffn < kVec || d->ffn % kVec != 0) return CAPMOE_ERR_MISALIGNED;
+  // Bounds first, so the products below cannot overflow.
+  if (d->hidden > int64_t(kVec) * INT32_MAX || d->ffn > int64_t(kVec) * INT32_MAX)
+    return CAPMOE_ERR_INVALID_ARGUMENT;
   if (d->max_tokens < 0 || d->max_tokens > INT32_MAX / d->topk) return CAPMOE_ERR_INVALID_ARGUMENT;
   if (d->capacity < 0 || d->capacity > d->max_tokens * d->topk) return CAPMOE_ERR_INVALID_ARGUMENT;
   const int64_t widest = d->hidden > 2 * d->ffn ? d->hidden : 2 * d->ffn;
   const int64_t rows = d->capacity > d->max_tokens ? d->capacity : d->max_tokens;
-  if (rows * (widest / kVec) > INT32_MAX) return CAPMOE_ERR_INVALID_ARGUMENT;
+  if (rows > 0 && widest / kVec > INT32_MAX / rows) return CAPMOE_ERR_INVALID_ARGUMENT;
   if (d->dtype != CAPMOE_DTYPE_BF16 && d->dtype != CAPMOE_DTYPE_F16) return CAPMOE_ERR_UNSUPPORTED;
   if (d->prob_dtype != CAPMOE_DTYPE_F32 && d->prob_dtype != CAPMOE_DTYPE_BF16 &&
       d->prob_dtype != CAPMOE_DTYPE_F16)
@@ -42,7 +59,7 @@ inline capmoe_status_t check_tokens(const capmoe_routing_desc_t* d, int64_t num_
                                     const int32_t* num_tokens_device) {
   if (num_tokens_device == nullptr && (num_tokens < 0 || num_tokens > d->max_tokens))
     return CAPMOE_ERR_INVALID_ARGUMENT;
-  return CAPMOE_OK;
+  return check_aligned(4, {num_tokens_device});
 }
 
 // The token count of this launch: the device value clamped into [0, t_max] when given,

@@ -197,7 +197,7 @@ capmoe_status_t check_common(const capmoe_routing_desc_t* d, int64_t num_tokens,
   CAPMOE_TRY(check_desc(d));
   CAPMOE_TRY(check_tokens(d, num_tokens, device_tokens));
   if (d->max_tokens > 0 && row_of_route == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
-  return CAPMOE_OK;
+  return check_aligned(4, {row_of_route});
 }
 
 // Activation pointers: non-null and 16-byte aligned whenever the plan has tokens.
@@ -255,6 +255,7 @@ extern "C" capmoe_status_t capmoe_routing_unpermute(const capmoe_routing_desc_t*
     CAPMOE_TRY(check_act(desc, y));
     if (desc->capacity > 0) CAPMOE_TRY(check_act(desc, rows));
     if (desc->max_tokens > 0 && probs == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
+    CAPMOE_TRY(check_aligned(prob_bytes(desc), {probs}));
     Launch l{desc, num_tokens, num_tokens_device, static_cast<cudaStream_t>(stream)};
     return dispatch(desc, GatherSum{l, rows, row_of_route, probs, y});
   });
@@ -273,6 +274,7 @@ extern "C" capmoe_status_t capmoe_routing_unpermute_backward(
     }
     if (desc->max_tokens > 0 && (probs == nullptr || dprobs == nullptr))
       return CAPMOE_ERR_INVALID_ARGUMENT;
+    CAPMOE_TRY(check_aligned(prob_bytes(desc), {probs, dprobs}));
     Launch l{desc, num_tokens, num_tokens_device, static_cast<cudaStream_t>(stream)};
     return dispatch(desc, UnpermuteBackward{l, dy, rows, row_of_route, probs, drows, dprobs});
   });

@@ -93,6 +93,7 @@ capmoe_status_t check(const capmoe_routing_desc_t* d, const int64_t* offsets,
                       std::initializer_list<const void*> acts) {
   CAPMOE_TRY(check_desc(d));
   if (offsets == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
+  CAPMOE_TRY(check_aligned(8, {offsets}));
   if (d->capacity == 0) return CAPMOE_OK;
   for (const void* p : acts) {
     if (p == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;

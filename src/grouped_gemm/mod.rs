@@ -15,8 +15,10 @@
 //! Invariants: rows past the device-side total are never touched; a total above `capacity`
 //! is clamped (nothing past `capacity` rows is read or written) and raises
 //! [`OVERFLOW_CAPACITY`] in the optional device flag word; negative counts count as 0 and
-//! raise [`OVERFLOW_NEGATIVE`]; a misaligned per-expert pointer skips that expert and raises
-//! [`OVERFLOW_MISALIGNED_POINTER`]. The flags are sticky: the caller clears them.
+//! raise [`OVERFLOW_NEGATIVE`]; a misaligned or null per-expert pointer skips that expert and
+//! raises [`OVERFLOW_MISALIGNED_POINTER`] or [`OVERFLOW_NULL_POINTER`] (other bad addresses
+//! cannot be detected: pointer-array entries are trusted). The flags are sticky: the caller
+//! clears them.
 
 use std::ffi::c_void;
 
@@ -33,6 +35,8 @@ pub const OVERFLOW_CAPACITY: i32 = sys::CAPMOE_OVERFLOW_CAPACITY as i32;
 pub const OVERFLOW_NEGATIVE: i32 = sys::CAPMOE_OVERFLOW_NEGATIVE as i32;
 /// Device flag bit: a per-expert pointer was not 16-byte aligned (that expert was skipped).
 pub const OVERFLOW_MISALIGNED_POINTER: i32 = sys::CAPMOE_OVERFLOW_MISALIGNED as i32;
+/// Device flag bit: a per-expert pointer was null (that expert was skipped).
+pub const OVERFLOW_NULL_POINTER: i32 = sys::CAPMOE_OVERFLOW_NULL_POINTER as i32;
 
 /// Which product of a linear layer's training step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -235,6 +239,12 @@ impl GroupedGemmSpec {
         }
         if self.accumulate && !(wgrad && self.out_dtype == DType::F32) {
             return Err(Error::Unsupported { op: OP, why: "accumulate needs op Wgrad and out_dtype F32".into() });
+        }
+        // Every operand's size in bytes (at most 4 per element) must fit in i64, the type of the
+        // device's offsets; this also keeps `operand_lens` free of overflow.
+        let (e, n, k, cap) = (self.num_experts as u128, self.n as u128, self.k as u128, self.capacity as u128);
+        if e * n * k * 4 > i64::MAX as u128 || (cap + 1) * n.max(k) * 4 > i64::MAX as u128 {
+            return invalid(format!("E * N * K = {e} * {n} * {k} or capacity * max(N, K) is too large for 64-bit byte offsets"));
         }
         Ok(())
     }

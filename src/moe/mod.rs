@@ -18,8 +18,9 @@
 //! * `Pointers`: each of the four is a device array of `num_experts` u64 addresses; entry `e`
 //!   points at expert `e`'s packed matrix (fc1 / dW1 `[2F, H]`, fc2 / dW2 `[H, F]`, of the
 //!   activation dtype, dW1 / dW2 fp32 with `wgrad_accumulate`), 16-byte aligned (a misaligned
-//!   entry skips that expert and raises [`crate::grouped_gemm::OVERFLOW_MISALIGNED_POINTER`]
-//!   in `gemm_flags`). `num_experts` then counts weight slots, e.g. Echo's `E + S` columns,
+//!   or null entry skips that expert and raises
+//!   [`crate::grouped_gemm::OVERFLOW_MISALIGNED_POINTER`] / `OVERFLOW_NULL_POINTER` in
+//!   `gemm_flags`). `num_experts` then counts weight slots, e.g. Echo's `E + S` columns,
 //!   whose spare slots hold copies of home experts and write their gradients into separate
 //!   fp32 buffers that [`crate::echo::fold_spare_grads`] adds into the home experts
 //!   ([`echo_slot_pointers`] builds such tables; README "Echo with the expert path").

@@ -231,16 +231,19 @@ impl RoutingPlan {
         self.capacity() * self.config.ffn
     }
 
-    /// Allocates the buffers of [`RoutingPlan::build`] (flags zeroed). Allocation happens here,
-    /// never in a launch.
+    /// Allocates the buffers of [`RoutingPlan::build`] (flags zeroed, row and token maps -1:
+    /// unmapped). Allocation happens here, never in a launch.
     pub fn alloc_maps(&self, stream: &Arc<CudaStream>) -> Result<RouteMaps> {
         let e = self.num_experts();
+        // -1 = no row / no token: maps that were never built make permute & co. no-ops (zeros
+        // would send every route to row 0, a write race).
+        let unmapped = |n: usize| stream.clone_htod(&vec![-1i32; n.max(1)]);
         Ok(RouteMaps {
             m_splits_i32: stream.alloc_zeros(e)?,
             m_splits_i64: stream.alloc_zeros(e)?,
             offsets: stream.alloc_zeros(e + 1)?,
-            row_of_route: stream.alloc_zeros(self.routes_len().max(1))?,
-            token_of_row: stream.alloc_zeros(self.capacity().max(1))?,
+            row_of_route: unmapped(self.routes_len())?,
+            token_of_row: unmapped(self.capacity())?,
             expert_counts: stream.alloc_zeros(e)?,
             flags: stream.alloc_zeros(1)?,
             workspace: stream.alloc_zeros(self.workspace_bytes.max(1))?,

@@ -15,7 +15,8 @@
  * touched. When the total exceeds `capacity`, each expert is clamped to the rows that fit
  * (nothing is read or written past `capacity` rows) and bit CAPMOE_OVERFLOW_CAPACITY is OR-ed
  * into *overflow_flags; a negative count is treated as 0 and sets CAPMOE_OVERFLOW_NEGATIVE;
- * a misaligned per-expert pointer skips that expert and sets CAPMOE_OVERFLOW_MISALIGNED.
+ * a misaligned or null per-expert pointer skips that expert and sets CAPMOE_OVERFLOW_MISALIGNED
+ * or CAPMOE_OVERFLOW_NULL_POINTER.
  * The flags are sticky: the caller clears them.
  *
  * WGRAD: an expert with zero rows gets dW_e = 0, or, with accumulate, is left unchanged.
@@ -58,11 +59,17 @@ enum {
   CAPMOE_CONFIG_SM90_PINGPONG_WIDE = 8          /* 64x256x64 tile per warpgroup, 1x1 cluster */
 };
 
-/* Overflow flag bits (device int32, sticky). MISALIGNED: a per-expert pointer of a pointer-array
- * operand was not 16-byte aligned; that expert was skipped. The values do not collide with the
- * routing flags (capturable_moe/routing.h), so one word can hold both; bit 1 means capacity
- * overflow in both. */
-enum { CAPMOE_OVERFLOW_CAPACITY = 1, CAPMOE_OVERFLOW_NEGATIVE = 2, CAPMOE_OVERFLOW_MISALIGNED = 32 };
+/* Overflow flag bits (device int32, sticky). MISALIGNED / NULL_POINTER: a per-expert pointer of
+ * a pointer-array operand was not 16-byte aligned / was null; that expert was skipped (nothing
+ * read or written through it). Other bad addresses cannot be detected: pointer-array entries
+ * are trusted. The values do not collide with the routing flags (capturable_moe/routing.h), so
+ * one word can hold both; bit 1 means capacity overflow in both. */
+enum {
+  CAPMOE_OVERFLOW_CAPACITY = 1,
+  CAPMOE_OVERFLOW_NEGATIVE = 2,
+  CAPMOE_OVERFLOW_MISALIGNED = 32,
+  CAPMOE_OVERFLOW_NULL_POINTER = 64
+};
 
 typedef struct capmoe_grouped_gemm_desc {
   capmoe_gemm_op_t op;

@@ -43,7 +43,9 @@
  * the same bit as CAPMOE_OVERFLOW_CAPACITY of the grouped GEMM, so both can share one word.
  * flags may be NULL where noted.
  *
- * Alignment: every activation pointer 16-byte aligned; H and F multiples of 8.
+ * Alignment: every activation pointer 16-byte aligned; H and F multiples of 8; every other
+ * array naturally aligned (int32 / fp32 to 4 bytes, int64 offsets / m_splits to 8, 16-bit probs
+ * to 2). A violation is CAPMOE_ERR_MISALIGNED before anything is launched.
  * Every launcher allocates nothing, never synchronises and never reads device data on the
  * host, so all of them can be captured in a CUDA graph. */
 #ifndef CAPTURABLE_MOE_ROUTING_H
@@ -79,7 +81,7 @@ typedef struct capmoe_routing_desc {
 } capmoe_routing_desc_t;
 
 /* Checks the descriptor and reports the bytes of workspace capmoe_routing_build needs
- * (256-byte aligned device memory, owned by the caller). */
+ * (device memory owned by the caller, 4-byte aligned; cudaMalloc gives 256). */
 capmoe_status_t capmoe_routing_workspace_size(const capmoe_routing_desc_t* desc,
                                               uint64_t* bytes);
 
