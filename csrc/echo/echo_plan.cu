@@ -1018,6 +1018,21 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
       if (p.stage_probs) return sm.probs[t * ne + x];
       return prg[(int64_t)t * ne + x];
     };
+    // Whether row t goes to final column c; `x` gets the home expert whose prob it carries.
+    // A home column keeps the routes past those moved off the expert; a slot column takes
+    // its range [start, end) of the expert's routes.
+    auto column_on = [&](int t, int c, int& x) -> bool {
+      const int cx = sm.colx[c];
+      const int j = cx < 0 ? -cx - 1 : -1;
+      const int4 sl = j >= 0 ? sm.slot[j] : make_int4(-1, -1, 0, 0);
+      x = cx < 0 ? sl.x : cx;
+      if (x < 0) return false;
+      const uint32_t word = sm.mask[x * W + (t >> 5)];
+      const uint32_t bit = 1u << (t & 31);
+      if (!(word & bit)) return false;
+      const int pos = sm.wbase[x * W + (t >> 5)] + __popc(word & (bit - 1u));
+      return j < 0 ? pos >= sm.expr[x].y : (pos >= sl.z && pos < sl.w);
+    };
     if ((width & 3) == 0 && (reinterpret_cast<uintptr_t>(p.out_map) & 3) == 0 &&
         (reinterpret_cast<uintptr_t>(p.out_probs_bits) & 15) == 0) {
       // Four consecutive columns per thread: one 4-byte map store, one 16-byte probs store.
@@ -1026,23 +1041,11 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
       uint4* op = reinterpret_cast<uint4*>(p.out_probs_bits + t0 * width);
       const int step_t = nt / wq, step_c = nt % wq;
       for (int t = tid / wq, cq = tid % wq; t < rows;) {
-        const uint32_t bit = 1u << (t & 31);
-        const int tw = t >> 5;
         uint32_t mv[4], pv[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
-          const int cx = sm.colx[cq * 4 + u];
-          const int j = cx < 0 ? -cx - 1 : -1;
-          const int4 sl = j >= 0 ? sm.slot[j] : make_int4(-1, -1, 0, 0);
-          const int x = cx < 0 ? sl.x : cx;
-          bool on = false;
-          if (x >= 0) {
-            const uint32_t word = sm.mask[x * W + tw];
-            if (word & bit) {
-              const int pos = sm.wbase[x * W + tw] + __popc(word & (bit - 1u));
-              on = j < 0 ? pos >= sm.expr[x].y : (pos >= sl.z && pos < sl.w);
-            }
-          }
+          int x;
+          const bool on = column_on(t, cq * 4 + u, x);
           mv[u] = on ? 1u : 0u;
           pv[u] = on ? prob(t, x) : 0u;
         }
@@ -1062,19 +1065,8 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
       const int step_t = nt / width, step_c = nt % width;
       for (int t = tid / width, c = tid % width; t < rows;) {
         const int64_t i = (int64_t)t * width + c;
-        const int cx = sm.colx[c];
-        const int j = cx < 0 ? -cx - 1 : -1;
-        const int4 sl = j >= 0 ? sm.slot[j] : make_int4(-1, -1, 0, 0);
-        const int x = cx < 0 ? sl.x : cx;
-        bool on = false;
-        if (x >= 0) {
-          const uint32_t word = sm.mask[x * W + (t >> 5)];
-          const uint32_t bit = 1u << (t & 31);
-          if (word & bit) {
-            const int pos = sm.wbase[x * W + (t >> 5)] + __popc(word & (bit - 1u));
-            on = j < 0 ? pos >= sm.expr[x].y : (pos >= sl.z && pos < sl.w);
-          }
-        }
+        int x;
+        const bool on = column_on(t, c, x);
         om[i] = on ? 1 : 0;
         op[i] = on ? prob(t, x) : 0u;
         c += step_c;
