@@ -7,7 +7,9 @@
 //! kernels' logic; `echo_gpu` checks the same on the device.
 //!
 //! Needs a C++17 compiler (`CXX`, default `c++`); ~15 s. `CAPMOE_EMULATION_CASES=all` adds
-//! larger random shapes (E up to 1024, EP up to 256; ~1 min).
+//! larger random shapes (E up to 1024, EP up to 256; ~1 min). `CAPMOE_EMULATION_CXXFLAGS` adds
+//! compiler flags, e.g. `-fsanitize=undefined -fno-sanitize-recover=undefined` (~30 s) or
+//! `-fsanitize=address` (minutes; ASan warns that it only partly follows makecontext).
 
 mod echo_support;
 
@@ -22,6 +24,7 @@ fn build_emulator() -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("echo_emulator");
     let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let extra = std::env::var("CAPMOE_EMULATION_CXXFLAGS").unwrap_or_default();
     let out = Command::new(&cxx)
         // -U_FORTIFY_SOURCE: the emulation switches stacks with _longjmp (cpu_emulation.h).
         .args(["-std=c++17", "-O2", "-U_FORTIFY_SOURCE", "-ffp-contract=off", "-DCAPMOE_CPU_EMULATION"])
@@ -32,6 +35,7 @@ fn build_emulator() -> PathBuf {
         .arg(root.join("csrc/common/status.cu"))
         .arg(root.join("tests/emulation/echo_driver.cpp"))
         .arg("-o").arg(&exe)
+        .args(extra.split_whitespace())
         .output()
         .unwrap_or_else(|e| panic!("cannot run the C++ compiler `{cxx}` (set CXX): {e}"));
     assert!(out.status.success(), "building the emulated kernels failed:\n{}", String::from_utf8_lossy(&out.stderr));
