@@ -6,7 +6,8 @@
 // __syncwarp are real barriers: a lane that skips one is reported as a deadlock instead of
 // passing. Shared memory is a fresh, poisoned buffer per block, so reading what was never
 // written shows up as a wrong result. Threads run one at a time, so atomics are plain
-// read-modify-writes. Not modelled: the overlap of a programmatic dependent launch with its
+// read-modify-writes. Launches past the SM90/SM100 limits fail (more than 1024 threads,
+// dynamic shared memory past 48 KB without the opt-in attribute or past 227 KB). Not modelled: the overlap of a programmatic dependent launch with its
 // primary (the dependent simply runs after it, which is what griddepcontrol.wait guarantees),
 // races between blocks or within one (a data race runs in one fixed order here), timing.
 #pragma once
@@ -16,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <map>
 #include <vector>
 
 #include <setjmp.h>
@@ -46,10 +48,25 @@ inline uchar4 make_uchar4(unsigned a, unsigned b, unsigned c, unsigned d) {
 
 // ------------------------------------------------------------------ runtime API subset
 typedef int cudaError_t;
-enum { cudaSuccess = 0 };
+enum { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidConfiguration = 9 };
 typedef void* cudaStream_t;
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
-inline cudaError_t cudaFuncSetAttribute(const void*, cudaFuncAttribute, int) { return cudaSuccess; }
+// Launch limits of the GPUs the kernels target (SM90 / SM100): a launch past them fails there,
+// so it fails here too.
+namespace emu {
+constexpr size_t kDefaultDynamicSmem = 48 * 1024;  // without the opt-in attribute
+constexpr size_t kMaxDynamicSmem = 227 * 1024;     // per block, with it
+constexpr unsigned kMaxThreadsPerBlock = 1024;
+inline std::map<const void*, size_t>& smem_opt_in() {
+  static std::map<const void*, size_t> m;
+  return m;
+}
+}  // namespace emu
+inline cudaError_t cudaFuncSetAttribute(const void* kernel, cudaFuncAttribute, int bytes) {
+  if (bytes < 0 || (size_t)bytes > emu::kMaxDynamicSmem) return cudaErrorInvalidValue;
+  emu::smem_opt_in()[kernel] = (size_t)bytes;
+  return cudaSuccess;
+}
 inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 enum cudaLaunchAttributeID { cudaLaunchAttributeProgrammaticStreamSerialization = 1 };
@@ -254,6 +271,13 @@ inline void run_block(Block& b) {
 template <class P>
 inline cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* c, void (*kernel)(P), const P& params) {
   const unsigned threads = c->blockDim.x;
+  size_t smem_limit = emu::kDefaultDynamicSmem;
+  const auto opt_in = emu::smem_opt_in().find(reinterpret_cast<const void*>(kernel));
+  if (opt_in != emu::smem_opt_in().end() && opt_in->second > smem_limit) smem_limit = opt_in->second;
+  // (threads % 32: the emulated warp barriers count whole warps; the kernels launch whole warps)
+  if (c->gridDim.x == 0 || threads == 0 || threads > emu::kMaxThreadsPerBlock || threads % 32 != 0 ||
+      c->dynamicSmemBytes > smem_limit)
+    return cudaErrorInvalidConfiguration;
   emu::Entry<P>::kernel = kernel;
   emu::Entry<P>::params = &params;
   blockDim = dim3(threads);
