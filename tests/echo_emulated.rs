@@ -3,10 +3,11 @@
 //! `__syncthreads` and the warp intrinsics) and run on the golden vectors and random cases.
 //! Every stage of the plan and both reroute forms must equal the Rust CPU reference bit for
 //! bit, with the token count on the host, from device memory under a larger bound (junk routes
-//! past T neither read nor overwritten), and out of range (flagged). This is CI's check of the
-//! kernels' logic; `echo_gpu` checks the same on the device.
+//! past T neither read nor overwritten), and out of range (flagged), once with the threads of a
+//! block resumed first-to-last and once last-to-first (a missing barrier shows in one). This is
+//! CI's check of the kernels' logic; `echo_gpu` checks the same on the device.
 //!
-//! Needs a C++17 compiler (`CXX`, default `c++`); ~15 s. `CAPMOE_EMULATION_CASES=all` adds
+//! Needs a C++17 compiler (`CXX`, default `c++`); ~25 s. `CAPMOE_EMULATION_CASES=all` adds
 //! larger random shapes (E up to 1024, EP up to 256; ~1 min). `CAPMOE_EMULATION_CXXFLAGS` adds
 //! compiler flags, e.g. `-fsanitize=undefined -fno-sanitize-recover=undefined` (~30 s) or
 //! `-fsanitize=address` (minutes; ASan warns that it only partly follows makecontext).
@@ -134,9 +135,17 @@ fn echo_kernels_match_the_reference_under_cpu_emulation() {
     std::fs::write(&file, &cases).unwrap();
 
     let exe = build_emulator();
-    let run = Command::new(&exe).arg(&file).output().expect("run the emulated kernels");
-    let report = String::from_utf8_lossy(&run.stdout);
-    println!("{report}");
-    assert!(run.status.success(), "emulated Echo kernels disagree with the reference ({n} cases written):\n{report}{}", String::from_utf8_lossy(&run.stderr));
-    assert!(report.contains(&format!("{n} cases, 0 failures")), "the driver did not read every case:\n{report}");
+    // Both thread orders: a missing barrier between a shared-memory write and read passes in
+    // at most one of them (cpu_emulation.h).
+    for order in ["forward", "reverse"] {
+        let run = Command::new(&exe).arg(&file).env("CAPMOE_EMULATION_ORDER", order).output().expect("run the emulated kernels");
+        let report = String::from_utf8_lossy(&run.stdout);
+        println!("{order} thread order: {report}");
+        assert!(
+            run.status.success(),
+            "emulated Echo kernels disagree with the reference ({n} cases written, {order} thread order):\n{report}{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+        assert!(report.contains(&format!("{n} cases, 0 failures")), "the driver did not read every case:\n{report}");
+    }
 }

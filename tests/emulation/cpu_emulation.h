@@ -240,6 +240,17 @@ struct Entry {
   }
 };
 
+// CAPMOE_EMULATION_ORDER=reverse resumes the threads from the last to the first. A write and a
+// read of shared memory by two threads with no barrier between them pass in one order and
+// fail in the other, so running both orders finds such missing barriers.
+inline bool reverse_order() {
+  static const bool reverse = [] {
+    const char* v = std::getenv("CAPMOE_EMULATION_ORDER");
+    return v != nullptr && std::strcmp(v, "reverse") == 0;
+  }();
+  return reverse;
+}
+
 // Resumes the unfinished threads round-robin until all have returned.
 inline void run_block(Block& b) {
   const int n = (int)b.threads.size();
@@ -247,7 +258,8 @@ inline void run_block(Block& b) {
     const uint64_t before = arrivals;
     const int was_left = left;
     left = 0;
-    for (int t = 0; t < n; ++t) {
+    for (int i = 0; i < n; ++i) {
+      const int t = reverse_order() ? n - 1 - i : i;
       if (b.threads[t].finished) continue;
       b.current = t;
       threadIdx = dim3((unsigned)t);
