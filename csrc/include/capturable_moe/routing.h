@@ -11,7 +11,9 @@
  *   act, dact      [capacity, F]        silu(gate) * up
  *   m_splits       [E]         int32 and/or int64: rows kept per expert (what the GEMMs read)
  *   offsets        [E + 1]     int64: exclusive prefix sum of m_splits; offsets[E] = total rows
- *   row_of_route   [T_max, k]  int32: row of route (t, j) in `rows`, or -1 (dropped / no route)
+ *   row_of_route   [T_max, k]  int32: row of route (t, j) in `rows`, or -1 (dropped / no route);
+ *                              as build writes it, no row belongs to two routes (a map that
+ *                              breaks this makes permute race; the launchers trust it)
  *   token_of_row   [capacity]  int32: token of each row, -1 for rows at or past offsets[E]
  *   expert_counts  [E]         int32: routes per expert before any dropping (load statistics)
  *
