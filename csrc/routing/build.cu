@@ -33,12 +33,6 @@ int64_t num_chunks(const capmoe_routing_desc_t* d) {
   return b < 1 ? 1 : b;
 }
 
-__device__ __forceinline__ unsigned lanemask_lt() {
-  unsigned m;
-  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
-  return m;
-}
-
 // Per-warp expert counts of this block's routes into hist[warp * E + e] (zeroed by the
 // caller). Keeps each lane's expert (or -1 when it is no valid route) and its match mask.
 // Returns whether this lane saw an id outside [0, E) other than -1.
@@ -74,7 +68,8 @@ __global__ void __launch_bounds__(kThreads)
     histogram_kernel(const int32_t* __restrict__ ids, int64_t host_tokens,
                      const int32_t* __restrict__ device_tokens, int t_max, int k, int E,
                      int32_t* flags, int32_t* __restrict__ block_counts) {
-  extern __shared__ int hist[];  // [kWarps][E]
+  CAPMOE_DYNAMIC_SMEM(smem);
+  int* hist = reinterpret_cast<int*>(smem);  // [kWarps][E]
   for (int i = threadIdx.x; i < kWarps * E; i += kThreads) hist[i] = 0;
   const bool reporter = blockIdx.x == 0 && threadIdx.x == 0;
   const int T = resolve_tokens(host_tokens, device_tokens, t_max, reporter ? flags : nullptr);
@@ -168,8 +163,8 @@ __global__ void __launch_bounds__(kThreads)
                    const int32_t* __restrict__ block_base, const int64_t* __restrict__ offsets,
                    int capacity, int32_t* __restrict__ row_of_route,
                    int32_t* __restrict__ token_of_row) {
-  extern __shared__ long long smem[];
-  long long* row_begin = smem;                                  // [E]
+  CAPMOE_DYNAMIC_SMEM(smem);
+  long long* row_begin = reinterpret_cast<long long*>(smem);    // [E]
   int* kept = reinterpret_cast<int*>(row_begin + E);            // [E]
   int* hist = kept + E;                                         // [kWarps][E]
   for (int i = threadIdx.x; i < kWarps * E; i += kThreads) hist[i] = 0;
@@ -273,11 +268,10 @@ struct FromMap {
   capmoe_status_t run() const {
     const int64_t blocks = (d->max_tokens + kWarps - 1) / kWarps;
     if (blocks == 0) return CAPMOE_OK;
-    from_map_kernel<P><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-        map, static_cast<const P*>(map_probs), num_tokens, device_tokens,
-        static_cast<int>(d->max_tokens), static_cast<int>(d->topk),
-        static_cast<int>(d->num_experts), ids, static_cast<P*>(probs), flags);
-    return launch_status();
+    return launch(from_map_kernel<P>, static_cast<unsigned>(blocks), kThreads, 0, stream,
+                  map, static_cast<const P*>(map_probs), num_tokens, device_tokens,
+                  static_cast<int>(d->max_tokens), static_cast<int>(d->topk),
+                  static_cast<int>(d->num_experts), ids, static_cast<P*>(probs), flags);
   }
 };
 
@@ -346,18 +340,15 @@ extern "C" capmoe_status_t capmoe_routing_build(
     int32_t* block_counts = static_cast<int32_t*>(workspace);
 
     const size_t hist_bytes = sizeof(int) * kWarps * E;
-    histogram_kernel<<<blocks, kThreads, hist_bytes, s>>>(
-        expert_ids, num_tokens, num_tokens_device, t_max, k, E, flags, block_counts);
-    CAPMOE_TRY(capmoe::launch_status());
+    CAPMOE_TRY(launch(histogram_kernel, blocks, kThreads, hist_bytes, s, expert_ids, num_tokens,
+                      num_tokens_device, t_max, k, E, flags, block_counts));
     const long long expert_capacity = desc->expert_capacity > 0 ? desc->expert_capacity : 0;
-    scan_kernel<<<1, kScanThreads, 0, s>>>(block_counts, blocks, E, desc->capacity,
-                                           expert_capacity, flags, m_splits_i32, m_splits_i64,
-                                           offsets, expert_counts);
-    CAPMOE_TRY(capmoe::launch_status());
+    CAPMOE_TRY(launch(scan_kernel, 1, kScanThreads, 0, s, block_counts, blocks, E,
+                      desc->capacity, expert_capacity, flags, m_splits_i32, m_splits_i64, offsets,
+                      expert_counts));
     const size_t scatter_bytes = (sizeof(long long) + sizeof(int)) * E + hist_bytes;
-    scatter_kernel<<<blocks, kThreads, scatter_bytes, s>>>(
-        expert_ids, num_tokens, num_tokens_device, t_max, k, E, block_counts, offsets,
-        static_cast<int>(desc->capacity), row_of_route, token_of_row);
-    return capmoe::launch_status();
+    return launch(scatter_kernel, blocks, kThreads, scatter_bytes, s, expert_ids, num_tokens,
+                  num_tokens_device, t_max, k, E, block_counts, offsets,
+                  static_cast<int>(desc->capacity), row_of_route, token_of_row);
   });
 }

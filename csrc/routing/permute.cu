@@ -31,9 +31,7 @@ __device__ __forceinline__ int stage_routes(const int32_t* __restrict__ row_of_r
     const bool kept = r >= 0 && r < capacity;
     const unsigned ballot = __ballot_sync(kFull, kept);
     if (kept) {
-      unsigned lt;
-      asm("mov.u32 %0, %%lanemask_lt;" : "=r"(lt));
-      const int slot = __popc(ballot & lt);
+      const int slot = __popc(ballot & lanemask_lt());
       rows_s[slot] = r;
       probs_s[slot] = probs != nullptr ? prob_to_float(probs[i]) : 1.0f;
     }
@@ -165,11 +163,10 @@ struct GatherSum {
   template <class T, class P>
   capmoe_status_t run() const {
     if (l.blocks() == 0) return CAPMOE_OK;
-    gather_sum_kernel<T, P><<<l.blocks(), l.threads(), 0, l.stream>>>(
-        static_cast<const uint4*>(rows), row_of_route, static_cast<const P*>(probs),
-        l.num_tokens, l.device_tokens, l.t_max(), l.k(), l.capacity(), l.h_vec(),
-        static_cast<uint4*>(out));
-    return launch_status();
+    return launch(gather_sum_kernel<T, P>, l.blocks(), l.threads(), 0, l.stream,
+                  static_cast<const uint4*>(rows), row_of_route, static_cast<const P*>(probs),
+                  l.num_tokens, l.device_tokens, l.t_max(), l.k(), l.capacity(), l.h_vec(),
+                  static_cast<uint4*>(out));
   }
 };
 
@@ -184,11 +181,10 @@ struct UnpermuteBackward {
   template <class T, class P>
   capmoe_status_t run() const {
     if (l.blocks() == 0) return CAPMOE_OK;
-    unpermute_backward_kernel<T, P><<<l.blocks(), l.threads(), 0, l.stream>>>(
-        static_cast<const uint4*>(dy), static_cast<const uint4*>(rows), row_of_route,
-        static_cast<const P*>(probs), l.num_tokens, l.device_tokens, l.t_max(), l.k(),
-        l.capacity(), l.h_vec(), static_cast<uint4*>(drows), static_cast<P*>(dprobs));
-    return launch_status();
+    return launch(unpermute_backward_kernel<T, P>, l.blocks(), l.threads(), 0, l.stream,
+                  static_cast<const uint4*>(dy), static_cast<const uint4*>(rows), row_of_route,
+                  static_cast<const P*>(probs), l.num_tokens, l.device_tokens, l.t_max(), l.k(),
+                  l.capacity(), l.h_vec(), static_cast<uint4*>(drows), static_cast<P*>(dprobs));
   }
 };
 
@@ -223,10 +219,9 @@ extern "C" capmoe_status_t capmoe_routing_permute(const capmoe_routing_desc_t* d
     if (desc->capacity > 0) CAPMOE_TRY(check_act(desc, rows));
     Launch l{desc, num_tokens, num_tokens_device, static_cast<cudaStream_t>(stream)};
     if (l.blocks() == 0) return CAPMOE_OK;
-    permute_kernel<<<l.blocks(), l.threads(), 0, l.stream>>>(
-        static_cast<const uint4*>(x), row_of_route, num_tokens, num_tokens_device, l.t_max(),
-        l.k(), l.capacity(), l.h_vec(), static_cast<uint4*>(rows));
-    return capmoe::launch_status();
+    return launch(permute_kernel, l.blocks(), l.threads(), 0, l.stream,
+                  static_cast<const uint4*>(x), row_of_route, num_tokens, num_tokens_device,
+                  l.t_max(), l.k(), l.capacity(), l.h_vec(), static_cast<uint4*>(rows));
   });
 }
 

@@ -79,13 +79,11 @@ struct Swiglu {
     const unsigned blocks = static_cast<unsigned>((vectors + kThreads - 1) / kThreads);
     const int E = static_cast<int>(d->num_experts), cap = static_cast<int>(d->capacity);
     if (dact == nullptr)
-      swiglu_kernel<T><<<blocks, kThreads, 0, stream>>>(static_cast<const uint4*>(h), offsets, E,
-                                                        cap, f_vec, static_cast<uint4*>(out));
-    else
-      swiglu_backward_kernel<T><<<blocks, kThreads, 0, stream>>>(
-          static_cast<const uint4*>(dact), static_cast<const uint4*>(h), offsets, E, cap, f_vec,
-          static_cast<uint4*>(out));
-    return launch_status();
+      return launch(swiglu_kernel<T>, blocks, kThreads, 0, stream, static_cast<const uint4*>(h),
+                    offsets, E, cap, f_vec, static_cast<uint4*>(out));
+    return launch(swiglu_backward_kernel<T>, blocks, kThreads, 0, stream,
+                  static_cast<const uint4*>(dact), static_cast<const uint4*>(h), offsets, E, cap,
+                  f_vec, static_cast<uint4*>(out));
   }
 };
 

@@ -1,11 +1,13 @@
-// CPU emulation of the CUDA subset the Echo kernels use, for testing their logic bit for bit on
-// a machine without a GPU (tests/echo_emulated.rs compiles csrc/echo/echo_plan.cu against it).
+// CPU emulation of the CUDA subset the Echo and routing kernels use, for testing their logic bit
+// for bit on a machine without a GPU (tests/echo_emulated.rs compiles csrc/echo/echo_plan.cu
+// against it, tests/routing_emulated.rs the csrc/routing/*.cu kernels).
 //
 // Model: a launch runs its blocks one after another; the CUDA threads of a block are
 // coroutines on one OS thread, so __syncthreads, the warp shuffles / ballots / reductions and
 // __syncwarp are real barriers: a lane that skips one is reported as a deadlock instead of
 // passing. Shared memory is a fresh, poisoned buffer per block, so reading what was never
-// written shows up as a wrong result. Threads run one at a time, so atomics are plain
+// written shows up as a wrong result (static __shared__ variables are function-local statics
+// instead: not poisoned, but they keep the previous block's values). Threads run one at a time, so atomics are plain
 // read-modify-writes. Launches past the SM90/SM100 limits fail (more than 1024 threads,
 // dynamic shared memory past 48 KB without the opt-in attribute or past 227 KB). Not modelled: the overlap of a programmatic dependent launch with its
 // primary (the dependent simply runs after it, which is what griddepcontrol.wait guarantees),
@@ -16,8 +18,11 @@
 #include <cstdlib>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <map>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <setjmp.h>
@@ -29,6 +34,8 @@
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __align__(n) alignas(n)
+// Blocks run one after another, so a function-local static is one block's shared variable.
+#define __shared__ static
 
 struct dim3 {
   unsigned x, y, z;
@@ -39,6 +46,7 @@ struct int4 { int x, y, z, w; };
 struct uint4 { unsigned x, y, z, w; };
 struct uchar4 { unsigned char x, y, z, w; };
 struct longlong2 { long long x, y; };
+struct float2 { float x, y; };
 inline int2 make_int2(int a, int b) { return {a, b}; }
 inline int4 make_int4(int a, int b, int c, int d) { return {a, b, c, d}; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
@@ -126,7 +134,7 @@ inline void arrive_and_wait(Barrier& b) {
 }
 }  // namespace emu
 
-inline dim3 threadIdx, blockIdx, blockDim;
+inline dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 inline void __syncthreads() { emu::arrive_and_wait(emu::block->bar); }
 inline int __syncthreads_or(int p) {
@@ -182,6 +190,12 @@ inline int __reduce_add_sync(unsigned, int v) {
   return (int)(uint32_t)emu::combine((uint32_t)v, [](uint64_t r, uint64_t v, int) { return (uint32_t)(r + v); });
 }
 inline unsigned __reduce_add_sync(unsigned m, unsigned v) { return (unsigned)__reduce_add_sync(m, (int)v); }
+// The lanes whose (integer) value equals this lane's.
+template <class T> inline unsigned __match_any_sync(unsigned, T v) {
+  static_assert(std::is_integral_v<T>, "__match_any_sync: integer keys only");
+  const uint64_t mine = (uint64_t)(std::make_unsigned_t<T>)v;
+  return (unsigned)emu::combine(mine, [mine](uint64_t r, uint64_t u, int i) { return u == mine ? r | (1ull << i) : r; });
+}
 
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __ffs(unsigned x) { return __builtin_ffs((int)x); }
@@ -199,8 +213,65 @@ inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
 inline float __int2float_rn(int a) { return (float)a; }
 inline float __ll2float_rn(long long a) { return (float)a; }
+// The GPU's __expf is an approximation (ex2.approx); the host's correctly rounded-ish expf
+// differs from it in the last bits, so results through it match the GPU within a tolerance only.
+inline float __expf(float x) { return std::exp(x); }
 template <class T> inline T min(T a, T b) { return a < b ? a : b; }
 template <class T> inline T max(T a, T b) { return a > b ? a : b; }
+
+// ------------------------------------------------------------------ 2-byte float types
+// Storage only (the bits); the kernels convert to fp32, compute, and round back once, so exact
+// round-to-nearest-even conversions are all the arithmetic needed.
+struct __nv_bfloat16 { uint16_t x; };
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+struct __half { uint16_t x; };
+struct __half2 { __half x, y; };
+
+namespace emu {
+inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+// bf16 is the top half of an fp32: drop 16 bits, rounding to nearest even (NaN -> 0x7fff as
+// on the GPU).
+inline uint16_t bf16_bits(float f) {
+  const uint32_t u = bits_of(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fff;
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// fp32 -> fp16, round to nearest even, with fp16 subnormals and overflow to infinity.
+inline uint16_t f16_bits(float f) {
+  const uint32_t u = bits_of(f);
+  const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+  uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return 0x7fff;                     // NaN (the GPU's canonical one)
+  if (a >= 0x477ff000u) return sign | 0x7c00;             // >= 65520 rounds to infinity
+  if (a < 0x38800000u)                                    // below 2^-14: subnormal or zero;
+    return sign | (uint16_t)std::nearbyint(float_of(a) * 16777216.0f);  // exact * 2^24, RNE
+  a -= 112u << 23;                                        // rebias the exponent 127 -> 15
+  return sign | (uint16_t)((a + 0xfffu + ((a >> 13) & 1u)) >> 13);   // RNE into 10 bits
+}
+
+inline float f16_value(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0) {  // subnormal or zero: man * 2^-24, exact in fp32
+    const float v = (float)man * (1.0f / 16777216.0f);
+    return sign ? -v : v;
+  }
+  if (exp == 31) return float_of(sign | 0x7f800000u | (man << 13));  // inf / NaN
+  return float_of(sign | ((exp + 112u) << 23) | (man << 13));
+}
+}  // namespace emu
+
+inline float __bfloat162float(__nv_bfloat16 b) { return emu::float_of((uint32_t)b.x << 16); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { return {emu::bf16_bits(f)}; }
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)}; }
+inline float2 __bfloat1622float2(__nv_bfloat162 h) { return {__bfloat162float(h.x), __bfloat162float(h.y)}; }
+inline float __half2float(__half h) { return emu::f16_value(h.x); }
+inline __half __float2half_rn(float f) { return {emu::f16_bits(f)}; }
+inline __half2 __floats2half2_rn(float a, float b) { return {__float2half_rn(a), __float2half_rn(b)}; }
+inline float2 __half22float2(__half2 h) { return {__half2float(h.x), __half2float(h.y)}; }
 
 // ------------------------------------------------------------------ csrc/common/device_primitives.cuh
 namespace capmoe {
@@ -229,16 +300,14 @@ inline void yield() {
   if (!_setjmp(b->threads[b->current].resume)) _longjmp(b->scheduler, 1);
 }
 
-template <class P>
-struct Entry {
-  static inline void (*kernel)(P);
-  static inline const P* params;
-  static void run() {
-    kernel(*params);
-    block->threads[block->current].finished = true;
-    _longjmp(block->scheduler, 1);
-  }
-};
+// The kernel call of the launch in progress (the kernel with the launch's arguments), which
+// every coroutine starts in.
+inline const std::function<void()>* kernel_call;
+inline void thread_entry() {
+  (*kernel_call)();
+  block->threads[block->current].finished = true;
+  _longjmp(block->scheduler, 1);
+}
 
 // CAPMOE_EMULATION_ORDER=reverse resumes the threads from the last to the first. A write and a
 // read of shared memory by two threads with no barrier between them pass in one order and
@@ -280,21 +349,22 @@ inline void run_block(Block& b) {
 }
 }  // namespace emu
 
-template <class P>
-inline cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* c, void (*kernel)(P), const P& params) {
+namespace emu {
+// Runs `call` as every thread of every block of the launch `c` of `kernel`.
+inline cudaError_t launch(const cudaLaunchConfig_t* c, const void* kernel, const std::function<void()>& call) {
   const unsigned threads = c->blockDim.x;
-  size_t smem_limit = emu::kDefaultDynamicSmem;
-  const auto opt_in = emu::smem_opt_in().find(reinterpret_cast<const void*>(kernel));
-  if (opt_in != emu::smem_opt_in().end() && opt_in->second > smem_limit) smem_limit = opt_in->second;
+  size_t smem_limit = kDefaultDynamicSmem;
+  const auto opt_in = smem_opt_in().find(kernel);
+  if (opt_in != smem_opt_in().end() && opt_in->second > smem_limit) smem_limit = opt_in->second;
   // (threads % 32: the emulated warp barriers count whole warps; the kernels launch whole warps)
-  if (c->gridDim.x == 0 || threads == 0 || threads > emu::kMaxThreadsPerBlock || threads % 32 != 0 ||
+  if (c->gridDim.x == 0 || threads == 0 || threads > kMaxThreadsPerBlock || threads % 32 != 0 ||
       c->dynamicSmemBytes > smem_limit)
     return cudaErrorInvalidConfiguration;
-  emu::Entry<P>::kernel = kernel;
-  emu::Entry<P>::params = &params;
+  kernel_call = &call;
   blockDim = dim3(threads);
+  gridDim = dim3(c->gridDim.x);
   for (unsigned b = 0; b < c->gridDim.x; ++b) {
-    emu::Block blk;
+    Block blk;
     blk.bar.expected = (int)threads;
     blk.warp_bars.resize((threads + 31) / 32);
     for (auto& w : blk.warp_bars) w.expected = 32;
@@ -303,17 +373,28 @@ inline cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* c, void (*kernel
     blk.smem = smem.data();
     blk.threads.resize(threads);
     for (unsigned i = 0; i < threads; ++i) {
-      emu::Thread& t = blk.threads[i];
-      t.stack = emu::stack_of((int)i);
+      Thread& t = blk.threads[i];
+      t.stack = stack_of((int)i);
       getcontext(&t.context);
       t.context.uc_stack.ss_sp = t.stack;
-      t.context.uc_stack.ss_size = emu::kStackBytes;
-      t.context.uc_link = nullptr;  // Entry::run never returns
-      makecontext(&t.context, &emu::Entry<P>::run, 0);
+      t.context.uc_stack.ss_size = kStackBytes;
+      t.context.uc_link = nullptr;  // thread_entry never returns
+      makecontext(&t.context, &thread_entry, 0);
     }
     blockIdx = dim3(b);
-    emu::block = &blk;
-    emu::run_block(blk);
+    block = &blk;
+    run_block(blk);
   }
   return cudaSuccess;
+}
+}  // namespace emu
+
+// As in the CUDA runtime, the arguments are converted to the kernel's parameter types once;
+// the kernel takes them by value, so each thread works on its own copies.
+template <class... P, class... A>
+inline cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* c, void (*kernel)(P...), A&&... args) {
+  return [&](P... converted) {
+    const std::function<void()> call = [&] { kernel(converted...); };
+    return emu::launch(c, reinterpret_cast<const void*>(kernel), call);
+  }(std::forward<A>(args)...);
 }

@@ -1,0 +1,387 @@
+//! The routing kernels without a GPU: `csrc/routing/{build,permute,swiglu}.cu` compiled as host
+//! C++ against the CPU emulation of `tests/emulation/` (each block's CUDA threads are
+//! coroutines; `__syncthreads` and the warp intrinsics are real barriers) and run through their
+//! C ABI by `tests/emulation/routing_driver.cpp` on the shapes of `routing_gpu`: build (both
+//! m_splits, offsets, both maps, expert counts, flags: capacity and per-expert dropping, bad
+//! ids, out-of-range device T), then with every optional output left out, permute, unpermute,
+//! permute_backward, unpermute_backward and SwiGLU forward / backward, for bf16 and fp16
+//! activations with f32, bf16 and fp16 probs, the token count on the host and on the device.
+//! Every output starts poisoned and carries a poisoned guard tail, and must equal the Rust CPU
+//! reference bit for bit, except SwiGLU (within `routing_gpu`'s tolerance, see `assert_close`),
+//! once with the threads of a block resumed first-to-last and once last-to-first. This is CI's
+//! check of the kernels' logic; `routing_gpu` checks the same on the device.
+//!
+//! Needs a C++17 compiler (`CXX`, default `c++`); ~10 s. `CAPMOE_EMULATION_CXXFLAGS` adds
+//! compiler flags (sanitizers), as for `echo_emulated`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use bytemuck::Pod;
+use capturable_moe::routing::reference::{self as r, Scalar};
+use capturable_moe::routing::DType;
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Poisoned elements after every output buffer (`kGuard` of the driver).
+const GUARD: usize = 64;
+
+/// Builds the emulated kernels + driver into the test's scratch folder.
+fn build_emulator() -> PathBuf {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("routing_emulator");
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let extra = std::env::var("CAPMOE_EMULATION_CXXFLAGS").unwrap_or_default();
+    let mut cmd = Command::new(&cxx);
+    // -U_FORTIFY_SOURCE: the emulation switches stacks with _longjmp (cpu_emulation.h).
+    // -fno-strict-aliasing: Vec8 (csrc/routing/common.cuh) reads and writes a uint4 through
+    // __nv_bfloat162 / __half2 pointers, CUDA's usual type punning, which nvcc compiles as meant
+    // but which host C++ with strict aliasing may drop (the stores vanish at -O2).
+    cmd.args(["-std=c++17", "-O2", "-U_FORTIFY_SOURCE", "-fno-strict-aliasing", "-ffp-contract=off", "-DCAPMOE_CPU_EMULATION"])
+        .arg("-I").arg(root.join("tests/emulation"))
+        .arg("-I").arg(root.join("csrc"))
+        .arg("-I").arg(root.join("csrc/include"))
+        .arg("-x").arg("c++");
+    for tu in ["csrc/routing/build.cu", "csrc/routing/permute.cu", "csrc/routing/swiglu.cu", "csrc/common/status.cu"] {
+        cmd.arg(root.join(tu));
+    }
+    let out = cmd
+        .arg("-x").arg("none").arg(root.join("tests/emulation/routing_driver.cpp"))
+        .arg("-o").arg(&exe)
+        .args(extra.split_whitespace())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run the C++ compiler `{cxx}` (set CXX): {e}"));
+    assert!(out.status.success(), "building the emulated kernels failed:\n{}", String::from_utf8_lossy(&out.stderr));
+    exe
+}
+
+/// The driver's poison for an element of `size` bytes (`Buf` in routing_driver.cpp).
+fn poison_bytes(size: usize) -> Vec<u8> {
+    match size {
+        2 => 0x7fa5u16.to_le_bytes().to_vec(),
+        _ => vec![0x5a; size],
+    }
+}
+
+fn poisoned<T: Pod>(n: usize) -> Vec<T> {
+    let one = poison_bytes(std::mem::size_of::<T>());
+    (0..n + GUARD).map(|_| bytemuck::pod_read_unaligned(&one)).collect()
+}
+
+/// `v` followed by the poisoned guard.
+fn guarded<T: Pod>(mut v: Vec<T>) -> Vec<T> {
+    v.extend(poisoned::<T>(0));
+    v
+}
+
+fn put<T: Pod>(out: &mut Vec<u8>, v: &[T]) {
+    out.extend_from_slice(bytemuck::cast_slice(v));
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Tokens {
+    Host(usize),
+    /// The count in "device" memory (may be out of range on purpose); the host value passed
+    /// beside it is junk, which must be ignored.
+    Device(i32),
+}
+
+struct Case {
+    name: String,
+    e: usize,
+    k: usize,
+    h: usize,
+    f: usize,
+    t_max: usize,
+    tokens: Tokens,
+    capacity: Option<usize>,
+    expert_capacity: usize,
+}
+
+fn case(name: &str, e: usize, k: usize, h: usize, f: usize, t_max: usize, tokens: Tokens) -> Case {
+    Case { name: name.into(), e, k, h, f, t_max, tokens, capacity: None, expert_capacity: 0 }
+}
+
+/// How one output buffer is compared.
+enum Check {
+    Bitwise,
+    /// The first n elements within tolerance (SwiGLU), the rest bitwise.
+    Close(usize, DType),
+}
+
+/// What the driver must write for one case: its statuses (all CAPMOE_OK) and every output.
+struct Expected {
+    name: String,
+    buffers: Vec<(&'static str, Vec<u8>, Check)>,
+}
+
+fn small_int<T: Scalar>(rng: &mut StdRng) -> T {
+    T::from_f32(rng.random_range(-8i32..=8) as f32)
+}
+
+fn dyadic<P: Scalar>(rng: &mut StdRng) -> P {
+    const V: [f32; 8] = [0.25, 0.5, 0.75, 1.0, 1.5, -0.5, 2.0, 0.125];
+    P::from_f32(V[rng.random_range(0..V.len())])
+}
+
+/// Random top-k routing with k distinct experts per token (k <= E), else arbitrary ids.
+fn topk_ids(rng: &mut StdRng, t: usize, e: usize, k: usize) -> Vec<i32> {
+    let mut ids = Vec::with_capacity(t * k);
+    for _ in 0..t {
+        let mut chosen: Vec<i32> = Vec::new();
+        while chosen.len() < k {
+            let x = rng.random_range(0..e as i32);
+            if k > e || !chosen.contains(&x) {
+                chosen.push(x);
+            }
+        }
+        ids.extend(chosen);
+    }
+    ids
+}
+
+trait Element: Scalar + Pod {
+    const DTYPE: DType;
+}
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl Element for bf16 {
+    const DTYPE: DType = DType::Bf16;
+}
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+}
+
+fn abi_dtype(d: DType) -> i64 {
+    match d {
+        DType::Bf16 => 0,
+        DType::F16 => 1,
+        DType::F32 => 2,
+        other => panic!("no routing dtype {other:?}"),
+    }
+}
+
+/// Appends case `c` (inputs as `routing_gpu::run_case` makes them) in the driver's format and
+/// returns what the reference says the driver must write back.
+fn put_case<T: Element, P: Element>(out: &mut Vec<u8>, c: &Case, ids: &[i32], seed: u64) -> Expected {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (e, k, h, f, t_max) = (c.e, c.k, c.h, c.f, c.t_max);
+    let cap = c.capacity.unwrap_or(t_max * k);
+    assert_eq!(ids.len(), t_max * k, "{}: ids length", c.name);
+    let (t, token_flag, host_t, device_t, use_device) = match c.tokens {
+        Tokens::Host(t) => (t, 0, t as i64, 0, 0),
+        Tokens::Device(v) => {
+            let (t, fl) = r::resolve_tokens(v, t_max);
+            (t, fl, -7, v as i64, 1)
+        }
+    };
+    let header = [e, h, f, k, t_max, cap, c.expert_capacity].map(|v| v as i64);
+    put(out, &header);
+    put(out, &[abi_dtype(T::DTYPE), abi_dtype(P::DTYPE), host_t, device_t, use_device]);
+
+    let x: Vec<T> = (0..t_max * h).map(|_| small_int(&mut rng)).collect();
+    let probs: Vec<P> = (0..t_max * k).map(|_| dyadic(&mut rng)).collect();
+    let expert_out: Vec<T> = (0..cap * h).map(|_| small_int(&mut rng)).collect();
+    let dy: Vec<T> = (0..t_max * h).map(|_| small_int(&mut rng)).collect();
+    let hbuf: Vec<T> = (0..cap * 2 * f).map(|_| T::from_f32(rng.random_range(-4.0f32..4.0))).collect();
+    let dact: Vec<T> = (0..cap * f).map(|_| T::from_f32(rng.random_range(-2.0f32..2.0))).collect();
+    put(out, ids);
+    put(out, &x);
+    put(out, &probs);
+    put(out, &expert_out);
+    put(out, &dy);
+    put(out, &hbuf);
+    put(out, &dact);
+
+    let mut maps = r::build(ids, t, t_max, e, k, cap, c.expert_capacity);
+    maps.flags |= token_flag;
+    let total = maps.offsets[e] as usize;
+    let m32: Vec<i32> = maps.m_splits.iter().map(|&m| m as i32).collect();
+    let map = &maps.row_of_route;
+
+    let mut rows = poisoned::<T>(cap * h);
+    r::permute(&x, map, t, h, k, cap, &mut rows);
+    let mut y = poisoned::<T>(t_max * h);
+    r::gather_sum(&expert_out, map, Some(&probs), t, h, k, cap, &mut y);
+    let mut dx = poisoned::<T>(t_max * h);
+    r::gather_sum::<T, P>(&expert_out, map, None, t, h, k, cap, &mut dx);
+    let (mut drows, mut dprobs) = (poisoned::<T>(cap * h), poisoned::<P>(t_max * k));
+    r::unpermute_backward(&dy, &expert_out, map, &probs, t, h, k, cap, &mut drows, &mut dprobs);
+    let mut act = poisoned::<T>(cap * f);
+    r::swiglu(&hbuf, total, f, &mut act);
+    let mut dh = poisoned::<T>(cap * 2 * f);
+    r::swiglu_backward(&dact, &hbuf, total, f, &mut dh);
+
+    let b = |v: Vec<u8>| (v, Check::Bitwise);
+    let bytes = |v: &[u8]| v.to_vec();
+    let buffers = vec![
+        ("m_splits_i32", b(bytes(bytemuck::cast_slice(&guarded(m32))))),
+        ("m_splits_i64", b(bytes(bytemuck::cast_slice(&guarded(maps.m_splits.clone()))))),
+        ("offsets", b(bytes(bytemuck::cast_slice(&guarded(maps.offsets.clone()))))),
+        ("row_of_route", b(bytes(bytemuck::cast_slice(&guarded(maps.row_of_route.clone()))))),
+        ("token_of_row", b(bytes(bytemuck::cast_slice(&guarded(maps.token_of_row.clone()))))),
+        ("expert_counts", b(bytes(bytemuck::cast_slice(&guarded(maps.expert_counts.clone()))))),
+        ("flags", b(bytes(bytemuck::cast_slice(&guarded(vec![maps.flags]))))),
+        ("offsets (optional outputs left out)", b(bytes(bytemuck::cast_slice(&guarded(maps.offsets.clone()))))),
+        ("row_of_route (optional outputs left out)", b(bytes(bytemuck::cast_slice(&guarded(maps.row_of_route.clone()))))),
+        ("permute rows", b(bytes(bytemuck::cast_slice(&rows)))),
+        ("unpermute y", b(bytes(bytemuck::cast_slice(&y)))),
+        ("permute_backward dx", b(bytes(bytemuck::cast_slice(&dx)))),
+        ("unpermute_backward drows", b(bytes(bytemuck::cast_slice(&drows)))),
+        ("unpermute_backward dprobs", b(bytes(bytemuck::cast_slice(&dprobs)))),
+        ("swiglu act", (bytes(bytemuck::cast_slice(&act)), Check::Close(total * f, T::DTYPE))),
+        ("swiglu dh", (bytes(bytemuck::cast_slice(&dh)), Check::Close(total * 2 * f, T::DTYPE))),
+    ];
+    let name = format!("{} ({:?} / {:?} probs, E={e} k={k} H={h} F={f} T_max={t_max} {:?} capacity={cap} expert_capacity={})", c.name, T::DTYPE, P::DTYPE, c.tokens, c.expert_capacity);
+    Expected { name, buffers: buffers.into_iter().map(|(n, (v, c))| (n, v, c)).collect() }
+}
+
+fn to_f32(bytes: &[u8], d: DType) -> f32 {
+    let bits = u16::from_le_bytes([bytes[0], bytes[1]]);
+    match d {
+        DType::Bf16 => bf16::from_bits(bits).to_f32(),
+        _ => f16::from_bits(bits).to_f32(),
+    }
+}
+
+/// SwiGLU goes through `__expf`, an approximation on the GPU (ex2.approx) and the host's expf
+/// here, and nvcc may contract its products into fmas, so it is checked within `routing_gpu`'s
+/// tolerance rather than bitwise (NaN never passes).
+fn assert_close(what: &str, got: &[u8], want: &[u8], n: usize, d: DType) {
+    for i in 0..n {
+        let (g, w) = (to_f32(&got[2 * i..], d), to_f32(&want[2 * i..], d));
+        let ok = g.is_finite() && (g - w).abs() <= 1.6e-2 * (1.0 + w.abs());
+        assert!(ok, "{what}: element {i}: got {g}, expected {w}");
+    }
+    assert!(got[2 * n..] == want[2 * n..], "{what}: the untouched tail (rows past offsets[E]) changed");
+}
+
+/// Compares the driver's output file with the expectations, in order.
+fn check_output(output: &[u8], expected: &[Expected], order: &str) {
+    let mut at = 0;
+    for exp in expected {
+        let status: &[i32] = bytemuck::cast_slice(&output[at..at + 36]);
+        at += 36;
+        assert!(status.iter().all(|&s| s == 0), "{} ({order}): statuses {status:?}", exp.name);
+        for (what, want, check) in &exp.buffers {
+            let got = &output[at..at + want.len()];
+            at += want.len();
+            let what = format!("{}: {what} ({order} thread order)", exp.name);
+            match check {
+                Check::Bitwise => {
+                    if got != &want[..] {
+                        let i = (0..got.len()).find(|&i| got[i] != want[i]).unwrap();
+                        panic!("{what}: byte {i} of {}: got {:#04x}, expected {:#04x}", got.len(), got[i], want[i]);
+                    }
+                }
+                Check::Close(n, d) => assert_close(&what, got, want, *n, *d),
+            }
+        }
+    }
+    assert_eq!(at, output.len(), "the driver wrote more than the cases asked for");
+}
+
+/// The cases of `routing_gpu`, with smaller H / F where the emulation would be slow.
+fn cases(out: &mut Vec<u8>) -> Vec<Expected> {
+    let mut x = Vec::new();
+    let mut rng = StdRng::seed_from_u64(10);
+    // Model-like shapes: Qwen3-30B-A3B (E = 128, top-8), DeepSeek-V3 (E = 256, top-8, T on the
+    // device), Mixtral (E = 8, top-2, H = 4096: more vectors than threads per block).
+    let c = case("qwen3-like", 128, 8, 256, 96, 200, Tokens::Host(200));
+    x.push(put_case::<bf16, f32>(out, &c, &topk_ids(&mut rng, 200, 128, 8), 11));
+    let c = case("deepseek-like", 256, 8, 512, 128, 96, Tokens::Device(80));
+    x.push(put_case::<bf16, bf16>(out, &c, &topk_ids(&mut rng, 96, 256, 8), 12));
+    let c = case("mixtral-like", 8, 2, 4096, 512, 24, Tokens::Host(21));
+    x.push(put_case::<f16, f16>(out, &c, &topk_ids(&mut rng, 24, 8, 2), 13));
+    let c = case("fp16 / f32", 8, 2, 128, 64, 100, Tokens::Host(100));
+    x.push(put_case::<f16, f32>(out, &c, &topk_ids(&mut rng, 100, 8, 2), 14));
+    let c = case("fp16 / bf16 probs", 16, 4, 64, 32, 50, Tokens::Device(47));
+    x.push(put_case::<f16, bf16>(out, &c, &topk_ids(&mut rng, 50, 16, 4), 15));
+    let c = case("bf16 / fp16 probs", 16, 4, 64, 32, 50, Tokens::Host(50));
+    x.push(put_case::<bf16, f16>(out, &c, &topk_ids(&mut rng, 50, 16, 4), 16));
+
+    // Awkward routings.
+    let c = case("empty experts", 64, 2, 64, 32, 16, Tokens::Host(5));
+    x.push(put_case::<bf16, f32>(out, &c, &topk_ids(&mut rng, 16, 64, 2), 21));
+    let c = case("all to one expert, 3 chunks", 16, 1, 64, 32, 3000, Tokens::Host(3000));
+    x.push(put_case::<bf16, f32>(out, &c, &vec![7; 3000], 22));
+    let c = case("one expert", 1, 1, 64, 32, 77, Tokens::Host(77));
+    x.push(put_case::<f16, f32>(out, &c, &vec![0; 77], 23));
+    let ids: Vec<i32> = (0..200 * 4).map(|_| rng.random_range(-2..10)).collect();
+    let c = case("duplicates, empty slots, bad ids", 8, 4, 64, 32, 200, Tokens::Host(190));
+    x.push(put_case::<bf16, f32>(out, &c, &ids, 24));
+    let c = case("duplicate pair", 4, 2, 64, 32, 50, Tokens::Host(50));
+    x.push(put_case::<bf16, bf16>(out, &c, &vec![3; 100], 25));
+    let c = case("top-32 (the limit), k > E", 16, 32, 64, 32, 40, Tokens::Host(37));
+    x.push(put_case::<f16, f32>(out, &c, &topk_ids(&mut rng, 40, 16, 32), 26));
+
+    // Token count edges.
+    let ids = topk_ids(&mut rng, 100, 16, 4);
+    for (name, tokens) in [
+        ("T = 0 host", Tokens::Host(0)),
+        ("T = 0 device", Tokens::Device(0)),
+        ("T = T_max host", Tokens::Host(100)),
+        ("T = T_max device", Tokens::Device(100)),
+        ("device T above T_max (clamped, flagged)", Tokens::Device(1000)),
+        ("device T negative (clamped, flagged)", Tokens::Device(-3)),
+    ] {
+        x.push(put_case::<bf16, f32>(out, &case(name, 16, 4, 64, 32, 100, tokens), &ids, 31));
+        x.push(put_case::<f16, bf16>(out, &case(name, 16, 4, 64, 32, 100, tokens), &ids, 31));
+    }
+    x.push(put_case::<bf16, f32>(out, &case("T_max = 0", 4, 2, 64, 32, 0, Tokens::Host(0)), &[], 32));
+
+    // Dropping by capacity and by expert capacity.
+    let ids = topk_ids(&mut rng, 300, 32, 4);
+    let mut c = case("capacity 500 < 1200 routes", 32, 4, 64, 32, 300, Tokens::Host(300));
+    c.capacity = Some(500);
+    x.push(put_case::<bf16, f32>(out, &c, &ids, 41));
+    c.name = "expert capacity 30".into();
+    c.capacity = None;
+    c.expert_capacity = 30;
+    x.push(put_case::<f16, f32>(out, &c, &ids, 42));
+    c.name = "both limits, device T".into();
+    c.capacity = Some(333);
+    c.tokens = Tokens::Device(250);
+    x.push(put_case::<bf16, bf16>(out, &c, &ids, 43));
+    c.name = "capacity 0".into();
+    c.capacity = Some(0);
+    c.expert_capacity = 0;
+    x.push(put_case::<bf16, f32>(out, &c, &ids, 44));
+
+    // Many routes and many experts: 16 chunks with E = 512; E = 1024 (the limit), skewed.
+    let c = case("E=512 T=2048 top-8", 512, 8, 64, 32, 2048, Tokens::Device(2000));
+    x.push(put_case::<bf16, f32>(out, &c, &topk_ids(&mut rng, 2048, 512, 8), 51));
+    let ids: Vec<i32> = (0..5000).map(|_| (rng.random_range(0..1024u32).pow(2) / 1024) as i32).collect();
+    let c = case("E=1024 skewed", 1024, 1, 64, 32, 5000, Tokens::Host(5000));
+    x.push(put_case::<bf16, f32>(out, &c, &ids, 52));
+    x
+}
+
+#[test]
+fn routing_kernels_match_the_reference_under_cpu_emulation() {
+    let mut input = Vec::new();
+    let expected = cases(&mut input);
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let file = dir.join("routing_emulated_cases.bin");
+    std::fs::write(&file, &input).unwrap();
+
+    let exe = build_emulator();
+    // Both thread orders: a missing barrier between a shared-memory write and read passes in
+    // at most one of them (cpu_emulation.h).
+    for order in ["forward", "reverse"] {
+        let result = dir.join(format!("routing_emulated_{order}.bin"));
+        let run = Command::new(&exe).arg(&file).arg(&result).env("CAPMOE_EMULATION_ORDER", order).output().expect("run the emulated kernels");
+        let report = String::from_utf8_lossy(&run.stdout);
+        assert!(
+            run.status.success(),
+            "the emulated routing kernels failed ({order} thread order, {}):\n{report}{}",
+            run.status,
+            String::from_utf8_lossy(&run.stderr)
+        );
+        assert_eq!(report.trim(), format!("{} cases", expected.len()), "the driver did not read every case");
+        check_output(&std::fs::read(&result).unwrap(), &expected, order);
+        println!("{order} thread order: {} cases match", expected.len());
+    }
+}
