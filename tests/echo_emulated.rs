@@ -12,36 +12,13 @@
 //! compiler flags, e.g. `-fsanitize=undefined -fno-sanitize-recover=undefined` (~30 s) or
 //! `-fsanitize=address` (minutes; ASan warns that it only partly follows makecontext).
 
+mod common;
 mod echo_support;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
 use capturable_moe::echo::{bench::synthetic_inputs, reference, Algorithm, EchoConfig};
 use echo_support::{golden_files, load, RandomCase};
-
-/// Builds the emulated kernels + driver into the test's scratch folder.
-fn build_emulator() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("echo_emulator");
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let extra = std::env::var("CAPMOE_EMULATION_CXXFLAGS").unwrap_or_default();
-    let out = Command::new(&cxx)
-        // -U_FORTIFY_SOURCE: the emulation switches stacks with _longjmp (cpu_emulation.h).
-        .args(["-std=c++17", "-O2", "-U_FORTIFY_SOURCE", "-ffp-contract=off", "-DCAPMOE_CPU_EMULATION"])
-        .arg("-I").arg(root.join("tests/emulation"))
-        .arg("-I").arg(root.join("csrc"))
-        .arg("-I").arg(root.join("csrc/include"))
-        .arg("-x").arg("c++").arg(root.join("csrc/echo/echo_plan.cu"))
-        .arg(root.join("csrc/common/status.cu"))
-        .arg(root.join("tests/emulation/echo_driver.cpp"))
-        .arg("-o").arg(&exe)
-        .args(extra.split_whitespace())
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run the C++ compiler `{cxx}` (set CXX): {e}"));
-    assert!(out.status.success(), "building the emulated kernels failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    exe
-}
 
 fn put_i64(out: &mut Vec<u8>, v: &[i64]) {
     v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
@@ -134,18 +111,10 @@ fn echo_kernels_match_the_reference_under_cpu_emulation() {
     let file = Path::new(env!("CARGO_TARGET_TMPDIR")).join("echo_emulated_cases.bin");
     std::fs::write(&file, &cases).unwrap();
 
-    let exe = build_emulator();
-    // Both thread orders: a missing barrier between a shared-memory write and read passes in
-    // at most one of them (cpu_emulation.h).
-    for order in ["forward", "reverse"] {
-        let run = Command::new(&exe).arg(&file).env("CAPMOE_EMULATION_ORDER", order).output().expect("run the emulated kernels");
-        let report = String::from_utf8_lossy(&run.stdout);
+    let exe = common::emulation::build("echo_emulator", &["csrc/echo/echo_plan.cu"], "tests/emulation/echo_driver.cpp");
+    for order in common::emulation::THREAD_ORDERS {
+        let report = common::emulation::run(&exe, &[&file], order);
         println!("{order} thread order: {report}");
-        assert!(
-            run.status.success(),
-            "emulated Echo kernels disagree with the reference ({n} cases written, {order} thread order):\n{report}{}",
-            String::from_utf8_lossy(&run.stderr)
-        );
         assert!(report.contains(&format!("{n} cases, 0 failures")), "the driver did not read every case:\n{report}");
     }
 }

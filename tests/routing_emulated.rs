@@ -14,8 +14,9 @@
 //! Needs a C++17 compiler (`CXX`, default `c++`); ~10 s. `CAPMOE_EMULATION_CXXFLAGS` adds
 //! compiler flags (sanitizers), as for `echo_emulated`.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
+mod common;
+
+use std::path::Path;
 
 use bytemuck::Pod;
 use capturable_moe::routing::reference::{self as r, Scalar};
@@ -24,37 +25,10 @@ use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use common::routing::{dyadic, small_int, topk_ids};
+
 /// Poisoned elements after every output buffer (`kGuard` of the driver).
 const GUARD: usize = 64;
-
-/// Builds the emulated kernels + driver into the test's scratch folder.
-fn build_emulator() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let exe = Path::new(env!("CARGO_TARGET_TMPDIR")).join("routing_emulator");
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let extra = std::env::var("CAPMOE_EMULATION_CXXFLAGS").unwrap_or_default();
-    let mut cmd = Command::new(&cxx);
-    // -U_FORTIFY_SOURCE: the emulation switches stacks with _longjmp (cpu_emulation.h).
-    // -fno-strict-aliasing: Vec8 (csrc/routing/common.cuh) reads and writes a uint4 through
-    // __nv_bfloat162 / __half2 pointers, CUDA's usual type punning, which nvcc compiles as meant
-    // but which host C++ with strict aliasing may drop (the stores vanish at -O2).
-    cmd.args(["-std=c++17", "-O2", "-U_FORTIFY_SOURCE", "-fno-strict-aliasing", "-ffp-contract=off", "-DCAPMOE_CPU_EMULATION"])
-        .arg("-I").arg(root.join("tests/emulation"))
-        .arg("-I").arg(root.join("csrc"))
-        .arg("-I").arg(root.join("csrc/include"))
-        .arg("-x").arg("c++");
-    for tu in ["csrc/routing/build.cu", "csrc/routing/permute.cu", "csrc/routing/swiglu.cu", "csrc/common/status.cu"] {
-        cmd.arg(root.join(tu));
-    }
-    let out = cmd
-        .arg("-x").arg("none").arg(root.join("tests/emulation/routing_driver.cpp"))
-        .arg("-o").arg(&exe)
-        .args(extra.split_whitespace())
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run the C++ compiler `{cxx}` (set CXX): {e}"));
-    assert!(out.status.success(), "building the emulated kernels failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    exe
-}
 
 /// The driver's poison for an element of `size` bytes (`Buf` in routing_driver.cpp).
 fn poison_bytes(size: usize) -> Vec<u8> {
@@ -114,31 +88,6 @@ enum Check {
 struct Expected {
     name: String,
     buffers: Vec<(&'static str, Vec<u8>, Check)>,
-}
-
-fn small_int<T: Scalar>(rng: &mut StdRng) -> T {
-    T::from_f32(rng.random_range(-8i32..=8) as f32)
-}
-
-fn dyadic<P: Scalar>(rng: &mut StdRng) -> P {
-    const V: [f32; 8] = [0.25, 0.5, 0.75, 1.0, 1.5, -0.5, 2.0, 0.125];
-    P::from_f32(V[rng.random_range(0..V.len())])
-}
-
-/// Random top-k routing with k distinct experts per token (k <= E), else arbitrary ids.
-fn topk_ids(rng: &mut StdRng, t: usize, e: usize, k: usize) -> Vec<i32> {
-    let mut ids = Vec::with_capacity(t * k);
-    for _ in 0..t {
-        let mut chosen: Vec<i32> = Vec::new();
-        while chosen.len() < k {
-            let x = rng.random_range(0..e as i32);
-            if k > e || !chosen.contains(&x) {
-                chosen.push(x);
-            }
-        }
-        ids.extend(chosen);
-    }
-    ids
 }
 
 trait Element: Scalar + Pod {
@@ -367,19 +316,14 @@ fn routing_kernels_match_the_reference_under_cpu_emulation() {
     let file = dir.join("routing_emulated_cases.bin");
     std::fs::write(&file, &input).unwrap();
 
-    let exe = build_emulator();
-    // Both thread orders: a missing barrier between a shared-memory write and read passes in
-    // at most one of them (cpu_emulation.h).
-    for order in ["forward", "reverse"] {
+    let exe = common::emulation::build(
+        "routing_emulator",
+        &["csrc/routing/build.cu", "csrc/routing/permute.cu", "csrc/routing/swiglu.cu"],
+        "tests/emulation/routing_driver.cpp",
+    );
+    for order in common::emulation::THREAD_ORDERS {
         let result = dir.join(format!("routing_emulated_{order}.bin"));
-        let run = Command::new(&exe).arg(&file).arg(&result).env("CAPMOE_EMULATION_ORDER", order).output().expect("run the emulated kernels");
-        let report = String::from_utf8_lossy(&run.stdout);
-        assert!(
-            run.status.success(),
-            "the emulated routing kernels failed ({order} thread order, {}):\n{report}{}",
-            run.status,
-            String::from_utf8_lossy(&run.stderr)
-        );
+        let report = common::emulation::run(&exe, &[&file, &result], order);
         assert_eq!(report.trim(), format!("{} cases", expected.len()), "the driver did not read every case");
         check_output(&std::fs::read(&result).unwrap(), &expected, order);
         println!("{order} thread order: {} cases match", expected.len());

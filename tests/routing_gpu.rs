@@ -16,6 +16,8 @@ use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+use common::routing::{dyadic, small_int, topk_ids};
+
 /// Elements of poisoned guard tail after every output buffer.
 const GUARD: usize = 64;
 const POISON_I32: i32 = 0x5a5a_5a5a;
@@ -112,31 +114,6 @@ struct Case {
     tokens: TokenMode,
     capacity: Option<usize>,
     expert_capacity: Option<usize>,
-}
-
-fn small_int<T: Scalar>(rng: &mut StdRng) -> T {
-    T::from_f32(rng.random_range(-8i32..=8) as f32)
-}
-
-fn dyadic<P: Scalar>(rng: &mut StdRng) -> P {
-    const V: [f32; 8] = [0.25, 0.5, 0.75, 1.0, 1.5, -0.5, 2.0, 0.125];
-    P::from_f32(V[rng.random_range(0..V.len())])
-}
-
-/// Random top-k routing with k distinct experts per token (k <= E), else arbitrary ids.
-fn topk_ids(rng: &mut StdRng, t: usize, e: usize, k: usize) -> Vec<i32> {
-    let mut ids = Vec::with_capacity(t * k);
-    for _ in 0..t {
-        let mut chosen: Vec<i32> = Vec::new();
-        while chosen.len() < k {
-            let x = rng.random_range(0..e as i32);
-            if k > e || !chosen.contains(&x) {
-                chosen.push(x);
-            }
-        }
-        ids.extend(chosen);
-    }
-    ids
 }
 
 /// Runs every kernel of one case and compares all outputs with the reference.

@@ -1,12 +1,16 @@
 //! Host-only tests of the routing capability: plan validation (typed errors) and the
 //! properties of the CPU reference the GPU tests compare against.
 
+mod common;
+
 use capturable_moe::routing::reference::{self as r, Scalar};
 use capturable_moe::routing::{flags, DType, RoutingConfig, RoutingPlan};
 use capturable_moe::Error;
 use half::bf16;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+
+use common::routing::topk_ids;
 
 fn config(e: usize, k: usize, t_max: usize) -> RoutingConfig {
     RoutingConfig {
@@ -69,21 +73,6 @@ fn plan_rejects_what_the_host_can_check() {
     assert!(matches!(bad(config(8, 32, 1 << 26)), Error::InvalidArgument { .. }));
 }
 
-/// Random top-k routing: k distinct experts per token.
-fn topk_ids(rng: &mut StdRng, t: usize, e: usize, k: usize) -> Vec<i32> {
-    let mut ids = Vec::with_capacity(t * k);
-    for _ in 0..t {
-        let mut chosen: Vec<i32> = Vec::new();
-        while chosen.len() < k {
-            let x = rng.random_range(0..e as i32);
-            if !chosen.contains(&x) {
-                chosen.push(x);
-            }
-        }
-        ids.extend(chosen);
-    }
-    ids
-}
 
 /// The layout contract, checked from first principles on any reference output.
 fn check_contract(ids: &[i32], tokens: usize, e: usize, k: usize, capacity: usize, m: &r::RouteMaps) {

@@ -1,8 +1,10 @@
-//! Shared helpers of the GPU tests.
+//! Shared helpers of the tests.
 #![allow(dead_code)]
 
+pub mod emulation;
 pub mod gemm;
 pub mod moe;
+pub mod routing;
 
 use std::sync::Arc;
 
