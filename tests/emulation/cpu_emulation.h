@@ -5,13 +5,16 @@
 // Model: a launch runs its blocks one after another; the CUDA threads of a block are
 // coroutines on one OS thread, so __syncthreads, the warp shuffles / ballots / reductions and
 // __syncwarp are real barriers: a lane that skips one is reported as a deadlock instead of
-// passing. Shared memory is a fresh, poisoned buffer per block, so reading what was never
-// written shows up as a wrong result (static __shared__ variables are function-local statics
-// instead: not poisoned, but they keep the previous block's values). Threads run one at a time, so atomics are plain
-// read-modify-writes. Launches past the SM90/SM100 limits fail (more than 1024 threads,
-// dynamic shared memory past 48 KB without the opt-in attribute or past 227 KB). Not modelled: the overlap of a programmatic dependent launch with its
-// primary (the dependent simply runs after it, which is what griddepcontrol.wait guarantees),
-// races between blocks or within one (a data race runs in one fixed order here), timing.
+// passing. Dynamic shared memory is a fresh, poisoned buffer per block, so reading what was
+// never written shows up as a wrong result (static __shared__ variables are function-local
+// statics instead: not poisoned, they keep the previous block's values). Threads run one at a
+// time, so atomics are plain read-modify-writes. Launches past the SM90/SM100 limits fail (more
+// than 1024 threads, dynamic shared memory past 48 KB without the opt-in attribute or past
+// 227 KB). The threads of a block resume first-to-last, or last-to-first with
+// CAPMOE_EMULATION_ORDER=reverse; a missing barrier between a write and a read shows in one of
+// the two. Not modelled: the overlap of a programmatic dependent launch with its primary (the
+// dependent simply runs after it, which is what griddepcontrol.wait guarantees), races between
+// blocks, timing.
 #pragma once
 #include <cmath>
 #include <cstdio>
