@@ -18,8 +18,9 @@ failed=0
 for test in "$bundle"/run/tests/*; do
   name="$(basename "$test")"
   [[ -n "$filter" && "$name" != *"$filter"* ]] && continue
-  # CPU-only: builds the emulated kernels from the source tree with a host compiler.
-  [[ "$name" == echo_emulated ]] && continue
+  # CPU-only (echo_emulated, routing_emulated): they build the kernels from the source tree
+  # with a host compiler, which the GPU machine's copy of the tree is not set up for.
+  [[ "$name" == *_emulated ]] && continue
   start=$(date +%s%N)
   "$test" --test-threads=1 >"$logs/$name.log" 2>&1
   rc=$?
