@@ -5,7 +5,8 @@
 //! bit, with the token count on the host, from device memory under a larger bound (junk routes
 //! past T neither read nor overwritten), and out of range (flagged), once with the threads of a
 //! block resumed first-to-last and once last-to-first (a missing barrier shows in one). This is
-//! CI's check of the kernels' logic; `echo_gpu` checks the same on the device.
+//! CI's check of the kernels' logic; `echo_gpu` checks the same on the device. The spare-slot
+//! weight kernels (`csrc/echo/echo_weights.cu`) have their own: `echo_weights_emulated`.
 //!
 //! Needs a C++17 compiler (`CXX`, default `c++`); ~25 s. `CAPMOE_EMULATION_CASES=all` adds
 //! larger random shapes (E up to 1024, EP up to 256; ~1 min). `CAPMOE_EMULATION_CXXFLAGS` adds

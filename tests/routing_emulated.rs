@@ -4,14 +4,17 @@
 //! C ABI by `tests/emulation/routing_driver.cpp` on the shapes of `routing_gpu`: build (both
 //! m_splits, offsets, both maps, expert counts, flags: capacity and per-expert dropping, bad
 //! ids, out-of-range device T), then with every optional output left out, permute, unpermute,
-//! permute_backward, unpermute_backward and SwiGLU forward / backward, for bf16 and fp16
-//! activations with f32, bf16 and fp16 probs, the token count on the host and on the device.
-//! Every output starts poisoned and carries a poisoned guard tail, and must equal the Rust CPU
-//! reference bit for bit, except SwiGLU (within `routing_gpu`'s tolerance, see `assert_close`),
-//! once with the threads of a block resumed first-to-last and once last-to-first. This is CI's
-//! check of the kernels' logic; `routing_gpu` checks the same on the device.
+//! permute_backward, unpermute_backward and SwiGLU forward / backward, and the Megatron-map
+//! conversion from_map (ids, probs, flags: TOO_MANY at k + 1 routes, out-of-range device T, OR-ed
+//! into a word with another bit set; again with flags NULL; on every case's own [T_max, E] map
+//! plus `routing_gpu`'s map shapes feeding build), for bf16 and fp16 activations with f32, bf16
+//! and fp16 probs, the token count on the host and on the device. Every output starts poisoned
+//! and carries a poisoned guard tail, and must equal the Rust CPU reference bit for bit, except
+//! SwiGLU (within `routing_gpu`'s tolerance, see `assert_close`), once with the threads of a
+//! block resumed first-to-last and once last-to-first. This is CI's check of the kernels' logic;
+//! `routing_gpu` checks the same on the device.
 //!
-//! Needs a C++17 compiler (`CXX`, default `c++`); ~10 s. `CAPMOE_EMULATION_CXXFLAGS` adds
+//! Needs a C++17 compiler (`CXX`, default `c++`); ~12 s. `CAPMOE_EMULATION_CXXFLAGS` adds
 //! compiler flags (sanitizers), as for `echo_emulated`.
 
 mod common;
@@ -71,10 +74,50 @@ struct Case {
     tokens: Tokens,
     capacity: Option<usize>,
     expert_capacity: usize,
+    /// The chance of each [token, expert] entry of from_map's routing map being set; `None`:
+    /// k / E (capped at 1), so about half the tokens have more than k routes.
+    map_density: Option<f64>,
+    /// At most this many routes per token in that map (the lowest experts kept).
+    map_routes_cap: Option<usize>,
 }
 
 fn case(name: &str, e: usize, k: usize, h: usize, f: usize, t_max: usize, tokens: Tokens) -> Case {
-    Case { name: name.into(), e, k, h, f, t_max, tokens, capacity: None, expert_capacity: 0 }
+    Case { name: name.into(), e, k, h, f, t_max, tokens, capacity: None, expert_capacity: 0, map_density: None, map_routes_cap: None }
+}
+
+/// What from_map's flags word holds before the call (`kFromMapFlagsBefore` of the driver): a
+/// bit no routing flag uses, which must survive.
+const FROM_MAP_FLAGS_BEFORE: i32 = 0x100;
+
+/// From_map's inputs for case `c`: the Megatron routing map [T_max, E] (nonzero entries of any
+/// value are routes) and its probs, from their own generator so that a case can derive its
+/// expert ids from them before `put_case` writes them.
+fn routing_map<P: Scalar>(c: &Case, seed: u64) -> (Vec<u8>, Vec<P>) {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x6d61_7073);
+    let density = c.map_density.unwrap_or((c.k as f64 / c.e as f64).min(1.0));
+    let n = c.t_max * c.e;
+    let mut map: Vec<u8> = (0..n).map(|_| if rng.random_bool(density) { rng.random_range(1..=255) } else { 0 }).collect();
+    if let Some(cap) = c.map_routes_cap {
+        for row in map.chunks_mut(c.e.max(1)) {
+            row.iter_mut().filter(|m| **m != 0).skip(cap).for_each(|m| *m = 0);
+        }
+    }
+    let probs = (0..n).map(|_| P::from_f32(rng.random_range(0.0f32..1.0))).collect();
+    (map, probs)
+}
+
+/// Whether from_map runs a second time with flags NULL: not on the largest maps, whose
+/// conversion dominates the emulation's time.
+fn from_map_without_flags(c: &Case) -> bool {
+    c.t_max * c.e <= 1 << 16
+}
+
+/// The T of a case and the flags resolving it sets (as `r::resolve_tokens`).
+fn tokens_of(c: &Case) -> (usize, i32) {
+    match c.tokens {
+        Tokens::Host(t) => (t, 0),
+        Tokens::Device(v) => r::resolve_tokens(v, c.t_max),
+    }
 }
 
 /// How one output buffer is compared.
@@ -119,16 +162,15 @@ fn put_case<T: Element, P: Element>(out: &mut Vec<u8>, c: &Case, ids: &[i32], se
     let (e, k, h, f, t_max) = (c.e, c.k, c.h, c.f, c.t_max);
     let cap = c.capacity.unwrap_or(t_max * k);
     assert_eq!(ids.len(), t_max * k, "{}: ids length", c.name);
-    let (t, token_flag, host_t, device_t, use_device) = match c.tokens {
-        Tokens::Host(t) => (t, 0, t as i64, 0, 0),
-        Tokens::Device(v) => {
-            let (t, fl) = r::resolve_tokens(v, t_max);
-            (t, fl, -7, v as i64, 1)
-        }
+    let (t, token_flag) = tokens_of(c);
+    let (host_t, device_t, use_device) = match c.tokens {
+        Tokens::Host(t) => (t as i64, 0, 0),
+        Tokens::Device(v) => (-7, v as i64, 1),
     };
     let header = [e, h, f, k, t_max, cap, c.expert_capacity].map(|v| v as i64);
     put(out, &header);
     put(out, &[abi_dtype(T::DTYPE), abi_dtype(P::DTYPE), host_t, device_t, use_device]);
+    put(out, &[from_map_without_flags(c) as i64]);
 
     let x: Vec<T> = (0..t_max * h).map(|_| small_int(&mut rng)).collect();
     let probs: Vec<P> = (0..t_max * k).map(|_| dyadic(&mut rng)).collect();
@@ -143,6 +185,9 @@ fn put_case<T: Element, P: Element>(out: &mut Vec<u8>, c: &Case, ids: &[i32], se
     put(out, &dy);
     put(out, &hbuf);
     put(out, &dact);
+    let (routing, routing_probs) = routing_map::<P>(c, seed);
+    put(out, &routing);
+    put(out, &routing_probs);
 
     let mut maps = r::build(ids, t, t_max, e, k, cap, c.expert_capacity);
     maps.flags |= token_flag;
@@ -162,10 +207,12 @@ fn put_case<T: Element, P: Element>(out: &mut Vec<u8>, c: &Case, ids: &[i32], se
     r::swiglu(&hbuf, total, f, &mut act);
     let mut dh = poisoned::<T>(cap * 2 * f);
     r::swiglu_backward(&dact, &hbuf, total, f, &mut dh);
+    let (mut map_ids, mut map_k_probs) = (poisoned::<i32>(t_max * k), poisoned::<P>(t_max * k));
+    let map_flags = r::from_map(&routing, &routing_probs, t, e, k, &mut map_ids, &mut map_k_probs) | token_flag;
 
     let b = |v: Vec<u8>| (v, Check::Bitwise);
     let bytes = |v: &[u8]| v.to_vec();
-    let buffers = vec![
+    let mut buffers = vec![
         ("m_splits_i32", b(bytes(bytemuck::cast_slice(&guarded(m32))))),
         ("m_splits_i64", b(bytes(bytemuck::cast_slice(&guarded(maps.m_splits.clone()))))),
         ("offsets", b(bytes(bytemuck::cast_slice(&guarded(maps.offsets.clone()))))),
@@ -182,7 +229,14 @@ fn put_case<T: Element, P: Element>(out: &mut Vec<u8>, c: &Case, ids: &[i32], se
         ("unpermute_backward dprobs", b(bytes(bytemuck::cast_slice(&dprobs)))),
         ("swiglu act", (bytes(bytemuck::cast_slice(&act)), Check::Close(total * f, T::DTYPE))),
         ("swiglu dh", (bytes(bytemuck::cast_slice(&dh)), Check::Close(total * 2 * f, T::DTYPE))),
+        ("from_map expert_ids", b(bytes(bytemuck::cast_slice(&map_ids)))),
+        ("from_map probs", b(bytes(bytemuck::cast_slice(&map_k_probs)))),
+        ("from_map flags", b(bytes(bytemuck::cast_slice(&guarded(vec![FROM_MAP_FLAGS_BEFORE | map_flags]))))),
     ];
+    if from_map_without_flags(c) {
+        buffers.push(("from_map expert_ids (flags NULL)", b(bytes(bytemuck::cast_slice(&map_ids)))));
+        buffers.push(("from_map probs (flags NULL)", b(bytes(bytemuck::cast_slice(&map_k_probs)))));
+    }
     let name = format!("{} ({:?} / {:?} probs, E={e} k={k} H={h} F={f} T_max={t_max} {:?} capacity={cap} expert_capacity={})", c.name, T::DTYPE, P::DTYPE, c.tokens, c.expert_capacity);
     Expected { name, buffers: buffers.into_iter().map(|(n, (v, c))| (n, v, c)).collect() }
 }
@@ -207,12 +261,17 @@ fn assert_close(what: &str, got: &[u8], want: &[u8], n: usize, d: DType) {
     assert!(got[2 * n..] == want[2 * n..], "{what}: the untouched tail (rows past offsets[E]) changed");
 }
 
+/// The statuses the driver writes per case: workspace_size, build twice, permute, unpermute,
+/// their backwards, SwiGLU forward and backward, from_map twice (the second 0 where it is not
+/// run, see `from_map_without_flags`).
+const STATUSES: usize = 11;
+
 /// Compares the driver's output file with the expectations, in order.
 fn check_output(output: &[u8], expected: &[Expected], order: &str) {
     let mut at = 0;
     for exp in expected {
-        let status: &[i32] = bytemuck::cast_slice(&output[at..at + 36]);
-        at += 36;
+        let status: &[i32] = bytemuck::cast_slice(&output[at..at + 4 * STATUSES]);
+        at += 4 * STATUSES;
         assert!(status.iter().all(|&s| s == 0), "{} ({order}): statuses {status:?}", exp.name);
         for (what, want, check) in &exp.buffers {
             let got = &output[at..at + want.len()];
@@ -305,7 +364,55 @@ fn cases(out: &mut Vec<u8>) -> Vec<Expected> {
     let ids: Vec<i32> = (0..5000).map(|_| (rng.random_range(0..1024u32).pow(2) / 1024) as i32).collect();
     let c = case("E=1024 skewed", 1024, 1, 64, 32, 5000, Tokens::Host(5000));
     x.push(put_case::<bf16, f32>(out, &c, &ids, 52));
+    x.extend(megatron_cases(out, &mut rng));
     x
+}
+
+/// From_map's own cases: `routing_gpu`'s Megatron-map shapes (T on the device, E = 200 not a
+/// multiple of a warp, the dense one overflowing k), each building from the ids the map
+/// converts to, as a Megatron layer would; then maps with no routes, with every entry set,
+/// with exactly k and with k + 1 routes per token (TOO_MANY's edge), with routes crossing k
+/// inside a warp's 32 experts, and a T_max = 0 plan given device T in and out of range (out of
+/// range must still be flagged).
+fn megatron_cases(out: &mut Vec<u8>, rng: &mut StdRng) -> Vec<Expected> {
+    let mut x = Vec::new();
+    for (i, &(e, k, t_max, t, density)) in [(64, 8, 300, 300, 0.1), (200, 4, 100, 90, 0.03), (8, 2, 40, 40, 0.5)].iter().enumerate() {
+        let mut c = case("Megatron map -> ids -> build", e, k, 64, 32, t_max, Tokens::Device(t));
+        c.map_density = Some(density);
+        let seed = 61 + i as u64;
+        let ids = ids_from_map::<f32>(&c, seed, rng);
+        x.push(put_case::<bf16, f32>(out, &c, &ids, seed));
+    }
+    let ids = topk_ids(rng, 64, 40, 4);
+    for (name, density) in [("map with no routes", 0.0), ("map with every entry set", 1.0)] {
+        let mut c = case(name, 40, 4, 64, 32, 64, Tokens::Host(60));
+        c.map_density = Some(density);
+        x.push(put_case::<f16, bf16>(out, &c, &ids, 64));
+    }
+    // TOO_MANY's edge: exactly k routes per token is no overflow, k + 1 is.
+    for (name, cap) in [("map with exactly k routes per token", 6), ("map with at most k + 1 routes per token", 7)] {
+        let mut c = case(name, 48, 6, 64, 32, 30, Tokens::Host(30));
+        (c.map_density, c.map_routes_cap) = (Some(0.5), Some(cap));
+        x.push(put_case::<bf16, f32>(out, &c, &topk_ids(rng, 30, 48, 6), 67));
+    }
+    let mut c = case("map: ~40 of 256 experts per token, k = 32", 256, 32, 64, 32, 48, Tokens::Device(45));
+    c.map_density = Some(40.0 / 256.0);
+    x.push(put_case::<bf16, f16>(out, &c, &topk_ids(rng, 48, 256, 32), 65));
+    for v in [0, 5] {
+        let c = case(&format!("T_max = 0, device T = {v}"), 4, 2, 64, 32, 0, Tokens::Device(v));
+        x.push(put_case::<bf16, f32>(out, &c, &[], 66));
+    }
+    x
+}
+
+/// Expert ids as a Megatron layer gets them: from_map of the case's routing map for the first
+/// T tokens, junk (which build must not read) after.
+fn ids_from_map<P: Scalar>(c: &Case, seed: u64, rng: &mut StdRng) -> Vec<i32> {
+    let (map, probs) = routing_map::<P>(c, seed);
+    let mut ids: Vec<i32> = (0..c.t_max * c.k).map(|_| rng.random_range(-3..c.e as i32 + 3)).collect();
+    let mut ignored = vec![P::default(); c.t_max * c.k];
+    r::from_map(&map, &probs, tokens_of(c).0, c.e, c.k, &mut ids, &mut ignored);
+    ids
 }
 
 #[test]

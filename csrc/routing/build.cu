@@ -266,8 +266,8 @@ struct FromMap {
   cudaStream_t stream;
   template <class Elem, class P>
   capmoe_status_t run() const {
-    const int64_t blocks = (d->max_tokens + kWarps - 1) / kWarps;
-    if (blocks == 0) return CAPMOE_OK;
+    // NOTE: one block even for T_max = 0: it reads the device T and flags one out of range.
+    const int64_t blocks = d->max_tokens > 0 ? (d->max_tokens + kWarps - 1) / kWarps : 1;
     return launch(from_map_kernel<P>, static_cast<unsigned>(blocks), kThreads, 0, stream,
                   map, static_cast<const P*>(map_probs), num_tokens, device_tokens,
                   static_cast<int>(d->max_tokens), static_cast<int>(d->topk),

@@ -1,6 +1,7 @@
 // CPU emulation of the CUDA subset the Echo and routing kernels use, for testing their logic bit
 // for bit on a machine without a GPU (tests/echo_emulated.rs compiles csrc/echo/echo_plan.cu
-// against it, tests/routing_emulated.rs the csrc/routing/*.cu kernels).
+// against it, tests/echo_weights_emulated.rs csrc/echo/echo_weights.cu, tests/routing_emulated.rs
+// the csrc/routing/*.cu kernels).
 //
 // Model: a launch runs its blocks one after another; the CUDA threads of a block are
 // coroutines on one OS thread, so __syncthreads, the warp shuffles / ballots / reductions and
@@ -10,11 +11,17 @@
 // statics instead: not poisoned, they keep the previous block's values). Threads run one at a
 // time, so atomics are plain read-modify-writes. Launches past the SM90/SM100 limits fail (more
 // than 1024 threads, dynamic shared memory past 48 KB without the opt-in attribute or past
-// 227 KB). The threads of a block resume first-to-last, or last-to-first with
+// 227 KB, a grid past 2^31-1 x 65535 x 65535). Grids may be 1-, 2- or 3-D (blocks run x fastest);
+// blocks are 1-D only. The threads of a block resume first-to-last, or last-to-first with
 // CAPMOE_EMULATION_ORDER=reverse; a missing barrier between a write and a read shows in one of
 // the two. Not modelled: the overlap of a programmatic dependent launch with its primary (the
 // dependent simply runs after it, which is what griddepcontrol.wait guarantees), races between
 // blocks, timing.
+//
+// Host C++ has no `kernel<<<grid, block, smem, stream>>>(args)` and no `extern __shared__`; a
+// test that compiles a source using them rewrites those two spellings first, into
+// `emu::chevrons(kernel, grid, block, smem, stream)(args)` and
+// `CAPMOE_EMULATED_EXTERN_SHARED(type, name)` (tests/echo_weights_emulated.rs does).
 #pragma once
 #include <cmath>
 #include <cstdio>
@@ -68,6 +75,7 @@ namespace emu {
 constexpr size_t kDefaultDynamicSmem = 48 * 1024;  // without the opt-in attribute
 constexpr size_t kMaxDynamicSmem = 227 * 1024;     // per block, with it
 constexpr unsigned kMaxThreadsPerBlock = 1024;
+constexpr unsigned kMaxGridX = 0x7fffffffu, kMaxGridYZ = 65535;
 inline std::map<const void*, size_t>& smem_opt_in() {
   static std::map<const void*, size_t> m;
   return m;
@@ -79,7 +87,19 @@ inline cudaError_t cudaFuncSetAttribute(const void* kernel, cudaFuncAttribute, i
   return cudaSuccess;
 }
 inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
-inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+namespace emu {
+// The error of the last failed <<<>>> launch, until cudaGetLastError reads and clears it.
+inline cudaError_t& last_launch_error() {
+  static cudaError_t e = cudaSuccess;
+  return e;
+}
+}  // namespace emu
+inline cudaError_t cudaPeekAtLastError() { return emu::last_launch_error(); }
+inline cudaError_t cudaGetLastError() {
+  const cudaError_t e = emu::last_launch_error();
+  emu::last_launch_error() = cudaSuccess;
+  return e;
+}
 enum cudaLaunchAttributeID { cudaLaunchAttributeProgrammaticStreamSerialization = 1 };
 struct cudaLaunchAttributeValue { int programmaticStreamSerializationAllowed; };
 struct cudaLaunchAttribute { cudaLaunchAttributeID id; cudaLaunchAttributeValue val; };
@@ -286,6 +306,8 @@ inline void cp_async_wait_all() {}
 inline void keep_in_register(int&) {}
 }  // namespace capmoe
 #define CAPMOE_DYNAMIC_SMEM(name) unsigned char* name = emu::block->smem
+// `extern __shared__ type name[];`: the block's dynamic shared memory (see the header comment).
+#define CAPMOE_EMULATED_EXTERN_SHARED(type, name) type* name = reinterpret_cast<type*>(emu::block->smem)
 
 // ------------------------------------------------------------------ launches
 namespace emu {
@@ -345,7 +367,8 @@ inline void run_block(Block& b) {
     }
     // A full round in which no thread arrived anywhere or returned would repeat forever.
     if (left > 0 && left == was_left && arrivals == before) {
-      std::fprintf(stderr, "emulation: deadlock in block %u: %d threads wait at barriers the others never reach\n", blockIdx.x, left);
+      std::fprintf(stderr, "emulation: deadlock in block (%u, %u, %u): %d threads wait at barriers the others never reach\n",
+                   blockIdx.x, blockIdx.y, blockIdx.z, left);
       std::abort();
     }
   }
@@ -353,41 +376,56 @@ inline void run_block(Block& b) {
 }  // namespace emu
 
 namespace emu {
+inline bool grid_in_limits(const dim3& g) {
+  return g.x >= 1 && g.y >= 1 && g.z >= 1 && g.x <= kMaxGridX && g.y <= kMaxGridYZ && g.z <= kMaxGridYZ;
+}
+
+// Runs one block (blockIdx set) of the launch in progress.
+inline void run_one_block(unsigned threads, size_t smem_bytes) {
+  Block blk;
+  blk.bar.expected = (int)threads;
+  blk.warp_bars.resize((threads + 31) / 32);
+  for (auto& w : blk.warp_bars) w.expected = 32;
+  blk.lane_value.assign(threads, 0);
+  std::vector<unsigned char> smem(smem_bytes + 1, 0xA7);  // poisoned
+  blk.smem = smem.data();
+  blk.threads.resize(threads);
+  for (unsigned i = 0; i < threads; ++i) {
+    Thread& t = blk.threads[i];
+    t.stack = stack_of((int)i);
+    getcontext(&t.context);
+    t.context.uc_stack.ss_sp = t.stack;
+    t.context.uc_stack.ss_size = kStackBytes;
+    t.context.uc_link = nullptr;  // thread_entry never returns
+    makecontext(&t.context, &thread_entry, 0);
+  }
+  block = &blk;
+  run_block(blk);
+}
+
 // Runs `call` as every thread of every block of the launch `c` of `kernel`.
 inline cudaError_t launch(const cudaLaunchConfig_t* c, const void* kernel, const std::function<void()>& call) {
+  if (c->blockDim.y != 1 || c->blockDim.z != 1) {
+    std::fprintf(stderr, "emulation: 2-D / 3-D blocks are not modelled\n");
+    std::abort();
+  }
   const unsigned threads = c->blockDim.x;
   size_t smem_limit = kDefaultDynamicSmem;
   const auto opt_in = smem_opt_in().find(kernel);
   if (opt_in != smem_opt_in().end() && opt_in->second > smem_limit) smem_limit = opt_in->second;
   // (threads % 32: the emulated warp barriers count whole warps; the kernels launch whole warps)
-  if (c->gridDim.x == 0 || threads == 0 || threads > kMaxThreadsPerBlock || threads % 32 != 0 ||
+  if (!grid_in_limits(c->gridDim) || threads == 0 || threads > kMaxThreadsPerBlock || threads % 32 != 0 ||
       c->dynamicSmemBytes > smem_limit)
     return cudaErrorInvalidConfiguration;
   kernel_call = &call;
   blockDim = dim3(threads);
-  gridDim = dim3(c->gridDim.x);
-  for (unsigned b = 0; b < c->gridDim.x; ++b) {
-    Block blk;
-    blk.bar.expected = (int)threads;
-    blk.warp_bars.resize((threads + 31) / 32);
-    for (auto& w : blk.warp_bars) w.expected = 32;
-    blk.lane_value.assign(threads, 0);
-    std::vector<unsigned char> smem(c->dynamicSmemBytes + 1, 0xA7);  // poisoned
-    blk.smem = smem.data();
-    blk.threads.resize(threads);
-    for (unsigned i = 0; i < threads; ++i) {
-      Thread& t = blk.threads[i];
-      t.stack = stack_of((int)i);
-      getcontext(&t.context);
-      t.context.uc_stack.ss_sp = t.stack;
-      t.context.uc_stack.ss_size = kStackBytes;
-      t.context.uc_link = nullptr;  // thread_entry never returns
-      makecontext(&t.context, &thread_entry, 0);
-    }
-    blockIdx = dim3(b);
-    block = &blk;
-    run_block(blk);
-  }
+  gridDim = c->gridDim;
+  for (unsigned z = 0; z < gridDim.z; ++z)
+    for (unsigned y = 0; y < gridDim.y; ++y)
+      for (unsigned x = 0; x < gridDim.x; ++x) {
+        blockIdx = dim3(x, y, z);
+        run_one_block(threads, c->dynamicSmemBytes);
+      }
   return cudaSuccess;
 }
 }  // namespace emu
@@ -401,3 +439,29 @@ inline cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* c, void (*kernel
     return emu::launch(c, reinterpret_cast<const void*>(kernel), call);
   }(std::forward<A>(args)...);
 }
+
+namespace emu {
+// The launch `kernel<<<grid, block, smem, stream>>>(args)` as `chevrons(kernel, grid, block,
+// smem, stream)(args)`: as in CUDA, a configuration error is not returned but left for
+// cudaGetLastError.
+template <class... P>
+struct Chevrons {
+  void (*kernel)(P...);
+  cudaLaunchConfig_t config;
+  template <class... A>
+  void operator()(A&&... args) const {
+    const cudaError_t e = cudaLaunchKernelEx(&config, kernel, std::forward<A>(args)...);
+    if (e != cudaSuccess) last_launch_error() = e;
+  }
+};
+template <class... P>
+inline Chevrons<P...> chevrons(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem = 0,
+                               cudaStream_t stream = nullptr) {
+  cudaLaunchConfig_t c = {};
+  c.gridDim = grid;
+  c.blockDim = block;
+  c.dynamicSmemBytes = smem;
+  c.stream = stream;
+  return {kernel, c};
+}
+}  // namespace emu

@@ -2,13 +2,16 @@
 // the cases tests/routing_emulated.rs writes, through the C ABI of capturable_moe/routing.h, and
 // writes every output buffer back for the Rust side to compare with its CPU reference.
 //
-// Case (little-endian): 12 int64 (E, H, F, k, T_max, capacity, expert_capacity, dtype,
-// prob_dtype, host T, device T, use the device T), then expert_ids [T_max k] int32,
+// Case (little-endian): 13 int64 (E, H, F, k, T_max, capacity, expert_capacity, dtype,
+// prob_dtype, host T, device T, use the device T, run from_map a second time with flags NULL),
+// then expert_ids [T_max k] int32,
 // x [T_max H], probs [T_max k], out [capacity H], dy [T_max H], h [capacity 2F],
-// dact [capacity F]. Every output buffer gets kGuard poisoned elements past its end and starts
-// poisoned (Poison below), so an element never written or one written past the end shows;
-// every input activation gets a NaN tail, so a read past its end shows as a NaN.
-// Output per case: 9 int32 statuses, then the buffers in the order of Run::outputs.
+// dact [capacity F], routing_map [T_max E] uint8, map_probs [T_max E] (prob dtype). Every
+// output buffer gets kGuard poisoned elements past its end and starts poisoned (Buf below), so
+// an element never written or one written past the end shows; every input gets a poisoned
+// tail (a NaN for 2-byte activations), so a read past its end shows.
+// Output per case: 11 int32 statuses (the last 0 without the second from_map), then the
+// buffers in the order they are written below.
 // Usage: routing_driver CASES_FILE OUTPUT_FILE.
 #include <cstdio>
 #include <cstring>
@@ -21,7 +24,8 @@ namespace {
 constexpr size_t kGuard = 64;
 
 // A buffer of n elements of `size` bytes plus the guard, filled with the poison of its size:
-// 0x7fa5 (a NaN in bf16 and fp16), 0x5a5a5a5a, 0x5a5a5a5a5a5a5a5a.
+// 0x5a (a routed entry of a routing map), 0x7fa5 (a NaN in bf16 and fp16), 0x5a5a5a5a,
+// 0x5a5a5a5a5a5a5a5a.
 struct Buf {
   size_t size = 0;
   std::vector<unsigned char> bytes;  // operator new aligns to 16, as the ABI asks
@@ -41,7 +45,7 @@ struct Buf {
 struct Reader {
   FILE* f;
   bool ok = true;
-  // Reads n elements of `elem` bytes into a buffer with a NaN-poisoned tail.
+  // Reads n elements of `elem` bytes into a buffer with a poisoned tail.
   Buf input(size_t n, size_t elem) {
     Buf b(n, elem);
     ok = ok && (n == 0 || std::fread(b.data(), elem, n, f) == n);
@@ -51,9 +55,19 @@ struct Reader {
 
 size_t dtype_bytes(int64_t d) { return d == CAPMOE_DTYPE_F32 ? 4 : 2; }
 
+// What from_map's flags word holds before the call: a bit no routing flag uses, which must
+// survive (flags are OR-ed into, never overwritten).
+constexpr int32_t kFromMapFlagsBefore = 0x100;
+
+// from_map's [T_max, k] ids and probs (poisoned) and its flags word.
+struct FromMapOutputs {
+  Buf ids, probs, flags;
+  FromMapOutputs(size_t routes, size_t prob_bytes) : ids(routes, 4), probs(routes, prob_bytes), flags(1, 4) {}
+};
+
 int run_case(Reader& in, FILE* out) {
-  int64_t h[12];
-  if (std::fread(h, sizeof(int64_t), 12, in.f) != 12) return 0;
+  int64_t h[13];
+  if (std::fread(h, sizeof(int64_t), 13, in.f) != 13) return 0;
   capmoe_routing_desc_t d{};
   d.num_experts = h[0];
   d.hidden = h[1];
@@ -73,10 +87,11 @@ int run_case(Reader& in, FILE* out) {
   Buf ids = in.input(T * k, 4), x = in.input(T * H, es), probs = in.input(T * k, ps);
   Buf rows_in = in.input(cap * H, es), dy = in.input(T * H, es);
   Buf hbuf = in.input(cap * 2 * F, es), dact = in.input(cap * F, es);
+  Buf routing_map = in.input(T * E, 1), map_probs = in.input(T * E, ps);
   if (!in.ok) return -1;
 
   uint64_t ws_bytes = 0;
-  int32_t status[9] = {};
+  int32_t status[11] = {};
   status[0] = capmoe_routing_workspace_size(&d, &ws_bytes);
   std::vector<unsigned char> ws(ws_bytes + 16, 0xa5);
 
@@ -106,10 +121,21 @@ int run_case(Reader& in, FILE* out) {
   status[7] = capmoe_routing_swiglu(&d, hbuf.data(), offs, act.data(), nullptr);
   status[8] = capmoe_routing_swiglu_backward(&d, dact.data(), hbuf.data(), offs, dh.data(), nullptr);
 
-  std::fwrite(status, sizeof(int32_t), 9, out);
+  FromMapOutputs fm(T * k, ps), fm_no_flags(T * k, ps);
+  std::memcpy(fm.flags.data(), &kFromMapFlagsBefore, 4);
+  status[9] = capmoe_routing_from_map(&d, (const uint8_t*)routing_map.data(), map_probs.data(), host_t, t_dev,
+                                      (int32_t*)fm.ids.data(), fm.probs.data(), (int32_t*)fm.flags.data(), nullptr);
+  const bool without_flags = h[12] != 0;
+  if (without_flags)
+    status[10] = capmoe_routing_from_map(&d, (const uint8_t*)routing_map.data(), map_probs.data(), host_t, t_dev,
+                                         (int32_t*)fm_no_flags.ids.data(), fm_no_flags.probs.data(), nullptr, nullptr);
+
+  std::fwrite(status, sizeof(int32_t), 11, out);
   for (Buf* b : {&m32, &m64, &offsets, &row_of_route, &token_of_row, &counts, &flags, &offsets2,
-                 &row_of_route2, &rows, &y, &dx, &drows, &dprobs, &act, &dh})
+                 &row_of_route2, &rows, &y, &dx, &drows, &dprobs, &act, &dh, &fm.ids, &fm.probs, &fm.flags})
     std::fwrite(b->data(), 1, b->bytes.size(), out);
+  if (without_flags)
+    for (Buf* b : {&fm_no_flags.ids, &fm_no_flags.probs}) std::fwrite(b->data(), 1, b->bytes.size(), out);
   return 1;
 }
 
