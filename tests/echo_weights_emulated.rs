@@ -11,15 +11,12 @@
 //! bit for bit (status, error word, every output byte), in both thread orders. `echo_gpu`
 //! checks the same kernels on the device.
 //!
-//! The source uses two spellings host C++ lacks, `kernel<<<...>>>(...)` and `extern
-//! __shared__`; [`host_compilable`] rewrites them into the emulation's stand-ins first.
-//!
 //! Needs a C++17 compiler (`CXX`, default `c++`); ~8 s (half of it the two 8192-slot cases). `CAPMOE_EMULATION_CXXFLAGS` adds
 //! compiler flags (sanitizers), as for `echo_emulated`.
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use bytemuck::Pod;
 use capturable_moe::echo::DeviceErrors;
@@ -330,52 +327,6 @@ fn rejected_cases(valid: Case) -> Vec<Case> {
     x
 }
 
-/// `source` with the two CUDA spellings that host C++ lacks rewritten into the emulation's
-/// stand-ins (cpu_emulation.h): `k<<<g, b, s, st>>>(` into `emu::chevrons(k, g, b, s, st)(`,
-/// `extern __shared__ T name[];` into `CAPMOE_EMULATED_EXTERN_SHARED(T, name);`.
-fn host_compilable(source: &str) -> String {
-    rewrite_extern_shared(&rewrite_launches(source))
-}
-
-fn rewrite_launches(source: &str) -> String {
-    let (mut out, mut rest) = (String::new(), source);
-    while let Some(open) = rest.find("<<<") {
-        let close = open + rest[open..].find(">>>").expect("a <<< without >>>");
-        let is_name = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == ':';
-        let name = rest[..open].rfind(|c: char| !is_name(c)).map_or(0, |i| i + 1);
-        out.push_str(&rest[..name]);
-        out.push_str(&format!("emu::chevrons({}, {})", &rest[name..open], &rest[open + 3..close]));
-        rest = &rest[close + 3..];
-    }
-    out + rest
-}
-
-fn rewrite_extern_shared(source: &str) -> String {
-    const KEY: &str = "extern __shared__ ";
-    let (mut out, mut rest) = (String::new(), source);
-    while let Some(at) = rest.find(KEY) {
-        let end = at + rest[at..].find(';').expect("an extern __shared__ without ;");
-        let decl = rest[at + KEY.len()..end].trim();
-        let array = decl.strip_suffix("[]").expect("extern __shared__ of an unsized array");
-        let split = array.rfind(char::is_whitespace).expect("extern __shared__ type and name");
-        out.push_str(&rest[..at]);
-        out.push_str(&format!("CAPMOE_EMULATED_EXTERN_SHARED({}, {})", array[..split].trim(), &array[split + 1..]));
-        rest = &rest[end..];
-    }
-    out + rest
-}
-
-/// echo_weights.cu made host-compilable, written next to the test's other scratch files.
-fn emulable_source() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let source = std::fs::read_to_string(root.join("csrc/echo/echo_weights.cu")).unwrap();
-    let rewritten = host_compilable(&source);
-    assert!(!rewritten.contains("<<<") && !rewritten.contains("extern __shared__"), "rewrite left CUDA-only syntax");
-    let path = Path::new(env!("CARGO_TARGET_TMPDIR")).join("echo_weights_emulated.cu");
-    std::fs::write(&path, rewritten).unwrap();
-    path
-}
-
 fn check_output(output: &[u8], cases: &[Case], order: &str) {
     let mut at = 0;
     for c in cases {
@@ -406,8 +357,7 @@ fn spare_weight_kernels_match_the_reference_under_cpu_emulation() {
     let file = dir.join("echo_weights_emulated_cases.bin");
     std::fs::write(&file, &input).unwrap();
 
-    let source = emulable_source();
-    let exe = common::emulation::build("echo_weights_emulator", &[source.to_str().unwrap()], "tests/emulation/echo_weights_driver.cpp");
+    let exe = common::emulation::build("echo_weights_emulator", &["csrc/echo/echo_weights.cu"], "tests/emulation/echo_weights_driver.cpp");
     for order in common::emulation::THREAD_ORDERS {
         let result = dir.join(format!("echo_weights_emulated_{order}.bin"));
         let report = common::emulation::run(&exe, &[&file, &result], order);
@@ -415,11 +365,4 @@ fn spare_weight_kernels_match_the_reference_under_cpu_emulation() {
         check_output(&std::fs::read(&result).unwrap(), &cases, order);
         println!("{order} thread order: {} cases match", cases.len());
     }
-}
-
-#[test]
-fn the_rewrite_turns_launches_and_extern_shared_into_the_stand_ins() {
-    let cuda = "k<<<dim3(a, b), 256, smem, s>>>(x, y);\n  extern __shared__ int32_t list[];";
-    let host = "emu::chevrons(k, dim3(a, b), 256, smem, s)(x, y);\n  CAPMOE_EMULATED_EXTERN_SHARED(int32_t, list);";
-    assert_eq!(host_compilable(cuda), host);
 }

@@ -15,6 +15,8 @@
 
 #include "capturable_moe/echo.h"
 #include "common/boundary.cuh"
+#include "common/device_primitives.cuh"
+#include "common/launch.cuh"
 
 namespace capmoe {
 namespace echo {
@@ -56,7 +58,8 @@ __global__ void __launch_bounds__(kThreads) fold_kernel(const int64_t* slot_expe
                                                         int64_t num_slots, const float* dw_slot,
                                                         float* dw_home, int64_t elems,
                                                         int64_t* error_flags) {
-  extern __shared__ int32_t s_list[];  // [num_slots + 1]: this expert's slots, ascending
+  CAPMOE_DYNAMIC_SMEM(smem);
+  int32_t* s_list = reinterpret_cast<int32_t*>(smem);  // [num_slots]: this expert's slots, ascending
   __shared__ int s_count;
   const int64_t j = blockIdx.y;
   const int64_t e = slot_expert[j];
@@ -114,11 +117,10 @@ extern "C" capmoe_status_t capmoe_echo_fill_spare_weights(const int64_t* slot_ex
                        (reinterpret_cast<uintptr_t>(home) & 15) == 0 &&
                        (reinterpret_cast<uintptr_t>(spare) & 15) == 0;
     const int64_t work = vec16 ? bytes_per_expert / 16 : bytes_per_expert;
-    dim3 grid(grid_x(work), (unsigned)num_slots);
-    fill_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-        slot_expert, num_experts, slot_begin, static_cast<const uint8_t*>(home),
-        static_cast<uint8_t*>(spare), bytes_per_expert, vec16, error_flags);
-    return capmoe::launch_status();
+    return capmoe::launch(fill_kernel, dim3(grid_x(work), (unsigned)num_slots), kThreads, 0,
+                          static_cast<cudaStream_t>(stream), slot_expert, num_experts, slot_begin,
+                          static_cast<const uint8_t*>(home), static_cast<uint8_t*>(spare),
+                          bytes_per_expert, vec16, error_flags);
   });
 }
 
@@ -132,10 +134,9 @@ extern "C" capmoe_status_t capmoe_echo_fold_spare_grads(const int64_t* slot_expe
       return CAPMOE_ERR_INVALID_ARGUMENT;
     if (num_slots == 0 || elems_per_expert == 0) return CAPMOE_OK;
     if (!slot_expert || !dw_slot || !dw_home) return CAPMOE_ERR_INVALID_ARGUMENT;
-    dim3 grid(grid_x(elems_per_expert), (unsigned)num_slots);
-    const size_t smem = sizeof(int32_t) * (size_t)(num_slots + 1);
-    fold_kernel<<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(
-        slot_expert, num_experts, num_slots, dw_slot, dw_home, elems_per_expert, error_flags);
-    return capmoe::launch_status();
+    const size_t smem = sizeof(int32_t) * (size_t)num_slots;  // <= 32 KB: no opt-in needed
+    return capmoe::launch(fold_kernel, dim3(grid_x(elems_per_expert), (unsigned)num_slots),
+                          kThreads, smem, static_cast<cudaStream_t>(stream), slot_expert,
+                          num_experts, num_slots, dw_slot, dw_home, elems_per_expert, error_flags);
   });
 }

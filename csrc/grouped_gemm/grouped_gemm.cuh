@@ -10,13 +10,13 @@
 // Every step is an asynchronous launch on the caller's stream: no allocation, no host sync.
 #pragma once
 
-#include <cub/block/block_scan.cuh>
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <type_traits>
 
 #include "common/boundary.cuh"
+#include "grouped_gemm/arguments.cuh"
 #include "grouped_gemm/launch.h"
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
@@ -25,7 +25,6 @@
 
 namespace capmoe::gg {
 
-constexpr int kArgumentThreads = 1024;
 constexpr uint64_t kSectionAlign = 256;
 
 inline uint64_t align_up(uint64_t bytes) { return (bytes + kSectionAlign - 1) / kSectionAlign * kSectionAlign; }
@@ -78,145 +77,25 @@ struct ArgumentArrays {
     cutlass_workspace = base ? static_cast<char*>(base) + used : nullptr;
     return used;
   }
-};
 
-template <class Arrays>
-struct ArgumentParams {
-  Arrays arrays;
-  const void* m_splits;
-  bool splits_are_i64;
-  int32_t op;
-  bool weights_as_pointers;
-  bool weights_transposed;  // CAPMOE_WEIGHT_EKN
-  bool accumulate;
-  int64_t experts, n, k, capacity;
-  const void* a;
-  const void* b;
-  void* d;
-  int32_t* overflow_flags;
-};
-
-__device__ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-// Writes group e's problem, pointers and strides for `rows` rows starting at row `start`.
-template <class Arrays>
-__device__ int32_t write_group(const ArgumentParams<Arrays>& p, int64_t e, int64_t start, int64_t rows) {
-  using EA = typename Arrays::ElementA;
-  using EB = typename Arrays::ElementB;
-  using ED = typename Arrays::ElementD;
-  Arrays arr = p.arrays;
-  const int n = static_cast<int>(p.n), k = static_cast<int>(p.k), m = static_cast<int>(rows);
-  const int64_t matrix = p.n * p.k;
-  int32_t bits = 0;
-
-  // The per-expert matrix of the weight-shaped operand (W for FPROP/DGRAD, dW for WGRAD),
-  // whose elements are `element_bytes` wide (dW may be fp32 while W is 16-bit).
-  auto expert_matrix = [&](const void* base, int64_t element_bytes) -> const void* {
-    if (p.weights_as_pointers) {
-      const void* ptr = static_cast<const void* const*>(base)[e];
-      if (ptr == nullptr) bits |= CAPMOE_OVERFLOW_NULL_POINTER;
-      else if (!aligned16(ptr)) bits |= CAPMOE_OVERFLOW_MISALIGNED;
-      return ptr;
-    }
-    return static_cast<const char*>(base) + e * matrix * element_bytes;
-  };
-
-  int gm = 0, gn = 0, gk = 0;
-  const void *ptr_a = nullptr, *ptr_b = nullptr;
-  void* ptr_d = nullptr;
-  if (p.op == CAPMOE_GEMM_FPROP || p.op == CAPMOE_GEMM_DGRAD) {
-    const bool fprop = p.op == CAPMOE_GEMM_FPROP;
-    const int in_cols = fprop ? k : n, out_cols = fprop ? n : k;
-    gm = m, gn = out_cols, gk = in_cols;
-    ptr_a = static_cast<const EA*>(p.a) + start * in_cols;
-    ptr_b = expert_matrix(p.b, sizeof(EB));
-    ptr_d = static_cast<ED*>(p.d) + start * out_cols;
-  } else {
-    // dW_e = dY_e^T X_e; stored [N, K] (ENK) or, transposed, [K, N] = X_e^T dY_e (EKN).
-    const void* dy = static_cast<const EA*>(p.a) + start * n;
-    const void* x = static_cast<const EB*>(p.b) + start * k;
-    ptr_d = const_cast<void*>(expert_matrix(p.d, sizeof(ED)));
-    if (p.weights_transposed) {
-      gm = k, gn = n, ptr_a = x, ptr_b = dy;
+  // Group e's problem size, pointers and packed strides (write_group in arguments.cuh).
+  __device__ void store(int64_t e, const Group& g) const {
+    problems[e] = ProblemShape(g.m, g.n, g.k);
+    a[e] = static_cast<const ElementA*>(g.a);
+    b[e] = static_cast<const ElementB*>(g.b);
+    d[e] = static_cast<ElementD*>(g.d);
+    // A float C (the WGRAD fp32 kernels) always points at D; beta (0 or 1) decides if it is read.
+    if constexpr (std::is_void_v<ElementC>) {
+      c[e] = nullptr;
     } else {
-      gm = n, gn = k, ptr_a = dy, ptr_b = x;
+      c[e] = static_cast<CPtr>(g.d);
     }
-    gk = m;
-    if (m == 0) gm = gn = 0;  // no tiles: never run a mainloop of length zero
+    stride_a[e] = cutlass::make_cute_packed_stride(StrideA{}, {g.m, g.k, 1});
+    stride_b[e] = cutlass::make_cute_packed_stride(StrideB{}, {g.n, g.k, 1});
+    stride_c[e] = cutlass::make_cute_packed_stride(StrideC{}, {g.m, g.n, 1});
+    stride_d[e] = cutlass::make_cute_packed_stride(StrideD{}, {g.m, g.n, 1});
   }
-  if (bits) gm = gn = gk = 0;  // a null / misaligned expert is skipped, never read through TMA
-
-  arr.problems[e] = typename Arrays::ProblemShape(gm, gn, gk);
-  arr.a[e] = static_cast<const EA*>(ptr_a);
-  arr.b[e] = static_cast<const EB*>(ptr_b);
-  arr.d[e] = static_cast<ED*>(ptr_d);
-  // A float C (the WGRAD fp32 kernels) always points at D; beta (0 or 1) decides if it is read.
-  if constexpr (std::is_void_v<typename Arrays::ElementC>) {
-    arr.c[e] = nullptr;
-  } else {
-    arr.c[e] = static_cast<typename Arrays::CPtr>(ptr_d);
-  }
-  arr.stride_a[e] = cutlass::make_cute_packed_stride(typename Arrays::StrideA{}, {gm, gk, 1});
-  arr.stride_b[e] = cutlass::make_cute_packed_stride(typename Arrays::StrideB{}, {gn, gk, 1});
-  arr.stride_c[e] = cutlass::make_cute_packed_stride(typename Arrays::StrideC{}, {gm, gn, 1});
-  arr.stride_d[e] = cutlass::make_cute_packed_stride(typename Arrays::StrideD{}, {gm, gn, 1});
-  return bits;
-}
-
-// One block: each thread owns a contiguous run of experts; a block-wide exclusive scan of the
-// per-thread row sums gives every expert its 64-bit start row.
-template <class Arrays>
-__global__ void __launch_bounds__(kArgumentThreads) write_arguments(ArgumentParams<Arrays> p) {
-  using Scan = cub::BlockScan<int64_t, kArgumentThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
-
-  const int64_t per_thread = (p.experts + kArgumentThreads - 1) / kArgumentThreads;
-  const int64_t first = threadIdx.x * per_thread;
-  const int64_t last = min(p.experts, first + per_thread);
-  int32_t bits = 0;
-
-  // Counts are clamped to [0, capacity + 1]: anything larger overflows anyway, and the clamp
-  // keeps every prefix sum far from int64 overflow.
-  auto count = [&](int64_t e) -> int64_t {
-    const int64_t raw = p.splits_are_i64 ? static_cast<const int64_t*>(p.m_splits)[e]
-                                         : static_cast<const int32_t*>(p.m_splits)[e];
-    if (raw < 0) bits |= CAPMOE_OVERFLOW_NEGATIVE;
-    return min(max(raw, int64_t{0}), p.capacity + 1);
-  };
-
-  int64_t local = 0;
-  for (int64_t e = first; e < last; ++e) local += count(e);
-  int64_t offset = 0, total = 0;
-  Scan(scan_storage).ExclusiveSum(local, offset, total);
-
-  for (int64_t e = first; e < last; ++e) {
-    const int64_t rows = count(e);
-    const int64_t start = min(offset, p.capacity);
-    const int64_t end = min(offset + rows, p.capacity);
-    if (offset + rows > p.capacity) bits |= CAPMOE_OVERFLOW_CAPACITY;
-    p.arrays.row_offsets[e] = start;
-    bits |= write_group(p, e, start, end - start);
-    offset += rows;
-  }
-  if (threadIdx.x == 0) p.arrays.row_offsets[p.experts] = min(total, p.capacity);
-  if (bits && p.overflow_flags) atomicOr(p.overflow_flags, bits);
-}
-
-// WGRAD plain mode: dW_e = 0 for every expert that received no rows (the GEMM skips them).
-template <class ElementD>
-__global__ void zero_empty_experts(const int64_t* row_offsets, void* d, bool d_is_pointer_array,
-                                   int64_t elements_per_expert) {
-  const int64_t e = blockIdx.y;
-  if (row_offsets[e + 1] != row_offsets[e]) return;
-  ElementD* out = d_is_pointer_array ? static_cast<ElementD* const*>(d)[e]
-                                     : static_cast<ElementD*>(d) + e * elements_per_expert;
-  if (out == nullptr || !aligned16(out)) return;  // flagged by write_arguments
-  constexpr int kVec = 16 / sizeof(ElementD);
-  const int64_t vectors = elements_per_expert / kVec;  // N*K is a multiple of 8 (host-checked)
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < vectors; i += int64_t(gridDim.x) * blockDim.x) {
-    reinterpret_cast<uint4*>(out)[i] = make_uint4(0, 0, 0, 0);
-  }
-}
+};
 
 // The shared launch sequence; `Traits` supplies the CUTLASS Gemm type and its hardware info.
 template <class Traits>
@@ -265,7 +144,6 @@ struct Runner {
                                   desc.op,
                                   desc.weights_as_pointers != 0,
                                   desc.weight_layout == CAPMOE_WEIGHT_EKN,
-                                  desc.accumulate != 0,
                                   desc.num_experts,
                                   desc.n,
                                   desc.k,
@@ -274,8 +152,7 @@ struct Runner {
                                   launch.b,
                                   launch.d,
                                   launch.overflow_flags};
-    write_arguments<Arrays><<<1, kArgumentThreads, 0, launch.stream>>>(params);
-    CAPMOE_TRY(launch_status());
+    CAPMOE_TRY(launch_write_arguments(params, launch.stream));
 
     Gemm gemm;
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) return CAPMOE_ERR_CUTLASS;
@@ -286,13 +163,8 @@ struct Runner {
     CAPMOE_TRY(launch_status());
 
     if (desc.op == CAPMOE_GEMM_WGRAD && !desc.accumulate) {
-      const int64_t elements = desc.n * desc.k;
-      const int64_t vectors = elements / (16 / sizeof(typename Arrays::ElementD));
-      const dim3 grid(static_cast<unsigned>(std::min<int64_t>((vectors + 255) / 256, 64)),
-                      static_cast<unsigned>(desc.num_experts));
-      zero_empty_experts<typename Arrays::ElementD>
-          <<<grid, 256, 0, launch.stream>>>(arr.row_offsets, launch.d, desc.weights_as_pointers != 0, elements);
-      CAPMOE_TRY(launch_status());
+      CAPMOE_TRY(launch_zero_empty_experts<typename Arrays::ElementD>(
+          arr.row_offsets, launch.d, desc.weights_as_pointers != 0, desc.num_experts, desc.n * desc.k, launch.stream));
     }
     return CAPMOE_OK;
   }

@@ -12,6 +12,7 @@
 #include "capturable_moe/routing.h"
 #include "common/boundary.cuh"
 #include "common/device_primitives.cuh"
+#include "common/launch.cuh"
 
 namespace capmoe {
 namespace routing {
@@ -157,18 +158,8 @@ capmoe_status_t dispatch(const capmoe_routing_desc_t* d, F&& f) {
   }
 }
 
-// Launches kernel<<<grid, threads, smem_bytes, stream>>>(args...) through cudaLaunchKernelEx
-// (which the CPU emulation of tests/emulation/ can run; it has no <<<>>>).
-template <class... Params, class... Args>
-capmoe_status_t launch(void (*kernel)(Params...), unsigned grid, unsigned threads,
-                       size_t smem_bytes, cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t c = {};
-  c.gridDim = dim3(grid);
-  c.blockDim = dim3(threads);
-  c.dynamicSmemBytes = smem_bytes;
-  c.stream = stream;
-  return cuda_status(cudaLaunchKernelEx(&c, kernel, std::forward<Args>(args)...));
-}
+// The routing entry points call it as routing::launch (they use namespace capmoe::routing).
+using capmoe::launch;
 
 // Threads of a per-token block: one 16-byte vector each, a multiple of 32, at most 256.
 inline int token_block_threads(int64_t vectors) {

@@ -1,7 +1,8 @@
-// CPU emulation of the CUDA subset the Echo and routing kernels use, for testing their logic bit
-// for bit on a machine without a GPU (tests/echo_emulated.rs compiles csrc/echo/echo_plan.cu
-// against it, tests/echo_weights_emulated.rs csrc/echo/echo_weights.cu, tests/routing_emulated.rs
-// the csrc/routing/*.cu kernels).
+// CPU emulation of the CUDA subset the Echo, routing and grouped-GEMM argument kernels use, for
+// testing their logic bit for bit on a machine without a GPU (tests/echo_emulated.rs compiles
+// csrc/echo/echo_plan.cu against it, tests/echo_weights_emulated.rs csrc/echo/echo_weights.cu,
+// tests/routing_emulated.rs the csrc/routing/*.cu kernels, tests/grouped_gemm_emulated.rs
+// csrc/grouped_gemm/arguments.cuh; tests/emulation/cub/ stands in for the CUB they use).
 //
 // Model: a launch runs its blocks one after another; the CUDA threads of a block are
 // coroutines on one OS thread, so __syncthreads, the warp shuffles / ballots / reductions and
@@ -18,10 +19,9 @@
 // dependent simply runs after it, which is what griddepcontrol.wait guarantees), races between
 // blocks, timing.
 //
-// Host C++ has no `kernel<<<grid, block, smem, stream>>>(args)` and no `extern __shared__`; a
-// test that compiles a source using them rewrites those two spellings first, into
-// `emu::chevrons(kernel, grid, block, smem, stream)(args)` and
-// `CAPMOE_EMULATED_EXTERN_SHARED(type, name)` (tests/echo_weights_emulated.rs does).
+// Host C++ has no `kernel<<<...>>>(args)` and no `extern __shared__`: the kernels launch through
+// capmoe::launch (csrc/common/launch.cuh, cudaLaunchKernelEx) and take dynamic shared memory
+// through CAPMOE_DYNAMIC_SMEM, which this file supplies.
 #pragma once
 #include <cmath>
 #include <cstdio>
@@ -87,19 +87,7 @@ inline cudaError_t cudaFuncSetAttribute(const void* kernel, cudaFuncAttribute, i
   return cudaSuccess;
 }
 inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
-namespace emu {
-// The error of the last failed <<<>>> launch, until cudaGetLastError reads and clears it.
-inline cudaError_t& last_launch_error() {
-  static cudaError_t e = cudaSuccess;
-  return e;
-}
-}  // namespace emu
-inline cudaError_t cudaPeekAtLastError() { return emu::last_launch_error(); }
-inline cudaError_t cudaGetLastError() {
-  const cudaError_t e = emu::last_launch_error();
-  emu::last_launch_error() = cudaSuccess;
-  return e;
-}
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }  // launches return their errors
 enum cudaLaunchAttributeID { cudaLaunchAttributeProgrammaticStreamSerialization = 1 };
 struct cudaLaunchAttributeValue { int programmaticStreamSerializationAllowed; };
 struct cudaLaunchAttribute { cudaLaunchAttributeID id; cudaLaunchAttributeValue val; };
@@ -306,8 +294,6 @@ inline void cp_async_wait_all() {}
 inline void keep_in_register(int&) {}
 }  // namespace capmoe
 #define CAPMOE_DYNAMIC_SMEM(name) unsigned char* name = emu::block->smem
-// `extern __shared__ type name[];`: the block's dynamic shared memory (see the header comment).
-#define CAPMOE_EMULATED_EXTERN_SHARED(type, name) type* name = reinterpret_cast<type*>(emu::block->smem)
 
 // ------------------------------------------------------------------ launches
 namespace emu {
@@ -439,29 +425,3 @@ inline cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* c, void (*kernel
     return emu::launch(c, reinterpret_cast<const void*>(kernel), call);
   }(std::forward<A>(args)...);
 }
-
-namespace emu {
-// The launch `kernel<<<grid, block, smem, stream>>>(args)` as `chevrons(kernel, grid, block,
-// smem, stream)(args)`: as in CUDA, a configuration error is not returned but left for
-// cudaGetLastError.
-template <class... P>
-struct Chevrons {
-  void (*kernel)(P...);
-  cudaLaunchConfig_t config;
-  template <class... A>
-  void operator()(A&&... args) const {
-    const cudaError_t e = cudaLaunchKernelEx(&config, kernel, std::forward<A>(args)...);
-    if (e != cudaSuccess) last_launch_error() = e;
-  }
-};
-template <class... P>
-inline Chevrons<P...> chevrons(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem = 0,
-                               cudaStream_t stream = nullptr) {
-  cudaLaunchConfig_t c = {};
-  c.gridDim = grid;
-  c.blockDim = block;
-  c.dynamicSmemBytes = smem;
-  c.stream = stream;
-  return {kernel, c};
-}
-}  // namespace emu
