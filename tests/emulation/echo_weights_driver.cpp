@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "capturable_moe/echo.h"
+#include "driver_main.h"
 
 namespace {
 
@@ -79,24 +80,4 @@ int run_case(FILE* in, FILE* out) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: %s CASES_FILE OUTPUT_FILE\n", argv[0]);
-    return 2;
-  }
-  FILE* in = std::fopen(argv[1], "rb");
-  FILE* out = std::fopen(argv[2], "wb");
-  if (in == nullptr || out == nullptr) {
-    std::perror("echo_weights_driver");
-    return 2;
-  }
-  int n = 0, r;
-  while ((r = run_case(in, out)) == 1) ++n;
-  std::fclose(out);
-  if (r < 0) {
-    std::fprintf(stderr, "case %d: truncated input\n", n);
-    return 1;
-  }
-  std::printf("%d cases\n", n);
-  return 0;
-}
+int main(int argc, char** argv) { return run_cases_main(argc, argv, run_case); }

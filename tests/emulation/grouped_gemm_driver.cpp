@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "grouped_gemm/arguments.cuh"
+#include "driver_main.h"
 
 namespace {
 
@@ -51,16 +52,18 @@ struct Case {
   int64_t op, splits_i64, pointers, transposed, experts, n, k, capacity, d_bytes, zero_fill;
   std::vector<int64_t> counts, kinds;
 
-  bool read(FILE* f) {
+  // 1 after a case, 0 at the end of the file, -1 on a truncated case.
+  int read(FILE* f) {
     int64_t h[10];
-    if (std::fread(h, sizeof(int64_t), 10, f) != 10) return false;
+    const size_t got = std::fread(h, sizeof(int64_t), 10, f);
+    if (got != 10) return got == 0 ? 0 : -1;
     op = h[0], splits_i64 = h[1], pointers = h[2], transposed = h[3], experts = h[4];
     n = h[5], k = h[6], capacity = h[7], d_bytes = h[8], zero_fill = h[9];
     counts.resize(experts);
     kinds.assign(experts, kValid);
     bool ok = std::fread(counts.data(), sizeof(int64_t), experts, f) == (size_t)experts;
     if (pointers) ok = ok && std::fread(kinds.data(), sizeof(int64_t), experts, f) == (size_t)experts;
-    return ok;
+    return ok ? 1 : -1;
   }
   bool wgrad() const { return op == CAPMOE_GEMM_WGRAD; }
   size_t weight_bytes() const { return (size_t)(experts * n * k) * (wgrad() ? d_bytes : 2); }
@@ -133,22 +136,12 @@ void run_case(const Case& c, FILE* out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: %s CASES_FILE OUTPUT_FILE\n", argv[0]);
-    return 2;
-  }
-  FILE* in = std::fopen(argv[1], "rb");
-  FILE* out = std::fopen(argv[2], "wb");
-  if (!in || !out) {
-    std::fprintf(stderr, "cannot open %s or %s\n", argv[1], argv[2]);
-    return 2;
-  }
-  int cases = 0;
-  for (Case c; c.read(in); ++cases) {
+  return run_cases_main(argc, argv, [](FILE* in, FILE* out) {
+    Case c;
+    const int r = c.read(in);
+    if (r != 1) return r;
     if (c.d_bytes == 4) run_case<float>(c, out);
     else run_case<uint16_t>(c, out);
-  }
-  std::fclose(out);
-  std::printf("%d cases\n", cases);
-  return 0;
+    return 1;
+  });
 }

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "capturable_moe/routing.h"
+#include "driver_main.h"
 
 namespace {
 
@@ -142,24 +143,8 @@ int run_case(Reader& in, FILE* out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: %s CASES_FILE OUTPUT_FILE\n", argv[0]);
-    return 2;
-  }
-  FILE* f = std::fopen(argv[1], "rb");
-  FILE* out = std::fopen(argv[2], "wb");
-  if (f == nullptr || out == nullptr) {
-    std::perror("routing_driver");
-    return 2;
-  }
-  Reader in{f};
-  int n = 0, r;
-  while ((r = run_case(in, out)) == 1) ++n;
-  std::fclose(out);
-  if (r < 0) {
-    std::fprintf(stderr, "case %d: truncated input\n", n);
-    return 1;
-  }
-  std::printf("%d cases\n", n);
-  return 0;
+  return run_cases_main(argc, argv, [](FILE* in, FILE* out) {
+    Reader reader{in};
+    return run_case(reader, out);
+  });
 }
