@@ -23,7 +23,7 @@ namespace echo {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kMaxSlots = 8192;
+constexpr int64_t kMaxSlots = CAPMOE_ECHO_MAX_WEIGHT_SLOTS;  // the fold lists <= 32 KB of slots in smem
 
 __device__ inline void flag(int64_t* error_flags, int bits) {
   if (error_flags)

@@ -489,11 +489,22 @@ impl EchoPlan {
     }
 }
 
+/// The most slots one call of [`fill_spare_weights`] or [`fold_spare_grads`] handles.
+pub const MAX_WEIGHT_SLOTS: usize = sys::CAPMOE_ECHO_MAX_WEIGHT_SLOTS as usize;
+
+fn ensure_weight_slots(op: &'static str, num_slots: usize) -> Result<()> {
+    if num_slots > MAX_WEIGHT_SLOTS {
+        return Err(Error::InvalidArgument { op, why: format!("num_slots = {num_slots} > {MAX_WEIGHT_SLOTS} per call") });
+    }
+    Ok(())
+}
+
 /// Fills spare slots from their home experts on one GPU: for each local slot `i <
 /// num_slots` with `e = slot_expert[slot_begin + i] >= 0`, copies `home[e * per_expert ..]` to
 /// `spare[i * per_expert ..]` (`per_expert` elements of any type); slots with -1 are left
 /// untouched. `error_flags[0]` gets [`DeviceErrors::BAD_SLOT_EXPERT`] for an id outside
-/// `[-1, E)`. One launch; no host sync, no allocation.
+/// `[-1, E)`. At most [`MAX_WEIGHT_SLOTS`] slots per call. One launch; no host sync, no
+/// allocation.
 #[allow(clippy::too_many_arguments)]
 pub fn fill_spare_weights<T: DeviceRepr>(
     stream: &CudaStream,
@@ -507,6 +518,7 @@ pub fn fill_spare_weights<T: DeviceRepr>(
     error_flags: &mut impl DevicePtrMut<i64>,
 ) -> Result<()> {
     const OP: &str = "echo fill spare weights";
+    ensure_weight_slots(OP, num_slots)?;
     ensure_len(OP, "slot_expert", slot_expert.len(), slot_begin + num_slots, "")?;
     ensure_len(OP, "home [E, per_expert]", home.len(), num_experts * per_expert, "")?;
     ensure_len(OP, "spare [num_slots, per_expert]", spare.len(), num_slots * per_expert, "")?;
@@ -534,7 +546,8 @@ pub fn fill_spare_weights<T: DeviceRepr>(
 
 /// Backward fold of spare-slot weight gradients: `dw_home[e] += dw_slot[j]` for every slot
 /// `j < num_slots` with `slot_expert[j] == e`, fp32, summed onto the existing value in
-/// ascending `j` (bitwise deterministic). One launch; no host sync, no allocation.
+/// ascending `j` (bitwise deterministic). At most [`MAX_WEIGHT_SLOTS`] slots per call. One
+/// launch; no host sync, no allocation.
 #[allow(clippy::too_many_arguments)]
 pub fn fold_spare_grads(
     stream: &CudaStream,
@@ -547,6 +560,7 @@ pub fn fold_spare_grads(
     error_flags: &mut impl DevicePtrMut<i64>,
 ) -> Result<()> {
     const OP: &str = "echo fold spare grads";
+    ensure_weight_slots(OP, num_slots)?;
     ensure_len(OP, "slot_expert", slot_expert.len(), num_slots, "")?;
     ensure_len(OP, "dw_slot [num_slots, per_expert]", dw_slot.len(), num_slots * per_expert, "")?;
     ensure_len(OP, "dw_home [E, per_expert]", dw_home.len(), num_experts * per_expert, "")?;

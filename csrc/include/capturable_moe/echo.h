@@ -129,6 +129,10 @@ capmoe_status_t capmoe_echo_plan_reroute_topk(const capmoe_echo_config_t* cfg,
                                               int64_t workspace_len, int32_t* out_dest,
                                               float* out_probs, void* stream);
 
+/* The most slots one call of the two spare-slot weight functions below handles (num_slots;
+ * more is CAPMOE_ERR_INVALID_ARGUMENT). */
+enum { CAPMOE_ECHO_MAX_WEIGHT_SLOTS = 8192 };
+
 /* Spare-slot weights: for every local slot i in [0, num_slots) with e = slot_expert[slot_begin + i]
  * >= 0, copies bytes_per_expert bytes from home + e * bytes_per_expert to spare + i *
  * bytes_per_expert. Slots with -1 are left untouched. error_flags (nullable) gets
