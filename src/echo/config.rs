@@ -100,7 +100,7 @@ impl EchoConfig {
         if self.ep == 0 {
             return bad("ep must be >= 1".into());
         }
-        if self.num_experts == 0 || self.num_experts % self.ep != 0 {
+        if self.num_experts == 0 || !self.num_experts.is_multiple_of(self.ep) {
             return bad(format!(
                 "num_experts = {} must be a positive multiple of ep = {}",
                 self.num_experts, self.ep

@@ -72,14 +72,14 @@ pub struct Layout {
 pub struct DeviceErrors(pub u32);
 
 impl DeviceErrors {
-    pub const NEGATIVE_COUNT: u32 = sys::CAPMOE_ECHO_ERR_NEGATIVE_COUNT as u32;
-    pub const COUNT_TOO_LARGE: u32 = sys::CAPMOE_ECHO_ERR_COUNT_TOO_LARGE as u32;
-    pub const ROUTING_MISMATCH: u32 = sys::CAPMOE_ECHO_ERR_ROUTING_MISMATCH as u32;
-    pub const EXPERT_OUT_OF_RANGE: u32 = sys::CAPMOE_ECHO_ERR_EXPERT_OUT_OF_RANGE as u32;
-    pub const DUPLICATE_ROUTE: u32 = sys::CAPMOE_ECHO_ERR_DUPLICATE_ROUTE as u32;
-    pub const INTERNAL: u32 = sys::CAPMOE_ECHO_ERR_INTERNAL as u32;
-    pub const BAD_SLOT_EXPERT: u32 = sys::CAPMOE_ECHO_ERR_BAD_SLOT_EXPERT as u32;
-    pub const BAD_TOKENS: u32 = sys::CAPMOE_ECHO_ERR_BAD_TOKENS as u32;
+    pub const NEGATIVE_COUNT: u32 = sys::CAPMOE_ECHO_ERR_NEGATIVE_COUNT;
+    pub const COUNT_TOO_LARGE: u32 = sys::CAPMOE_ECHO_ERR_COUNT_TOO_LARGE;
+    pub const ROUTING_MISMATCH: u32 = sys::CAPMOE_ECHO_ERR_ROUTING_MISMATCH;
+    pub const EXPERT_OUT_OF_RANGE: u32 = sys::CAPMOE_ECHO_ERR_EXPERT_OUT_OF_RANGE;
+    pub const DUPLICATE_ROUTE: u32 = sys::CAPMOE_ECHO_ERR_DUPLICATE_ROUTE;
+    pub const INTERNAL: u32 = sys::CAPMOE_ECHO_ERR_INTERNAL;
+    pub const BAD_SLOT_EXPERT: u32 = sys::CAPMOE_ECHO_ERR_BAD_SLOT_EXPERT;
+    pub const BAD_TOKENS: u32 = sys::CAPMOE_ECHO_ERR_BAD_TOKENS;
 
     pub fn is_empty(self) -> bool {
         self.0 == 0
@@ -412,7 +412,7 @@ impl EchoPlan {
         // Packed i32 sections: element i of the section at i64 offset `off`.
         let i32_at = |off: usize, i: usize| -> i64 {
             let w = st[off + i / 2] as u64;
-            (if i % 2 == 0 { w as u32 } else { (w >> 32) as u32 }) as i32 as i64
+            (if i.is_multiple_of(2) { w as u32 } else { (w >> 32) as u32 }) as i32 as i64
         };
         let slot_expert = sec(l.slot_expert, s);
         let mut pre = vec![0i64; ne * s];

@@ -278,7 +278,7 @@ impl RoutingPlan {
     }
 
     fn aligned(op: &'static str, what: &'static str, ptr: u64) -> Result<()> {
-        if ptr % 16 != 0 {
+        if !ptr.is_multiple_of(16) {
             return Err(invalid(op, format!("{what} at {ptr:#x} is not 16-byte aligned")));
         }
         Ok(())
