@@ -507,4 +507,15 @@ fn spare_weights_fill_and_grad_fold() {
     echo::fill_spare_weights(&stream, &se, 16, 0, 2, &home_d, &mut spare_d, 4, &mut err).unwrap();
     assert_eq!(stream.clone_dtoh(&spare_d).unwrap(), vec![9, 9, 9, 9, 1, 1, 1, 1]);
     assert_eq!(stream.clone_dtoh(&err).unwrap()[0] as u32, DeviceErrors::BAD_SLOT_EXPERT);
+
+    // More slots than one call handles: a typed error before anything is launched.
+    let too_many = echo::MAX_WEIGHT_SLOTS + 1;
+    let se = stream.alloc_zeros::<i64>(too_many).unwrap();
+    let mut spare_d = stream.alloc_zeros::<u8>(too_many * 4).unwrap();
+    let r = echo::fill_spare_weights(&stream, &se, 16, 0, too_many, &home_d, &mut spare_d, 4, &mut err);
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
+    let dw_slot = stream.alloc_zeros::<f32>(too_many).unwrap();
+    let mut dw_home = stream.alloc_zeros::<f32>(16).unwrap();
+    let r = echo::fold_spare_grads(&stream, &se, 16, too_many, &dw_slot, &mut dw_home, 1, &mut err);
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
 }
