@@ -16,7 +16,6 @@
 
 mod common;
 
-use std::path::Path;
 
 use bytemuck::Pod;
 use capturable_moe::echo::DeviceErrors;
@@ -353,16 +352,8 @@ fn spare_weight_kernels_match_the_reference_under_cpu_emulation() {
     cases.extend(fold_cases(&mut rng));
     let mut input = Vec::new();
     cases.iter().for_each(|c| put_case(&mut input, c));
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
-    let file = dir.join("echo_weights_emulated_cases.bin");
-    std::fs::write(&file, &input).unwrap();
-
     let exe = common::emulation::build("echo_weights_emulator", &["csrc/echo/echo_weights.cu"], "tests/emulation/echo_weights_driver.cpp");
-    for order in common::emulation::THREAD_ORDERS {
-        let result = dir.join(format!("echo_weights_emulated_{order}.bin"));
-        let report = common::emulation::run(&exe, &[&file, &result], order);
-        assert_eq!(report.trim(), format!("{} cases", cases.len()), "the driver did not read every case");
-        check_output(&std::fs::read(&result).unwrap(), &cases, order);
-        println!("{order} thread order: {} cases match", cases.len());
-    }
+    common::emulation::run_case_file(&exe, "echo_weights_emulated", &input, cases.len(), |output, order| {
+        check_output(output, &cases, order)
+    });
 }

@@ -13,7 +13,6 @@
 
 mod common;
 
-use std::path::Path;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -251,18 +250,11 @@ fn argument_kernel_and_zero_fill_follow_the_contract_under_cpu_emulation() {
     let cases = cases();
     let mut input = Vec::new();
     cases.iter().for_each(|c| c.write(&mut input));
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
-    let (case_file, output_file) = (dir.join("grouped_gemm_emulated_cases.bin"), dir.join("grouped_gemm_emulated_out.bin"));
-    std::fs::write(&case_file, &input).unwrap();
-
     let exe = common::emulation::build("grouped_gemm_emulator", &[], "tests/emulation/grouped_gemm_driver.cpp");
-    for order in common::emulation::THREAD_ORDERS {
-        let report = common::emulation::run(&exe, &[&case_file, &output_file], order);
-        assert!(report.contains(&format!("{} cases", cases.len())), "the driver did not read every case:\n{report}");
-        let bytes = std::fs::read(&output_file).unwrap();
+    common::emulation::run_case_file(&exe, "grouped_gemm_emulated", &input, cases.len(), |bytes, order| {
         let mut at = 0;
         for (i, c) in cases.iter().enumerate() {
-            let got = read_outcome(c, &bytes, &mut at);
+            let got = read_outcome(c, bytes, &mut at);
             let want = reference(c);
             if got != want {
                 let first_group = (0..c.experts()).find(|&e| got.groups.get(e) != want.groups.get(e));
@@ -275,5 +267,5 @@ fn argument_kernel_and_zero_fill_follow_the_contract_under_cpu_emulation() {
             }
         }
         assert_eq!(at, bytes.len(), "the driver wrote more than the cases account for");
-    }
+    });
 }

@@ -19,7 +19,6 @@
 
 mod common;
 
-use std::path::Path;
 
 use bytemuck::Pod;
 use capturable_moe::routing::reference::{self as r, Scalar};
@@ -419,20 +418,12 @@ fn ids_from_map<P: Scalar>(c: &Case, seed: u64, rng: &mut StdRng) -> Vec<i32> {
 fn routing_kernels_match_the_reference_under_cpu_emulation() {
     let mut input = Vec::new();
     let expected = cases(&mut input);
-    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
-    let file = dir.join("routing_emulated_cases.bin");
-    std::fs::write(&file, &input).unwrap();
-
     let exe = common::emulation::build(
         "routing_emulator",
         &["csrc/routing/build.cu", "csrc/routing/permute.cu", "csrc/routing/swiglu.cu"],
         "tests/emulation/routing_driver.cpp",
     );
-    for order in common::emulation::THREAD_ORDERS {
-        let result = dir.join(format!("routing_emulated_{order}.bin"));
-        let report = common::emulation::run(&exe, &[&file, &result], order);
-        assert_eq!(report.trim(), format!("{} cases", expected.len()), "the driver did not read every case");
-        check_output(&std::fs::read(&result).unwrap(), &expected, order);
-        println!("{order} thread order: {} cases match", expected.len());
-    }
+    common::emulation::run_case_file(&exe, "routing_emulated", &input, expected.len(), |output, order| {
+        check_output(output, &expected, order)
+    });
 }

@@ -53,3 +53,20 @@ pub fn run(exe: &Path, args: &[&Path], order: &str) -> String {
     );
     report
 }
+
+/// Runs a driver of the case-file kind (`driver CASES_FILE OUTPUT_FILE`, tests/emulation/
+/// driver_main.h) on `cases` in every thread order: writes the case file under the test's
+/// scratch folder as `<name>_cases.bin`, checks that the driver read all `count` cases, and
+/// hands each order's output to `check(output, order)`.
+pub fn run_case_file(exe: &Path, name: &str, cases: &[u8], count: usize, check: impl Fn(&[u8], &str)) {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let input = dir.join(format!("{name}_cases.bin"));
+    std::fs::write(&input, cases).unwrap();
+    for order in THREAD_ORDERS {
+        let output = dir.join(format!("{name}_{order}.bin"));
+        let report = run(exe, &[&input, &output], order);
+        assert_eq!(report.trim(), format!("{count} cases"), "the driver did not read every case ({order} order)");
+        check(&std::fs::read(&output).unwrap(), order);
+        println!("{order} thread order: {count} cases match");
+    }
+}
