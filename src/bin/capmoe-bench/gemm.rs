@@ -126,7 +126,13 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
 
     // The crate, captured once per operand set in a CUDA graph and replayed.
     let graphs: Vec<CudaGraph> = (0..sets)
-        .map(|i| capture(stream, || Ok(run_capmoe(i, &mut d))).expect("capture"))
+        .map(|i| {
+            capture(stream, || {
+                run_capmoe(i, &mut d);
+                Ok(())
+            })
+            .expect("capture")
+        })
         .collect();
     graphs.iter().for_each(|g| g.upload().unwrap());
     let (us, host) = time(stream, args.reps, |i| graphs[i % sets].launch().unwrap());

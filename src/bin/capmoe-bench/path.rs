@@ -205,7 +205,7 @@ fn forward_stage_times(
     let mut act = stream.alloc_zeros::<bf16>(plan.act_len())?;
     plan.build(stream, ids, tokens, &mut maps)?;
     let timed = |name: &'static str, f: &mut dyn FnMut() -> capturable_moe::Result<()>| {
-        let graph = capture(stream, || f())?;
+        let graph = capture(stream, &mut *f)?;
         let (us, _) = time(stream, reps, |_| graph.launch().unwrap());
         Ok::<_, capturable_moe::Error>((name, us))
     };
