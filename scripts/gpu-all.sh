@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call (run from the repo root on the GPU machine, after scripts/gpu-bundle.sh here):
 # the whole GPU suite, the Echo planner rows, the GEMM tile-config sweep (both weight layouts),
-# the expert-path breakdown and a memcheck of the Echo + expert path graph test. Logs under $R (one tarball, refreshed after each step).
+# the expert-path breakdown, a memcheck of the Echo + expert path graph test and one of the GEMM
+# null / misaligned pointer test. Logs under $R (one tarball, refreshed after each step).
 set -uo pipefail
 R=${R:-${OUT:?set OUT to a folder for the logs}}; BUNDLE=${BUNDLE:-gpu-bundle}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
