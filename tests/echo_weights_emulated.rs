@@ -30,8 +30,8 @@ const GUARD: usize = 64;
 const OUTPUT_POISON: [u8; 2] = [0xef, 0xbe];
 /// What an input byte past the end reads as.
 const INPUT_POISON: u8 = 0xa5;
-/// The slot limit of both entry points (`kMaxSlots` of echo_weights.cu).
-const MAX_SLOTS: usize = 8192;
+/// The slot limit of both entry points (`CAPMOE_ECHO_MAX_WEIGHT_SLOTS`).
+const MAX_SLOTS: usize = capturable_moe::echo::MAX_WEIGHT_SLOTS;
 const OK: i32 = sys::CAPMOE_OK as i32;
 const INVALID: i32 = sys::CAPMOE_ERR_INVALID_ARGUMENT as i32;
 

@@ -9,7 +9,7 @@
 //! experts (64 per thread of the one block), both thread orders. The CUTLASS GEMM itself is
 //! not emulated; `grouped_gemm_gpu` checks the products on the device.
 //!
-//! Needs a C++17 compiler (`CXX`, default `c++`); ~5 s.
+//! Needs a C++17 compiler (`CXX`, default `c++`); ~3 s.
 
 mod common;
 

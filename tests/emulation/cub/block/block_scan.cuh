@@ -31,7 +31,8 @@ class BlockScan {
     __syncthreads();
     output = storage_.values[threadIdx.x];
     aggregate = storage_.aggregate;
-    __syncthreads();  // the storage may be reused right after
+    // No barrier after the reads, as in CUB: reusing the storage needs the caller's
+    // __syncthreads, and a missing one shows here as a wrong result in one thread order.
   }
 
  private:
