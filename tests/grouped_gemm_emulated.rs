@@ -9,7 +9,7 @@
 //! experts (64 per thread of the one block), both thread orders. The CUTLASS GEMM itself is
 //! not emulated; `grouped_gemm_gpu` checks the products on the device.
 //!
-//! Needs a C++17 compiler (`CXX`, default `c++`); ~3 s.
+//! Needs a C++17 compiler (`CXX`, default `c++`); ~5 s.
 
 mod common;
 
@@ -58,8 +58,10 @@ impl Case {
     fn experts(&self) -> usize {
         self.counts.len()
     }
+    /// Whether the case also runs the WGRAD zero fill: not for the 3000-expert shapes, whose
+    /// 256-thread blocks would take the emulation several seconds.
     fn zero_fill(&self) -> bool {
-        self.op == WGRAD && self.experts() <= 64
+        self.op == WGRAD && self.experts() <= 1025
     }
     fn kind(&self, e: usize) -> i64 {
         self.pointer_kinds.as_ref().map_or(VALID, |k| k[e])
