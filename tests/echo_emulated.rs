@@ -9,9 +9,10 @@
 //! weight kernels (`csrc/echo/echo_weights.cu`) have their own: `echo_weights_emulated`.
 //!
 //! Needs a C++17 compiler (`CXX`, default `c++`); ~25 s. `CAPMOE_EMULATION_CASES=all` adds
-//! larger random shapes (E up to 1024, EP up to 256; ~1 min). `CAPMOE_EMULATION_CXXFLAGS` adds
-//! compiler flags, e.g. `-fsanitize=undefined -fno-sanitize-recover=undefined` (~30 s) or
-//! `-fsanitize=address` (minutes; ASan warns that it only partly follows makecontext).
+//! larger random shapes (E up to 1024, EP up to 256) and a k = E = 256 case of 7M routes
+//! (minutes). `CAPMOE_EMULATION_CXXFLAGS` adds compiler flags, e.g. `-fsanitize=undefined
+//! -fno-sanitize-recover=undefined` (~30 s) or `-fsanitize=address` (minutes; ASan warns that
+//! it only partly follows makecontext).
 
 mod common;
 mod echo_support;
@@ -88,6 +89,20 @@ fn random_cases(out: &mut Vec<u8>, thorough: bool) -> usize {
     n
 }
 
+/// Every token routed to every expert (k = E = 256), 28672 tokens, two hot experts on the other
+/// ranks: without the cap on words per tile (`kIdsBudget` in echo_plan.cu) the top-k reroute's
+/// staged ids would pass the GPU's 227 KB shared-memory limit, which the emulation enforces.
+fn every_expert_case(out: &mut Vec<u8>) {
+    let (ep, e, t) = (8, 256, 28672);
+    let cfg = EchoConfig { ep, num_experts: e, spare_per_rank: 2, ep_rank: 3, topk: e, algorithm: Algorithm::Greedy, threshold_multiplier: 0.0 };
+    let ids: Vec<i32> = (0..t * e).map(|i| (i % e) as i32).collect();
+    let probs: Vec<f32> = (0..t * e).map(|i| (i % 97 + 1) as f32 / 98.0).collect();
+    let other_rank = |x: usize| if x < 2 { 3 * t } else { (x * 7919) % t };
+    let counts: Vec<i64> =
+        (0..ep * e).map(|i| if i / e == cfg.ep_rank { t } else { other_rank(i % e) } as i64).collect();
+    put_case(out, &cfg, &counts, &ids, &probs, t, false);
+}
+
 #[test]
 fn echo_kernels_match_the_reference_under_cpu_emulation() {
     let thorough = std::env::var("CAPMOE_EMULATION_CASES").is_ok_and(|v| v == "all");
@@ -101,6 +116,10 @@ fn echo_kernels_match_the_reference_under_cpu_emulation() {
         }
     }
     n += random_cases(&mut cases, thorough);
+    if thorough {
+        every_expert_case(&mut cases);
+        n += 1;
+    }
     for sp in [1usize, 2] {
         let cfg = EchoConfig { ep: 64, num_experts: 256, spare_per_rank: sp, ep_rank: 5, topk: 8, algorithm: Algorithm::default_for(sp), threshold_multiplier: 0.0 };
         for t in [300, 8192] {

@@ -56,6 +56,9 @@ constexpr int64_t kMaxExperts = 1024;
 constexpr int64_t kMaxSpare = 1024;
 // Words of the per-tile bitmask per expert: E * W <= kMaskBudget keeps shared memory <= ~120 KB.
 constexpr int64_t kMaskBudget = 12288;
+// The top-k reroute stages its tile's ids (32 W k int32) in shared memory: W is capped so that
+// they take at most this much (W >= 1 regardless; k <= 1024 keeps that under 128 KB).
+constexpr int64_t kIdsBudget = 64 * 1024;
 constexpr unsigned kFull = 0xffffffffu;
 // Shared memory a block may take (H100/B200 allow 227 KB).
 constexpr size_t kSmemBudget = 220 * 1024;
@@ -805,7 +808,8 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
   if (tid == 0) {
     st[lay.off_avg] = avg;
     st[lay.off_error] = sm.flags[0] | (neg_any ? CAPMOE_ECHO_ERR_NEGATIVE_COUNT : 0) |
-                        (large_any ? CAPMOE_ECHO_ERR_COUNT_TOO_LARGE : 0);
+                        (large_any ? CAPMOE_ECHO_ERR_COUNT_TOO_LARGE : 0) |
+                        (tokens_out_of_range(p) ? CAPMOE_ECHO_ERR_BAD_TOKENS : 0);
   }
   ECHO_PROF(9);
 }
@@ -904,7 +908,7 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
   const int L = d.l, sp = d.sp, B = L + sp;
 
   // Before the plan is known: the tile's routes (and probs).
-  if (tid == 0) sm.flags[0] = tile == 0 && tokens_out_of_range(p) ? CAPMOE_ECHO_ERR_BAD_TOKENS : 0;
+  if (tid == 0) sm.flags[0] = 0;  // (an out-of-range device T is flagged by the plan block)
   for (int i = tid; i < ne * W; i += nt) sm.mask[i] = 0;
   if (p.form == kFormDense) {
     if (p.stage_probs) {
@@ -1191,15 +1195,22 @@ void make_layout(const Dims& d, capmoe_echo_layout_t* L) {
   L->state_len = o;
 }
 
+// The most bitmask words per expert a reroute tile may have (its shared memory: the mask, and
+// the ids of the top-k form; the layout does not know the form, so both forms use this bound).
 int64_t max_words(const Dims& d) {
   int64_t w = kMaskBudget / d.ne;
+  const int64_t ids_words = kIdsBudget / (int64_t(32 * sizeof(int32_t)) * d.topk);
+  if (w > ids_words) w = ids_words;
   return w < 1 ? 1 : (w > 32 ? 32 : w);
 }
 
-// Bitmask words per expert for T tokens: ~128 tiles, at least 64 tokens per tile.
+int64_t min_words(const Dims& d) { return max_words(d) < 2 ? max_words(d) : 2; }
+
+// Bitmask words per expert for T tokens: ~128 tiles, at least 64 tokens per tile (32 when the
+// shared-memory bound allows one word only).
 int words_for(const Dims& d, int64_t t) {
   int64_t w = ceil_div(t, 128 * 32);
-  if (w < 2) w = 2;
+  if (w < min_words(d)) w = min_words(d);
   const int64_t wmax = max_words(d);
   return (int)(w > wmax ? wmax : w);
 }
@@ -1210,7 +1221,7 @@ int64_t tiles_for(const Dims& d, int64_t t) { return ceil_div(t, 32 * (int64_t)w
 int64_t tiles_bound(const Dims& d, int64_t t_max) {
   int64_t b = ceil_div(t_max, 32 * max_words(d));
   if (b < 128) b = 128;
-  const int64_t cap = ceil_div(t_max, 64);
+  const int64_t cap = ceil_div(t_max, 32 * min_words(d));
   if (b > cap) b = cap;
   return b < 1 ? 1 : b;
 }
@@ -1243,6 +1254,8 @@ capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, i
   Dims d;
   CAPMOE_TRY(make_dims(cfg, &d));
   if (!counts || !state) return CAPMOE_ERR_INVALID_ARGUMENT;
+  // The int32 sections of the state are read and written as int4 / int2.
+  if (reinterpret_cast<uintptr_t>(state) & 15) return CAPMOE_ERR_MISALIGNED;
   if (num_tokens < 0 || num_tokens > (int64_t(1) << 31) - 1) return CAPMOE_ERR_INVALID_ARGUMENT;
   Params p{};
   p.counts = counts;
@@ -1283,6 +1296,18 @@ capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, i
   const size_t count_smem = sizeof(int32_t) * (size_t)d.ne + 16;
   if (count_smem > plan_smem) plan_smem = count_smem;
   if (plan_smem > kSmemBudget) return CAPMOE_ERR_INVALID_ARGUMENT;
+  // The reroute's shared memory is settled before anything is enqueued, so a launch that
+  // cannot run leaves nothing half-done on the stream (or in a graph being captured).
+  size_t rr_smem = 0;
+  if (p.num_tiles > 0) {
+    const size_t tile_probs = sizeof(uint32_t) * 32 * (size_t)p.words * d.ne;
+    p.stage_probs = form == kFormDense && (d.ne & 3) == 0 &&
+                    (reinterpret_cast<uintptr_t>(probs) & 15) == 0 && tile_probs <= kProbStageBudget;
+    RerouteSmem rs;
+    rr_smem = rs.carve(nullptr, d.ne, d.s, p.words, form, d.topk, p.stage_probs);
+    if (rr_smem > kSmemBudget) return CAPMOE_ERR_INVALID_ARGUMENT;  // not reached: max_words bounds it
+    CAPMOE_TRY(ensure_smem<1>(reinterpret_cast<const void*>(reroute_kernel), rr_smem));
+  }
   CAPMOE_TRY(ensure_smem<0>(reinterpret_cast<const void*>(plan_kernel), plan_smem));
   cudaLaunchConfig_t plan_launch = {};
   plan_launch.gridDim = dim3((unsigned)(1 + p.num_tiles));
@@ -1291,12 +1316,6 @@ capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, i
   plan_launch.stream = s;
   CAPMOE_TRY(cuda_status(cudaLaunchKernelEx(&plan_launch, plan_kernel, p)));
   if (p.num_tiles > 0) {
-    RerouteSmem rs;
-    const size_t tile_probs = sizeof(uint32_t) * 32 * (size_t)p.words * d.ne;
-    p.stage_probs = form == kFormDense && (d.ne & 3) == 0 &&
-                    (reinterpret_cast<uintptr_t>(probs) & 15) == 0 && tile_probs <= kProbStageBudget;
-    const size_t rr_smem = rs.carve(nullptr, d.ne, d.s, p.words, form, d.topk, p.stage_probs);
-    CAPMOE_TRY(ensure_smem<1>(reinterpret_cast<const void*>(reroute_kernel), rr_smem));
     cudaLaunchConfig_t lc = {};
     lc.gridDim = dim3((unsigned)p.num_tiles);
     lc.blockDim = dim3(kRerouteThreads);

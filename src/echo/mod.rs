@@ -8,8 +8,9 @@
 //! access; they set bits in the state's error word, read with [`EchoPlan::read_errors`].
 //!
 //! Buffers (row-major, contiguous):
-//! * `counts [EP, E]` i64, `state [state_len]` i64 (the plan, see [`Layout`]),
-//!   `workspace [workspace_len]` i32;
+//! * `counts [EP, E]` i64, `state [state_len]` i64 (the plan, see [`Layout`]; 16-byte aligned,
+//!   as every cudarc allocation is; a view starting off a 16-byte boundary is rejected), `workspace
+//!   [workspace_len]` i32;
 //! * Megatron form: `routing_map [T, E]` u8 (nonzero = routed) + `probs [T, E]` f32 ->
 //!   `out_map [T, E+S]` u8 + `out_probs [T, E+S]` f32, columns interleaved per rank (spec P9);
 //! * top-k form: `expert_ids [T, k]` i32 (distinct per token) + `probs [T, k]` f32 ->
@@ -302,7 +303,8 @@ impl EchoPlan {
     /// # Safety
     /// `stream` is a live CUDA stream of the current context; `counts` points to `EP * E` i64
     /// and `state` to [`state_len`](Self::state_len) i64 of device memory that stay valid until
-    /// the launch has run.
+    /// the launch has run. `state` must be 16-byte aligned (the plan reads and writes it in
+    /// 16-byte pieces; anything else is rejected before a launch).
     pub unsafe fn plan_raw(&self, stream: *mut c_void, counts: CUdeviceptr, state: CUdeviceptr) -> Result<()> {
         check(sys::capmoe_echo_plan(&self.abi, counts as *const i64, state as *mut i64, stream), "echo plan")
     }

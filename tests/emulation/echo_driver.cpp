@@ -2,8 +2,11 @@
 // writes (inputs + the Rust CPU reference's results) and compares every stage and output bit
 // for bit. Each reroute case runs with the token count on the host, then from "device" memory
 // under a larger bound with junk routes past T (which must be neither read nor written), then
-// with out-of-range device counts (which must set CAPMOE_ECHO_ERR_BAD_TOKENS).
+// with out-of-range device counts (which must set CAPMOE_ECHO_ERR_BAD_TOKENS, also under a bound
+// of zero rows); a misaligned plan state must be refused.
 // Usage: echo_driver CASES_FILE. Exit status 0 iff every case matched.
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -137,7 +140,7 @@ void run(int id, const Case& c, Form form, int bound, const int32_t* t_device, i
   std::vector<int32_t> ids((size_t)bound * k);
   std::vector<uint32_t> probs((size_t)bound * k, 0x3f000000u);
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = i < c.ids.size() ? c.ids[i] : (int32_t)((i % k + i / k) % ne);
-  std::copy(c.probs.begin(), c.probs.end(), probs.begin());
+  std::copy_n(c.probs.begin(), std::min(c.probs.size(), probs.size()), probs.begin());  // bound may be < T
   std::vector<uint8_t> map((size_t)bound * ne + 1, 0), out_map((size_t)bound * W + 1, 0xA5);
   std::vector<uint32_t> map_probs((size_t)bound * ne + 1, 0), out_probs((size_t)bound * W + 1, 0xdeadbeefu);
   for (size_t i = 0; i < ids.size(); ++i) {
@@ -180,6 +183,19 @@ void run(int id, const Case& c, Form form, int bound, const int32_t* t_device, i
   }
 }
 
+// The plan state must be 16-byte aligned: one element off is refused before any launch.
+void check_misaligned_state(int id, const Case& c) {
+  capmoe_echo_layout_t lay;
+  int64_t ws_len;
+  if (capmoe_echo_layout(&c.cfg, 1, &lay, &ws_len) != 0) return fail(id, "layout rejected");
+  std::vector<int64_t> st(lay.state_len + 2, -99);
+  int64_t* state = reinterpret_cast<uintptr_t>(st.data()) % 16 == 0 ? st.data() + 1 : st.data();
+  const capmoe_status_t status = capmoe_echo_plan(&c.cfg, c.counts.data(), state, nullptr);
+  if (status != CAPMOE_ERR_MISALIGNED) fail(id, "misaligned state: status " + std::to_string(status));
+  for (int64_t v : st)
+    if (v != -99) return fail(id, "misaligned state: the plan ran");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -195,15 +211,17 @@ int main(int argc, char** argv) {
   Reader r{f};
   int id = 0;
   for (Case c; c.read(r); ++id) {
+    if (id == 0) check_misaligned_state(id, c);
     if (c.plan_only) {
       run(id, c, kPlanOnly, c.t, nullptr, 0);
       continue;
     }
     const int bound = c.t + 37 + c.t / 3;
-    const int32_t t = c.t, below = -3, above = bound + 5;
+    const int32_t t = c.t, below = -3, above = bound + 5, one = 1;
     for (Form form : {kTopk, kDense}) {
       run(id, c, form, c.t, nullptr, 0);
       run(id, c, form, bound, &t, 0);
+      run(id, c, form, 0, &one, CAPMOE_ECHO_ERR_BAD_TOKENS);  // no token rows: only the plan runs
     }
     run(id, c, kTopk, bound, &below, CAPMOE_ECHO_ERR_BAD_TOKENS);
     run(id, c, kTopk, bound, &above, CAPMOE_ECHO_ERR_BAD_TOKENS);

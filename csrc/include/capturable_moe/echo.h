@@ -9,7 +9,8 @@
  *   state        [state_len]  int64  the plan (P1-P7), layout in capmoe_echo_layout_t; every
  *                                    section is written by every launch sequence (F and D: the
  *                                    rows of non-empty slots; the offload map by the reroute
- *                                    launch when T > 0, else by the plan launch)
+ *                                    launch when T > 0, else by the plan launch); 16-byte
+                                    aligned (else CAPMOE_ERR_MISALIGNED, nothing launched)
  *   workspace    [workspace_len] int32  per-token-tile expert counts (reroute launches only)
  *   routing_map  [T, E]       uint8  Megatron form (nonzero = routed), probs [T, E] float32
  *   out_map      [T, E+S]     uint8  0/1, columns interleaved per rank (spec P9):
@@ -21,7 +22,8 @@
  *
  * Token count of the reroute launches: `num_tokens` (host) and `num_tokens_device` (const
  * int32*, may be NULL). Without the device pointer T = num_tokens. With it, T is its value read
- * on the GPU and clamped into [0, num_tokens] (a value outside sets CAPMOE_ECHO_ERR_BAD_TOKENS),
+ * on the GPU and clamped into [0, num_tokens] (a value outside sets CAPMOE_ECHO_ERR_BAD_TOKENS,
+ * also when num_tokens is 0),
  * so one captured graph serves every T up to that bound: the launches are sized for
  * num_tokens, and token rows t >= T of the outputs are not written. num_tokens <= the t_max the
  * workspace was sized for.
