@@ -446,6 +446,11 @@ fn host_checks_reject_bad_buffers() {
     let mut short_out = stream.alloc_zeros::<u8>(t * cfg.num_columns() - 1).unwrap();
     let r = plan.plan_reroute_dense(&stream, &b.counts, &b.map, &b.probs, Tokens::Host(t), &mut b.state, &mut b.ws, &mut short_out, &mut b.out_probs);
     assert!(matches!(r, Err(Error::Shape { .. })), "{r:?}");
+    // A state view one i64 off a 16-byte boundary is refused before anything runs.
+    let mut wide_state = stream.alloc_zeros::<i64>(plan.state_len() + 1).unwrap();
+    let mut off_state = wide_state.slice_mut(1..plan.state_len() + 1);
+    let r = plan.plan(&stream, &b.counts, &mut off_state);
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
     let bad = EchoConfig { spare_per_rank: 2, algorithm: Algorithm::Approx, ..cfg };
     assert!(matches!(EchoPlan::new(bad, 8), Err(Error::InvalidArgument { .. })));
 }
