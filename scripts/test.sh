@@ -12,6 +12,6 @@ trap 'rm -f "$log"' EXIT
 status=0
 cargo test --release "$@" -- --nocapture 2>&1 | tee "$log" || status=$?
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed;?$/) p += $i; if ($(i+1) ~ /^failed;?$/) f += $i } }
-     /^skipping: / { s += 1 }
+     { s += gsub(/skipping: /, "&") }  # anywhere: one test thread prints it after "test NAME ... "
      END { printf "tests: %d passed, %d failed, %d skipped\n", p - s, f, s }' "$log"
 exit "$status"
