@@ -31,5 +31,9 @@ for test in "$bundle"/run/tests/*; do
   summary+=("$(printf '%-28s rc=%-3s %6ss  %s' "$name" "$rc" "$secs" "$result")")
 done
 echo "== GPU suite on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1) =="
+if [[ ${#summary[@]} -eq 0 ]]; then
+  echo "no test binary in $bundle/run/tests matched '${filter}': nothing ran" >&2
+  exit 1
+fi
 printf '%s\n' "${summary[@]}"
 exit $failed
