@@ -468,6 +468,7 @@ fn graph_replays_with_new_routing() {
     let _g = serial();
     let ctx = s.context().clone();
     unsafe { ctx.disable_event_tracking() };
+    const DPROBS_SENTINEL: f32 = -12345.0;
     let (e, k, h, f, t_max, cap) = (16usize, 4usize, 64usize, 32usize, 256usize, 700usize);
     let plan = RoutingPlan::new(RoutingConfig {
         num_experts: e, hidden: h, ffn: f, topk: k, max_tokens: t_max, capacity: Some(cap),
@@ -520,10 +521,12 @@ fn graph_replays_with_new_routing() {
         s.memcpy_htod(&dy, &mut dy_d).unwrap();
         s.memcpy_htod(&[t as i32], &mut t_d).unwrap();
         s.memcpy_htod(&[0i32], &mut maps.flags).unwrap();
-        // Reset the outputs so a stale value from the previous replay cannot pass.
+        // Reset the outputs so a stale value from the previous replay cannot pass; dprobs rows
+        // t >= T are not written, so they must still hold the sentinel afterwards.
         for buf in [&mut rows_d, &mut y_d, &mut drows_d, &mut dx_d] {
             s.memset_zeros(buf).unwrap();
         }
+        s.memcpy_htod(&vec![DPROBS_SENTINEL; t_max * k], &mut dprobs_d).unwrap();
         graph.launch().unwrap();
         s.synchronize().unwrap();
 
@@ -532,6 +535,9 @@ fn graph_replays_with_new_routing() {
         overflowed += (want.flags & flags::CAPACITY != 0) as usize;
         assert_eq!(download(&s, &maps.flags)[0], want.flags, "{ctx_msg}: flags");
         assert_eq!(download(&s, &maps.m_splits_i64), want.m_splits, "{ctx_msg}: m_splits");
+        let m32: Vec<i32> = want.m_splits.iter().map(|&m| m as i32).collect();
+        assert_eq!(download(&s, &maps.m_splits_i32), m32, "{ctx_msg}: m_splits_i32");
+        assert_eq!(download(&s, &maps.expert_counts), want.expert_counts, "{ctx_msg}: expert_counts");
         assert_eq!(download(&s, &maps.offsets), want.offsets, "{ctx_msg}: offsets");
         assert_eq!(download(&s, &maps.row_of_route), want.row_of_route, "{ctx_msg}: row_of_route");
         assert_eq!(download(&s, &maps.token_of_row), want.token_of_row, "{ctx_msg}: token_of_row");
@@ -550,7 +556,7 @@ fn graph_replays_with_new_routing() {
         r::gather_sum(&rows, &want.row_of_route, Some(&probs), t, h, k, cap, &mut y);
         assert_bitwise(&format!("{ctx_msg}: y"), &download(&s, &y_d), &y);
         let mut drows = vec![zero; cap * h];
-        let mut dprobs = download(&s, &dprobs_d); // rows t >= T keep the previous replay's values
+        let mut dprobs = vec![DPROBS_SENTINEL; t_max * k];
         r::unpermute_backward(&dy, &rows, &want.row_of_route, &probs, t, h, k, cap, &mut drows, &mut dprobs);
         assert_bitwise(&format!("{ctx_msg}: drows"), &download(&s, &drows_d), &drows);
         assert_bitwise(&format!("{ctx_msg}: dprobs"), &download(&s, &dprobs_d), &dprobs);
