@@ -91,6 +91,15 @@ fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
+/// A written dense-map region as booleans: every byte must be 0 or 1 (the poison 0xA5 or any
+/// other value means unwritten or wrong, and must not read as `false`).
+fn map_bits(name: &str, written: &[u8]) -> Vec<bool> {
+    if let Some(i) = written.iter().position(|&v| v > 1) {
+        panic!("{name}: out_map byte {} at {i} not written or not 0/1", written[i]);
+    }
+    written.iter().map(|&v| v == 1).collect()
+}
+
 fn stages_equal(name: &str, got: &PlanStages, want: &PlanStages) {
     same(name, "n", &got.tokens_per_expert, &want.tokens_per_expert);
     same(name, "load", &got.load_per_rank, &want.load_per_rank);
@@ -169,14 +178,7 @@ fn check_against_reference(stream: &Arc<CudaStream>, name: &str, cfg: &EchoConfi
     if t > 0 {
         let om = stream.clone_dtoh(&bufs.out_map).unwrap();
         let op = stream.clone_dtoh(&bufs.out_probs).unwrap();
-        let om: Vec<bool> = om[..t * w]
-            .iter()
-            .map(|&v| {
-                assert!(v <= 1, "{name}: out_map byte {v} not written or not 0/1");
-                v == 1
-            })
-            .collect();
-        assert_eq!(om, want_map, "{name}: dense map");
+        assert_eq!(map_bits(name, &om[..t * w]), want_map, "{name}: dense map");
         assert_eq!(bits(&op[..t * w]), bits(&want_probs), "{name}: dense probs");
     }
     got
@@ -314,7 +316,7 @@ fn graph_capture_replays_with_new_data() {
             let dest = stream.clone_dtoh(&bufs.out_dest).unwrap();
             assert_eq!(dest, reference::reroute_topk(&cfg, &want, &rc.counts, &rc.routes, t).unwrap(), "{name}");
             let (wm, wp) = reference::reroute_dense(&cfg, &want, &rc.counts, &b, &p, t).unwrap();
-            let om: Vec<bool> = stream.clone_dtoh(&bufs.out_map).unwrap().iter().map(|&v| v == 1).collect();
+            let om = map_bits(&name, &stream.clone_dtoh(&bufs.out_map).unwrap());
             assert_eq!(om, wm, "{name}: dense map");
             assert_eq!(bits(&stream.clone_dtoh(&bufs.out_probs).unwrap()), bits(&wp), "{name}: dense probs");
             assert!(plan.read_errors(&stream, &bufs.state).unwrap().is_empty(), "{name}");
@@ -375,7 +377,7 @@ fn graph_replays_with_a_device_token_count() {
         let (wm, wp) = reference::reroute_dense(&cfg, &want, &rc.counts, &b, &p, t).unwrap();
         let om = stream.clone_dtoh(&bufs.out_map).unwrap();
         let op = bits(&stream.clone_dtoh(&bufs.out_probs).unwrap());
-        assert_eq!(om[..t * w].iter().map(|&v| v == 1).collect::<Vec<_>>(), wm, "{name}: dense map");
+        assert_eq!(map_bits(&name, &om[..t * w]), wm, "{name}: dense map");
         assert_eq!(&op[..t * w], &bits(&wp)[..], "{name}: dense probs");
         assert!(om[t * w..].iter().all(|&v| v == POISON_U8), "{name}: a dense map row past T was written");
         assert!(op[t * w..].iter().all(|&v| v == POISON_F32.to_bits()), "{name}: a dense prob row past T was written");
@@ -480,12 +482,14 @@ fn spare_weights_fill_and_grad_fold() {
         let mut local = stream.clone_htod(&vec![0xBEEFu16; 4 * per]).unwrap();
         echo::fill_spare_weights(&stream, &se, ne, 4, 4, &home_d, &mut local, per, &mut err).unwrap();
         let got = stream.clone_dtoh(&local).unwrap();
-        for i in 0..4 {
-            let e = slot_expert[4 + i];
-            let want = if e < 0 { 0xBEEF } else { home[e as usize * per] };
-            assert_eq!(got[i * per], want);
+        for j in 0..4 {
+            let e = slot_expert[4 + j];
+            for i in 0..per {
+                let want = if e < 0 { 0xBEEF } else { home[e as usize * per + i] };
+                assert_eq!(got[j * per + i], want, "local fill per={per} slot {} elem {i}", 4 + j);
+            }
         }
-        assert_eq!(stream.clone_dtoh(&err).unwrap()[0], 0);
+        assert_eq!(stream.clone_dtoh(&err).unwrap()[0], 0, "fill per={per}: error word");
 
         let dw_home: Vec<f32> = (0..ne * per).map(|i| (i as f32 * 0.37).sin()).collect();
         let dw_slot: Vec<f32> = (0..s * per).map(|i| (i as f32 * 1.31).cos() * 1e-3).collect();
@@ -503,6 +507,7 @@ fn spare_weights_fill_and_grad_fold() {
             }
         }
         assert_eq!(bits(&got), bits(&want), "fold per={per}");
+        assert_eq!(stream.clone_dtoh(&err).unwrap()[0], 0, "fold per={per}: error word");
     }
     // Out-of-range slot expert: flagged, skipped.
     let se = stream.clone_htod(&vec![16i64, 0]).unwrap();

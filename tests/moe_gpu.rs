@@ -7,9 +7,12 @@ mod common;
 use capturable_moe::dtype::DType;
 use capturable_moe::graph::capture;
 use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions, WeightForm};
-use capturable_moe::routing::{flags, Tokens};
+use capturable_moe::routing::{self, flags, Tokens};
 use capturable_moe::Error;
-use common::moe::{assert_bits, assert_close, bf, f64s, reference, Dims};
+use common::moe::{
+    assert_bits, assert_close, assert_written_bf16, assert_written_f32, bf, f64s, poison_bf16, poison_f32, reference, Dims,
+    Reference,
+};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -123,16 +126,19 @@ impl Io {
         }
     }
 
-    /// Writes a step's inputs; clears the outputs so stale rows cannot pass for results.
+    /// Writes a step's inputs and poisons every output (NaN, `common::moe::POISON_*`), so an
+    /// element the step should write but does not shows as a NaN, and one it must not write
+    /// (rows at or past T) must still hold the poison afterwards. The bf16 weight gradients are
+    /// written, not added into, so they are poisoned too.
     fn load(&mut self, stream: &Arc<CudaStream>, s: &Step) {
         stream.memcpy_htod(&s.x, &mut self.x).unwrap();
         stream.memcpy_htod(&s.ids, &mut self.ids).unwrap();
         stream.memcpy_htod(&s.probs, &mut self.probs).unwrap();
         stream.memcpy_htod(&s.dy, &mut self.dy).unwrap();
         stream.memcpy_htod(&[s.t as i32], &mut self.tokens).unwrap();
-        stream.memset_zeros(&mut self.y).unwrap();
-        stream.memset_zeros(&mut self.dx).unwrap();
-        stream.memset_zeros(&mut self.dprobs).unwrap();
+        poison_outputs(stream, &mut self.y, &mut self.dx, &mut self.dprobs);
+        stream.memcpy_htod(&poison_bf16(E * 2 * F * H), &mut self.dw1).unwrap();
+        stream.memcpy_htod(&poison_bf16(E * H * F), &mut self.dw2).unwrap();
     }
 
     fn step(&mut self, moe: &mut MoeExperts<bf16>, stream: &Arc<CudaStream>) -> capturable_moe::Result<()> {
@@ -144,28 +150,80 @@ impl Io {
         )
     }
 
-    /// (y, dx, dprobs, dw1, dw2) as raw bits and as f64.
-    fn read(&self, stream: &Arc<CudaStream>) -> (Vec<u32>, [Vec<f64>; 5]) {
-        let y = stream.clone_dtoh(&self.y).unwrap();
-        let dx = stream.clone_dtoh(&self.dx).unwrap();
-        let dp = stream.clone_dtoh(&self.dprobs).unwrap();
-        let dw1 = stream.clone_dtoh(&self.dw1).unwrap();
-        let dw2 = stream.clone_dtoh(&self.dw2).unwrap();
-        let mut bits: Vec<u32> = Vec::new();
-        for v in [&y, &dx, &dw1, &dw2] {
-            bits.extend(v.iter().map(|b| b.to_bits() as u32));
+    fn read(&self, stream: &Arc<CudaStream>) -> Got {
+        Got {
+            y: stream.clone_dtoh(&self.y).unwrap(),
+            dx: stream.clone_dtoh(&self.dx).unwrap(),
+            dprobs: stream.clone_dtoh(&self.dprobs).unwrap(),
+            dw1: stream.clone_dtoh(&self.dw1).unwrap(),
+            dw2: stream.clone_dtoh(&self.dw2).unwrap(),
         }
-        bits.extend(dp.iter().map(|f| f.to_bits()));
-        (bits, [f64s(&y), f64s(&dx), dp.iter().map(|&f| f as f64).collect(), f64s(&dw1), f64s(&dw2)])
     }
 }
 
-fn check_against_reference(what: &str, got: &[Vec<f64>; 5], s: &Step, w: &Weights) {
-    let r = reference(DIMS, s.t, &s.ids, &s.probs, &s.x, &s.dy, &w.w1, &w.w2);
-    let names = ["y", "dx", "dprobs", "dw1", "dw2"];
-    for (i, want) in [r.y, r.dx, r.dprobs, r.dw1, r.dw2].iter().enumerate() {
-        assert_close(&format!("{what} {}", names[i]), &got[i], want, 2e-2);
+/// y, dx `[T_max, H]` and dprobs `[T_max, k]` poisoned (rows past T must keep it).
+fn poison_outputs(stream: &Arc<CudaStream>, y: &mut CudaSlice<bf16>, dx: &mut CudaSlice<bf16>, dprobs: &mut CudaSlice<f32>) {
+    stream.memcpy_htod(&poison_bf16(T_MAX * H), y).unwrap();
+    stream.memcpy_htod(&poison_bf16(T_MAX * H), dx).unwrap();
+    stream.memcpy_htod(&poison_f32(T_MAX * K), dprobs).unwrap();
+}
+
+/// One step's outputs, copied to the host.
+struct Got {
+    y: Vec<bf16>,
+    dx: Vec<bf16>,
+    dprobs: Vec<f32>,
+    dw1: Vec<bf16>,
+    dw2: Vec<bf16>,
+}
+
+impl Got {
+    /// y, dx, dw1, dw2, dprobs as raw bits (poison included), for bitwise comparisons.
+    fn bits(&self) -> Vec<u32> {
+        let mut bits: Vec<u32> = Vec::new();
+        for v in [&self.y, &self.dx, &self.dw1, &self.dw2] {
+            bits.extend(v.iter().map(|b| b.to_bits() as u32));
+        }
+        bits.extend(self.dprobs.iter().map(|f| f.to_bits()));
+        bits
     }
+}
+
+/// The token outputs against the fp64 reference: rows t < T of y, dx and routes t < T of
+/// dprobs all written (every one, dropped or absent routes give 0) and within tolerance; rows
+/// t >= T not written (still the poison: "token rows t >= T of the outputs are not written").
+fn check_token_outputs(what: &str, got: &Got, t: usize, r: &Reference) {
+    check_token_outputs_written(what, got, t);
+    assert_close(&format!("{what} y"), &f64s(&got.y[..t * H]), &r.y[..t * H], 2e-2);
+    assert_close(&format!("{what} dx"), &f64s(&got.dx[..t * H]), &r.dx[..t * H], 2e-2);
+    let dp: Vec<f64> = got.dprobs[..t * K].iter().map(|&f| f as f64).collect();
+    assert_close(&format!("{what} dprobs"), &dp, &r.dprobs[..t * K], 2e-2);
+}
+
+/// Rows t < T of y, dx and dprobs written (finite), rows t >= T still the poison.
+fn check_token_outputs_written(what: &str, got: &Got, t: usize) {
+    assert_written_bf16(&format!("{what} y"), &got.y, t * H);
+    assert_written_bf16(&format!("{what} dx"), &got.dx, t * H);
+    assert_written_f32(&format!("{what} dprobs"), &got.dprobs, t * K);
+}
+
+/// [`check_token_outputs_written`], and the bf16 weight gradients written in full.
+fn check_written(what: &str, got: &Got, t: usize) {
+    check_token_outputs_written(what, got, t);
+    assert_written_bf16(&format!("{what} dw1"), &got.dw1, got.dw1.len());
+    assert_written_bf16(&format!("{what} dw2"), &got.dw2, got.dw2.len());
+}
+
+/// Every output against the fp64 reference of step `s` (whose ids are the routes the GPU
+/// keeps): [`check_token_outputs`], and the bf16 weight gradients written in full (an expert
+/// with no rows gets zeros) and within tolerance.
+fn check_against_reference(what: &str, got: &Got, s: &Step, w: &Weights) {
+    let r = reference(DIMS, s.t, &s.ids, &s.probs, &s.x, &s.dy, &w.w1, &w.w2);
+    check_token_outputs(what, got, s.t, &r);
+    assert_written_bf16(&format!("{what} dw1"), &got.dw1, got.dw1.len());
+    assert_written_bf16(&format!("{what} dw2"), &got.dw2, got.dw2.len());
+    assert_close(&format!("{what} dw1"), &f64s(&got.dw1), &r.dw1, 2e-2);
+    assert_close(&format!("{what} dw2"), &f64s(&got.dw2), &r.dw2, 2e-2);
 }
 
 #[test]
@@ -179,8 +237,7 @@ fn forward_and_backward_match_the_fp64_reference() {
         let s = step(&mut rng, i);
         io.load(&stream, &s);
         io.step(&mut moe, &stream).unwrap();
-        let (_, got) = io.read(&stream);
-        check_against_reference(&format!("step {i} (T={})", s.t), &got, &s, &w);
+        check_against_reference(&format!("step {i} (T={})", s.t), &io.read(&stream), &s, &w);
     }
     assert_eq!(stream.clone_dtoh(&moe.maps.flags).unwrap()[0], 0);
     assert_eq!(stream.clone_dtoh(&moe.gemm_flags).unwrap()[0], 0);
@@ -209,29 +266,53 @@ fn one_graph_replayed_1000_times_with_new_routing() {
         eager_io.load(&stream, &s);
         graph.launch().unwrap();
         eager_io.step(&mut eager_moe, &stream).unwrap();
-        let (graph_bits, got) = graph_io.read(&stream);
-        let (eager_bits, _) = eager_io.read(&stream);
-        assert!(graph_bits == eager_bits, "replay {i} (T={}): graph and eager differ", s.t);
+        let got = graph_io.read(&stream);
+        assert!(got.bits() == eager_io.read(&stream).bits(), "replay {i} (T={}): graph and eager differ", s.t);
         check_against_reference(&format!("replay {i} (T={})", s.t), &got, &s, &w);
     }
     assert_eq!(stream.clone_dtoh(&graph_moe.maps.flags).unwrap()[0], 0);
 }
 
+/// A capacity below `T * k` rows: the routes kept are exactly those of the CPU routing
+/// reference (rows expert-contiguous, experts ascending, rows at or past the capacity dropped,
+/// so later experts lose theirs first), CAPACITY is raised exactly when something was dropped,
+/// and every output equals the fp64 reference over the kept routes alone (a dropped route adds
+/// nothing to y or dx, its dprobs entry is 0 and it adds nothing to dW). Outputs are poisoned,
+/// so an unwritten element or a write past T shows.
 #[test]
-fn smaller_capacity_drops_and_flags_without_going_out_of_bounds() {
+fn smaller_capacity_drops_the_later_rows_and_matches_the_reference_on_the_kept_routes() {
+    const CAP: usize = 20;
     let stream = gpu_or_skip!();
     let w = weights(5);
-    let cfg = MoeConfig { capacity: Some(20), ..config() };
+    let cfg = MoeConfig { capacity: Some(CAP), ..config() };
     let mut moe = MoeExperts::<bf16>::new(cfg, &stream).unwrap();
+    assert_eq!(moe.capacity(), CAP);
     let mut io = Io::new(&stream, &w);
     let mut rng = StdRng::seed_from_u64(6);
-    let s = step(&mut rng, 1); // T = T_max: 96 routes into 20 rows
-    io.load(&stream, &s);
-    io.step(&mut moe, &stream).unwrap();
-    let flags = stream.clone_dtoh(&moe.maps.flags).unwrap()[0];
-    assert_eq!(flags & capturable_moe::routing::flags::CAPACITY, capturable_moe::routing::flags::CAPACITY);
-    let (_, got) = io.read(&stream);
-    assert!(got.iter().all(|v| v.iter().all(|x| x.is_finite())));
+    let mut dropping_steps = 0;
+    // i % 10 picks the pattern of `step`: 1 = T_max (96 routes into 20 rows), 2 = all on one
+    // expert, 3 = two experts, 0 = T = 0, others random T.
+    for (n, i) in [1usize, 2, 3, 4, 5, 11, 0, 7].into_iter().enumerate() {
+        let s = step(&mut rng, i);
+        let want = routing::reference::build(&s.ids, s.t, T_MAX, E, K, CAP, 0);
+        let what = format!("capacity {CAP}, step {n} (pattern {}, T={}, {} routes)", i % 10, s.t, s.t * K);
+        // Every token < T has k valid routes, so rows are dropped exactly when T * k > CAP.
+        assert_eq!(want.flags, if s.t * K > CAP { flags::CAPACITY } else { 0 }, "{what}: the reference's flags");
+        dropping_steps += (s.t * K > CAP) as usize;
+        stream.memset_zeros(&mut moe.maps.flags).unwrap();
+        io.load(&stream, &s);
+        io.step(&mut moe, &stream).unwrap();
+        assert_eq!(stream.clone_dtoh(&moe.maps.flags).unwrap()[0], want.flags, "{what}: routing flags");
+        assert_eq!(stream.clone_dtoh(&moe.gemm_flags).unwrap()[0], 0, "{what}: GEMM flags (the kept rows fit)");
+        assert_bits(&format!("{what}: row_of_route"), &stream.clone_dtoh(&moe.maps.row_of_route).unwrap(), &want.row_of_route);
+        let splits: Vec<i32> = want.m_splits.iter().map(|&m| m as i32).collect();
+        assert_bits(&format!("{what}: m_splits"), &stream.clone_dtoh(&moe.maps.m_splits_i32).unwrap(), &splits);
+        // The reference over the kept routes only: a dropped route becomes an empty slot (-1).
+        let ids = s.ids.iter().zip(&want.row_of_route).map(|(&id, &row)| if row >= 0 { id } else { -1 }).collect();
+        let kept = Step { ids, ..s.clone() };
+        check_against_reference(&what, &io.read(&stream), &kept, &w);
+    }
+    assert!(dropping_steps >= 1, "no step dropped anything");
 }
 
 /// Megatron's routing form for one step: `map [T_MAX, E]` and `map_probs [T_MAX, E]` (junk at
@@ -330,7 +411,9 @@ fn megatron_map_form_matches_topk_form() {
     topk_io.step(&mut topk_moe, &stream).unwrap();
     let map_flags = stream.clone_dtoh(&map_moe.maps.flags).unwrap()[0];
     assert_eq!(map_flags, flags::TOO_MANY, "TOO_MANY and nothing else");
-    assert_bits("too-many step: outputs", &map_io.read(&stream).0, &topk_io.read(&stream).0);
+    let got = map_io.read(&stream);
+    assert_bits("too-many step: outputs", &got.bits(), &topk_io.read(&stream).bits());
+    check_written("too-many step", &got, s.t);
     stream.memset_zeros(&mut map_moe.maps.flags).unwrap();
 
     let first = map_step(&mut rng, 5, false);
@@ -348,8 +431,9 @@ fn megatron_map_form_matches_topk_form() {
         let what = format!("replay {i} (T={})", s.t);
         let ids = stream.clone_dtoh(map_moe.map_expert_ids()).unwrap();
         assert_bits(&format!("{what}: converted ids"), &ids[..s.t * K], &s.ids[..s.t * K]);
-        let (map_bits, got) = map_io.read(&stream);
-        assert_bits(&format!("{what}: y, dx, dw1, dw2, dprobs"), &map_bits, &topk_io.read(&stream).0);
+        let got = map_io.read(&stream);
+        assert_bits(&format!("{what}: y, dx, dw1, dw2, dprobs"), &got.bits(), &topk_io.read(&stream).bits());
+        check_written(&what, &got, s.t);
         if i % 20 == 3 {
             check_against_reference(&what, &got, &s, &w);
         }
@@ -380,7 +464,7 @@ fn pointer_weights_match_tensor_weights() {
         let mut dw2_t = stream.clone_htod(&init[..E * H * F]).unwrap();
         let dw1_p = stream.clone_htod(&init).unwrap();
         let dw2_p = stream.clone_htod(&init[..E * H * F]).unwrap();
-        let (dw1_bf_p, dw2_bf_p) = (io.dw1.clone(), io.dw2.clone());
+        let (mut dw1_bf_p, mut dw2_bf_p) = (io.dw1.clone(), io.dw2.clone());
         let w1p = stream.clone_htod(&ptrs(io.w1.device_ptr(&stream).0, 2 * F * H, 2)).unwrap();
         let w2p = stream.clone_htod(&ptrs(io.w2.device_ptr(&stream).0, H * F, 2)).unwrap();
         let (dw1pp, dw2pp) = if accumulate {
@@ -394,10 +478,14 @@ fn pointer_weights_match_tensor_weights() {
         for i in 0..6 {
             let s = step(&mut rng, i);
             io.load(&stream, &s);
-            // Token rows t >= T are not written: clear them like `load` does for io's outputs.
-            stream.memset_zeros(&mut y_p).unwrap();
-            stream.memset_zeros(&mut dx_p).unwrap();
-            stream.memset_zeros(&mut dprobs_p).unwrap();
+            // The pointer form's outputs poisoned like `load` poisons io's (rows t >= T must
+            // keep it in both; bf16 gradients are written in full). The fp32 gradients are
+            // added into: they keep their values, and the check below takes the difference.
+            poison_outputs(&stream, &mut y_p, &mut dx_p, &mut dprobs_p);
+            stream.memcpy_htod(&poison_bf16(E * 2 * F * H), &mut dw1_bf_p).unwrap();
+            stream.memcpy_htod(&poison_bf16(E * H * F), &mut dw2_bf_p).unwrap();
+            let before1 = stream.clone_dtoh(&dw1_t).unwrap();
+            let before2 = stream.clone_dtoh(&dw2_t).unwrap();
             let tok = Tokens::Host(s.t);
             tensor_moe.forward(&stream, &io.x, &io.ids, &io.probs, tok, &io.w1, &io.w2, &mut io.y).unwrap();
             ptr_moe.forward(&stream, &io.x, &io.ids, &io.probs, tok, &w1p, &w2p, &mut y_p).unwrap();
@@ -419,6 +507,19 @@ fn pointer_weights_match_tensor_weights() {
             } else {
                 assert_bits(&format!("{what}: dw1"), &bits16(&dw1_bf_p), &bits16(&io.dw1));
                 assert_bits(&format!("{what}: dw2"), &bits16(&dw2_bf_p), &bits16(&io.dw2));
+            }
+            // The tensor form (equal to the pointer form, bit for bit) against the fp64
+            // reference; with accumulation, what this step added into the fp32 gradients (an
+            // expert with no rows is left unchanged, so T = 0 must add exactly nothing).
+            let got = io.read(&stream);
+            if accumulate {
+                let r = reference(DIMS, s.t, &s.ids, &s.probs, &s.x, &s.dy, &w.w1, &w.w2);
+                check_token_outputs(&what, &got, s.t, &r);
+                let added = |after: &[f32], before: &[f32]| after.iter().zip(before).map(|(a, b)| *a as f64 - *b as f64).collect::<Vec<_>>();
+                assert_close(&format!("{what} dw1 added"), &added(&stream.clone_dtoh(&dw1_t).unwrap(), &before1), &r.dw1, 2e-2);
+                assert_close(&format!("{what} dw2 added"), &added(&stream.clone_dtoh(&dw2_t).unwrap(), &before2), &r.dw2, 2e-2);
+            } else {
+                check_against_reference(&what, &got, &s, &w);
             }
         }
         for moe in [&tensor_moe, &ptr_moe] {

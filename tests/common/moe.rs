@@ -125,3 +125,41 @@ pub fn assert_bits<B: PartialEq + std::fmt::Debug>(what: &str, got: &[B], want: 
         panic!("{what}: {n} of {} elements differ; first at {i}: got {:?}, expected {:?}", got.len(), got[i], want[i]);
     }
 }
+
+/// Poison written into an output before a run: a quiet NaN no kernel computes (CUDA's own
+/// NaNs are 0x7FFF / 0x7FFFFFFF), so an element still holding it was not written.
+pub const POISON_BF16: u16 = 0x7FC0;
+/// The fp32 form of [`POISON_BF16`].
+pub const POISON_F32: u32 = 0x7FC0_0000;
+
+pub fn poison_bf16(n: usize) -> Vec<bf16> {
+    vec![bf16::from_bits(POISON_BF16); n]
+}
+
+pub fn poison_f32(n: usize) -> Vec<f32> {
+    vec![f32::from_bits(POISON_F32); n]
+}
+
+/// Elements `[0, written)` were written (finite: a NaN left means unwritten or a NaN result),
+/// elements `[written, len)` still hold the poison bit for bit (not written).
+pub fn assert_written_bf16(what: &str, got: &[bf16], written: usize) {
+    assert_written(what, &got.iter().map(|b| (b.is_finite(), b.to_bits() == POISON_BF16, b.to_bits() as u32)).collect::<Vec<_>>(), written);
+}
+
+/// [`assert_written_bf16`] for fp32 outputs.
+pub fn assert_written_f32(what: &str, got: &[f32], written: usize) {
+    assert_written(what, &got.iter().map(|f| (f.is_finite(), f.to_bits() == POISON_F32, f.to_bits())).collect::<Vec<_>>(), written);
+}
+
+fn assert_written(what: &str, got: &[(bool, bool, u32)], written: usize) {
+    assert!(written <= got.len(), "{what}: {written} written of {}", got.len());
+    if let Some(i) = (0..written).find(|&i| !got[i].0) {
+        let n = got[..written].iter().filter(|g| !g.0).count();
+        let why = if got[i].1 { "still the poison: not written" } else { "non-finite result" };
+        panic!("{what}: {n} of the {written} elements that must be written are not finite; first at {i}: bits {:#x} ({why})", got[i].2);
+    }
+    if let Some(i) = (written..got.len()).find(|&i| !got[i].1) {
+        let n = got[written..].iter().filter(|g| !g.1).count();
+        panic!("{what}: {n} elements at or past {written} (must not be written) were written; first at {i}: bits {:#x}", got[i].2);
+    }
+}
