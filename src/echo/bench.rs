@@ -1,11 +1,12 @@
 //! Timing of plan + reroute for the benchmark report (op `echo_plan`): the two launches are
-//! captured once in a CUDA graph and the graph is replayed; GPU time from CUDA events. The host
-//! enqueue time of the eager sequence (the launcher call itself, no sync) is timed too.
+//! captured once in a CUDA graph and the graph is replayed back to back (one sync at the end);
+//! GPU time per replay from CUDA events. The host enqueue time of the eager sequence (the
+//! launcher call itself, no sync) is timed too.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaStream;
 
 use super::{EchoConfig, EchoPlan};
@@ -135,25 +136,26 @@ pub fn time_plan_reroute(
     host.sort_by(|a, b| a.partial_cmp(b).unwrap());
 
     let ctx = stream.context();
-    // SAFETY: every buffer is used on `stream` only.
-    unsafe { ctx.disable_event_tracking() };
-    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)?;
-    let captured = run(stream);
-    let graph = stream.end_capture(CUgraphInstantiate_flags(0))?;
-    captured?;
-    let graph = graph.expect("a captured graph");
+    // `capture` turns cudarc's event tracking off for the capture only and restores it, so the
+    // host figure of a later call (the next form or config) is taken in the same mode as this one.
+    let graph = crate::graph::capture(stream, || run(stream))?;
     for _ in 0..10 {
         graph.launch()?;
     }
-    let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-    let stop = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-    let mut us = Vec::with_capacity(replays);
-    for _ in 0..replays.max(1) {
+    // Replays back to back, one sync at the end: each start event fires when the previous
+    // replay ends, so a replay's time is its GPU time (no host enqueue gap on an idle stream).
+    let event = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+    let events = (0..replays.max(1)).map(|_| Ok((event()?, event()?))).collect::<Result<Vec<_>>>()?;
+    for (start, stop) in &events {
         start.record(stream)?;
         graph.launch()?;
         stop.record(stream)?;
-        us.push(start.elapsed_ms(&stop)? as f64 * 1e3);
     }
+    stream.synchronize()?;
+    let mut us = events
+        .iter()
+        .map(|(start, stop)| Ok(start.elapsed_ms(stop)? as f64 * 1e3))
+        .collect::<Result<Vec<f64>>>()?;
     us.sort_by(|a, b| a.partial_cmp(b).unwrap());
     Ok(Timing {
         median_us: us[us.len() / 2],

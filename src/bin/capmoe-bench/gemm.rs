@@ -89,11 +89,17 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     let b: Vec<_> = (0..copies(wgrad)).map(|i| random_bf16(stream, b_len, 2 + 10 * i as u64)).collect();
     let mut d: Vec<_> = (0..copies(!wgrad)).map(|_| unsafe { stream.alloc::<bf16>(d_len) }.unwrap()).collect();
     let mut check = unsafe { stream.alloc::<bf16>(d_len) }.unwrap();
+    // The crate's output on operand set 0, which every other implementation is checked against;
+    // a buffer of its own, so that timed runs rotating over `d` never overwrite it.
+    let mut reference = unsafe { stream.alloc::<bf16>(d_len) }.unwrap();
     let splits32: Vec<i32> = splits.iter().map(|&s| s as i32).collect();
     let m_splits = stream.clone_htod(&splits32).unwrap();
     let mut workspace = stream.alloc_zeros::<u8>(plan.workspace_bytes()).unwrap();
     let flops = spec.flops(shape.rows);
-    let bytes = ((a_len + b_len + d_len) * 2) as f64;
+    // HBM bytes each implementation must move (see `traffic_bytes`); GB/s = bytes / time.
+    let capmoe_bytes = traffic_bytes(&spec, &splits, Traffic::Capmoe);
+    let loop_bytes = traffic_bytes(&spec, &splits, Traffic::SkipsEmpty);
+    let dense_bytes = traffic_bytes(&spec, &splits, Traffic::Dense);
     // Operands of set `i`, writing into `out`.
     let ops_at = |i: usize, out: &CudaSlice<bf16>| Operands {
         a: a[i % a.len()].device_ptr(stream).0,
@@ -102,6 +108,11 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     };
     let mut rows = Vec::new();
     let mut push = |imp: &str, us: f64, host: Option<f64>, note: Option<String>| {
+        let bytes = match imp {
+            "cublas-dense" => dense_bytes,
+            _ if imp.starts_with("capmoe") => capmoe_bytes,
+            _ => loop_bytes,
+        };
         rows.push(Row {
             shape: shape_name.clone(),
             routing: routing_kind.into(),
@@ -138,12 +149,12 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     let (us, host) = time(stream, args.reps, |i| graphs[i % sets].launch().unwrap());
     push("capmoe-graph", us, Some(host), None);
     drop(graphs);
-    // The reference output for the baselines: operand set 0, computed last.
-    run_capmoe(0, &mut d);
+    // The reference output for the other configs and the baselines: operand set 0.
+    run_capmoe(0, std::slice::from_mut(&mut reference));
 
     // Other kernel configurations asked for with --configs, each checked against Auto's output.
     for &config in &args.configs {
-        let (us, note) = match time_config(stream, args, &spec, config, &a, &b, &m_splits, &mut check, &d[0], d_len) {
+        let (us, note) = match time_config(stream, args, &spec, config, &a, &b, &m_splits, &mut d, &mut check, &reference, d_len) {
             // Different tiles sum in a different order: agreement within bf16 rounding.
             Ok((us, err)) if err <= 1e-2 => (us, format!("relerr vs auto {err:.1e}")),
             Ok((_, err)) => (f64::NAN, format!("output disagrees with auto (relerr {err:.2e} > 1e-2), time not reported")),
@@ -153,11 +164,11 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     }
 
     // Every cuBLAS baseline writes into `check` (zeroed first, so a baseline that writes
-    // nothing fails) and must agree with the crate's `d` before it is timed.
+    // nothing fails) and must agree with the crate's `reference` before it is timed.
     let mut verify = |launch: &mut dyn FnMut(Operands) -> Result<(), String>| {
         stream.memset_zeros(&mut check).map_err(|e| format!("zeroing the check buffer: {e}"))?;
         launch(ops_at(0, &check))?;
-        let err = sampled_relerr(stream, &check, &d[0], d_len);
+        let err = sampled_relerr(stream, &check, &reference, d_len);
         if err <= 1e-2 {
             Ok(())
         } else {
@@ -242,8 +253,53 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     rows
 }
 
-/// Graph-replay time of one explicit configuration over the rotated operand sets, and its
-/// output's normwise error against `reference` (set 0 under `Auto`).
+/// Which operands an implementation touches, for [`traffic_bytes`].
+#[derive(Clone, Copy)]
+enum Traffic {
+    /// The crate: like `SkipsEmpty`, but plain (non-accumulating) wgrad also writes a zero
+    /// gradient for every empty expert (the contract), so all E of dW are written.
+    Capmoe,
+    /// The cuBLAS loops and grouped-batched call: one GEMM per non-empty expert only.
+    SkipsEmpty,
+    /// One GEMM over all valid rows with one [N, K] weight (cublas-dense).
+    Dense,
+}
+
+/// The bytes an implementation must move to and from HBM at least (each operand element once):
+/// with `rows` the valid rows (sum of m_splits) and `w` the weight matrices touched (experts
+/// with rows; 1 for dense),
+///   fprop  rows*K (X)  + w*N*K (W)       + rows*N (Y, written)
+///   dgrad  rows*N (dY) + w*N*K (W)       + rows*K (dX, written)
+///   wgrad  rows*N (dY) + rows*K (X)      + w'*N*K (dW, written; also read when accumulating)
+/// in each operand's element size, where w' = E for the crate's plain wgrad (zero fill of empty
+/// experts) and w otherwise. So one-hot routing counts one expert's weights, not all E.
+fn traffic_bytes(spec: &GroupedGemmSpec, splits: &[i64], traffic: Traffic) -> f64 {
+    let rows = splits.iter().map(|&s| s.max(0) as usize).sum::<usize>();
+    let active = splits.iter().filter(|&&s| s > 0).count();
+    let weights = match traffic {
+        Traffic::Dense => 1,
+        Traffic::Capmoe | Traffic::SkipsEmpty => active,
+    };
+    let (n, k) = (spec.n, spec.k);
+    let (el, out_el) = (spec.dtype.size_bytes(), spec.out_dtype.size_bytes());
+    let bytes = match spec.op {
+        GemmOp::Fprop => rows * k * el + weights * n * k * el + rows * n * out_el,
+        GemmOp::Dgrad => rows * n * el + weights * n * k * el + rows * k * out_el,
+        GemmOp::Wgrad => {
+            let written = match traffic {
+                Traffic::Capmoe if !spec.accumulate => spec.num_experts,
+                _ => weights,
+            };
+            let read_back = if spec.accumulate { weights } else { 0 };
+            rows * (n + k) * el + (written + read_back) * n * k * out_el
+        }
+    };
+    bytes as f64
+}
+
+/// Graph-replay time of one explicit configuration over the rotated operand sets, its output
+/// rotated over `outs` exactly as the `Auto` rows do, and the normwise error of its set-0 output
+/// (computed into `check`) against `reference` (set 0 under `Auto`).
 #[allow(clippy::too_many_arguments)]
 fn time_config(
     stream: &Arc<CudaStream>,
@@ -253,15 +309,18 @@ fn time_config(
     a: &[CudaSlice<bf16>],
     b: &[CudaSlice<bf16>],
     m_splits: &CudaSlice<i32>,
-    out: &mut CudaSlice<bf16>,
+    outs: &mut [CudaSlice<bf16>],
+    check: &mut CudaSlice<bf16>,
     reference: &CudaSlice<bf16>,
     len: usize,
 ) -> Result<(f64, f64), String> {
     let plan = GroupedGemm::new(GroupedGemmSpec { config, ..spec.clone() }, stream).map_err(|e| e.to_string())?;
     let mut workspace = stream.alloc_zeros::<u8>(plan.workspace_bytes().max(1)).map_err(|e| e.to_string())?;
     let sets = a.len().max(b.len());
+    let n_out = outs.len();
     let graphs = (0..sets)
         .map(|i| {
+            let out = &mut outs[i % n_out];
             capture(stream, || plan.run(stream, &a[i % a.len()], &b[i % b.len()], out, m_splits, None, &mut workspace))
         })
         .collect::<capturable_moe::Result<Vec<CudaGraph>>>()
@@ -269,9 +328,9 @@ fn time_config(
     graphs.iter().for_each(|g| g.upload().unwrap());
     let (us, _host) = time(stream, args.reps, |i| graphs[i % sets].launch().unwrap());
     drop(graphs);
-    stream.memset_zeros(out).map_err(|e| e.to_string())?;
-    plan.run(stream, &a[0], &b[0], out, m_splits, None, &mut workspace).map_err(|e| e.to_string())?;
-    Ok((us, sampled_relerr(stream, out, reference, len)))
+    stream.memset_zeros(check).map_err(|e| e.to_string())?;
+    plan.run(stream, &a[0], &b[0], check, m_splits, None, &mut workspace).map_err(|e| e.to_string())?;
+    Ok((us, sampled_relerr(stream, check, reference, len)))
 }
 
 /// Why the cuBLASLt grouped matmul with device-side sizes is not in the report.

@@ -132,11 +132,19 @@ fn main() {
     };
     let stream = ctx.new_stream().expect("stream");
     let device = DeviceInfo::of_stream(&stream).expect("device info");
-    let clocks = (
+    // The maximum (peak) SM and memory clocks in kHz, as the driver reports them: not the
+    // clocks the GPU actually ran at during the measurements (nothing here samples those).
+    let max_clocks_khz = (
         ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE).unwrap_or(0),
         ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE).unwrap_or(0),
     );
-    eprintln!("capmoe-bench on {} ({} SMs)", device.name, device.sm_count);
+    eprintln!(
+        "capmoe-bench on {} ({} SMs, max SM clock {} MHz, max memory clock {} MHz)",
+        device.name,
+        device.sm_count,
+        max_clocks_khz.0 / 1000,
+        max_clocks_khz.1 / 1000
+    );
 
     let mut rows = Vec::new();
     let shapes: Vec<&Shape> = SHAPES.iter().filter(|s| args.shapes.iter().any(|n| n == s.name)).collect();
@@ -166,7 +174,7 @@ fn main() {
     rows.sort_by(|a, b| (&a.shape, &a.routing, &a.op).cmp(&(&b.shape, &b.routing, &b.op)));
     let file: String = device.name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
     let path = format!("{}/{file}.json", args.out);
-    match report::write_json(&path, &device, clocks, &rows) {
+    match report::write_json(&path, &device, max_clocks_khz, &rows) {
         Ok(()) => eprintln!("wrote {path}"),
         Err(e) => eprintln!("capmoe-bench: could not write {path}: {e}"),
     }

@@ -29,25 +29,33 @@ pub fn random_bf16(stream: &Arc<CudaStream>, len: usize, seed: u64) -> CudaSlice
 }
 
 /// Median GPU time (CUDA events around each call) and median host enqueue time, in us.
+///
+/// The reps are enqueued back to back and synchronised once at the end, so each start event
+/// fires when the previous rep's work ends: a rep's time is GPU time when the GPU is the
+/// bottleneck and keeps the host's gaps when the host is (rep 0, on an idle stream, is an outlier
+/// the median drops).
 pub fn time(stream: &Arc<CudaStream>, reps: usize, mut enqueue: impl FnMut(usize)) -> (f64, f64) {
     let ctx = stream.context();
     for i in 0..3 {
         enqueue(i);
     }
     stream.synchronize().unwrap();
-    let mut gpu = Vec::with_capacity(reps);
+    let reps = reps.max(1);
+    // Timing needs CU_EVENT_DEFAULT: cudarc's default flags disable it.
+    let event = || ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+    let events: Vec<_> = (0..reps).map(|_| (event(), event())).collect();
+    // Tens of reps of a few launches each never fill the launch queue, so an enqueue does not
+    // block on it and `host` stays the enqueue cost alone (thousands of launches could block).
     let mut host = Vec::with_capacity(reps);
-    for i in 0..reps {
-        let start = ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
-        let end = ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+    for (i, (start, end)) in events.iter().enumerate() {
         start.record(stream).unwrap();
         let t = Instant::now();
         enqueue(i);
         host.push(t.elapsed().as_secs_f64() * 1e6);
         end.record(stream).unwrap();
-        end.synchronize().unwrap();
-        gpu.push(start.elapsed_ms(&end).unwrap() as f64 * 1e3);
     }
+    stream.synchronize().unwrap();
+    let mut gpu: Vec<f64> = events.iter().map(|(start, end)| start.elapsed_ms(end).unwrap() as f64 * 1e3).collect();
     (median(&mut gpu), median(&mut host))
 }
 

@@ -21,8 +21,13 @@ pub fn anchor_rows(path: &str) -> Result<Vec<Row>, String> {
             continue;
         };
         let flops = 2.0 * (shape.rows * shape.k * shape.n) as f64;
-        let bytes = ((shape.rows * shape.k + shape.experts * shape.k * shape.n + shape.rows * shape.n) * 2) as f64;
+        // As in gemm.rs: X and Y of every row plus the weights touched, bf16: the experts with
+        // rows for the grouped and loop calls (the script records how many had none), one
+        // [K, N] matrix for torch.mm.
+        let active = shape.experts.saturating_sub(dims("zero_experts"));
+        let bytes = |weights: usize| ((shape.rows * shape.k + weights * shape.k * shape.n + shape.rows * shape.n) * 2) as f64;
         for (key, imp) in [("grouped_ms", "torch-grouped-mm"), ("loop4_ms", "torch-loop4"), ("dense_ms", "torch-dense")] {
+            let bytes = bytes(if key == "dense_ms" { 1 } else { active });
             if let Some(ms) = r[key].as_f64() {
                 let us = ms * 1e3;
                 rows.push(Row {
@@ -90,7 +95,7 @@ pub fn print_table(rows: &[Row]) {
     }
 }
 
-pub fn write_json(path: &str, device: &DeviceInfo, clocks: (i32, i32), rows: &[Row]) -> std::io::Result<()> {
+pub fn write_json(path: &str, device: &DeviceInfo, max_clocks_khz: (i32, i32), rows: &[Row]) -> std::io::Result<()> {
     let rows: Vec<serde_json::Value> = rows
         .iter()
         .map(|r| {
@@ -106,8 +111,10 @@ pub fn write_json(path: &str, device: &DeviceInfo, clocks: (i32, i32), rows: &[R
     let doc = serde_json::json!({
         "gpu": device.name,
         "sm_count": device.sm_count,
-        "sm_clock_mhz": clocks.0 / 1000,
-        "memory_clock_mhz": clocks.1 / 1000,
+        // CU_DEVICE_ATTRIBUTE_CLOCK_RATE / MEMORY_CLOCK_RATE: the device's maximum (peak)
+        // clocks, not the clocks during the run (this report does not sample those).
+        "max_sm_clock_mhz": max_clocks_khz.0 / 1000,
+        "max_memory_clock_mhz": max_clocks_khz.1 / 1000,
         "commit": std::env::var("CAPMOE_COMMIT").unwrap_or_else(|_| "unknown".into()),
         "date_unix": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         "rows": rows,
