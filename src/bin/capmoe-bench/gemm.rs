@@ -12,7 +12,7 @@ use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use crate::measure::{median, random_bf16, sampled_relerr, time, Row};
+use crate::measure::{median, random_bf16, sampled_relerr, time, time_synced, Row};
 use crate::Args;
 
 /// A named grouped GEMM shape: E experts, `rows` routed rows, layer K -> N.
@@ -134,6 +134,10 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     };
     let (us, host) = time(stream, args.reps, |i| run_capmoe(i, &mut d));
     push("capmoe", us, Some(host), Some(format!("{sets} rotated operand set(s)")));
+    // The same calls timed one by one with a wait after each, as the torch anchor times torch:
+    // the row to set beside torch-grouped-mm / torch-loop4 (both include their host time).
+    let us = time_synced(stream, args.reps, |i| run_capmoe(i, &mut d));
+    push("capmoe-synced", us, None, Some("timed as torch_anchor.py: one call per event pair, synced".into()));
 
     // The crate, captured once per operand set in a CUDA graph and replayed.
     let graphs: Vec<CudaGraph> = (0..sets)

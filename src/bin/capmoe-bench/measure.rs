@@ -59,6 +59,29 @@ pub fn time(stream: &Arc<CudaStream>, reps: usize, mut enqueue: impl FnMut(usize
     (median(&mut gpu), median(&mut host))
 }
 
+/// Median time of each call on its own, as `bench/anchors/torch_anchor.py` times torch: start
+/// event, enqueue, end event, wait, so the host enqueue of each call (on an idle stream) is in
+/// its time. Only for the rows compared with the torch anchor's eager figures.
+pub fn time_synced(stream: &Arc<CudaStream>, reps: usize, mut enqueue: impl FnMut(usize)) -> f64 {
+    let ctx = stream.context();
+    for i in 0..3 {
+        enqueue(i);
+    }
+    stream.synchronize().unwrap();
+    let event = || ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT)).unwrap();
+    let mut gpu: Vec<f64> = (0..reps.max(1))
+        .map(|i| {
+            let (start, end) = (event(), event());
+            start.record(stream).unwrap();
+            enqueue(i);
+            end.record(stream).unwrap();
+            end.synchronize().unwrap();
+            start.elapsed_ms(&end).unwrap() as f64 * 1e3
+        })
+        .collect();
+    median(&mut gpu)
+}
+
 pub fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
