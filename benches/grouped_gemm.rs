@@ -1,34 +1,16 @@
 //! Micro view of the grouped GEMM: GPU time per launch (CUDA events, `iter_custom`) for a few
 //! shapes, eager. The report binary (`capmoe-bench`) gives the full comparison table.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
 use criterion::{criterion_group, criterion_main, Criterion};
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
-use rand::{rngs::StdRng, Rng, SeedableRng};
 
-/// Random non-zero bf16 (|x| in [0.05, 1), random sign), as capmoe-bench's `measure::random_bf16`
-/// draws them (that one lives in the binary crate): one random host block tiled over the buffer.
-fn random_bf16(stream: &Arc<CudaStream>, len: usize, seed: u64) -> CudaSlice<bf16> {
-    const BLOCK: usize = 1 << 22;
-    let mut rng = StdRng::seed_from_u64(seed);
-    let block: Vec<bf16> = (0..BLOCK.min(len))
-        .map(|_| {
-            let x: f32 = rng.random_range(0.05..1.0);
-            bf16::from_f32(if rng.random_bool(0.5) { x } else { -x })
-        })
-        .collect();
-    let mut buf = stream.alloc_zeros::<bf16>(len).unwrap();
-    for at in (0..len).step_by(BLOCK) {
-        let n = BLOCK.min(len - at);
-        stream.memcpy_htod(&block[..n], &mut buf.slice_mut(at..at + n)).unwrap();
-    }
-    buf
-}
+#[path = "../src/bin/capmoe-bench/data.rs"]
+mod data;
+use data::random_bf16;
 
 fn bench(c: &mut Criterion) {
     let Ok(ctx) = capturable_moe::device::open(0) else {

@@ -10,6 +10,7 @@
 //!                [--weight-layout enk|ekn]  (weights [E, N, K], the default, or [E, K, N])
 //!                [--only echo]  (the Echo planner rows alone)
 
+mod data;
 mod gemm;
 mod measure;
 mod path;
