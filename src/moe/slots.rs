@@ -35,6 +35,9 @@ pub fn echo_slot_table(cfg: &EchoConfig, home: u64, spare: u64, bytes_per_expert
 /// `spare` `S · per_expert` elements and that every entry is 16-byte aligned, then returns the
 /// table for the caller to upload (a `[E + S]` u64 device array) once. The entries are plain
 /// addresses: they stay meaningful only while `home` and `spare` are alive and unmoved.
+/// `T` sets the per-slot stride, so it must be the element type the plan reads or writes
+/// through the table: the weight dtype for fc1 / fc2, `f32` for the dW tables of a
+/// `wgrad_accumulate` plan (the plan itself only sees u64 addresses and cannot check it).
 pub fn echo_slot_pointers<T: DeviceRepr>(
     stream: &CudaStream,
     cfg: &EchoConfig,
