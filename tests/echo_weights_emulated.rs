@@ -34,6 +34,7 @@ const INPUT_POISON: u8 = 0xa5;
 const MAX_SLOTS: usize = capturable_moe::echo::MAX_WEIGHT_SLOTS;
 const OK: i32 = sys::CAPMOE_OK as i32;
 const INVALID: i32 = sys::CAPMOE_ERR_INVALID_ARGUMENT as i32;
+const MISALIGNED: i32 = sys::CAPMOE_ERR_MISALIGNED as i32;
 
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum Op {
@@ -320,8 +321,15 @@ fn rejected_cases(valid: Case) -> Vec<Case> {
         with("0 slots, NULL pointers", OK, &|c| (c.num_slots, c.null_mask) = (0, 7)),
         with("size 0, NULL pointers", OK, &|c| (c.per_expert, c.null_mask) = (0, 7)),
     ];
+    // Sizes whose byte offsets would overflow int64 on the device.
+    x.push(with("E * size past int64", INVALID, &|c| c.per_expert = i64::MAX / 8));
     if valid.op == Op::Fill {
         x.push(with("negative slot_begin", INVALID, &|c| c.slot_begin = -1));
+        x.push(with("slot_begin + slots past int64", INVALID, &|c| c.slot_begin = i64::MAX - 3));
+    } else {
+        x.push(with("size * 4 bytes past int64", INVALID, &|c| c.per_expert = i64::MAX / 2));
+        x.push(with("dw_slot off 4-byte alignment", MISALIGNED, &|c| c.offsets = (2, 0)));
+        x.push(with("dw_home off 4-byte alignment", MISALIGNED, &|c| c.offsets = (0, 1)));
     }
     x
 }

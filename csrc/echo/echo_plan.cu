@@ -1254,8 +1254,13 @@ capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, i
   Dims d;
   CAPMOE_TRY(make_dims(cfg, &d));
   if (!counts || !state) return CAPMOE_ERR_INVALID_ARGUMENT;
-  // The int32 sections of the state are read and written as int4 / int2.
-  if (reinterpret_cast<uintptr_t>(state) & 15) return CAPMOE_ERR_MISALIGNED;
+  // Natural alignment of every array (a misaligned access faults and loses the context); the
+  // state's int32 sections are read and written as int4 / int2, so it needs 16 bytes.
+  auto misaligned = [](const void* ptr, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(ptr) & (bytes - 1)) != 0; };
+  if (misaligned(state, 16) || misaligned(counts, 8) || misaligned(num_tokens_device, 4) ||
+      misaligned(probs, 4) || misaligned(ids, 4) || misaligned(workspace, 4) ||
+      misaligned(out_probs, 4) || misaligned(out_dest, 4) || misaligned(out_probs_k, 4))
+    return CAPMOE_ERR_MISALIGNED;
   if (num_tokens < 0 || num_tokens > (int64_t(1) << 31) - 1) return CAPMOE_ERR_INVALID_ARGUMENT;
   Params p{};
   p.counts = counts;

@@ -3,7 +3,7 @@
 // for bit. Each reroute case runs with the token count on the host, then from "device" memory
 // under a larger bound with junk routes past T (which must be neither read nor written), then
 // with out-of-range device counts (which must set CAPMOE_ECHO_ERR_BAD_TOKENS, also under a bound
-// of zero rows); a misaligned plan state must be refused.
+// of zero rows); a misaligned plan state or count matrix must be refused.
 // Usage: echo_driver CASES_FILE. Exit status 0 iff every case matched.
 #include <algorithm>
 #include <cstdint>
@@ -183,17 +183,28 @@ void run(int id, const Case& c, Form form, int bound, const int32_t* t_device, i
   }
 }
 
-// The plan state must be 16-byte aligned: one element off is refused before any launch.
-void check_misaligned_state(int id, const Case& c) {
+// A plan state off 16-byte alignment (one element off) or counts off 8-byte alignment are
+// refused before any launch.
+void check_misaligned_pointers(int id, const Case& c) {
   capmoe_echo_layout_t lay;
   int64_t ws_len;
   if (capmoe_echo_layout(&c.cfg, 1, &lay, &ws_len) != 0) return fail(id, "layout rejected");
   std::vector<int64_t> st(lay.state_len + 2, -99);
-  int64_t* state = reinterpret_cast<uintptr_t>(st.data()) % 16 == 0 ? st.data() + 1 : st.data();
-  const capmoe_status_t status = capmoe_echo_plan(&c.cfg, c.counts.data(), state, nullptr);
-  if (status != CAPMOE_ERR_MISALIGNED) fail(id, "misaligned state: status " + std::to_string(status));
+  int64_t* aligned = reinterpret_cast<uintptr_t>(st.data()) % 16 == 0 ? st.data() : st.data() + 1;
+  std::vector<unsigned char> counts_storage(c.counts.size() * 8 + 8);
+  std::memcpy(counts_storage.data() + 4, c.counts.data(), c.counts.size() * 8);
+  const auto* counts_off = reinterpret_cast<const int64_t*>(counts_storage.data() + 4);
+  const struct {
+    const char* what;
+    const int64_t* counts;
+    int64_t* state;
+  } tries[] = {{"state", c.counts.data(), aligned + 1}, {"counts", counts_off, aligned}};
+  for (const auto& t : tries) {
+    const capmoe_status_t status = capmoe_echo_plan(&c.cfg, t.counts, t.state, nullptr);
+    if (status != CAPMOE_ERR_MISALIGNED) fail(id, std::string("misaligned ") + t.what + ": status " + std::to_string(status));
+  }
   for (int64_t v : st)
-    if (v != -99) return fail(id, "misaligned state: the plan ran");
+    if (v != -99) return fail(id, "misaligned pointers: the plan ran");
 }
 
 }  // namespace
@@ -211,7 +222,7 @@ int main(int argc, char** argv) {
   Reader r{f};
   int id = 0;
   for (Case c; c.read(r); ++id) {
-    if (id == 0) check_misaligned_state(id, c);
+    if (id == 0) check_misaligned_pointers(id, c);
     if (c.plan_only) {
       run(id, c, kPlanOnly, c.t, nullptr, 0);
       continue;

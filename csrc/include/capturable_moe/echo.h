@@ -10,7 +10,7 @@
  *                                    section is written by every launch sequence (F and D: the
  *                                    rows of non-empty slots; the offload map by the reroute
  *                                    launch when T > 0, else by the plan launch); 16-byte
-                                    aligned (else CAPMOE_ERR_MISALIGNED, nothing launched)
+                                    aligned
  *   workspace    [workspace_len] int32  per-token-tile expert counts (reroute launches only)
  *   routing_map  [T, E]       uint8  Megatron form (nonzero = routed), probs [T, E] float32
  *   out_map      [T, E+S]     uint8  0/1, columns interleaved per rank (spec P9):
@@ -33,6 +33,9 @@
  * sums the per-expert counts of every earlier tile, so that part grows as tiles^2 * E: ~8
  * MB of L2 reads in all at 128 tiles, ~0.5 GB at 1024 tiles (E = 256, T ~ 1M). Arithmetic, not a
  * measurement.
+ *
+ * Alignment: state 16 bytes; every other array its element's size (int64 8, int32 / float 4,
+ * uint8 1). A misaligned pointer is CAPMOE_ERR_MISALIGNED before anything is launched.
  *
  * Device-side errors never cause an out-of-bounds access; they set bits in state[off_error]
  * (see CAPMOE_ECHO_ERR_*). Each plan launch overwrites the word; reroute launches OR into it.
@@ -152,7 +155,12 @@ capmoe_status_t capmoe_echo_fill_spare_weights(const int64_t* slot_expert, int64
                                                void* stream);
 
 /* Backward fold: dw_home[e][i] += dw_slot[j][i] for every slot j in [0, num_slots) with
- * slot_expert[j] == e, fp32, summed in ascending j onto the existing value (deterministic). */
+ * slot_expert[j] == e, fp32, summed in ascending j onto the existing value (deterministic).
+ *
+ * Both functions: E * and num_slots * the bytes per expert must fit in int64, slot_begin +
+ * num_slots too (else CAPMOE_ERR_INVALID_ARGUMENT); slot_expert and error_flags 8-byte,
+ * dw_slot and dw_home 4-byte aligned (else CAPMOE_ERR_MISALIGNED); home / spare any alignment
+ * (16-byte aligned with bytes_per_expert % 16 == 0 takes the vector path). */
 capmoe_status_t capmoe_echo_fold_spare_grads(const int64_t* slot_expert, int64_t num_experts,
                                              int64_t num_slots, const float* dw_slot,
                                              float* dw_home, int64_t elems_per_expert,
