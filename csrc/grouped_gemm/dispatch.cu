@@ -104,6 +104,8 @@ extern "C" capmoe_status_t capmoe_grouped_gemm_resolve_config(const capmoe_group
   return capmoe::guarded([&]() -> capmoe_status_t {
     CAPMOE_TRY(capmoe::gg::validate(desc));
     if (!config) return CAPMOE_ERR_INVALID_ARGUMENT;
+    capmoe::gg::VariantFn fn = nullptr;
+    CAPMOE_TRY(capmoe::gg::find_variant(*desc, &fn));
     *config = capmoe::gg::resolve(*desc);
     return CAPMOE_OK;
   });
@@ -131,6 +133,7 @@ extern "C" capmoe_status_t capmoe_grouped_gemm_run(const capmoe_grouped_gemm_des
     using capmoe::gg::aligned;
     if (!aligned(a, 16) || !aligned(b, 16) || !aligned(d, 16) || !aligned(workspace, 256)) return CAPMOE_ERR_MISALIGNED;
     if (!aligned(m_splits, desc->split_dtype == CAPMOE_DTYPE_I64 ? 8 : 4)) return CAPMOE_ERR_MISALIGNED;
+    if (!aligned(overflow_flags, 4)) return CAPMOE_ERR_MISALIGNED;  // atomicOr'ed on the device
     capmoe::gg::Launch launch{desc,           a,         b, d, m_splits, overflow_flags, workspace, workspace_bytes,
                               static_cast<cudaStream_t>(stream)};
     return fn(launch, nullptr);

@@ -138,6 +138,9 @@ struct Runner {
     (void)cudaGetLastError();
     arr.carve(launch.workspace, desc.num_experts);
     args = cutlass_arguments(launch, arr);
+    // A host-side check (problem sizes live on the device): before anything is launched.
+    Gemm gemm;
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return CAPMOE_ERR_CUTLASS;
     ArgumentParams<Arrays> params{arr,
                                   launch.m_splits,
                                   desc.split_dtype == CAPMOE_DTYPE_I64,
@@ -154,8 +157,6 @@ struct Runner {
                                   launch.overflow_flags};
     CAPMOE_TRY(launch_write_arguments(params, launch.stream));
 
-    Gemm gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return CAPMOE_ERR_CUTLASS;
     if (gemm.initialize(args, arr.cutlass_workspace, launch.stream) != cutlass::Status::kSuccess) {
       return CAPMOE_ERR_CUTLASS;
     }

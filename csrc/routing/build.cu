@@ -325,7 +325,8 @@ extern "C" capmoe_status_t capmoe_routing_build(
     CAPMOE_TRY(check_tokens(desc, num_tokens, num_tokens_device));
     uint64_t need = 0;
     CAPMOE_TRY(capmoe_routing_workspace_size(desc, &need));
-    if (workspace == nullptr || workspace_bytes < need) return CAPMOE_ERR_WORKSPACE_TOO_SMALL;
+    if (workspace == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
+    if (workspace_bytes < need) return CAPMOE_ERR_WORKSPACE_TOO_SMALL;
     if (offsets == nullptr || (desc->max_tokens > 0 && (expert_ids == nullptr ||
                                                         row_of_route == nullptr)))
       return CAPMOE_ERR_INVALID_ARGUMENT;

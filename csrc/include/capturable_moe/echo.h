@@ -72,7 +72,7 @@ typedef struct capmoe_echo_config_t {
   int64_t ep_rank;
   int64_t topk;
   int32_t algorithm; /* CAPMOE_ECHO_GREEDY or CAPMOE_ECHO_APPROX (needs spare_per_rank == 1) */
-  float threshold_multiplier; /* P3 reclaim, greedy only, off when <= 0 */
+  float threshold_multiplier; /* P3 reclaim, greedy only, off when <= 0; finite */
 } capmoe_echo_config_t;
 
 /* Offsets (in int64 elements) of every section of the plan state. Sections marked int64 hold

@@ -26,6 +26,12 @@
  * aligned; it holds the problem sizes, pointer and stride arrays the argument kernel writes,
  * plus CUTLASS's own workspace. One workspace per concurrently running plan.
  *
+ * Limits (CAPMOE_ERR_INVALID_ARGUMENT otherwise): 1 <= E <= 65535; 8 <= N, K <= INT32_MAX;
+ * 0 <= capacity < INT32_MAX; every operand's size in bytes (4 per element counted) fits in
+ * int64. N and K multiples of 8 (TMA moves 16-byte rows); a, b, d 16-byte aligned, workspace
+ * 256-byte, m_splits and overflow_flags at their element's size (CAPMOE_ERR_MISALIGNED).
+ * Whatever the host can check is checked before anything is launched.
+ *
  * capmoe_grouped_gemm_run allocates nothing and never synchronises with the host. */
 #ifndef CAPTURABLE_MOE_GROUPED_GEMM_H
 #define CAPTURABLE_MOE_GROUPED_GEMM_H
@@ -88,7 +94,10 @@ typedef struct capmoe_grouped_gemm_desc {
   int64_t capacity; /* rows in the activation tensors */
 } capmoe_grouped_gemm_desc_t;
 
-/* The configuration AUTO resolves to for this descriptor (host facts only). */
+/* The configuration AUTO resolves to for this descriptor (host facts only); the descriptor is
+ * checked as capmoe_grouped_gemm_workspace_size does, so a configuration this build has no
+ * kernel for (another arch's, an unknown value, a dtype a candidate tile lacks) is
+ * CAPMOE_ERR_UNSUPPORTED here already. */
 capmoe_status_t capmoe_grouped_gemm_resolve_config(const capmoe_grouped_gemm_desc_t* desc,
                                                    capmoe_gemm_config_t* config);
 

@@ -72,8 +72,9 @@ enum { CAPMOE_ROUTING_MAX_EXPERTS = 1024, CAPMOE_ROUTING_MAX_TOPK = 32 };
 
 typedef struct capmoe_routing_desc {
   int64_t num_experts;     /* E, 1 ..= CAPMOE_ROUTING_MAX_EXPERTS */
-  int64_t hidden;          /* H, multiple of 8 */
-  int64_t ffn;             /* F (fc1 has 2F outputs), multiple of 8 */
+  int64_t hidden;          /* H, a positive multiple of 8 (else CAPMOE_ERR_MISALIGNED) */
+  int64_t ffn;             /* F (fc1 has 2F outputs), likewise; also
+                              max(T_max, capacity) * max(H, 2F) / 8 <= INT32_MAX */
   int64_t topk;            /* k, 1 ..= CAPMOE_ROUTING_MAX_TOPK */
   int64_t max_tokens;      /* T_max >= 0, T_max * k < 2^31 */
   int64_t capacity;        /* rows of the permuted buffers, 0 ..= T_max * k */

@@ -1,0 +1,111 @@
+//! The C ABI's host-side checks, called directly (as another engine would) with fake device
+//! addresses: every call here must return its status before touching the GPU, so these run
+//! without one. They pin the codes the headers document for inputs the Rust wrappers never
+//! produce (a NULL workspace, a misaligned flag word, a configuration no kernel exists for).
+
+use std::ptr::null_mut;
+
+use capturable_moe::device::Arch;
+use capturable_moe::sys;
+
+const OK: i32 = sys::CAPMOE_OK as i32;
+const INVALID: i32 = sys::CAPMOE_ERR_INVALID_ARGUMENT as i32;
+const MISALIGNED: i32 = sys::CAPMOE_ERR_MISALIGNED as i32;
+const UNSUPPORTED: i32 = sys::CAPMOE_ERR_UNSUPPORTED as i32;
+
+/// A 256-byte aligned address that is never dereferenced (the calls fail before any launch).
+fn fake(offset: usize) -> *mut std::ffi::c_void {
+    (0x7f00_0000_0000usize + offset) as *mut std::ffi::c_void
+}
+
+fn gemm_desc(arch: i32, config: sys::capmoe_gemm_config_t) -> sys::capmoe_grouped_gemm_desc_t {
+    sys::capmoe_grouped_gemm_desc_t {
+        op: sys::CAPMOE_GEMM_FPROP as i32,
+        arch,
+        dtype: sys::CAPMOE_DTYPE_BF16 as i32,
+        out_dtype: sys::CAPMOE_DTYPE_BF16 as i32,
+        split_dtype: sys::CAPMOE_DTYPE_I32 as i32,
+        weight_layout: sys::CAPMOE_WEIGHT_ENK as i32,
+        weights_as_pointers: 0,
+        accumulate: 0,
+        config,
+        sm_count: 132,
+        num_experts: 8,
+        n: 256,
+        k: 128,
+        capacity: 1024,
+    }
+}
+
+fn resolve(desc: &sys::capmoe_grouped_gemm_desc_t) -> (i32, sys::capmoe_gemm_config_t) {
+    let mut config = -1;
+    let status = unsafe { sys::capmoe_grouped_gemm_resolve_config(desc, &mut config) };
+    (status as i32, config)
+}
+
+#[test]
+fn resolve_config_refuses_configurations_without_a_kernel() {
+    if !Arch::Sm90.is_built() {
+        println!("skipping: SM90 kernels not built (CAPMOE_CUDA_ARCHS)");
+        return;
+    }
+    let auto = gemm_desc(90, sys::CAPMOE_CONFIG_AUTO as i32);
+    assert_eq!(resolve(&auto), (OK, sys::CAPMOE_CONFIG_SM90_COOPERATIVE as i32));
+    for (what, desc) in [
+        ("an unknown config value", gemm_desc(90, 42)),
+        ("an SM100 config on SM90", gemm_desc(90, sys::CAPMOE_CONFIG_SM100_2SM as i32)),
+        ("an unknown arch", gemm_desc(7, sys::CAPMOE_CONFIG_AUTO as i32)),
+        ("fp16 with a bf16-only candidate tile", sys::capmoe_grouped_gemm_desc_t {
+            dtype: sys::CAPMOE_DTYPE_F16 as i32,
+            out_dtype: sys::CAPMOE_DTYPE_F16 as i32,
+            ..gemm_desc(90, sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE as i32)
+        }),
+    ] {
+        assert_eq!(resolve(&desc).0, UNSUPPORTED, "{what}");
+    }
+    assert_eq!(resolve(&gemm_desc(90, sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE as i32)), (OK, sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE as i32));
+}
+
+#[test]
+fn grouped_gemm_run_checks_every_pointer_before_launching() {
+    if !Arch::Sm90.is_built() {
+        println!("skipping: SM90 kernels not built (CAPMOE_CUDA_ARCHS)");
+        return;
+    }
+    let desc = gemm_desc(90, sys::CAPMOE_CONFIG_AUTO as i32);
+    let run = |flags: usize, splits: usize, workspace: usize| unsafe {
+        sys::capmoe_grouped_gemm_run(&desc, fake(0), fake(0), fake(0), fake(splits), fake(flags) as *mut i32, fake(workspace), 1 << 20, null_mut())
+            as i32
+    };
+    assert_eq!(run(2, 0, 0), MISALIGNED, "overflow_flags off 4-byte alignment");
+    assert_eq!(run(0, 2, 0), MISALIGNED, "int32 m_splits off 4-byte alignment");
+    assert_eq!(run(0, 0, 16), MISALIGNED, "workspace off 256-byte alignment");
+    let null_splits = unsafe {
+        sys::capmoe_grouped_gemm_run(&desc, fake(0), fake(0), fake(0), null_mut(), null_mut(), fake(0), 1 << 20, null_mut())
+    };
+    assert_eq!(null_splits as i32, INVALID, "NULL m_splits");
+}
+
+#[test]
+fn routing_build_refuses_a_null_workspace() {
+    let desc = sys::capmoe_routing_desc_t {
+        num_experts: 8,
+        hidden: 64,
+        ffn: 32,
+        topk: 2,
+        max_tokens: 16,
+        capacity: 32,
+        expert_capacity: 0,
+        dtype: sys::CAPMOE_DTYPE_BF16 as i32,
+        prob_dtype: sys::CAPMOE_DTYPE_F32 as i32,
+    };
+    let p = |o: usize| fake(o);
+    let build = |workspace: *mut std::ffi::c_void, bytes: u64| unsafe {
+        sys::capmoe_routing_build(
+            &desc, p(0) as *const i32, 16, std::ptr::null(), p(0) as *mut i32, p(0) as *mut i64, p(0) as *mut i64,
+            p(0) as *mut i32, p(0) as *mut i32, p(0) as *mut i32, p(0) as *mut i32, workspace, bytes, null_mut(),
+        ) as i32
+    };
+    assert_eq!(build(null_mut(), 1 << 20), INVALID, "NULL workspace");
+    assert_eq!(build(p(0), 0), sys::CAPMOE_ERR_WORKSPACE_TOO_SMALL as i32, "workspace of 0 bytes");
+}
