@@ -40,6 +40,7 @@
 #include <atomic>
 
 #include "capturable_moe/echo.h"
+#include "common/alignment.h"
 #include "common/boundary.cuh"
 #include "common/device_primitives.cuh"
 
@@ -1256,11 +1257,9 @@ capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, i
   if (!counts || !state) return CAPMOE_ERR_INVALID_ARGUMENT;
   // Natural alignment of every array (a misaligned access faults and loses the context); the
   // state's int32 sections are read and written as int4 / int2, so it needs 16 bytes.
-  auto misaligned = [](const void* ptr, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(ptr) & (bytes - 1)) != 0; };
-  if (misaligned(state, 16) || misaligned(counts, 8) || misaligned(num_tokens_device, 4) ||
-      misaligned(probs, 4) || misaligned(ids, 4) || misaligned(workspace, 4) ||
-      misaligned(out_probs, 4) || misaligned(out_dest, 4) || misaligned(out_probs_k, 4))
-    return CAPMOE_ERR_MISALIGNED;
+  CAPMOE_TRY(check_aligned(16, {state}));
+  CAPMOE_TRY(check_aligned(8, {counts}));
+  CAPMOE_TRY(check_aligned(4, {num_tokens_device, probs, ids, workspace, out_probs, out_dest, out_probs_k}));
   if (num_tokens < 0 || num_tokens > (int64_t(1) << 31) - 1) return CAPMOE_ERR_INVALID_ARGUMENT;
   Params p{};
   p.counts = counts;

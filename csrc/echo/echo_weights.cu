@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "capturable_moe/echo.h"
+#include "common/alignment.h"
 #include "common/boundary.cuh"
 #include "common/device_primitives.cuh"
 #include "common/launch.cuh"
@@ -96,8 +97,6 @@ unsigned grid_x(int64_t work) {
   return (unsigned)(blocks < 1 ? 1 : blocks);
 }
 
-bool misaligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) != 0; }
-
 // count * bytes_each fits in int64 (every byte offset the kernels form stays below it).
 bool fits(int64_t count, int64_t bytes_each) { return bytes_each == 0 || count <= INT64_MAX / bytes_each; }
 
@@ -121,7 +120,7 @@ extern "C" capmoe_status_t capmoe_echo_fill_spare_weights(const int64_t* slot_ex
     if (!fits(num_experts, bytes_per_expert) || !fits(num_slots, bytes_per_expert) ||
         slot_begin > INT64_MAX - num_slots)
       return CAPMOE_ERR_INVALID_ARGUMENT;
-    if (misaligned(slot_expert, 8) || misaligned(error_flags, 8)) return CAPMOE_ERR_MISALIGNED;
+    CAPMOE_TRY(capmoe::check_aligned(8, {slot_expert, error_flags}));
     const bool vec16 = bytes_per_expert % 16 == 0 &&
                        (reinterpret_cast<uintptr_t>(home) & 15) == 0 &&
                        (reinterpret_cast<uintptr_t>(spare) & 15) == 0;
@@ -146,9 +145,8 @@ extern "C" capmoe_status_t capmoe_echo_fold_spare_grads(const int64_t* slot_expe
     if (elems_per_expert > INT64_MAX / 4 || !fits(num_experts, 4 * elems_per_expert) ||
         !fits(num_slots, 4 * elems_per_expert))
       return CAPMOE_ERR_INVALID_ARGUMENT;
-    if (misaligned(slot_expert, 8) || misaligned(error_flags, 8) || misaligned(dw_slot, 4) ||
-        misaligned(dw_home, 4))
-      return CAPMOE_ERR_MISALIGNED;
+    CAPMOE_TRY(capmoe::check_aligned(8, {slot_expert, error_flags}));
+    CAPMOE_TRY(capmoe::check_aligned(4, {dw_slot, dw_home}));
     const size_t smem = sizeof(int32_t) * (size_t)num_slots;  // <= 32 KB: no opt-in needed
     return capmoe::launch(fold_kernel, dim3(grid_x(elems_per_expert), (unsigned)num_slots),
                           kThreads, smem, static_cast<cudaStream_t>(stream), slot_expert,

@@ -4,6 +4,7 @@
 // Only variants of archs compiled into this binary are referenced (CAPMOE_HAS_SM90/SM100).
 #include <cstdint>
 
+#include "common/alignment.h"
 #include "common/boundary.cuh"
 #include "grouped_gemm/variants.h"
 
@@ -94,8 +95,6 @@ capmoe_status_t find_variant(const capmoe_grouped_gemm_desc_t& d, VariantFn* fn)
   return CAPMOE_ERR_UNSUPPORTED;
 }
 
-bool aligned(const void* p, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
-
 }  // namespace
 }  // namespace capmoe::gg
 
@@ -130,10 +129,11 @@ extern "C" capmoe_status_t capmoe_grouped_gemm_run(const capmoe_grouped_gemm_des
     if (!desc || !a || !b || !d || !m_splits || !workspace) return CAPMOE_ERR_INVALID_ARGUMENT;
     capmoe::gg::VariantFn fn = nullptr;
     CAPMOE_TRY(capmoe::gg::find_variant(*desc, &fn));
-    using capmoe::gg::aligned;
-    if (!aligned(a, 16) || !aligned(b, 16) || !aligned(d, 16) || !aligned(workspace, 256)) return CAPMOE_ERR_MISALIGNED;
-    if (!aligned(m_splits, desc->split_dtype == CAPMOE_DTYPE_I64 ? 8 : 4)) return CAPMOE_ERR_MISALIGNED;
-    if (!aligned(overflow_flags, 4)) return CAPMOE_ERR_MISALIGNED;  // atomicOr'ed on the device
+    using capmoe::check_aligned;
+    CAPMOE_TRY(check_aligned(16, {a, b, d}));
+    CAPMOE_TRY(check_aligned(256, {workspace}));
+    CAPMOE_TRY(check_aligned(desc->split_dtype == CAPMOE_DTYPE_I64 ? 8 : 4, {m_splits}));
+    CAPMOE_TRY(check_aligned(4, {overflow_flags}));  // atomicOr'ed on the device
     capmoe::gg::Launch launch{desc,           a,         b, d, m_splits, overflow_flags, workspace, workspace_bytes,
                               static_cast<cudaStream_t>(stream)};
     return fn(launch, nullptr);

@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "capturable_moe/routing.h"
+#include "common/alignment.h"
 #include "common/boundary.cuh"
 #include "common/device_primitives.cuh"
 #include "common/launch.cuh"
@@ -22,13 +23,8 @@ constexpr unsigned kFull = 0xffffffffu;
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// Scalar arrays must be naturally aligned: a misaligned load faults on the device and poisons
-// the context, so the entry points turn it into CAPMOE_ERR_MISALIGNED (null passes here).
-inline capmoe_status_t check_aligned(size_t bytes, std::initializer_list<const void*> ptrs) {
-  for (const void* p : ptrs)
-    if (reinterpret_cast<uintptr_t>(p) % bytes != 0) return CAPMOE_ERR_MISALIGNED;
-  return CAPMOE_OK;
-}
+// Scalar arrays must be naturally aligned (capmoe::check_aligned, common/alignment.h).
+using capmoe::check_aligned;
 
 inline size_t prob_bytes(const capmoe_routing_desc_t* d) {
   return d->prob_dtype == CAPMOE_DTYPE_F32 ? 4 : 2;
