@@ -69,30 +69,73 @@ capmoe_status_t validate(const capmoe_grouped_gemm_desc_t* d) {
   return CAPMOE_OK;
 }
 
-// The documented AUTO heuristic (host facts only). SM90: FPROP/DGRAD with at most 64 rows per
-// expert on average (decode) use the 64-row pingpong kernel, larger ones the 128x256
-// cooperative kernel; WGRAD reduces over rows, so its tile covers N x K and is cooperative.
-// SM100: the 2-SM kernel needs 256-row tiles to pay off, so it is used from 256 rows per expert.
-capmoe_gemm_config_t resolve(const capmoe_grouped_gemm_desc_t& d) {
-  if (d.config != CAPMOE_CONFIG_AUTO) return d.config;
-  const int64_t rows_per_expert = d.capacity / d.num_experts;
-  const bool wgrad = d.op == CAPMOE_GEMM_WGRAD;
-  if (d.arch == 100) return (!wgrad && rows_per_expert >= 256) ? CAPMOE_CONFIG_SM100_2SM : CAPMOE_CONFIG_SM100_1SM;
-  return (!wgrad && rows_per_expert <= 64) ? CAPMOE_CONFIG_SM90_PINGPONG : CAPMOE_CONFIG_SM90_COOPERATIVE;
-}
-
-capmoe_status_t find_variant(const capmoe_grouped_gemm_desc_t& d, VariantFn* fn) {
-  CAPMOE_TRY(validate(&d));
-  const capmoe_gemm_config_t config = resolve(d);
+bool has_variant(const capmoe_grouped_gemm_desc_t& d, capmoe_gemm_config_t config, VariantFn* fn = nullptr) {
   const Majorness majorness = majorness_of(d);
   for (const Variant& v : kVariants) {
     if (v.fn && v.arch == d.arch && v.config == config && v.majorness == majorness && v.in == d.dtype &&
         v.out == d.out_dtype && v.reads_c == (d.accumulate != 0)) {
-      *fn = v.fn;
+      if (fn) *fn = v.fn;
+      return true;
+    }
+  }
+  return false;
+}
+
+// The AUTO heuristic, from host facts only (E, N, K, capacity, op, dtypes; never m_splits):
+// an ordered list of configurations, of which the first one this build has a kernel for wins.
+// SM90 (bench/README.md has the sweep behind it):
+//  - FPROP/DGRAD with at most 64 rows per expert on average (decode): the 64x128 pingpong;
+//  - a short reduction (K <= 1024: the expert's fc2 in fprop): 64x256 pingpong, whose
+//    alternating warpgroups hide each tile's epilogue behind the other's mainloop;
+//  - otherwise, below 1024 rows per expert, 128x256 cooperative without a cluster (the 2x1
+//    cluster lost on every E >= 32 shape by 10-15 %);
+//  - dense-sized experts (>= 1024 rows each) and WGRAD (its reduction is the expert's row
+//    count): 128x256 cooperative with the 2x1 cluster, which is also the fallback wherever
+//    this build has no kernel of the preferred config (the candidate tiles are bf16-only).
+// SM100: the 2-SM kernel needs 256-row tiles to pay off, so it is used from 256 rows per
+// expert; WGRAD always 1-SM. (No Blackwell GPU has run these.)
+int auto_candidates(const capmoe_grouped_gemm_desc_t& d, capmoe_gemm_config_t out[4]) {
+  const int64_t rows_per_expert = d.capacity / d.num_experts;
+  const bool wgrad = d.op == CAPMOE_GEMM_WGRAD;
+  const int64_t reduction = d.op == CAPMOE_GEMM_FPROP ? d.k : d.n;
+  int n = 0;
+  if (d.arch == 100) {
+    if (!wgrad && rows_per_expert >= 256) out[n++] = CAPMOE_CONFIG_SM100_2SM;
+    out[n++] = CAPMOE_CONFIG_SM100_1SM;
+    return n;
+  }
+  if (!wgrad && rows_per_expert <= 64) {
+    out[n++] = CAPMOE_CONFIG_SM90_PINGPONG;
+  } else if (!wgrad && rows_per_expert < 1024) {
+    if (reduction <= 1024) out[n++] = CAPMOE_CONFIG_SM90_PINGPONG_WIDE;
+    out[n++] = CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER;
+  }
+  out[n++] = CAPMOE_CONFIG_SM90_COOPERATIVE;
+  return n;
+}
+
+// The configuration `d` runs with: its own, or AUTO's first built candidate. UNSUPPORTED when
+// this build has no kernel for it.
+capmoe_status_t resolve(const capmoe_grouped_gemm_desc_t& d, capmoe_gemm_config_t* config, VariantFn* fn) {
+  if (d.config != CAPMOE_CONFIG_AUTO) {
+    *config = d.config;
+    return has_variant(d, d.config, fn) ? CAPMOE_OK : CAPMOE_ERR_UNSUPPORTED;
+  }
+  capmoe_gemm_config_t candidates[4];
+  const int count = auto_candidates(d, candidates);
+  for (int i = 0; i < count; ++i) {
+    if (has_variant(d, candidates[i], fn)) {
+      *config = candidates[i];
       return CAPMOE_OK;
     }
   }
   return CAPMOE_ERR_UNSUPPORTED;
+}
+
+capmoe_status_t find_variant(const capmoe_grouped_gemm_desc_t& d, VariantFn* fn) {
+  CAPMOE_TRY(validate(&d));
+  capmoe_gemm_config_t config;
+  return resolve(d, &config, fn);
 }
 
 }  // namespace
@@ -104,9 +147,7 @@ extern "C" capmoe_status_t capmoe_grouped_gemm_resolve_config(const capmoe_group
     CAPMOE_TRY(capmoe::gg::validate(desc));
     if (!config) return CAPMOE_ERR_INVALID_ARGUMENT;
     capmoe::gg::VariantFn fn = nullptr;
-    CAPMOE_TRY(capmoe::gg::find_variant(*desc, &fn));
-    *config = capmoe::gg::resolve(*desc);
-    return CAPMOE_OK;
+    return capmoe::gg::resolve(*desc, config, &fn);
   });
 }
 

@@ -132,12 +132,15 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
         plan.run(stream, &a[i % a.len()], &b[i % b.len()], &mut d[i % n], &m_splits, None, &mut workspace)
             .expect("capmoe run");
     };
-    let (us, host) = time(stream, args.reps, |i| run_capmoe(i, &mut d));
-    push("capmoe", us, Some(host), Some(format!("{sets} rotated operand set(s)")));
-    // The same calls timed one by one with a wait after each, as the torch anchor times torch:
-    // the row to set beside torch-grouped-mm / torch-loop4 (both include their host time).
-    let us = time_synced(stream, args.reps, |i| run_capmoe(i, &mut d));
-    push("capmoe-synced", us, None, Some("timed as torch_anchor.py: one call per event pair, synced".into()));
+    if !args.sweep {
+        let (us, host) = time(stream, args.reps, |i| run_capmoe(i, &mut d));
+        push("capmoe", us, Some(host), Some(format!("{sets} rotated operand set(s)")));
+        // The same calls timed one by one with a wait after each, as the torch anchor times
+        // torch: the row to set beside torch-grouped-mm / torch-loop4 (both include their host
+        // time).
+        let us = time_synced(stream, args.reps, |i| run_capmoe(i, &mut d));
+        push("capmoe-synced", us, None, Some("timed as torch_anchor.py: one call per event pair, synced".into()));
+    }
 
     // The crate, captured once per operand set in a CUDA graph and replayed.
     let graphs: Vec<CudaGraph> = (0..sets)
@@ -181,7 +184,8 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     };
 
     // cuBLAS loops: the host reads m_splits back first (the sync TransformerEngine needs).
-    for (imp, streams) in [("cublas-multistream", args.streams), ("cublas-single", 1)] {
+    let loops: &[(&str, usize)] = if args.sweep { &[] } else { &[("cublas-multistream", args.streams), ("cublas-single", 1)] };
+    for &(imp, streams) in loops {
         let timed = CublasLoop::new(spec.clone(), stream, streams).map_err(|e| e.to_string()).and_then(|baseline| {
             time_with_readback(stream, args.reps, &m_splits, &mut verify, |i| ops_at(i, &d[i % d.len()]), |ops, splits| {
                 baseline.launch(stream, ops, splits)
@@ -196,11 +200,11 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     // One cublasGemmGroupedBatchedEx call: also needs m_splits on the host (its sizes are host
     // arrays); the device pointer arrays are rebuilt and uploaded on every call.
     let imp = "cublas-grouped-batched";
-    let timed = CublasGroupedBatched::new(spec.clone(), stream).map_err(|e| e.to_string()).and_then(|mut baseline| {
+    let timed = if args.sweep { Err("skipped (--sweep)".to_string()) } else { CublasGroupedBatched::new(spec.clone(), stream).map_err(|e| e.to_string()).and_then(|mut baseline| {
         time_with_readback(stream, args.reps, &m_splits, &mut verify, |i| ops_at(i, &d[i % d.len()]), |ops, splits| {
             baseline.launch(ops, splits)
         })
-    });
+    }) };
     match timed {
         Ok((us, host, sync)) => push(
             imp,
@@ -208,10 +212,12 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
             Some(host),
             Some(format!("m_splits readback {sync:.1} us; pointer arrays uploaded per call")),
         ),
+        Err(_) if args.sweep => {}
         Err(e) => push(imp, f64::NAN, None, Some(format!("unavailable: {e}"))),
     }
 
     // Dense cuBLAS over all rows at the same FLOPs: the ceiling (wgrad: one K = rows GEMM).
+    let mut dense_us = f64::NAN;
     match DenseGemm::new(spec.clone(), stream) {
         Ok(dense) => {
             let mut failed = None;
@@ -221,14 +227,19 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
                 }
             });
             match failed {
-                None => push("cublas-dense", us, Some(host), None),
+                None => {
+                    dense_us = us;
+                    push("cublas-dense", us, Some(host), None)
+                }
                 Some(e) => push("cublas-dense", f64::NAN, None, Some(format!("unavailable: {e}"))),
             }
         }
         Err(e) => push("cublas-dense", f64::NAN, None, Some(format!("unavailable: {e}"))),
     }
 
-    push("cublaslt-grouped", f64::NAN, None, Some(format!("unavailable: {}", cublaslt_grouped_status(stream))));
+    if !args.sweep {
+        push("cublaslt-grouped", f64::NAN, None, Some(format!("unavailable: {}", cublaslt_grouped_status(stream))));
+    }
 
     // The HBM floor: every expert weight read once, at the bandwidth of a device-to-device copy.
     match memcpy_floor(stream, args, shape) {
@@ -251,10 +262,38 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
                     floor_us / 0.9
                 )),
             });
+            rows.push(roofline_row(&spec, &splits, weight_bytes / floor_us, dense_us, rows.last().unwrap()));
         }
         Err(e) => push("memcpy-floor", f64::NAN, None, Some(format!("unavailable: {e}"))),
     }
     rows
+}
+
+/// The time the op needs at least: max(the bytes it must move at copy bandwidth, dense cuBLAS
+/// at the same FLOPs). The bytes are every touched weight read once for fprop / dgrad (the
+/// `memcpy-floor` row), and dY + X + dW (all E, the zero-filled empty experts included) for
+/// wgrad. `bytes_per_us` is the copy bandwidth the memcpy-floor row measured; `floor` is that
+/// row, whose labels the roofline row takes.
+fn roofline_row(spec: &GroupedGemmSpec, splits: &[i64], bytes_per_us: f64, dense_us: f64, floor: &Row) -> Row {
+    let active = splits.iter().filter(|&&s| s > 0).count();
+    let weight_read = (active * spec.n * spec.k * spec.dtype.size_bytes()) as f64;
+    let compulsory = traffic_bytes(spec, splits, Traffic::Capmoe);
+    let traffic_us = if spec.op == GemmOp::Wgrad { compulsory } else { weight_read } / bytes_per_us;
+    let (us, bound) = if dense_us > traffic_us { (dense_us, "dense cuBLAS") } else { (traffic_us, "copy bandwidth") };
+    Row {
+        imp: "roofline".into(),
+        us,
+        tflops: spec.flops(splits.iter().map(|&s| s.max(0) as usize).sum()) / us * 1e-6,
+        gbps: f64::NAN,
+        host_us: None,
+        note: Some(format!(
+            "max(dense cuBLAS {dense_us:.1} us, {} at copy bandwidth {traffic_us:.1} us): bound by {bound}; \
+             every operand once (X/dY, W, Y) at copy bandwidth would be {:.1} us",
+            if spec.op == GemmOp::Wgrad { "dY + X + dW" } else { "the touched weights" },
+            compulsory / bytes_per_us
+        )),
+        ..floor.clone()
+    }
 }
 
 /// Which operands an implementation touches, for [`traffic_bytes`].

@@ -9,6 +9,8 @@
 //!                [--configs sm90-coop,sm90-pingpong128,...]  (also time these kernel configs)
 //!                [--weight-layout enk|ekn]  (weights [E, N, K], the default, or [E, K, N])
 //!                [--only echo]  (the Echo planner rows alone)
+//!                [--sweep]  (a config sweep: graph rows, dense cuBLAS, floor and roofline only;
+//!                            no eager rows, no cuBLAS loops)
 
 mod data;
 mod gemm;
@@ -39,6 +41,8 @@ struct Args {
     pub weight_layout: WeightLayout,
     /// Only the Echo planner rows.
     pub only_echo: bool,
+    /// A config sweep: skip the eager rows and the cuBLAS loop baselines (`--sweep`).
+    pub sweep: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -54,6 +58,7 @@ fn parse_args() -> Result<Args, String> {
         configs: Vec::new(),
         weight_layout: WeightLayout::Enk,
         only_echo: false,
+        sweep: false,
     };
     let mut it = std::env::args().skip(1);
     let list = |v: Option<String>| -> Result<Vec<String>, String> {
@@ -96,6 +101,10 @@ fn parse_args() -> Result<Args, String> {
                 Some("echo") => args.only_echo = true,
                 other => return Err(format!("--only takes `echo`, got {other:?}")),
             },
+            "--sweep" => {
+                args.sweep = true;
+                args.paths = false;
+            }
             "--quick" => {
                 args.reps = 10;
                 args.routings = vec!["uniform".into()];

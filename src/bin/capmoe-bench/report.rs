@@ -65,41 +65,62 @@ pub fn anchor_rows(path: &str) -> Result<Vec<Row>, String> {
     Ok(rows)
 }
 
-pub fn print_table(rows: &[Row]) {
+/// The times a row is compared with: those of its (shape, routing, op) group's
+/// cublas-multistream, cublas-dense and roofline rows (NaN where the group has none).
+#[derive(Clone, Copy)]
+pub struct References {
+    pub multistream_us: f64,
+    pub dense_us: f64,
+    pub roofline_us: f64,
+}
+
+pub fn references(rows: &[Row]) -> impl Fn(&Row) -> References {
     let key = |r: &Row| (r.shape.clone(), r.routing.clone(), r.op.clone());
-    let mut reference: BTreeMap<(String, String, String), (f64, f64)> = BTreeMap::new();
+    let none = References { multistream_us: f64::NAN, dense_us: f64::NAN, roofline_us: f64::NAN };
+    let mut by_group: BTreeMap<(String, String, String), References> = BTreeMap::new();
     for r in rows {
-        let entry = reference.entry(key(r)).or_insert((f64::NAN, f64::NAN));
+        let entry = by_group.entry(key(r)).or_insert(none);
         match r.imp.as_str() {
-            "cublas-multistream" => entry.0 = r.us,
-            "cublas-dense" => entry.1 = r.us,
+            "cublas-multistream" => entry.multistream_us = r.us,
+            "cublas-dense" => entry.dense_us = r.us,
+            "roofline" => entry.roofline_us = r.us,
             _ => {}
         }
     }
+    move |r: &Row| by_group.get(&key(r)).copied().unwrap_or(none)
+}
+
+pub fn print_table(rows: &[Row]) {
+    let reference = references(rows);
     println!(
-        "{:<14} | {:<8} | {:<6} | {:<22} | {:>9} | {:>8} | {:>7} | {:>14} | {:>7}",
-        "shape", "routing", "op", "impl", "us", "TFLOP/s", "GB/s", "x multi-stream", "x dense"
+        "{:<14} | {:<8} | {:<6} | {:<22} | {:>9} | {:>8} | {:>7} | {:>14} | {:>7} | {:>10}",
+        "shape", "routing", "op", "impl", "us", "TFLOP/s", "GB/s", "x multi-stream", "x dense", "x roofline"
     );
     for r in rows {
-        let (multi, dense) = reference.get(&key(r)).copied().unwrap_or((f64::NAN, f64::NAN));
+        let References { multistream_us: multi, dense_us: dense, roofline_us: roofline } = reference(r);
         if r.us.is_nan() {
             println!("{:<14} | {:<8} | {:<6} | {:<22} | {}", r.shape, r.routing, r.op, r.imp, r.note.clone().unwrap_or_default());
             continue;
         }
         // The memcpy-floor row does no FLOPs: "-" rather than NaN.
         let tflops = if r.tflops.is_finite() { format!("{:.1}", r.tflops) } else { "-".into() };
+        // x roofline is this row's time over the roofline's (>= 1 for a real kernel); the
+        // other two ratios are the reference's time over this row's (> 1 = faster).
         println!(
-            "{:<14} | {:<8} | {:<6} | {:<22} | {:>9.1} | {:>8} | {:>7.0} | {:>14.2} | {:>7.2}",
-            r.shape, r.routing, r.op, r.imp, r.us, tflops, r.gbps, multi / r.us, dense / r.us
+            "{:<14} | {:<8} | {:<6} | {:<22} | {:>9.1} | {:>8} | {:>7.0} | {:>14.2} | {:>7.2} | {:>10.2}",
+            r.shape, r.routing, r.op, r.imp, r.us, tflops, r.gbps, multi / r.us, dense / r.us, r.us / roofline
         );
     }
 }
 
 pub fn write_json(path: &str, device: &DeviceInfo, max_clocks_khz: (i32, i32), rows: &[Row]) -> std::io::Result<()> {
+    let reference = references(rows);
+    let finite = |v: f64| if v.is_finite() { v.into() } else { serde_json::Value::Null };
     let rows: Vec<serde_json::Value> = rows
         .iter()
         .map(|r| {
             serde_json::json!({
+                "x_roofline": finite(r.us / reference(r).roofline_us),
                 "shape": r.shape, "routing": r.routing, "op": r.op, "impl": r.imp,
                 "us": if r.us.is_nan() { serde_json::Value::Null } else { r.us.into() },
                 "tflops": if r.tflops.is_finite() { r.tflops.into() } else { serde_json::Value::Null },

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call (from the repo root on the GPU machine, after scripts/gpu-bundle.sh here): the
+# grouped GEMM config sweep behind AUTO — every SM90 config on every bench shape, fprop / dgrad /
+# wgrad, uniform and zipf routing, both weight layouts — then an ncu summary of chosen kernels.
+# Logs and JSON under $OUT; the summary table (x roofline per config, the winner) is printed last.
+#   CONFIGS=a,b NCU=0 SHAPES=... bash scripts/gpu-sweep.sh
+set -uo pipefail
+R=${R:-${OUT:?set OUT to a folder for the logs}}; BUNDLE=${BUNDLE:-gpu-bundle}
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+mkdir -p "$BUNDLE/run" /tmp/sweep && tar -C "$BUNDLE/run" -xzf "$BUNDLE/bundle.tar.gz"
+B=$BUNDLE/run/bin/capmoe-bench
+CONFIGS=${CONFIGS:-sm90-coop,sm90-pingpong,sm90-coop-nocluster,sm90-coop-m256,sm90-pingpong128,sm90-pingpong-wide}
+SHAPES=${SHAPES:-mixtral_fc1,dsv3_ep8_fc1,dsv3_ep8_fc2,qwen3moe_fc1,qwen3moe_fc2,decode_fc1}
+nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | tee $R/gpu.txt
+for layout in enk ekn; do
+  timeout ${SWEEP_TIMEOUT:-200} $B --sweep --shapes $SHAPES --routing uniform,zipf --ops fprop,dgrad,wgrad \
+    --weight-layout $layout --configs $CONFIGS --reps ${REPS:-8} --out /tmp/sweep/$layout > $R/sweep_$layout.log 2>&1
+  echo "sweep $layout rc=$?"
+  cp /tmp/sweep/$layout/*.json $R/sweep_$layout.json 2>/dev/null
+done
+if [[ "${NCU:-1}" == 1 ]]; then
+  # The config's first launch (-s 5 skips AUTO's four timed runs and its reference run). Per kernel: DRAM and tensor-pipe throughput, L2 hit rate, top warp stall reasons.
+  NCU_BIN=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  for spec in ${NCU_CASES:-dsv3_ep8_fc1:fprop:sm90-coop-nocluster qwen3moe_fc1:fprop:sm90-coop-nocluster qwen3moe_fc2:fprop:sm90-pingpong-wide qwen3moe_fc1:wgrad:sm90-coop}; do
+    IFS=: read -r shape op cfg <<<"$spec"
+    timeout 120 $NCU_BIN --clock-control none -k regex:'device_kernel|dependent_gemm' -s 5 -c 1 \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+      --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,lts__t_sector_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+      $B --sweep --shapes $shape --routing uniform --ops $op --configs $cfg --reps 1 --out /tmp/ncu > $R/ncu_${shape}_${op}_${cfg}.txt 2>&1
+    echo "ncu $spec rc=$?"
+  done
+fi
+python3 bench/tools/sweep_table.py $R/sweep_enk.json > $R/sweep_table_enk.txt
+python3 bench/tools/sweep_table.py $R/sweep_ekn.json > $R/sweep_table_ekn.txt
+cat $R/sweep_table_enk.txt $R/sweep_table_ekn.txt
