@@ -60,7 +60,7 @@ pub enum WeightLayout {
 /// The four candidate tiles (`Sm90CooperativeNoCluster`, `Sm90CooperativeM256`,
 /// `Sm90Pingpong128`, `Sm90PingpongWide`) are built for bf16 inputs with a bf16 output only
 /// (fprop / dgrad, plain wgrad); any other dtype or fp32 accumulate with them is
-/// [`Error::Unsupported`](crate::Error::Unsupported) when the plan is made.
+/// [`Error::Unsupported`] when the plan is made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GemmConfig {
     Auto,
