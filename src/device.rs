@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{sys::CUdevice_attribute, CudaContext, CudaStream};
+use cudarc::driver::{sys::CUdevice_attribute, CudaContext, CudaStream, DeviceSlice};
 
 use crate::{Error, Result};
 
@@ -88,4 +88,30 @@ pub fn open(ordinal: usize) -> Result<Arc<CudaContext>> {
         return Err(Error::NoGpu(format!("{arch:?} kernels were not built (CAPMOE_CUDA_ARCHS)")));
     }
     Ok(ctx)
+}
+
+/// `Ok` when `buffer` was allocated in the CUDA context `stream` runs in, else
+/// [`Error::WrongContext`] naming `what`.
+///
+/// Contexts are compared by their driver handle (`CUcontext`), not by `Arc` identity: two
+/// `CudaContext::new(0)` calls (or this crate's [`open`] and another engine's, e.g. candle's)
+/// retain the same primary context and share its memory, so their buffers are accepted; a
+/// buffer of another device or of a separately created context is not. Every safe launcher of
+/// the crate checks each buffer it is given this way before anything is launched.
+pub fn ensure_same_context<T, B: DeviceSlice<T> + ?Sized>(
+    op: &'static str,
+    what: &'static str,
+    stream: &CudaStream,
+    buffer: &B,
+) -> Result<()> {
+    let (want, got) = (stream.context(), buffer.stream().context());
+    if want.cu_ctx() != got.cu_ctx() {
+        return Err(Error::WrongContext {
+            op,
+            what,
+            stream_device: want.ordinal(),
+            buffer_device: got.ordinal(),
+        });
+    }
+    Ok(())
 }

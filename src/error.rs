@@ -21,8 +21,13 @@ pub enum Error {
     NotBuilt { kernel: &'static str },
     #[error("{op}: no kernel for this combination: {why}")]
     Unsupported { op: &'static str, why: String },
-    #[error("{op}: buffers belong to a different CUDA context than the stream")]
-    WrongContext { op: &'static str },
+    /// A buffer was allocated in another CUDA context than the launch stream's (contexts are
+    /// compared by driver handle: see [`crate::device::ensure_same_context`]).
+    #[error("{op}: {what} belongs to a CUDA context of device {buffer_device}, not to the launch stream's context (device {stream_device}); allocate it in the stream's context")]
+    WrongContext { op: &'static str, what: &'static str, stream_device: usize, buffer_device: usize },
+    /// A plan bound to one stream (its buffers are reused by every launch) was given another.
+    #[error("{op}: the plan was made for stream {bound:#x} and owns buffers used on it; got stream {got:#x} (make one plan per stream)")]
+    WrongStream { op: &'static str, bound: u64, got: u64 },
     #[error("{op}: CUTLASS rejected the problem (can_implement / initialize / run)")]
     Cutlass { op: &'static str },
     #[error("{op}: CUDA runtime error {code} ({name})")]

@@ -1,31 +1,188 @@
 //! Capturing launches into a CUDA graph.
+//!
+//! cudarc records an event on each buffer use when a context has several streams ("event
+//! tracking"), so that a buffer written on one stream is waited for on another. Those event
+//! records and waits cannot be captured, so [`capture`] switches tracking off while it
+//! captures. The switch is one flag of the whole context object (cudarc's
+//! `CudaContext::disable_event_tracking`; each `CudaContext::new` call makes its own object,
+//! with its own flag, for the same driver context), not of a thread or a stream, so the
+//! contract is:
+//!
+//! - While any [`capture`] on a context object is running, its event tracking is off,
+//!   for every thread and stream. Concurrent or nested captures on one context are counted:
+//!   tracking is turned off by the first and restored by the last to finish (also when a body
+//!   fails or panics), to the state it had before the first began.
+//! - Meanwhile cudarc orders nothing across streams of that context: the caller must not use a
+//!   buffer of the context on another stream (another thread included) unless it orders that
+//!   use itself (events, or a synchronise), and must not free a buffer another stream may
+//!   still be using.
+//! - Buffers allocated while tracking is off never get tracking events, also after it is
+//!   restored: allocate the buffers a graph uses before capturing it (the plans of this crate
+//!   allocate everything when they are made).
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaStream};
+use cudarc::driver::{CudaContext, CudaGraph, CudaStream};
 
 use crate::{Error, Result};
 
 /// Captures everything `body` enqueues on `stream` (global capture mode: any forbidden call
 /// from any thread, such as a host sync or an allocation, fails the capture) and instantiates
-/// it. cudarc's per-buffer event tracking cannot be captured, so it is switched off for the
-/// context during the capture and restored afterwards; the caller must not use the context's
-/// buffers from other streams meanwhile. The capture is always ended, also when `body` fails.
+/// it. The capture is always ended, also when `body` fails. Event tracking of the stream's
+/// context is off while it runs: see the module docs for what that asks of the caller.
 pub fn capture(stream: &Arc<CudaStream>, body: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
-    let ctx = stream.context().clone();
-    let tracking = ctx.is_event_tracking();
-    // SAFETY: tracking is only off while this function runs on this thread.
-    unsafe { ctx.disable_event_tracking() };
-    let result = (|| {
-        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)?;
-        let body_result = body();
-        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
-        body_result?;
-        graph?.ok_or(Error::InvalidArgument { op: "graph capture", why: "nothing was captured".into() })
-    })();
-    if tracking {
-        unsafe { ctx.enable_event_tracking() };
+    let _tracking_off = TrackingOff::new(stream.context().clone());
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)?;
+    let body_result = body();
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+    body_result?;
+    graph?.ok_or(Error::InvalidArgument { op: "graph capture", why: "nothing was captured".into() })
+}
+
+/// A context whose event tracking can be switched (cudarc's `CudaContext`; a stand-in in tests).
+pub(crate) trait TrackingSwitch {
+    /// The identity of what holds the flag.
+    fn key(&self) -> usize;
+    fn is_tracking(&self) -> bool;
+    /// # Safety
+    /// As cudarc's `enable_event_tracking` / `disable_event_tracking`.
+    unsafe fn set_tracking(&self, on: bool);
+}
+
+impl TrackingSwitch for CudaContext {
+    // NOTE: the flag lives in cudarc's `CudaContext` object (one per `CudaContext::new` call,
+    // even for the same driver context), so the object, not the driver handle, is the key.
+    fn key(&self) -> usize {
+        self as *const CudaContext as usize
     }
-    result
+    fn is_tracking(&self) -> bool {
+        self.is_event_tracking()
+    }
+    unsafe fn set_tracking(&self, on: bool) {
+        if on {
+            self.enable_event_tracking()
+        } else {
+            self.disable_event_tracking()
+        }
+    }
+}
+
+/// Per context: captures running, and the tracking state before the first of them began.
+static RUNNING: Mutex<Option<HashMap<usize, (usize, bool)>>> = Mutex::new(None);
+
+/// Event tracking off for as long as any guard of the context lives (module docs).
+pub(crate) struct TrackingOff<C: TrackingSwitch> {
+    ctx: C,
+}
+
+impl<C: TrackingSwitch> TrackingOff<C> {
+    pub(crate) fn new(ctx: C) -> Self {
+        let mut running = RUNNING.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = running.get_or_insert_with(HashMap::new).entry(ctx.key()).or_insert((0, ctx.is_tracking()));
+        entry.0 += 1;
+        // SAFETY: the module's contract (documented on `capture`) makes the caller responsible
+        // for cross-stream ordering while a capture runs.
+        unsafe { ctx.set_tracking(false) };
+        TrackingOff { ctx }
+    }
+}
+
+impl<C: TrackingSwitch> Drop for TrackingOff<C> {
+    fn drop(&mut self) {
+        let mut running = RUNNING.lock().unwrap_or_else(|e| e.into_inner());
+        let map = running.get_or_insert_with(HashMap::new);
+        let key = self.ctx.key();
+        let Some(entry) = map.get_mut(&key) else { return };
+        entry.0 -= 1;
+        if entry.0 == 0 {
+            let before = entry.1;
+            map.remove(&key);
+            // SAFETY: the last capture of this context has ended; restoring the state the
+            // first one found is what the caller had before.
+            unsafe { self.ctx.set_tracking(before) };
+        }
+    }
+}
+
+impl<C: TrackingSwitch> TrackingSwitch for Arc<C> {
+    fn key(&self) -> usize {
+        (**self).key()
+    }
+    fn is_tracking(&self) -> bool {
+        (**self).is_tracking()
+    }
+    unsafe fn set_tracking(&self, on: bool) {
+        (**self).set_tracking(on)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    /// A context stand-in: a key and a tracking flag.
+    struct FakeContext {
+        key: usize,
+        tracking: AtomicBool,
+    }
+
+    impl TrackingSwitch for FakeContext {
+        fn key(&self) -> usize {
+            self.key
+        }
+        fn is_tracking(&self) -> bool {
+            self.tracking.load(Ordering::SeqCst)
+        }
+        unsafe fn set_tracking(&self, on: bool) {
+            self.tracking.store(on, Ordering::SeqCst)
+        }
+    }
+
+    fn fake(key: usize, tracking: bool) -> Arc<FakeContext> {
+        Arc::new(FakeContext { key, tracking: AtomicBool::new(tracking) })
+    }
+
+    /// Two overlapping captures on one context (as from two threads): tracking stays off until
+    /// the second ends, then returns to what it was before the first (a guard that restored
+    /// its own "before" would turn tracking back on in the middle of the second capture).
+    #[test]
+    fn overlapping_captures_keep_tracking_off_until_the_last_ends_host() {
+        let ctx = fake(0x1001, true);
+        let first = TrackingOff::new(ctx.clone());
+        assert!(!ctx.is_tracking());
+        let second = TrackingOff::new(ctx.clone());
+        drop(first);
+        assert!(!ctx.is_tracking(), "tracking came back on while a capture was still running");
+        drop(second);
+        assert!(ctx.is_tracking(), "tracking not restored after the last capture");
+    }
+
+    /// A context whose tracking was already off stays off; contexts are counted separately.
+    #[test]
+    fn tracking_is_restored_per_context_to_its_prior_state_host() {
+        let (off, on) = (fake(0x2001, false), fake(0x2002, true));
+        let a = TrackingOff::new(off.clone());
+        let b = TrackingOff::new(on.clone());
+        drop(b);
+        assert!(on.is_tracking());
+        assert!(!off.is_tracking());
+        drop(a);
+        assert!(!off.is_tracking(), "a context that had tracking off must keep it off");
+    }
+
+    /// A body that panics still restores tracking (the guard's Drop runs while unwinding).
+    #[test]
+    fn a_panicking_capture_body_restores_tracking_host() {
+        let ctx = fake(0x3001, true);
+        let c = ctx.clone();
+        let result = std::panic::catch_unwind(move || {
+            let _guard = TrackingOff::new(c);
+            panic!("body failed");
+        });
+        assert!(result.is_err());
+        assert!(ctx.is_tracking());
+    }
 }

@@ -136,5 +136,13 @@ fn echo_kernels_match_the_reference_under_cpu_emulation() {
         let report = common::emulation::run(&exe, &[&file], order);
         println!("{order} thread order: {report}");
         assert!(report.contains(&format!("{n} cases, 0 failures")), "the driver did not read every case:\n{report}");
+        // Each run starts in a fresh emulated context: some launches must have needed the
+        // shared-memory opt-in, or the per-context opt-in is not exercised.
+        let opted_in: usize = report
+            .lines()
+            .find_map(|l| l.strip_suffix(" launches past 48 KB of shared memory"))
+            .and_then(|n| n.trim().parse().ok())
+            .expect("the driver reports its opted-in launches");
+        assert!(opted_in > 0, "no launch needed more than 48 KB of shared memory:\n{report}");
     }
 }

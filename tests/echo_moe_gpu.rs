@@ -284,6 +284,7 @@ fn moe_config(num_experts: usize, t: usize) -> MoeConfig {
         topk: K,
         max_tokens: t,
         capacity: None,
+        expert_capacity: None,
         dtype: DType::Bf16,
         prob_dtype: DType::F32,
         wgrad_accumulate: true,

@@ -154,3 +154,39 @@ fn candidate_sm90_configs_are_bf16_only() {
         }
     }
 }
+
+/// Every configuration survives the trip through its C ABI code; a code the crate does not
+/// know is `None` (it used to become `Auto`, hiding a library / binding mismatch).
+#[test]
+fn gemm_config_abi_codes_round_trip_and_unknown_codes_are_none_host() {
+    for config in GemmConfig::ALL {
+        assert_eq!(GemmConfig::from_abi_code(config.abi_code()), Some(config), "{config:?}");
+    }
+    let known: Vec<_> = GemmConfig::ALL.iter().map(|c| c.abi_code()).collect();
+    for code in [-1, 9, 10, 99, 1000, i32::MAX, i32::MIN] {
+        if !known.contains(&code) {
+            assert_eq!(GemmConfig::from_abi_code(code), None, "code {code}");
+        }
+    }
+}
+
+/// `desc()` says what the plan was built for: the spec as given (`Auto` kept), the resolved
+/// kernel, the device facts and the workspace size.
+#[test]
+fn grouped_gemm_desc_says_what_the_plan_was_built_for_host() {
+    if !Arch::Sm90.is_built() {
+        println!("skipping: no sm_90a kernels in this build");
+        return;
+    }
+    let hopper = DeviceInfo { ordinal: 0, name: "test".into(), arch: Arch::Sm90, sm_count: 132 };
+    let s = spec(GemmOp::Wgrad);
+    let plan = GroupedGemm::for_device(s.clone(), &hopper).unwrap();
+    let desc = plan.desc();
+    assert_eq!(desc.spec, s);
+    assert_eq!(desc.spec.config, GemmConfig::Auto);
+    assert_eq!(desc.config, plan.config());
+    assert_ne!(desc.config, GemmConfig::Auto);
+    assert_eq!((desc.arch, desc.sm_count), (Arch::Sm90, 132));
+    assert_eq!(desc.workspace_bytes, plan.workspace_bytes());
+    assert!(desc.workspace_bytes > 0);
+}

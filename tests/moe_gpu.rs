@@ -33,6 +33,7 @@ fn config() -> MoeConfig {
         topk: K,
         max_tokens: T_MAX,
         capacity: None,
+        expert_capacity: None,
         dtype: DType::Bf16,
         prob_dtype: DType::F32,
         wgrad_accumulate: false,
@@ -313,6 +314,42 @@ fn smaller_capacity_drops_the_later_rows_and_matches_the_reference_on_the_kept_r
         check_against_reference(&what, &io.read(&stream), &kept, &w);
     }
     assert!(dropping_steps >= 1, "no step dropped anything");
+}
+
+/// A per-expert capacity (`MoeConfig::expert_capacity`): each expert keeps at most `ECAP` of
+/// its routes (the first in `t * k + j` order), exactly as the CPU routing reference, CAPACITY
+/// is raised exactly when something was dropped, and every output equals the fp64 reference
+/// over the kept routes alone. Without the field reaching the routing plan nothing is dropped
+/// and m_splits exceed ECAP.
+#[test]
+fn expert_capacity_drops_each_experts_later_routes_and_matches_the_reference_gpu() {
+    const ECAP: usize = 5;
+    let stream = gpu_or_skip!();
+    let w = weights(7);
+    let cfg = MoeConfig { expert_capacity: Some(ECAP), ..config() };
+    let mut moe = MoeExperts::<bf16>::new(cfg.clone(), &stream).unwrap();
+    assert_eq!(moe.desc().config, cfg);
+    let mut io = Io::new(&stream, &w);
+    let mut rng = StdRng::seed_from_u64(8);
+    let mut dropping_steps = 0;
+    for (n, i) in [1usize, 2, 3, 4, 5, 11, 0, 7].into_iter().enumerate() {
+        let s = step(&mut rng, i);
+        let want = routing::reference::build(&s.ids, s.t, T_MAX, E, K, T_MAX * K, ECAP);
+        let what = format!("expert capacity {ECAP}, step {n} (pattern {}, T={})", i % 10, s.t);
+        assert!(want.m_splits.iter().all(|&m| m as usize <= ECAP), "{what}: the reference keeps at most ECAP rows");
+        dropping_steps += (want.flags & flags::CAPACITY != 0) as usize;
+        stream.memset_zeros(&mut moe.maps.flags).unwrap();
+        io.load(&stream, &s);
+        io.step(&mut moe, &stream).unwrap();
+        assert_eq!(stream.clone_dtoh(&moe.maps.flags).unwrap()[0], want.flags, "{what}: routing flags");
+        assert_bits(&format!("{what}: row_of_route"), &stream.clone_dtoh(&moe.maps.row_of_route).unwrap(), &want.row_of_route);
+        let splits: Vec<i32> = want.m_splits.iter().map(|&m| m as i32).collect();
+        assert_bits(&format!("{what}: m_splits"), &stream.clone_dtoh(&moe.maps.m_splits_i32).unwrap(), &splits);
+        let ids = s.ids.iter().zip(&want.row_of_route).map(|(&id, &row)| if row >= 0 { id } else { -1 }).collect();
+        let kept = Step { ids, ..s.clone() };
+        check_against_reference(&what, &io.read(&stream), &kept, &w);
+    }
+    assert!(dropping_steps >= 2, "only {dropping_steps} steps dropped anything");
 }
 
 /// Megatron's routing form for one step: `map [T_MAX, E]` and `map_probs [T_MAX, E]` (junk at

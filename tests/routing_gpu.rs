@@ -452,7 +452,7 @@ fn launchers_reject_bad_buffers_before_launching() {
     for (what, ror, pr) in [("row_of_route + 2 bytes", ror_p + 2, probs_p), ("probs + 2 bytes", ror_p, probs_p + 2)] {
         // SAFETY: the pointers are checked and refused before anything is launched.
         let e = unsafe {
-            plan.unpermute_raw(rows_p as *const _, ror as *const i32, pr as *const _, 10, std::ptr::null(), y_p as *mut _, &s)
+            plan.unpermute_raw(&s, rows_p, ror, pr, 10, 0, y_p)
         }
         .unwrap_err();
         assert!(matches!(e, capturable_moe::Error::InvalidArgument { .. }) && e.to_string().contains("aligned"), "{what}: {e}");

@@ -37,7 +37,6 @@
 // results depend on the exact float32 rounding (golden case s12).
 #include <stdint.h>
 
-#include <atomic>
 
 #include "capturable_moe/echo.h"
 #include "common/alignment.h"
@@ -1227,24 +1226,14 @@ int64_t tiles_bound(const Dims& d, int64_t t_max) {
   return b < 1 ? 1 : b;
 }
 
-// Raises a kernel's dynamic shared-memory limit once per device (kTag: one per kernel).
-template <int kTag>
+// Raises a kernel's dynamic shared-memory limit before each launch that needs more than 48 KB.
+// NOTE: the attribute belongs to the kernel in the current context, so a cache keyed by
+// device would skip it in a second context or after a device reset; it is a host call (no
+// stream work, legal during graph capture, and CUTLASS's initialize() makes the same call on
+// every grouped GEMM run), so it is simply made every time.
 capmoe_status_t ensure_smem(const void* kernel, size_t bytes) {
   if (bytes <= 48 * 1024) return CAPMOE_OK;
-  constexpr int kDevices = 64;
-  static std::atomic<size_t> done[kDevices];
-  int dev = 0;
-  CAPMOE_TRY(cuda_status(cudaGetDevice(&dev)));
-  if (dev >= 0 && dev < kDevices && done[dev].load(std::memory_order_relaxed) >= bytes)
-    return CAPMOE_OK;
-  CAPMOE_TRY(cuda_status(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes)));
-  if (dev >= 0 && dev < kDevices) {
-    size_t cur = done[dev].load(std::memory_order_relaxed);
-    while (cur < bytes && !done[dev].compare_exchange_weak(cur, bytes)) {
-    }
-  }
-  return CAPMOE_OK;
+  return cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
 }
 
 capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, int form,
@@ -1310,9 +1299,9 @@ capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, i
     RerouteSmem rs;
     rr_smem = rs.carve(nullptr, d.ne, d.s, p.words, form, d.topk, p.stage_probs);
     if (rr_smem > kSmemBudget) return CAPMOE_ERR_INVALID_ARGUMENT;  // not reached: max_words bounds it
-    CAPMOE_TRY(ensure_smem<1>(reinterpret_cast<const void*>(reroute_kernel), rr_smem));
+    CAPMOE_TRY(ensure_smem(reinterpret_cast<const void*>(reroute_kernel), rr_smem));
   }
-  CAPMOE_TRY(ensure_smem<0>(reinterpret_cast<const void*>(plan_kernel), plan_smem));
+  CAPMOE_TRY(ensure_smem(reinterpret_cast<const void*>(plan_kernel), plan_smem));
   cudaLaunchConfig_t plan_launch = {};
   plan_launch.gridDim = dim3((unsigned)(1 + p.num_tiles));
   plan_launch.blockDim = dim3(kPlanThreads);

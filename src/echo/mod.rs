@@ -32,6 +32,7 @@ use cudarc::driver::{sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DeviceP
 pub use config::{Algorithm, EchoConfig, MAX_EXPERTS, MAX_SPARE};
 use reference::PlanStages;
 
+use crate::device::ensure_same_context;
 use crate::error::{check, ensure_len};
 use crate::routing::Tokens;
 use crate::{sys, Error, Result};
@@ -88,6 +89,17 @@ impl DeviceErrors {
     pub fn contains(self, bit: u32) -> bool {
         self.0 & bit != 0
     }
+}
+
+/// What an [`EchoPlan`] was built for ([`EchoPlan::desc`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct EchoPlanDesc {
+    pub config: EchoConfig,
+    /// The most tokens one reroute may carry on this rank.
+    pub t_max: usize,
+    /// i64 elements of the plan state, i32 elements of the reroute workspace.
+    pub state_len: usize,
+    pub workspace_len: usize,
 }
 
 /// One planner instance: the validated configuration, its state layout and workspace size.
@@ -165,6 +177,10 @@ impl EchoPlan {
         Ok(EchoPlan { cfg, t_max, layout, workspace_len: u(ws), abi })
     }
 
+    /// What the plan was built for: the configuration, `t_max`, the state and workspace sizes.
+    pub fn desc(&self) -> EchoPlanDesc {
+        EchoPlanDesc { config: self.cfg.clone(), t_max: self.t_max, state_len: self.state_len(), workspace_len: self.workspace_len }
+    }
     pub fn config(&self) -> &EchoConfig {
         &self.cfg
     }
@@ -181,6 +197,13 @@ impl EchoPlan {
     /// Length of the i32 workspace the reroute launches need for up to `t_max` tokens.
     pub fn workspace_len(&self) -> usize {
         self.workspace_len
+    }
+
+    fn same_context_tokens(&self, op: &'static str, stream: &CudaStream, tokens: Tokens<'_>) -> Result<()> {
+        match tokens {
+            Tokens::Host(_) => Ok(()),
+            Tokens::Device(count) => ensure_same_context(op, "num_tokens_device", stream, count),
+        }
     }
 
     fn check_tokens(&self, op: &'static str, t: usize) -> Result<()> {
@@ -209,11 +232,13 @@ impl EchoPlan {
         const OP: &str = "echo plan";
         exact(OP, "counts [EP, E]", self.cfg.ep * self.cfg.num_experts, counts.len())?;
         ensure_len(OP, "state", state.len(), self.state_len(), "")?;
-        stream.context().bind_to_thread()?;
+        ensure_same_context(OP, "counts", stream, counts)?;
+        ensure_same_context(OP, "state", stream, state)?;
         let (c, _gc) = counts.device_ptr(stream);
         let (s, _gs) = state.device_ptr_mut(stream);
-        // SAFETY: lengths checked above; the guards keep the buffers alive past the launch.
-        unsafe { self.plan_raw(stream.cu_stream() as *mut c_void, c, s) }
+        // SAFETY: lengths and context checked above; the guards keep the buffers alive past
+        // the launch.
+        unsafe { self.plan_raw(stream, c, s) }
     }
 
     /// P1–P9, Megatron form. Two launches (the second a programmatic dependent launch that
@@ -241,8 +266,15 @@ impl EchoPlan {
         ensure_len(OP, "workspace", workspace.len(), self.workspace_len, "")?;
         ensure_len(OP, "out_map [T, E+S]", out_map.len(), num_tokens * w, "")?;
         ensure_len(OP, "out_probs [T, E+S]", out_probs.len(), num_tokens * w, "")?;
+        ensure_same_context(OP, "counts", stream, counts)?;
+        ensure_same_context(OP, "routing_map", stream, routing_map)?;
+        ensure_same_context(OP, "probs", stream, probs)?;
+        ensure_same_context(OP, "state", stream, state)?;
+        ensure_same_context(OP, "workspace", stream, workspace)?;
+        ensure_same_context(OP, "out_map", stream, out_map)?;
+        ensure_same_context(OP, "out_probs", stream, out_probs)?;
+        self.same_context_tokens(OP, stream, tokens)?;
         let ws_len = workspace.len();
-        stream.context().bind_to_thread()?;
         let (c, _g1) = counts.device_ptr(stream);
         let (m, _g2) = routing_map.device_ptr(stream);
         let (p, _g3) = probs.device_ptr(stream);
@@ -253,7 +285,7 @@ impl EchoPlan {
         let (t_dev, _g8) = device_count(stream, tokens);
         // SAFETY: every length checked above; guards alive until the end of the call.
         unsafe {
-            self.plan_reroute_dense_raw(stream.cu_stream() as *mut c_void, c, m, p, num_tokens, t_dev, s, ws, ws_len, om, op)
+            self.plan_reroute_dense_raw(stream, c, m, p, num_tokens, t_dev, s, ws, ws_len, om, op)
         }
     }
 
@@ -282,8 +314,15 @@ impl EchoPlan {
         ensure_len(OP, "workspace", workspace.len(), self.workspace_len, "")?;
         ensure_len(OP, "out_dest [T, k]", out_dest.len(), num_tokens * k, "")?;
         ensure_len(OP, "out_probs [T, k]", out_probs.len(), num_tokens * k, "")?;
+        ensure_same_context(OP, "counts", stream, counts)?;
+        ensure_same_context(OP, "expert_ids", stream, expert_ids)?;
+        ensure_same_context(OP, "probs", stream, probs)?;
+        ensure_same_context(OP, "state", stream, state)?;
+        ensure_same_context(OP, "workspace", stream, workspace)?;
+        ensure_same_context(OP, "out_dest", stream, out_dest)?;
+        ensure_same_context(OP, "out_probs", stream, out_probs)?;
+        self.same_context_tokens(OP, stream, tokens)?;
         let ws_len = workspace.len();
-        stream.context().bind_to_thread()?;
         let (c, _g1) = counts.device_ptr(stream);
         let (ids, _g2) = expert_ids.device_ptr(stream);
         let (p, _g3) = probs.device_ptr(stream);
@@ -294,19 +333,22 @@ impl EchoPlan {
         let (t_dev, _g8) = device_count(stream, tokens);
         // SAFETY: every length checked above; guards alive until the end of the call.
         unsafe {
-            self.plan_reroute_topk_raw(stream.cu_stream() as *mut c_void, c, ids, p, num_tokens, t_dev, s, ws, ws_len, od, op)
+            self.plan_reroute_topk_raw(stream, c, ids, p, num_tokens, t_dev, s, ws, ws_len, od, op)
         }
     }
 
-    /// Raw form of [`plan`](Self::plan) for other engines.
+    /// Raw form of [`plan`](Self::plan) for other engines (crate convention: `&CudaStream`
+    /// first, then `CUdeviceptr`s in the order of the safe form, 0 for an absent optional
+    /// buffer, sizes as `usize`).
     ///
     /// # Safety
-    /// `stream` is a live CUDA stream of the current context; `counts` points to `EP * E` i64
-    /// and `state` to [`state_len`](Self::state_len) i64 of device memory that stay valid until
-    /// the launch has run. `state` must be 16-byte aligned (the plan reads and writes it in
-    /// 16-byte pieces; anything else is rejected before a launch).
-    pub unsafe fn plan_raw(&self, stream: *mut c_void, counts: CUdeviceptr, state: CUdeviceptr) -> Result<()> {
-        check(sys::capmoe_echo_plan(&self.abi, counts as *const i64, state as *mut i64, stream), "echo plan")
+    /// `counts` points to `EP * E` i64 and `state` to [`state_len`](Self::state_len) i64 of
+    /// device memory of `stream`'s context that stay valid until the launch has run. `state`
+    /// must be 16-byte aligned (the plan reads and writes it in 16-byte pieces; anything else
+    /// is rejected before a launch).
+    pub unsafe fn plan_raw(&self, stream: &CudaStream, counts: CUdeviceptr, state: CUdeviceptr) -> Result<()> {
+        stream.context().bind_to_thread()?;
+        check(sys::capmoe_echo_plan(&self.abi, counts as *const i64, state as *mut i64, raw_stream(stream)), "echo plan")
     }
 
     /// Raw form of [`plan_reroute_dense`](Self::plan_reroute_dense).
@@ -320,7 +362,7 @@ impl EchoPlan {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn plan_reroute_dense_raw(
         &self,
-        stream: *mut c_void,
+        stream: &CudaStream,
         counts: CUdeviceptr,
         routing_map: CUdeviceptr,
         probs: CUdeviceptr,
@@ -333,6 +375,7 @@ impl EchoPlan {
         out_probs: CUdeviceptr,
     ) -> Result<()> {
         self.check_tokens("echo plan+reroute (dense)", num_tokens)?;
+        stream.context().bind_to_thread()?;
         check(
             sys::capmoe_echo_plan_reroute_dense(
                 &self.abi,
@@ -346,7 +389,7 @@ impl EchoPlan {
                 workspace_len as i64,
                 out_map as *mut u8,
                 out_probs as *mut f32,
-                stream,
+                raw_stream(stream),
             ),
             "echo plan+reroute (dense)",
         )
@@ -362,7 +405,7 @@ impl EchoPlan {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn plan_reroute_topk_raw(
         &self,
-        stream: *mut c_void,
+        stream: &CudaStream,
         counts: CUdeviceptr,
         expert_ids: CUdeviceptr,
         probs: CUdeviceptr,
@@ -375,6 +418,7 @@ impl EchoPlan {
         out_probs: CUdeviceptr,
     ) -> Result<()> {
         self.check_tokens("echo plan+reroute (top-k)", num_tokens)?;
+        stream.context().bind_to_thread()?;
         check(
             sys::capmoe_echo_plan_reroute_topk(
                 &self.abi,
@@ -388,7 +432,7 @@ impl EchoPlan {
                 workspace_len as i64,
                 out_dest as *mut i32,
                 out_probs as *mut f32,
-                stream,
+                raw_stream(stream),
             ),
             "echo plan+reroute (top-k)",
         )
@@ -525,6 +569,10 @@ pub fn fill_spare_weights<T: DeviceRepr>(
     ensure_len(OP, "home [E, per_expert]", home.len(), num_experts * per_expert, "")?;
     ensure_len(OP, "spare [num_slots, per_expert]", spare.len(), num_slots * per_expert, "")?;
     ensure_len(OP, "error_flags", error_flags.len(), 1, "")?;
+    ensure_same_context(OP, "slot_expert", stream, slot_expert)?;
+    ensure_same_context(OP, "home", stream, home)?;
+    ensure_same_context(OP, "spare", stream, spare)?;
+    ensure_same_context(OP, "error_flags", stream, error_flags)?;
     stream.context().bind_to_thread()?;
     let (se, _g1) = slot_expert.device_ptr(stream);
     let (h, _g2) = home.device_ptr(stream);
@@ -540,7 +588,7 @@ pub fn fill_spare_weights<T: DeviceRepr>(
             sp as *mut c_void,
             (per_expert * std::mem::size_of::<T>()) as i64,
             ef as *mut i64,
-            stream.cu_stream() as *mut c_void,
+            raw_stream(stream),
         )
     };
     check(status, OP)
@@ -567,6 +615,10 @@ pub fn fold_spare_grads(
     ensure_len(OP, "dw_slot [num_slots, per_expert]", dw_slot.len(), num_slots * per_expert, "")?;
     ensure_len(OP, "dw_home [E, per_expert]", dw_home.len(), num_experts * per_expert, "")?;
     ensure_len(OP, "error_flags", error_flags.len(), 1, "")?;
+    ensure_same_context(OP, "slot_expert", stream, slot_expert)?;
+    ensure_same_context(OP, "dw_slot", stream, dw_slot)?;
+    ensure_same_context(OP, "dw_home", stream, dw_home)?;
+    ensure_same_context(OP, "error_flags", stream, error_flags)?;
     stream.context().bind_to_thread()?;
     let (se, _g1) = slot_expert.device_ptr(stream);
     let (s, _g2) = dw_slot.device_ptr(stream);
@@ -581,8 +633,12 @@ pub fn fold_spare_grads(
             h as *mut f32,
             per_expert as i64,
             ef as *mut i64,
-            stream.cu_stream() as *mut c_void,
+            raw_stream(stream),
         )
     };
     check(status, OP)
+}
+
+fn raw_stream(stream: &CudaStream) -> *mut c_void {
+    stream.cu_stream() as *mut c_void
 }

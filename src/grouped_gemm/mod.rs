@@ -22,9 +22,9 @@
 
 use std::ffi::c_void;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
+use cudarc::driver::{sys::CUdeviceptr, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 
-use crate::device::{Arch, DeviceInfo};
+use crate::device::{ensure_same_context, Arch, DeviceInfo};
 use crate::dtype::DType;
 use crate::error::{check, ensure_len};
 use crate::{sys, Error, Result};
@@ -60,7 +60,7 @@ pub enum WeightLayout {
 /// The four candidate tiles (`Sm90CooperativeNoCluster`, `Sm90CooperativeM256`,
 /// `Sm90Pingpong128`, `Sm90PingpongWide`) are built for bf16 inputs with a bf16 output only
 /// (fprop / dgrad, plain wgrad); any other dtype or fp32 accumulate with them is
-/// [`Error::Unsupported`](crate::Error::Unsupported) when the plan is made.
+/// [`Error::Unsupported`] when the plan is made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GemmConfig {
     Auto,
@@ -83,7 +83,8 @@ pub enum GemmConfig {
 }
 
 impl GemmConfig {
-    fn abi(self) -> sys::capmoe_gemm_config_t {
+    /// The C ABI's code of this configuration (`CAPMOE_CONFIG_*`).
+    pub fn abi_code(self) -> sys::capmoe_gemm_config_t {
         (match self {
             GemmConfig::Auto => sys::CAPMOE_CONFIG_AUTO,
             GemmConfig::Sm90Cooperative => sys::CAPMOE_CONFIG_SM90_COOPERATIVE,
@@ -97,8 +98,11 @@ impl GemmConfig {
         }) as sys::capmoe_gemm_config_t
     }
 
-    fn from_abi(code: sys::capmoe_gemm_config_t) -> GemmConfig {
-        match code as u32 {
+    /// The configuration of a C ABI code, `None` for a code this crate does not know (a
+    /// newer or corrupted library must not silently become `Auto`).
+    pub fn from_abi_code(code: sys::capmoe_gemm_config_t) -> Option<GemmConfig> {
+        let config = match u32::try_from(code).ok()? {
+            sys::CAPMOE_CONFIG_AUTO => GemmConfig::Auto,
             sys::CAPMOE_CONFIG_SM90_COOPERATIVE => GemmConfig::Sm90Cooperative,
             sys::CAPMOE_CONFIG_SM90_PINGPONG => GemmConfig::Sm90Pingpong,
             sys::CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER => GemmConfig::Sm90CooperativeNoCluster,
@@ -107,8 +111,9 @@ impl GemmConfig {
             sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE => GemmConfig::Sm90PingpongWide,
             sys::CAPMOE_CONFIG_SM100_1SM => GemmConfig::Sm100OneSm,
             sys::CAPMOE_CONFIG_SM100_2SM => GemmConfig::Sm100TwoSm,
-            _ => GemmConfig::Auto,
-        }
+            _ => return None,
+        };
+        Some(config)
     }
 
     /// Every configuration, `Auto` first.
@@ -271,7 +276,7 @@ impl GroupedGemmSpec {
             }) as i32,
             weights_as_pointers: self.weights_as_pointers as i32,
             accumulate: self.accumulate as i32,
-            config: self.config.abi(),
+            config: self.config.abi_code(),
             sm_count,
             num_experts: self.num_experts as i64,
             n: self.n as i64,
@@ -327,13 +332,25 @@ impl SplitElement for i64 {
     const DTYPE: DType = DType::I64;
 }
 
+/// What a [`GroupedGemm`] was built for ([`GroupedGemm::desc`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupedGemmDesc {
+    /// The spec as given (its `config` may be `Auto`).
+    pub spec: GroupedGemmSpec,
+    /// The kernel the plan runs (never `Auto`).
+    pub config: GemmConfig,
+    /// The device's architecture and SM count the plan was made for.
+    pub arch: Arch,
+    pub sm_count: i32,
+    /// Bytes of workspace [`GroupedGemm::run`] needs.
+    pub workspace_bytes: usize,
+}
+
 /// A validated grouped GEMM for one device: the kernel is chosen and the workspace size known.
 #[derive(Clone, Debug)]
 pub struct GroupedGemm {
-    spec: GroupedGemmSpec,
-    desc: sys::capmoe_grouped_gemm_desc_t,
-    config: GemmConfig,
-    workspace_bytes: usize,
+    desc: GroupedGemmDesc,
+    abi: sys::capmoe_grouped_gemm_desc_t,
 }
 
 impl GroupedGemm {
@@ -353,32 +370,45 @@ impl GroupedGemm {
                 });
             }
         }
-        let mut desc = spec.abi(device.arch, device.sm_count);
+        const OP: &str = "grouped_gemm plan";
+        let mut abi = spec.abi(device.arch, device.sm_count);
         let mut resolved: sys::capmoe_gemm_config_t = 0;
-        check(unsafe { sys::capmoe_grouped_gemm_resolve_config(&desc, &mut resolved) }, "grouped_gemm plan")?;
-        desc.config = resolved;
+        check(unsafe { sys::capmoe_grouped_gemm_resolve_config(&abi, &mut resolved) }, OP)?;
+        let config = GemmConfig::from_abi_code(resolved).ok_or_else(|| Error::Unsupported {
+            op: OP,
+            why: format!("the C library resolved the kernel to config code {resolved}, which this crate does not know"),
+        })?;
+        abi.config = resolved;
         let mut bytes = 0u64;
-        check(unsafe { sys::capmoe_grouped_gemm_workspace_size(&desc, &mut bytes) }, "grouped_gemm plan")?;
-        Ok(GroupedGemm { spec, desc, config: GemmConfig::from_abi(resolved), workspace_bytes: bytes as usize })
+        check(unsafe { sys::capmoe_grouped_gemm_workspace_size(&abi, &mut bytes) }, OP)?;
+        let desc = GroupedGemmDesc { spec, config, arch: device.arch, sm_count: device.sm_count, workspace_bytes: bytes as usize };
+        Ok(GroupedGemm { desc, abi })
+    }
+
+    /// What the plan was built for: the spec, the resolved kernel, the device, the workspace.
+    pub fn desc(&self) -> &GroupedGemmDesc {
+        &self.desc
     }
 
     pub fn spec(&self) -> &GroupedGemmSpec {
-        &self.spec
+        &self.desc.spec
     }
 
     /// The configuration the plan runs (never `Auto`).
     pub fn config(&self) -> GemmConfig {
-        self.config
+        self.desc.config
     }
 
     /// Bytes of device workspace [`run`](Self::run) needs.
     pub fn workspace_bytes(&self) -> usize {
-        self.workspace_bytes
+        self.desc.workspace_bytes
     }
 
     /// Runs the grouped GEMM on `stream`. `a`, `b`, `d` follow the module's layout contract;
     /// `m_splits` holds `num_experts` counts; `overflow_flags`, if given, is one sticky flag
-    /// word. No allocation, no host synchronisation, no host read of device data.
+    /// word (a `CudaSlice<i32>` or a view of one, e.g. one word of a larger flag buffer).
+    /// Every buffer must belong to `stream`'s CUDA context ([`Error::WrongContext`]). No
+    /// allocation, no host synchronisation, no host read of device data.
     #[allow(clippy::too_many_arguments)]
     pub fn run<TA, TB, TD, TS>(
         &self,
@@ -387,8 +417,8 @@ impl GroupedGemm {
         b: &impl DevicePtr<TB>,
         d: &mut impl DevicePtrMut<TD>,
         m_splits: &impl DevicePtr<TS>,
-        overflow_flags: Option<&mut CudaSlice<i32>>,
-        workspace: &mut CudaSlice<u8>,
+        overflow_flags: Option<&mut dyn DevicePtrMut<i32>>,
+        workspace: &mut impl DevicePtrMut<u8>,
     ) -> Result<()>
     where
         TA: GemmOperand,
@@ -396,18 +426,19 @@ impl GroupedGemm {
         TD: GemmOperand,
         TS: SplitElement,
     {
+        const OP: &str = "grouped_gemm";
         self.check_operands::<TA, TB, TD, TS>(a.len(), b.len(), d.len(), m_splits.len())?;
-        if workspace.len() < self.workspace_bytes {
-            return Err(Error::WorkspaceTooSmall { op: "grouped_gemm", need: self.workspace_bytes, got: workspace.len() });
+        if workspace.len() < self.workspace_bytes() {
+            return Err(Error::WorkspaceTooSmall { op: OP, need: self.workspace_bytes(), got: workspace.len() });
         }
-        let same = |s: &std::sync::Arc<CudaStream>| std::sync::Arc::ptr_eq(s.context(), stream.context());
-        if !(same(a.stream()) && same(b.stream()) && same(d.stream()) && same(m_splits.stream()) && same(workspace.stream())) {
-            return Err(Error::WrongContext { op: "grouped_gemm" });
-        }
-        if let Some(flags) = overflow_flags.as_ref() {
-            if flags.is_empty() || !same(flags.stream()) {
-                return Err(Error::InvalidArgument { op: "grouped_gemm", why: "overflow_flags must hold one i32 of this context".into() });
-            }
+        ensure_same_context(OP, "a", stream, a)?;
+        ensure_same_context(OP, "b", stream, b)?;
+        ensure_same_context(OP, "d", stream, d)?;
+        ensure_same_context(OP, "m_splits", stream, m_splits)?;
+        ensure_same_context(OP, "workspace", stream, workspace)?;
+        if let Some(flags) = overflow_flags.as_deref() {
+            ensure_len(OP, "overflow_flags", flags.len(), 1, "")?;
+            ensure_same_context(OP, "overflow_flags", stream, flags)?;
         }
         let (a_ptr, _a) = a.device_ptr(stream);
         let (b_ptr, _b) = b.device_ptr(stream);
@@ -427,7 +458,9 @@ impl GroupedGemm {
         unsafe { self.run_raw(stream, a_ptr, b_ptr, d_ptr, s_ptr, f_ptr, w_ptr, workspace_len) }
     }
 
-    /// Raw-pointer entry for engines that manage their own memory.
+    /// Raw-pointer form of [`run`](Self::run) for engines that manage their own memory
+    /// (crate convention: `&CudaStream` first, then `CUdeviceptr`s in the order of the safe
+    /// form, 0 for an absent optional buffer, sizes as `usize`).
     ///
     /// # Safety
     /// `a`, `b`, `d` must point to device buffers of this stream's context holding at least
@@ -440,18 +473,18 @@ impl GroupedGemm {
     pub unsafe fn run_raw(
         &self,
         stream: &CudaStream,
-        a: u64,
-        b: u64,
-        d: u64,
-        m_splits: u64,
-        overflow_flags: u64,
-        workspace: u64,
+        a: CUdeviceptr,
+        b: CUdeviceptr,
+        d: CUdeviceptr,
+        m_splits: CUdeviceptr,
+        overflow_flags: CUdeviceptr,
+        workspace: CUdeviceptr,
         workspace_bytes: usize,
     ) -> Result<()> {
         stream.context().bind_to_thread()?;
         check(
             sys::capmoe_grouped_gemm_run(
-                &self.desc,
+                &self.abi,
                 a as *const c_void,
                 b as *const c_void,
                 d as *mut c_void,
@@ -472,7 +505,7 @@ impl GroupedGemm {
         d_len: usize,
         splits_len: usize,
     ) -> Result<()> {
-        let spec = &self.spec;
+        let spec = &self.desc.spec;
         let (a_need, b_need, d_need) = spec.operand_lens();
         let weight_is_b = spec.op != GemmOp::Wgrad;
         let expect = |what: &'static str, got: Option<DType>, len: usize, dtype: DType, need: usize, pointers: bool| {

@@ -49,6 +49,7 @@ pub use slots::{echo_slot_pointers, echo_slot_table};
 use crate::dtype::DType;
 use crate::grouped_gemm::{GemmConfig, GemmOp, GemmOperand, GroupedGemm, GroupedGemmSpec};
 use crate::routing::{self, RouteMaps, RoutingConfig, RoutingPlan, Tokens};
+use crate::device::ensure_same_context;
 use crate::error::ensure_len;
 use crate::{Error, Result};
 
@@ -68,6 +69,9 @@ pub struct MoeConfig {
     /// Rows kept in total; `None` = `T_max · k` (nothing is ever dropped). A smaller value
     /// drops deterministically (later experts first) and raises the routing CAPACITY flag.
     pub capacity: Option<usize>,
+    /// Rows one expert may keep (its first routes in `t * k + j` order); `None` = no
+    /// per-expert limit. Applied before `capacity`; drops raise the routing CAPACITY flag.
+    pub expert_capacity: Option<usize>,
     /// Activations and weights: `Bf16` or `F16`.
     pub dtype: DType,
     /// probs / dprobs: `F32`, `Bf16` or `F16`.
@@ -77,7 +81,7 @@ pub struct MoeConfig {
 }
 
 impl MoeConfig {
-    /// The routing plan's configuration for this layer (no per-expert capacity).
+    /// The routing plan's configuration for this layer.
     pub fn routing_config(&self) -> RoutingConfig {
         RoutingConfig {
             num_experts: self.num_experts,
@@ -86,7 +90,7 @@ impl MoeConfig {
             topk: self.topk,
             max_tokens: self.max_tokens,
             capacity: self.capacity,
-            expert_capacity: None,
+            expert_capacity: self.expert_capacity,
             dtype: self.dtype,
             prob_dtype: self.prob_dtype,
         }
@@ -192,10 +196,31 @@ struct MapRoutes {
     probs: CudaSlice<f32>,
 }
 
+/// What a [`MoeExperts`] was built for ([`MoeExperts::desc`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MoeDesc {
+    pub config: MoeConfig,
+    pub options: MoeOptions,
+    /// Rows of the permuted buffers (`config.capacity`, or `T_max · k`).
+    pub capacity: usize,
+    /// The GEMM kernels as resolved, as [`MoeExperts::gemm_configs`].
+    pub gemm_configs: [GemmConfig; 6],
+    /// The stream the plan is bound to, as its driver handle (`CUstream`, an address).
+    pub stream: u64,
+}
+
 /// A MoE layer's expert path with every buffer allocated at plan time.
+///
+/// The plan is bound to the stream it was made on: its intermediates, maps, flag words and
+/// the GEMM workspace are reused by every launch (backward reads what forward left), so a
+/// launch on another stream could overlap one still running and race on them. Every launcher
+/// therefore takes that stream again and returns [`Error::WrongStream`] for any other,
+/// before anything is launched. Use one plan per stream.
 pub struct MoeExperts<T> {
     config: MoeConfig,
     options: MoeOptions,
+    /// The bound stream (see the type's docs).
+    stream: Arc<CudaStream>,
     path: Path<T>,
     map_routes: MapRoutes,
     /// Route maps and the routing flag word (see [`crate::routing::flags`]).
@@ -209,7 +234,37 @@ pub trait MoeElement: routing::Element + GemmOperand + ValidAsZeroBits {}
 impl MoeElement for half::bf16 {}
 impl MoeElement for half::f16 {}
 
-/// `len >= need`, else an [`Error::Shape`] "`>= need elements{unit}`".
+fn ensure_tokens_context(op: &'static str, stream: &CudaStream, tokens: Tokens<'_>) -> Result<()> {
+    match tokens {
+        Tokens::Host(_) => Ok(()),
+        Tokens::Device(count) => ensure_same_context(op, "num_tokens_device", stream, count),
+    }
+}
+
+/// The context of every caller buffer of a backward call, before its first launch.
+#[allow(clippy::too_many_arguments)]
+fn ensure_backward_contexts<T, P, W, G>(
+    op: &'static str,
+    stream: &CudaStream,
+    dy: &impl DevicePtr<T>,
+    tokens: Tokens<'_>,
+    fc1_weight: &impl DevicePtr<W>,
+    fc2_weight: &impl DevicePtr<W>,
+    dx: &impl DevicePtrMut<T>,
+    dprobs: &impl DevicePtrMut<P>,
+    dw1: &impl DevicePtrMut<G>,
+    dw2: &impl DevicePtrMut<G>,
+) -> Result<()> {
+    ensure_same_context(op, "dy", stream, dy)?;
+    ensure_tokens_context(op, stream, tokens)?;
+    ensure_same_context(op, "fc1_weight", stream, fc1_weight)?;
+    ensure_same_context(op, "fc2_weight", stream, fc2_weight)?;
+    ensure_same_context(op, "dx", stream, dx)?;
+    ensure_same_context(op, "dprobs", stream, dprobs)?;
+    ensure_same_context(op, "dw1", stream, dw1)?;
+    ensure_same_context(op, "dw2", stream, dw2)
+}
+
 fn form_name(dtype: Option<DType>) -> String {
     dtype.map_or_else(|| "a u64 pointer array (WeightForm::Pointers)".into(), |d| format!("a {d:?} tensor (WeightForm::Tensor)"))
 }
@@ -256,7 +311,34 @@ impl<T: MoeElement> MoeExperts<T> {
             path: Path { workspace: stream.alloc_zeros(workspace_bytes.max(1))?, routing, gemms, buffers },
             config,
             options,
+            stream: stream.clone(),
         })
+    }
+
+    /// What the plan was built for: configuration, options, capacity, resolved GEMM kernels and
+    /// the bound stream.
+    pub fn desc(&self) -> MoeDesc {
+        MoeDesc {
+            config: self.config.clone(),
+            options: self.options,
+            capacity: self.capacity(),
+            gemm_configs: self.gemm_configs(),
+            stream: self.stream.cu_stream() as u64,
+        }
+    }
+
+    /// The stream the plan was made on and is bound to.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// `Ok` for the bound stream (compared by driver handle and context), else
+    /// [`Error::WrongStream`].
+    fn ensure_bound_stream(&self, op: &'static str, stream: &CudaStream) -> Result<()> {
+        if *stream != *self.stream {
+            return Err(Error::WrongStream { op, bound: self.stream.cu_stream() as u64, got: stream.cu_stream() as u64 });
+        }
+        Ok(())
     }
 
     pub fn config(&self) -> &MoeConfig {
@@ -294,8 +376,18 @@ impl<T: MoeElement> MoeExperts<T> {
         y: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
         const OP: &str = "MoeExperts::forward";
+        self.ensure_bound_stream(OP, stream)?;
         self.check_routes(OP, "expert_ids", expert_ids.len())?;
         self.check_forward::<P, W>(OP, x.len(), probs.len(), fc1_weight.len(), fc2_weight.len(), y.len())?;
+        // Every context before the first launch (the launchers check again, too late to
+        // leave nothing half-done).
+        ensure_same_context(OP, "x", stream, x)?;
+        ensure_same_context(OP, "expert_ids", stream, expert_ids)?;
+        ensure_same_context(OP, "probs", stream, probs)?;
+        ensure_tokens_context(OP, stream, tokens)?;
+        ensure_same_context(OP, "fc1_weight", stream, fc1_weight)?;
+        ensure_same_context(OP, "fc2_weight", stream, fc2_weight)?;
+        ensure_same_context(OP, "y", stream, y)?;
         self.path.forward(stream, &mut self.maps, &mut self.gemm_flags, x, expert_ids, probs, tokens, fc1_weight, fc2_weight, y)
     }
 
@@ -318,8 +410,11 @@ impl<T: MoeElement> MoeExperts<T> {
         dw2: &mut impl DevicePtrMut<G>,
     ) -> Result<()> {
         const OP: &str = "MoeExperts::backward";
+        self.ensure_bound_stream(OP, stream)?;
         self.check_routes(OP, "dprobs", dprobs.len())?;
         self.check_backward::<P, W, G>(OP, dy.len(), probs.len(), fc1_weight.len(), fc2_weight.len(), dx.len(), dw1.len(), dw2.len())?;
+        ensure_same_context(OP, "probs", stream, probs)?;
+        ensure_backward_contexts(OP, stream, dy, tokens, fc1_weight, fc2_weight, dx, dprobs, dw1, dw2)?;
         self.path.backward(stream, &self.maps, &mut self.gemm_flags, dy, probs, tokens, fc1_weight, fc2_weight, dx, dprobs, dw1, dw2)
     }
 
@@ -342,11 +437,19 @@ impl<T: MoeElement> MoeExperts<T> {
         y: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
         const OP: &str = "MoeExperts::forward_from_map";
+        self.ensure_bound_stream(OP, stream)?;
         let map_len = self.config.max_tokens * self.config.num_experts;
         ensure_len(OP, "routing_map [T_max, E]", routing_map.len(), map_len, "")?;
         ensure_len(OP, "map_probs [T_max, E]", map_probs.len(), map_len, "")?;
         let routes = self.path.routing.routes_len();
         self.check_forward::<P, W>(OP, x.len(), routes, fc1_weight.len(), fc2_weight.len(), y.len())?;
+        ensure_same_context(OP, "x", stream, x)?;
+        ensure_same_context(OP, "routing_map", stream, routing_map)?;
+        ensure_same_context(OP, "map_probs", stream, map_probs)?;
+        ensure_tokens_context(OP, stream, tokens)?;
+        ensure_same_context(OP, "fc1_weight", stream, fc1_weight)?;
+        ensure_same_context(OP, "fc2_weight", stream, fc2_weight)?;
+        ensure_same_context(OP, "y", stream, y)?;
         let mr = &mut self.map_routes;
         {
             // SAFETY: every prob dtype (bf16, f16, f32) is at most 4 bytes and valid as any
@@ -376,9 +479,11 @@ impl<T: MoeElement> MoeExperts<T> {
         dw2: &mut impl DevicePtrMut<G>,
     ) -> Result<()> {
         const OP: &str = "MoeExperts::backward_from_map";
+        self.ensure_bound_stream(OP, stream)?;
         let routes = self.path.routing.routes_len();
         self.check_routes(OP, "dprobs", dprobs.len())?;
         self.check_backward::<P, W, G>(OP, dy.len(), routes, fc1_weight.len(), fc2_weight.len(), dx.len(), dw1.len(), dw2.len())?;
+        ensure_backward_contexts(OP, stream, dy, tokens, fc1_weight, fc2_weight, dx, dprobs, dw1, dw2)?;
         // SAFETY: as in forward_from_map (any bits are a valid prob of at most 4 bytes).
         let probs = unsafe { self.map_routes.probs.transmute::<P>(routes) }.expect("map probs storage holds T_max * k");
         self.path.backward(stream, &self.maps, &mut self.gemm_flags, dy, &probs, tokens, fc1_weight, fc2_weight, dx, dprobs, dw1, dw2)

@@ -19,8 +19,9 @@ pub mod reference;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice};
+use cudarc::driver::{sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice};
 
+use crate::device::ensure_same_context;
 use crate::error::{check, ensure_len};
 use crate::{sys, Error, Result};
 
@@ -110,6 +111,17 @@ pub struct RouteMaps {
     pub workspace: CudaSlice<u8>,
 }
 
+/// What a [`RoutingPlan`] was built for ([`RoutingPlan::desc`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RoutingDesc {
+    /// The configuration as given.
+    pub config: RoutingConfig,
+    /// Rows of the permuted buffers (`config.capacity`, or `T_max * k` for `None`).
+    pub capacity: usize,
+    /// Bytes of workspace [`RoutingPlan::build`] needs.
+    pub workspace_bytes: usize,
+}
+
 /// A validated routing configuration: shapes fixed at plan time, T and routing free per launch.
 #[derive(Clone, Debug)]
 pub struct RoutingPlan {
@@ -183,8 +195,12 @@ impl RoutingPlan {
     pub fn config(&self) -> &RoutingConfig {
         &self.config
     }
-    /// The C ABI descriptor, for the raw entry points of other modules.
-    pub fn desc(&self) -> &sys::capmoe_routing_desc_t {
+    /// What the plan was built for: the configuration, the resolved capacity, the workspace.
+    pub fn desc(&self) -> RoutingDesc {
+        RoutingDesc { config: self.config.clone(), capacity: self.capacity(), workspace_bytes: self.workspace_bytes }
+    }
+    /// The C ABI descriptor the plan passes to `capmoe_routing_*` (for callers of the C ABI).
+    pub fn abi_desc(&self) -> &sys::capmoe_routing_desc_t {
         &self.desc
     }
     pub fn num_experts(&self) -> usize {
@@ -252,13 +268,6 @@ impl RoutingPlan {
 
     // ---- host checks shared by the launchers ----
 
-    fn same_context<T>(op: &'static str, stream: &CudaStream, s: &impl DeviceSlice<T>) -> Result<()> {
-        if **s.stream().context() != **stream.context() {
-            return Err(Error::WrongContext { op });
-        }
-        Ok(())
-    }
-
     fn len_at_least<T>(
         op: &'static str,
         what: &'static str,
@@ -266,7 +275,7 @@ impl RoutingPlan {
         s: &impl DeviceSlice<T>,
         need: usize,
     ) -> Result<()> {
-        Self::same_context(op, stream, s)?;
+        ensure_same_context(op, what, stream, s)?;
         ensure_len(op, what, s.len(), need, "")
     }
 
@@ -325,7 +334,7 @@ impl RoutingPlan {
         let (p, _g3) = probs.device_ptr_mut(stream);
         let (f, _g4) = flags.device_ptr_mut(stream);
         with_tokens(stream, tokens, |t, td| unsafe {
-            self.from_map_raw(m as _, mp as _, t, td, ids as _, p as _, f as _, stream)
+            self.from_map_raw(stream, m, mp, t, td, ids, p, f)
         })
     }
 
@@ -347,7 +356,7 @@ impl RoutingPlan {
         Self::len_at_least(OP, "token_of_row", stream, &maps.token_of_row, self.capacity())?;
         Self::len_at_least(OP, "expert_counts", stream, &maps.expert_counts, e)?;
         Self::len_at_least(OP, "flags", stream, &maps.flags, 1)?;
-        Self::same_context(OP, stream, &maps.workspace)?;
+        ensure_same_context(OP, "workspace", stream, &maps.workspace)?;
         if maps.workspace.len() < self.workspace_bytes {
             return Err(Error::WorkspaceTooSmall { op: OP, need: self.workspace_bytes, got: maps.workspace.len() });
         }
@@ -364,10 +373,7 @@ impl RoutingPlan {
         let ws_len = maps.workspace.len();
         let (ws, _g8) = maps.workspace.device_ptr_mut(stream);
         with_tokens(stream, tokens, |t, td| unsafe {
-            self.build_raw(
-                ids as _, t, td, m32 as _, m64 as _, off as _, ror as _, tor as _, cnt as _, fl as _,
-                ws as _, ws_len, stream,
-            )
+            self.build_raw(stream, ids, t, td, m32, m64, off, ror, tor, cnt, fl, ws, ws_len)
         })
     }
 
@@ -393,7 +399,7 @@ impl RoutingPlan {
         Self::aligned(OP, "x", xp)?;
         Self::aligned(OP, "rows", rp)?;
         with_tokens(stream, tokens, |t, td| unsafe {
-            self.permute_raw(xp as _, rr as _, t, td, rp as _, stream)
+            self.permute_raw(stream, xp, rr, t, td, rp)
         })
     }
 
@@ -419,7 +425,7 @@ impl RoutingPlan {
         Self::aligned(OP, "drows", dr)?;
         Self::aligned(OP, "dx", dxp)?;
         with_tokens(stream, tokens, |t, td| unsafe {
-            self.permute_backward_raw(dr as _, rr as _, t, td, dxp as _, stream)
+            self.permute_backward_raw(stream, dr, rr, t, td, dxp)
         })
     }
 
@@ -449,7 +455,7 @@ impl RoutingPlan {
         Self::aligned(OP, "rows", rp)?;
         Self::aligned(OP, "y", yp)?;
         with_tokens(stream, tokens, |t, td| unsafe {
-            self.unpermute_raw(rp as _, rr as _, pp as _, t, td, yp as _, stream)
+            self.unpermute_raw(stream, rp, rr, pp, t, td, yp)
         })
     }
 
@@ -487,7 +493,7 @@ impl RoutingPlan {
         Self::aligned(OP, "rows", rp)?;
         Self::aligned(OP, "drows", drp)?;
         with_tokens(stream, tokens, |t, td| unsafe {
-            self.unpermute_backward_raw(dyp as _, rp as _, rr as _, pp as _, t, td, drp as _, dpp as _, stream)
+            self.unpermute_backward_raw(stream, dyp, rp, rr, pp, t, td, drp, dpp)
         })
     }
 
@@ -510,7 +516,7 @@ impl RoutingPlan {
         let (ap, _g2) = act.device_ptr_mut(stream);
         Self::aligned(OP, "h", hp)?;
         Self::aligned(OP, "act", ap)?;
-        unsafe { self.swiglu_raw(hp as _, op as _, ap as _, stream) }
+        unsafe { self.swiglu_raw(stream, hp, op, ap) }
     }
 
     /// SwiGLU backward: `dh = [dgate | dup]` from `dact` and the fc1 output `h`.
@@ -536,40 +542,51 @@ impl RoutingPlan {
         Self::aligned(OP, "dact", dp)?;
         Self::aligned(OP, "h", hp)?;
         Self::aligned(OP, "dh", dhp)?;
-        unsafe { self.swiglu_backward_raw(dp as _, hp as _, op as _, dhp as _, stream) }
+        unsafe { self.swiglu_backward_raw(stream, dp, hp, op, dhp) }
     }
 
     // ---- raw entry points ----
     //
-    // Each takes the token count as (num_tokens, num_tokens_device): with a non-null device
-    // pointer the device value is used, else num_tokens (<= max_tokens, checked here).
+    // Crate convention (docs/CONVENTIONS.md): `&CudaStream` first, then `CUdeviceptr`s in the
+    // order of the safe form (0 = an absent optional buffer), sizes as `usize`. The token
+    // count is (num_tokens, num_tokens_device): with a non-zero device pointer the device
+    // `i32` is used, else num_tokens (<= max_tokens, checked here).
 
     /// Raw [`RoutingPlan::from_map`].
     ///
     /// # Safety
     /// Every pointer is device memory of `stream`'s context, live until the launch completes:
-    /// `routing_map` and `map_probs` hold `T_max * E` elements (probs of the plan's prob dtype),
-    /// `expert_ids` and `probs` `T_max * k`; `num_tokens_device` and `flags` are null or one
-    /// int32. The outputs do not overlap the inputs.
+    /// `routing_map` and `map_probs` hold `T_max * E` elements (u8, probs of the plan's prob
+    /// dtype), `expert_ids` (i32) and `probs` `T_max * k`; `num_tokens_device` and `flags` are
+    /// 0 or one int32. The outputs do not overlap the inputs.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn from_map_raw(
         &self,
-        routing_map: *const u8,
-        map_probs: *const c_void,
-        num_tokens: i64,
-        num_tokens_device: *const i32,
-        expert_ids: *mut i32,
-        probs: *mut c_void,
-        flags: *mut i32,
         stream: &CudaStream,
+        routing_map: CUdeviceptr,
+        map_probs: CUdeviceptr,
+        num_tokens: usize,
+        num_tokens_device: CUdeviceptr,
+        expert_ids: CUdeviceptr,
+        probs: CUdeviceptr,
+        flags: CUdeviceptr,
     ) -> Result<()> {
-        let s = raw_stream(stream);
+        const OP: &str = "routing from_map";
+        let t = self.raw_tokens(OP, num_tokens)?;
+        stream.context().bind_to_thread()?;
         check(
             sys::capmoe_routing_from_map(
-                &self.desc, routing_map, map_probs, num_tokens, num_tokens_device, expert_ids, probs,
-                flags, s,
+                &self.desc,
+                routing_map as *const u8,
+                map_probs as *const c_void,
+                t,
+                num_tokens_device as *const i32,
+                expert_ids as *mut i32,
+                probs as *mut c_void,
+                flags as *mut i32,
+                raw_stream(stream),
             ),
-            "routing from_map",
+            OP,
         )
     }
 
@@ -577,39 +594,52 @@ impl RoutingPlan {
     ///
     /// # Safety
     /// Device memory of `stream`'s context, live until the launch completes, not overlapping:
-    /// `expert_ids` `T_max * k` int32; `offsets` `E + 1` int64; `row_of_route` `T_max * k`;
-    /// `m_splits_i32` / `m_splits_i64` / `expert_counts` null or `E`; `token_of_row` null or
-    /// `capacity`; `flags` / `num_tokens_device` null or one int32; `workspace` at least
-    /// `workspace_bytes` bytes (checked against the given `workspace_bytes`), not used by any
-    /// concurrently running launch.
+    /// `expert_ids` `T_max * k` int32; `offsets` `E + 1` int64; `row_of_route` `T_max * k`
+    /// int32; `m_splits_i32` / `m_splits_i64` / `expert_counts` 0 or `E` (i32 / i64 / i32);
+    /// `token_of_row` 0 or `capacity` int32; `flags` / `num_tokens_device` 0 or one int32;
+    /// `workspace` at least `workspace_bytes` bytes (checked against the given
+    /// `workspace_bytes`), not used by any concurrently running launch.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn build_raw(
         &self,
-        expert_ids: *const i32,
-        num_tokens: i64,
-        num_tokens_device: *const i32,
-        m_splits_i32: *mut i32,
-        m_splits_i64: *mut i64,
-        offsets: *mut i64,
-        row_of_route: *mut i32,
-        token_of_row: *mut i32,
-        expert_counts: *mut i32,
-        flags: *mut i32,
-        workspace: *mut c_void,
-        workspace_bytes: usize,
         stream: &CudaStream,
+        expert_ids: CUdeviceptr,
+        num_tokens: usize,
+        num_tokens_device: CUdeviceptr,
+        m_splits_i32: CUdeviceptr,
+        m_splits_i64: CUdeviceptr,
+        offsets: CUdeviceptr,
+        row_of_route: CUdeviceptr,
+        token_of_row: CUdeviceptr,
+        expert_counts: CUdeviceptr,
+        flags: CUdeviceptr,
+        workspace: CUdeviceptr,
+        workspace_bytes: usize,
     ) -> Result<()> {
+        const OP: &str = "routing build";
         if workspace_bytes < self.workspace_bytes {
-            return Err(Error::WorkspaceTooSmall { op: "routing build", need: self.workspace_bytes, got: workspace_bytes });
+            return Err(Error::WorkspaceTooSmall { op: OP, need: self.workspace_bytes, got: workspace_bytes });
         }
-        let s = raw_stream(stream);
+        let t = self.raw_tokens(OP, num_tokens)?;
+        stream.context().bind_to_thread()?;
         check(
             sys::capmoe_routing_build(
-                &self.desc, expert_ids, num_tokens, num_tokens_device, m_splits_i32, m_splits_i64,
-                offsets, row_of_route, token_of_row, expert_counts, flags, workspace,
-                workspace_bytes as u64, s,
+                &self.desc,
+                expert_ids as *const i32,
+                t,
+                num_tokens_device as *const i32,
+                m_splits_i32 as *mut i32,
+                m_splits_i64 as *mut i64,
+                offsets as *mut i64,
+                row_of_route as *mut i32,
+                token_of_row as *mut i32,
+                expert_counts as *mut i32,
+                flags as *mut i32,
+                workspace as *mut c_void,
+                workspace_bytes as u64,
+                raw_stream(stream),
             ),
-            "routing build",
+            OP,
         )
     }
 
@@ -619,20 +649,31 @@ impl RoutingPlan {
     /// Device memory of `stream`'s context, live until the launch completes, 16-byte aligned
     /// where it holds activations: `x` `T_max * H` and `rows` `capacity * H` elements of the
     /// plan's dtype, `row_of_route` `T_max * k` int32 (values outside `[0, capacity)` are
-    /// skipped, so any content is safe); `rows` does not overlap `x`.
+    /// skipped, so any content is safe); `num_tokens_device` 0 or one int32; `rows` does not
+    /// overlap `x`.
     pub unsafe fn permute_raw(
         &self,
-        x: *const c_void,
-        row_of_route: *const i32,
-        num_tokens: i64,
-        num_tokens_device: *const i32,
-        rows: *mut c_void,
         stream: &CudaStream,
+        x: CUdeviceptr,
+        row_of_route: CUdeviceptr,
+        num_tokens: usize,
+        num_tokens_device: CUdeviceptr,
+        rows: CUdeviceptr,
     ) -> Result<()> {
-        let s = raw_stream(stream);
+        const OP: &str = "routing permute";
+        let t = self.raw_tokens(OP, num_tokens)?;
+        stream.context().bind_to_thread()?;
         check(
-            sys::capmoe_routing_permute(&self.desc, x, row_of_route, num_tokens, num_tokens_device, rows, s),
-            "routing permute",
+            sys::capmoe_routing_permute(
+                &self.desc,
+                x as *const c_void,
+                row_of_route as *const i32,
+                t,
+                num_tokens_device as *const i32,
+                rows as *mut c_void,
+                raw_stream(stream),
+            ),
+            OP,
         )
     }
 
@@ -643,17 +684,27 @@ impl RoutingPlan {
     /// written.
     pub unsafe fn permute_backward_raw(
         &self,
-        drows: *const c_void,
-        row_of_route: *const i32,
-        num_tokens: i64,
-        num_tokens_device: *const i32,
-        dx: *mut c_void,
         stream: &CudaStream,
+        drows: CUdeviceptr,
+        row_of_route: CUdeviceptr,
+        num_tokens: usize,
+        num_tokens_device: CUdeviceptr,
+        dx: CUdeviceptr,
     ) -> Result<()> {
-        let s = raw_stream(stream);
+        const OP: &str = "routing permute_backward";
+        let t = self.raw_tokens(OP, num_tokens)?;
+        stream.context().bind_to_thread()?;
         check(
-            sys::capmoe_routing_permute_backward(&self.desc, drows, row_of_route, num_tokens, num_tokens_device, dx, s),
-            "routing permute_backward",
+            sys::capmoe_routing_permute_backward(
+                &self.desc,
+                drows as *const c_void,
+                row_of_route as *const i32,
+                t,
+                num_tokens_device as *const i32,
+                dx as *mut c_void,
+                raw_stream(stream),
+            ),
+            OP,
         )
     }
 
@@ -665,18 +716,29 @@ impl RoutingPlan {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn unpermute_raw(
         &self,
-        rows: *const c_void,
-        row_of_route: *const i32,
-        probs: *const c_void,
-        num_tokens: i64,
-        num_tokens_device: *const i32,
-        y: *mut c_void,
         stream: &CudaStream,
+        rows: CUdeviceptr,
+        row_of_route: CUdeviceptr,
+        probs: CUdeviceptr,
+        num_tokens: usize,
+        num_tokens_device: CUdeviceptr,
+        y: CUdeviceptr,
     ) -> Result<()> {
-        let s = raw_stream(stream);
+        const OP: &str = "routing unpermute";
+        let t = self.raw_tokens(OP, num_tokens)?;
+        stream.context().bind_to_thread()?;
         check(
-            sys::capmoe_routing_unpermute(&self.desc, rows, row_of_route, probs, num_tokens, num_tokens_device, y, s),
-            "routing unpermute",
+            sys::capmoe_routing_unpermute(
+                &self.desc,
+                rows as *const c_void,
+                row_of_route as *const i32,
+                probs as *const c_void,
+                t,
+                num_tokens_device as *const i32,
+                y as *mut c_void,
+                raw_stream(stream),
+            ),
+            OP,
         )
     }
 
@@ -688,22 +750,33 @@ impl RoutingPlan {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn unpermute_backward_raw(
         &self,
-        dy: *const c_void,
-        rows: *const c_void,
-        row_of_route: *const i32,
-        probs: *const c_void,
-        num_tokens: i64,
-        num_tokens_device: *const i32,
-        drows: *mut c_void,
-        dprobs: *mut c_void,
         stream: &CudaStream,
+        dy: CUdeviceptr,
+        rows: CUdeviceptr,
+        row_of_route: CUdeviceptr,
+        probs: CUdeviceptr,
+        num_tokens: usize,
+        num_tokens_device: CUdeviceptr,
+        drows: CUdeviceptr,
+        dprobs: CUdeviceptr,
     ) -> Result<()> {
-        let s = raw_stream(stream);
+        const OP: &str = "routing unpermute_backward";
+        let t = self.raw_tokens(OP, num_tokens)?;
+        stream.context().bind_to_thread()?;
         check(
             sys::capmoe_routing_unpermute_backward(
-                &self.desc, dy, rows, row_of_route, probs, num_tokens, num_tokens_device, drows, dprobs, s,
+                &self.desc,
+                dy as *const c_void,
+                rows as *const c_void,
+                row_of_route as *const i32,
+                probs as *const c_void,
+                t,
+                num_tokens_device as *const i32,
+                drows as *mut c_void,
+                dprobs as *mut c_void,
+                raw_stream(stream),
             ),
-            "routing unpermute_backward",
+            OP,
         )
     }
 
@@ -715,13 +788,22 @@ impl RoutingPlan {
     /// int64 (only `offsets[E]` is read, clamped into `[0, capacity]`).
     pub unsafe fn swiglu_raw(
         &self,
-        h: *const c_void,
-        offsets: *const i64,
-        act: *mut c_void,
         stream: &CudaStream,
+        h: CUdeviceptr,
+        offsets: CUdeviceptr,
+        act: CUdeviceptr,
     ) -> Result<()> {
-        let s = raw_stream(stream);
-        check(sys::capmoe_routing_swiglu(&self.desc, h, offsets, act, s), "routing swiglu")
+        stream.context().bind_to_thread()?;
+        check(
+            sys::capmoe_routing_swiglu(
+                &self.desc,
+                h as *const c_void,
+                offsets as *const i64,
+                act as *mut c_void,
+                raw_stream(stream),
+            ),
+            "routing swiglu",
+        )
     }
 
     /// Raw [`RoutingPlan::swiglu_backward`].
@@ -731,14 +813,33 @@ impl RoutingPlan {
     /// (`capacity * 2F`) written; `dh` may not overlap `h` or `dact`.
     pub unsafe fn swiglu_backward_raw(
         &self,
-        dact: *const c_void,
-        h: *const c_void,
-        offsets: *const i64,
-        dh: *mut c_void,
         stream: &CudaStream,
+        dact: CUdeviceptr,
+        h: CUdeviceptr,
+        offsets: CUdeviceptr,
+        dh: CUdeviceptr,
     ) -> Result<()> {
-        let s = raw_stream(stream);
-        check(sys::capmoe_routing_swiglu_backward(&self.desc, dact, h, offsets, dh, s), "routing swiglu_backward")
+        stream.context().bind_to_thread()?;
+        check(
+            sys::capmoe_routing_swiglu_backward(
+                &self.desc,
+                dact as *const c_void,
+                h as *const c_void,
+                offsets as *const i64,
+                dh as *mut c_void,
+                raw_stream(stream),
+            ),
+            "routing swiglu_backward",
+        )
+    }
+
+    /// A raw entry point's host token count, checked against `max_tokens` (the C ABI checks
+    /// it again; here it becomes a typed error).
+    fn raw_tokens(&self, op: &'static str, num_tokens: usize) -> Result<i64> {
+        if num_tokens > self.max_tokens() {
+            return Err(invalid(op, format!("num_tokens = {num_tokens} exceeds max_tokens = {}", self.max_tokens())));
+        }
+        Ok(num_tokens as i64)
     }
 }
 
@@ -750,13 +851,13 @@ fn raw_stream(stream: &CudaStream) -> *mut c_void {
 fn with_tokens(
     stream: &CudaStream,
     tokens: Tokens<'_>,
-    f: impl FnOnce(i64, *const i32) -> Result<()>,
+    f: impl FnOnce(usize, CUdeviceptr) -> Result<()>,
 ) -> Result<()> {
     match tokens {
-        Tokens::Host(t) => f(t as i64, std::ptr::null()),
+        Tokens::Host(t) => f(t, 0),
         Tokens::Device(s) => {
             let (p, _guard) = s.device_ptr(stream);
-            f(0, p as *const i32)
+            f(0, p)
         }
     }
 }

@@ -80,6 +80,14 @@ inline std::map<const void*, size_t>& smem_opt_in() {
   static std::map<const void*, size_t> m;
   return m;
 }
+// A new CUDA context (a second one, or the primary context after a device reset) starts with
+// every kernel attribute at its default: the opt-in shared memory is forgotten.
+inline void new_context() { smem_opt_in().clear(); }
+// Launches that ran with more than the default dynamic shared memory (so needed the opt-in).
+inline size_t& opted_in_launches() {
+  static size_t n = 0;
+  return n;
+}
 }  // namespace emu
 inline cudaError_t cudaFuncSetAttribute(const void* kernel, cudaFuncAttribute, int bytes) {
   if (bytes < 0 || (size_t)bytes > emu::kMaxDynamicSmem) return cudaErrorInvalidValue;
@@ -403,6 +411,7 @@ inline cudaError_t launch(const cudaLaunchConfig_t* c, const void* kernel, const
   if (!grid_in_limits(c->gridDim) || threads == 0 || threads > kMaxThreadsPerBlock || threads % 32 != 0 ||
       c->dynamicSmemBytes > smem_limit)
     return cudaErrorInvalidConfiguration;
+  if (c->dynamicSmemBytes > kDefaultDynamicSmem) ++opted_in_launches();
   kernel_call = &call;
   blockDim = dim3(threads);
   gridDim = c->gridDim;

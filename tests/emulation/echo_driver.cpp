@@ -3,7 +3,9 @@
 // for bit. Each reroute case runs with the token count on the host, then from "device" memory
 // under a larger bound with junk routes past T (which must be neither read nor written), then
 // with out-of-range device counts (which must set CAPMOE_ECHO_ERR_BAD_TOKENS, also under a bound
-// of zero rows); a misaligned plan state or count matrix must be refused.
+// of zero rows); a misaligned plan state or count matrix must be refused. Every launch starts in
+// a "new context" (the emulated kernel attributes are forgotten), so a launch that needs more
+// than 48 KB of shared memory fails unless the entry point opts in every time.
 // Usage: echo_driver CASES_FILE. Exit status 0 iff every case matched.
 #include <algorithm>
 #include <cstdint>
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "capturable_moe/echo.h"
+#include "cuda_runtime.h"  // the emulation's: emu::new_context()
 
 namespace {
 
@@ -133,6 +136,7 @@ enum Form { kPlanOnly, kTopk, kDense };
 // One launch sequence: `bound` token rows in the buffers (T itself, or a larger bound with a
 // device count), rows past T filled with junk routes.
 void run(int id, const Case& c, Form form, int bound, const int32_t* t_device, int64_t want_error) {
+  emu::new_context();
   const int ne = (int)c.cfg.num_experts, k = (int)c.cfg.topk, W = c.W, t = c.t;
   capmoe_echo_layout_t lay;
   int64_t ws_len;
@@ -238,6 +242,7 @@ int main(int argc, char** argv) {
     run(id, c, kTopk, bound, &above, CAPMOE_ECHO_ERR_BAD_TOKENS);
     if (failures > 20) break;
   }
+  std::printf("%zu launches past 48 KB of shared memory\n", emu::opted_in_launches());
   std::printf("%d cases, %d failures\n", id, failures);
   return failures == 0 && id > 0 ? 0 : 1;
 }

@@ -89,6 +89,7 @@ fn expert_case(
         topk: k,
         max_tokens: t,
         capacity: None,
+        expert_capacity: None,
         dtype: DType::Bf16,
         prob_dtype: DType::F32,
         wgrad_accumulate: false,
