@@ -5,7 +5,6 @@
 //! capability modules. Every launcher allocates nothing, never synchronises with the host and
 //! never reads device data on the host.
 
-pub mod baseline;
 pub mod device;
 pub mod dtype;
 pub mod echo;

@@ -10,7 +10,9 @@
 //!                [--weight-layout enk|ekn]  (weights [E, N, K], the default, or [E, K, N])
 //!                [--only echo]  (the Echo planner rows alone)
 
+mod baseline;
 mod data;
+mod echo_timing;
 mod gemm;
 mod measure;
 mod path;
