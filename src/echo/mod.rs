@@ -21,9 +21,9 @@
 //! one captured graph serves a different `T` every replay. With a device count, the token
 //! buffers must hold `t_max` rows; rows `t >= T` of the outputs are not written.
 
-pub mod bench;
 mod config;
 pub mod reference;
+pub mod synthetic;
 
 use std::ffi::c_void;
 
