@@ -282,7 +282,7 @@ impl<T: MoeElement> MoeExperts<T> {
 
     /// [`new`](Self::new) with a weight form and a forced GEMM kernel.
     pub fn with_options(config: MoeConfig, options: MoeOptions, stream: &Arc<CudaStream>) -> Result<MoeExperts<T>> {
-        Self::build(config, options, stream, Scratch::Stream(stream))
+        Self::build("MoeExperts::new", config, options, stream, Scratch::Stream(stream))
     }
 
     /// [`with_options`](Self::with_options) with the intermediate activations (the eight
@@ -300,11 +300,11 @@ impl<T: MoeElement> MoeExperts<T> {
                 got: stream.cu_stream() as u64,
             });
         }
-        Self::build(config, options, stream, Scratch::Pool(range))
+        Self::build("MoeExperts::with_pool", config, options, stream, Scratch::Pool(range))
     }
 
-    fn build(config: MoeConfig, options: MoeOptions, stream: &Arc<CudaStream>, scratch: Scratch<'_>) -> Result<MoeExperts<T>> {
-        ensure_not_capturing(stream, "MoeExperts::new")?;
+    fn build(op: &'static str, config: MoeConfig, options: MoeOptions, stream: &Arc<CudaStream>, scratch: Scratch<'_>) -> Result<MoeExperts<T>> {
+        ensure_not_capturing(stream, op)?;
         if config.dtype != <T as routing::Element>::DTYPE {
             return Err(Error::Shape {
                 op: "MoeExperts::new",
