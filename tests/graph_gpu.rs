@@ -391,7 +391,7 @@ fn assert_refused_while_capturing(stream: &Arc<CudaStream>, op: &str, call: impl
 }
 
 macro_rules! guard_test {
-    ($name:ident, $op:literal, |$stream:ident| $setup:block, |$s:ident| $call:expr) => {
+    ($name:ident, $op:literal, |$stream:ident| $setup:expr, |$s:ident| $call:expr) => {
         #[test]
         fn $name() {
             let $stream = gpu_or_skip!();
@@ -424,9 +424,9 @@ fn tiny_graph(stream: &Arc<CudaStream>) -> (CudaGraph, GraphTemplate, CudaSlice<
     (graph, template, buf)
 }
 
-guard_test!(guard_capture_gpu, "graph::capture", |stream| { () }, |_s| capture(&stream, || Ok(())));
-guard_test!(guard_capture_with_gpu, "graph::capture", |stream| { () }, |_s| capture_with(&stream, CaptureOptions { upload: false }, || Ok(())));
-guard_test!(guard_graph_template_capture_gpu, "GraphTemplate::capture", |stream| { () }, |_s| GraphTemplate::capture(&stream, || Ok(())));
+guard_test!(guard_capture_gpu, "graph::capture", |stream| (), |_s| capture(&stream, || Ok(())));
+guard_test!(guard_capture_with_gpu, "graph::capture", |stream| (), |_s| capture_with(&stream, CaptureOptions { upload: false }, || Ok(())));
+guard_test!(guard_graph_template_capture_gpu, "GraphTemplate::capture", |stream| (), |_s| GraphTemplate::capture(&stream, || Ok(())));
 guard_test!(guard_graph_template_apply_to_gpu, "GraphTemplate::apply_to", |stream| { tiny_graph(&stream) }, |s| {
     let (mut graph, template, _buf) = s;
     template.apply_to(&mut graph)
@@ -435,13 +435,13 @@ guard_test!(guard_update_gpu, "GraphTemplate::capture", |stream| { tiny_graph(&s
     let (mut graph, _template, _buf) = s;
     update(&mut graph, &stream, || Ok(()))
 });
-guard_test!(guard_memory_pool_new_gpu, "MemoryPool::new", |stream| { () }, |_s| MemoryPool::new(&stream, 1 << 20));
+guard_test!(guard_memory_pool_new_gpu, "MemoryPool::new", |stream| (), |_s| MemoryPool::new(&stream, 1 << 20));
 guard_test!(guard_memory_pool_range_gpu, "MemoryPool::range", |stream| { MemoryPool::new(&stream, 1 << 20).unwrap() }, |pool| pool.range());
 guard_test!(guard_pool_range_alloc_gpu, "PoolRange::alloc", |stream| { MemoryPool::new(&stream, 1 << 20).unwrap().range().unwrap() }, |range| range.alloc::<f32>(16));
-guard_test!(guard_moe_experts_new_gpu, "MoeExperts::new", |stream| { () }, |_s| MoeExperts::<bf16>::new(config(SMALL), &stream));
-guard_test!(guard_moe_experts_with_options_gpu, "MoeExperts::new", |stream| { () }, |_s| MoeExperts::<bf16>::with_options(config(SMALL), MoeOptions::default(), &stream));
+guard_test!(guard_moe_experts_new_gpu, "MoeExperts::new", |stream| (), |_s| MoeExperts::<bf16>::new(config(SMALL), &stream));
+guard_test!(guard_moe_experts_with_options_gpu, "MoeExperts::new", |stream| (), |_s| MoeExperts::<bf16>::with_options(config(SMALL), MoeOptions::default(), &stream));
 guard_test!(guard_moe_experts_with_pool_gpu, "MoeExperts::with_pool", |stream| { MemoryPool::new(&stream, 16 << 20).unwrap().range().unwrap() }, |range| MoeExperts::<bf16>::with_pool(config(SMALL), MoeOptions::default(), &stream, &range));
-guard_test!(guard_grouped_gemm_new_gpu, "GroupedGemm::new", |stream| { () }, |_s| GroupedGemm::new(GroupedGemmSpec::new(GemmOp::Fprop, 8, 64, 64, 128), &stream));
+guard_test!(guard_grouped_gemm_new_gpu, "GroupedGemm::new", |stream| (), |_s| GroupedGemm::new(GroupedGemmSpec::new(GemmOp::Fprop, 8, 64, 64, 128), &stream));
 guard_test!(guard_routing_alloc_maps_gpu, "RoutingPlan::alloc_maps", |stream| { RoutingPlan::new(config(SMALL).routing_config()).unwrap() }, |plan| plan.alloc_maps(&stream));
 guard_test!(guard_echo_read_errors_gpu, "EchoPlan::read_errors", |stream| { let p = echo_plan(); let st = stream.alloc_zeros::<i64>(p.state_len()).unwrap(); (p, st) }, |s| s.0.read_errors(&stream, &s.1));
 guard_test!(guard_echo_read_stages_gpu, "EchoPlan::read_stages", |stream| { let p = echo_plan(); let st = stream.alloc_zeros::<i64>(p.state_len()).unwrap(); (p, st) }, |s| s.0.read_stages(&stream, &s.1));

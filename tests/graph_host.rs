@@ -67,7 +67,7 @@ fn physical_bytes_are_the_max_over_ranges_not_the_sum_host() {
         buckets.iter().map(|t| [2048, 1536, 768, 2048, 2048, 768, 1536, 2048].iter().map(|w| t * 8 * w * 2).collect()).collect();
     for order in [vec![0, 1, 2, 3, 4, 5, 6, 7], vec![7, 0, 6, 1, 5, 2, 4, 3]] {
         let mut layout = PhysicalLayout::new(MIB2);
-        let mut used = vec![0usize; 8];
+        let mut used = [0usize; 8];
         for &r in &order {
             let mut cursor = BumpCursor::new(usize::MAX / 2);
             for &bytes in &sizes[r] {
