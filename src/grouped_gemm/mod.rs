@@ -357,6 +357,7 @@ pub struct GroupedGemm {
 impl GroupedGemm {
     /// Plans `spec` for the device of `stream` (reads its arch and SM count once).
     pub fn new(spec: GroupedGemmSpec, stream: &CudaStream) -> Result<GroupedGemm> {
+        crate::graph::ensure_not_capturing(stream, "GroupedGemm::new")?;
         Self::for_device(spec, &DeviceInfo::of_stream(stream)?)
     }
 
