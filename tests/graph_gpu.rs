@@ -519,6 +519,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 #[test]
 #[ignore = "timing: prints the one-graph-for-every-T figures"]
 fn timing_one_graph_for_every_t_gpu() {
+    if common::skip_under_sanitizer() {
+        return;
+    }
     let stream = gpu_or_skip!();
     let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let t_max = env_usize("CAPMOE_GRAPH_TMAX", 16384);
@@ -555,6 +558,9 @@ fn timing_one_graph_for_every_t_gpu() {
 #[test]
 #[ignore = "timing: prints update vs capture + instantiate"]
 fn timing_update_vs_capture_and_instantiate_gpu() {
+    if common::skip_under_sanitizer() {
+        return;
+    }
     let stream = gpu_or_skip!();
     let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let shape = qwen(env_usize("CAPMOE_GRAPH_TMAX", 4096));
@@ -594,6 +600,9 @@ fn timing_update_vs_capture_and_instantiate_gpu() {
 #[test]
 #[ignore = "timing: prints first replay with and without upload"]
 fn timing_first_replay_with_and_without_upload_gpu() {
+    if common::skip_under_sanitizer() {
+        return;
+    }
     let stream = gpu_or_skip!();
     let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let shape = qwen(env_usize("CAPMOE_GRAPH_TMAX", 4096));

@@ -572,6 +572,9 @@ fn graph_replays_with_new_routing() {
 #[test]
 #[ignore = "performance report, run explicitly"]
 fn perf_report_target_shape() {
+    if common::skip_under_sanitizer() {
+        return;
+    }
     let s = gpu_or_skip!();
     let _g = serial();
     unsafe { s.context().disable_event_tracking() };

@@ -37,6 +37,23 @@ macro_rules! gpu_or_skip {
     };
 }
 
+/// Whether the tests run under compute-sanitizer: `CAPMOE_SANITIZER=1`, which
+/// `scripts/sanitize.sh` sets. Long functional tests then run fewer replays (each still checked
+/// in full).
+pub fn under_sanitizer() -> bool {
+    std::env::var("CAPMOE_SANITIZER").as_deref() == Ok("1")
+}
+
+/// For timing-only and soak tests, whose figures mean nothing under a tool that slows every
+/// kernel 10-100x: prints `skipping: under a sanitizer` and returns true there.
+pub fn skip_under_sanitizer() -> bool {
+    let skip = under_sanitizer();
+    if skip {
+        println!("skipping: under a sanitizer (CAPMOE_SANITIZER=1)");
+    }
+    skip
+}
+
 /// Graph-capture tests serialise on this lock: capture in global mode forbids unrelated
 /// CUDA work from other threads of the process while it is open.
 pub static CAPTURE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());

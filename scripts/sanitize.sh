@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# compute-sanitizer over the GPU test binaries of the bundle that scripts/gpu-bundle.sh made:
+# memcheck, racecheck, synccheck and initcheck, one process per (tool, binary), each under its
+# own timeout, the whole inside one time budget (one 600 s device call). Run on the GPU
+# machine from the repo root (gpu-bundle/ carried along). Logs: $OUT/sanitize-logs.tgz
+# (refreshed after every run) and $OUT/sanitize-summary.txt; the summary table is printed last.
+#
+#   OUT=<dir> bash scripts/sanitize.sh
+#
+# Knobs (environment):
+#   TOOLS    tools to run, in order (default "memcheck synccheck initcheck racecheck");
+#            "racecheck-gemm" is racecheck with the CUTLASS GEMM kernels included, on
+#            grouped_gemm_gpu only (see RACECHECK AND THE GEMM below).
+#   FILTER   extended regex on the binary name (default: every *_gpu), e.g. '^moe_gpu$'.
+#   TESTS    arguments passed to each test binary after the harness flags: a test-name
+#            filter, --skip patterns, --exact (default none).
+#   TIMEOUT  seconds per (tool, binary) run; default per tool (memcheck 120, synccheck 90,
+#            initcheck 120, racecheck 200, racecheck-gemm 200), always cut to what the budget
+#            has left.
+#   BUDGET   seconds for the whole script (default 560); a run that would start with less
+#            than 20 s left is reported "not run (budget)".
+#   RACECHECK_GEMM=1      racecheck also checks the GEMM kernels in every binary.
+#   RACECHECK_SKIP        tests --skip'ped under racecheck (default
+#                         "target_shape_matches_reference": see below).
+#   SANITIZER             the compute-sanitizer binary (default /usr/local/cuda/bin/...).
+#   BUNDLE                the bundle folder (default gpu-bundle).
+#
+# What the tests do under a tool: every run sets CAPMOE_SANITIZER=1, which the timing-only
+# and soak tests honour by printing "skipping: under a sanitizer" (they are #[ignore]d as
+# well, and this script never passes --ignored), and it lowers the replay counts of the long
+# functional tests (CAPMOE_ECHO_MOE_REPLAYS=2, CAPMOE_GRAPH_STEPS=20, moe_gpu's 1000 replays
+# -> 20 under CAPMOE_SANITIZER); every replay that runs is still checked in full.
+#
+# RACECHECK AND THE GEMM. racecheck instruments every shared-memory access and tracks every
+# barrier; the CUTLASS SM90 grouped GEMM is warp-specialized (TMA loads into a multi-stage
+# smem ring, mbarrier pipelines, wgmma reading smem, a 2x1 thread-block cluster in WGRAD and
+# the cooperative kernels), which makes it by far the costliest kernel to race-check (the
+# first racecheck of moe_gpu, 2026-11-23, was SIGKILLed inside a 60-replay test). By default
+# racecheck therefore excludes the CUTLASS kernels by mangled-name substring
+# (--kernel-name-exclude kns=13device_kernel, i.e. cutlass::device_kernel<...>), so every
+# kernel of the crate (routing, Echo, the GEMM argument and zero-fill kernels, SwiGLU) is
+# race-checked in every binary, and "racecheck-gemm" race-checks the GEMM kernels themselves
+# once, on grouped_gemm_gpu. memcheck, synccheck and initcheck cover the GEMM everywhere.
+# echo_gpu's target_shape_matches_reference (T = 8192, 256 experts, EP = 64) is skipped
+# under racecheck: it ran past 150 s there, and its kernels and code paths are the ones
+# random_inputs_match_the_cpu_reference race-checks at up to 256 experts and T = 5000.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+out="${OUT:?set OUT to a folder for the logs}"
+bundle="${BUNDLE:-gpu-bundle}"
+tools="${TOOLS:-memcheck synccheck initcheck racecheck}"
+filter="${FILTER:-}"
+budget="${BUDGET:-560}"
+racecheck_skip="${RACECHECK_SKIP-target_shape_matches_reference}"
+read -r -a test_args <<<"${TESTS:-}"
+cs="${SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}"
+[[ -x "$cs" ]] || cs="$(command -v compute-sanitizer || true)"
+[[ -n "$cs" ]] || { echo "no compute-sanitizer (set SANITIZER)" >&2; exit 2; }
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export CAPMOE_REQUIRE_GPU=1 CAPMOE_SANITIZER=1 CAPMOE_TESTDATA="$root/tests/data"
+export CAPMOE_ECHO_MOE_REPLAYS="${CAPMOE_ECHO_MOE_REPLAYS:-2}" CAPMOE_GRAPH_STEPS="${CAPMOE_GRAPH_STEPS:-20}"
+
+start_all=$(date +%s)
+logs=/tmp/sanitize-logs
+rm -rf "$logs" && mkdir -p "$logs" "$out" "$bundle/run"
+tar -C "$bundle/run" -xzf "$bundle/bundle.tar.gz" || { echo "no bundle at $bundle/bundle.tar.gz" >&2; exit 2; }
+save() { tar -C /tmp -czf "$out/sanitize-logs.tgz" sanitize-logs 2>/dev/null; }
+{ "$cs" --version | tail -n 1; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } \
+  >"$logs/versions.txt" 2>&1
+
+default_timeout() {
+  case "$1" in
+    memcheck | initcheck) echo 120 ;;
+    synccheck) echo 90 ;;
+    *) echo 200 ;;
+  esac
+}
+
+# compute-sanitizer flags of one tool. The exit code 86 marks "the tool found errors", apart
+# from the test harness's own failure (101) and a kill (124 timeout, 137 SIGKILL).
+tool_flags() {
+  local flags=(--error-exitcode 86 --print-limit 50)
+  case "$1" in
+    memcheck) flags+=(--tool memcheck --leak-check no) ;;
+    synccheck) flags+=(--tool synccheck) ;;
+    initcheck) flags+=(--tool initcheck) ;;
+    racecheck)
+      flags+=(--tool racecheck --racecheck-report all)
+      [[ "${RACECHECK_GEMM:-0}" == 1 ]] || flags+=(--kernel-name-exclude kns=13device_kernel)
+      ;;
+    racecheck-gemm) flags+=(--tool racecheck --racecheck-report all) ;;
+  esac
+  printf '%s\n' "${flags[@]}"
+}
+
+# "errors hazards" read from a log: ERROR SUMMARY (memcheck, synccheck, initcheck) and
+# RACECHECK SUMMARY ("N hazards displayed (E errors, W warnings)"); "-" where the tool
+# printed no summary (it died or was killed first).
+counts_of() {
+  local log=$1 errors hazards
+  errors=$(grep -oE 'ERROR SUMMARY: [0-9]+ error' "$log" | tail -n 1 | grep -oE '[0-9]+')
+  hazards=$(grep -oE 'RACECHECK SUMMARY: [0-9]+ hazard' "$log" | tail -n 1 | grep -oE '[0-9]+')
+  if [[ -z "$errors" ]]; then
+    errors=$(grep -oE 'RACECHECK SUMMARY: .*\(([0-9]+) error' "$log" | tail -n 1 | grep -oE '\([0-9]+' | tr -d '(')
+  fi
+  echo "${errors:--} ${hazards:--}"
+}
+
+rows=()
+row() { rows+=("$(printf '%-16s %-15s %7s %8s %5s %7s %9s  %s' "$@")"); }
+row binary tool errors hazards rc seconds maxrss_MB note
+failed=0
+binaries=()
+for test in "$bundle"/run/tests/*_gpu; do
+  name="$(basename "$test")"
+  [[ -n "$filter" && ! "$name" =~ $filter ]] && continue
+  binaries+=("$name")
+done
+[[ ${#binaries[@]} -gt 0 ]] || { echo "no *_gpu binary in $bundle/run/tests matched '$filter'" >&2; exit 2; }
+
+for tool in $tools; do
+  for name in "${binaries[@]}"; do
+    [[ "$tool" == racecheck-gemm && "$name" != grouped_gemm_gpu ]] && continue
+    left=$((budget - ($(date +%s) - start_all)))
+    if ((left < 20)); then
+      row "$name" "$tool" - - - - - "not run (budget)"
+      continue
+    fi
+    limit=${TIMEOUT:-$(default_timeout "$tool")}
+    ((limit > left - 10)) && limit=$((left - 10))
+    args=(--test-threads=1 "${test_args[@]}")
+    if [[ "$tool" == racecheck* && -n "$racecheck_skip" ]]; then
+      for s in $racecheck_skip; do args+=(--skip "$s"); done
+    fi
+    mapfile -t flags < <(tool_flags "$tool")
+    log="$logs/${tool}__${name}.log"
+    echo "\$ ${cs} ${flags[*]} $name ${args[*]}   (timeout ${limit}s)" >"$log"
+    t0=$(date +%s%N)
+    # timeout -k: SIGTERM first (the tool then still prints what it has), SIGKILL 10 s later.
+    # /usr/bin/time -f %M: the peak host RSS of the tool + test, which tells an OOM kill apart.
+    if [[ -x /usr/bin/time ]]; then
+      /usr/bin/time -f 'maxrss_kb %M' -o "$log.rss" timeout -k 10 "$limit" \
+        "$cs" "${flags[@]}" "$bundle/run/tests/$name" "${args[@]}" >>"$log" 2>&1
+    else
+      timeout -k 10 "$limit" "$cs" "${flags[@]}" "$bundle/run/tests/$name" "${args[@]}" >>"$log" 2>&1
+    fi
+    rc=$?
+    ms=$((($(date +%s%N) - t0) / 1000000))
+    rss=$(awk '/maxrss_kb/ {printf "%d", $2 / 1024}' "$log.rss" 2>/dev/null)
+    cat "$log.rss" >>"$log" 2>/dev/null && rm -f "$log.rss"
+    read -r errors hazards < <(counts_of "$log")
+    result=$(grep -E '^test result:' "$log" | tail -n 1 | grep -oE '[0-9]+ passed; [0-9]+ failed')
+    case $rc in
+      0) note="${result:-ok}" ;;
+      86) note="tool reported errors; ${result}" ;;
+      101) note="a test failed: $(grep -m1 -oE '^---- [^ ]+' "$log" | cut -c6-)" ;;
+      124) note="timeout ${limit}s in $(grep -oE '^test [^ ]+ \.\.\.' "$log" | tail -n 1 | cut -d' ' -f2)" ;;
+      137) note="SIGKILL (OOM or timeout -k) in $(grep -oE '^test [^ ]+ \.\.\.' "$log" | tail -n 1 | cut -d' ' -f2)" ;;
+      *) note="rc $rc in $(grep -oE '^test [^ ]+ \.\.\.' "$log" | tail -n 1 | cut -d' ' -f2)" ;;
+    esac
+    grep -q "didn't terminate successfully" "$log" && note="$note; target died"
+    grep -q 'skipping: under a sanitizer' "$log" && note="$note; $(grep -c 'skipping: under a sanitizer' "$log") skipped"
+    [[ $rc -ne 0 || "$errors" != 0 && "$errors" != - || "$hazards" != 0 && "$hazards" != - ]] && failed=1
+    row "$name" "$tool" "$errors" "$hazards" "$rc" "$((ms / 1000)).$(((ms % 1000) / 100))" "${rss:--}" "$note"
+    printf '%s\n' "${rows[@]}" >"$logs/summary.txt"
+    save
+  done
+done
+
+{
+  echo "== compute-sanitizer on $(tail -n 1 "$logs/versions.txt"), $(head -n 1 "$logs/versions.txt")"
+  echo "== tools: $tools; filter: ${filter:-all *_gpu}; tests: ${TESTS:-all}; racecheck skips: ${racecheck_skip:-none}; \
+racecheck GEMM kernels: $([[ "${RACECHECK_GEMM:-0}" == 1 ]] && echo included || echo excluded)"
+  printf '%s\n' "${rows[@]}"
+} | tee "$logs/summary.txt" >"$out/sanitize-summary.txt"
+save
+cat "$out/sanitize-summary.txt"
+exit $failed
