@@ -132,25 +132,33 @@ fn config_names_round_trip() {
     assert_eq!(GemmConfig::from_name("sm90-nonsense"), None);
 }
 
+/// The dtypes each candidate tile is built for (GemmConfig's docs): the cluster-free 128x256
+/// cooperative and the 64x256 pingpong for bf16 and fp16 fprop / dgrad, bf16 only for wgrad;
+/// the 256x128 cooperative and the 128x128 pingpong for bf16 only.
 #[test]
-fn candidate_sm90_configs_are_bf16_only() {
+fn candidate_sm90_configs_have_the_documented_dtypes() {
     let hopper = DeviceInfo { ordinal: 0, name: "test".into(), arch: Arch::Sm90, sm_count: 132 };
     if !Arch::Sm90.is_built() {
         return;
     }
     let candidates = [
-        GemmConfig::Sm90CooperativeNoCluster,
-        GemmConfig::Sm90CooperativeM256,
-        GemmConfig::Sm90Pingpong128,
-        GemmConfig::Sm90PingpongWide,
+        (GemmConfig::Sm90CooperativeNoCluster, true),
+        (GemmConfig::Sm90CooperativeM256, false),
+        (GemmConfig::Sm90Pingpong128, false),
+        (GemmConfig::Sm90PingpongWide, true),
     ];
     for op in [GemmOp::Fprop, GemmOp::Dgrad, GemmOp::Wgrad] {
-        for config in candidates {
+        for (config, has_f16) in candidates {
             let mut s = spec(op);
             s.config = config;
             assert_eq!(GroupedGemm::for_device(s.clone(), &hopper).unwrap().config(), config);
             let f16 = GroupedGemmSpec { config, ..s.with_dtype(DType::F16) };
-            assert!(matches!(GroupedGemm::for_device(f16, &hopper), Err(Error::Unsupported { .. })), "{op:?} {config:?}");
+            let planned = GroupedGemm::for_device(f16, &hopper);
+            if has_f16 && op != GemmOp::Wgrad {
+                assert_eq!(planned.unwrap().config(), config, "{op:?} {config:?} fp16");
+            } else {
+                assert!(matches!(planned, Err(Error::Unsupported { .. })), "{op:?} {config:?} fp16");
+            }
         }
     }
 }
