@@ -11,13 +11,20 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// (link name, cudarc module whose bindings list its functions, soname given a CUDA major).
-const CUDARC_LIBS: &[(&str, &str, fn(u32) -> String)] = &[
-    ("cuda", "driver", |_| "libcuda.so.1".into()),
-    ("nvrtc", "nvrtc", |major| format!("libnvrtc.so.{major}")),
-    ("curand", "curand", |_| "libcurand.so.10".into()),
-    ("cublas", "cublas", |major| format!("libcublas.so.{major}")),
-    ("cublasLt", "cublaslt", |major| format!("libcublasLt.so.{major}")),
+/// A library cudarc links: its link name, the cudarc module whose bindings list its functions,
+/// and its soname for a CUDA major version.
+struct CudarcLib {
+    name: &'static str,
+    module: &'static str,
+    soname: fn(u32) -> String,
+}
+
+const CUDARC_LIBS: &[CudarcLib] = &[
+    CudarcLib { name: "cuda", module: "driver", soname: |_| "libcuda.so.1".into() },
+    CudarcLib { name: "nvrtc", module: "nvrtc", soname: |major| format!("libnvrtc.so.{major}") },
+    CudarcLib { name: "curand", module: "curand", soname: |_| "libcurand.so.10".into() },
+    CudarcLib { name: "cublas", module: "cublas", soname: |major| format!("libcublas.so.{major}") },
+    CudarcLib { name: "cublasLt", module: "cublaslt", soname: |major| format!("libcublasLt.so.{major}") },
 ];
 
 fn main() {
@@ -27,7 +34,7 @@ fn main() {
     }
     let dirs = library_dirs();
     let found = |name: &str| dirs.iter().any(|d| d.join(format!("lib{name}.so")).exists());
-    let missing: Vec<_> = CUDARC_LIBS.iter().filter(|(name, ..)| !found(name)).collect();
+    let missing: Vec<&CudarcLib> = CUDARC_LIBS.iter().filter(|lib| !found(lib.name)).collect();
     let cudart_missing = !found("cudart");
     if missing.is_empty() && !cudart_missing {
         return;
@@ -37,17 +44,17 @@ fn main() {
     }
 }
 
-fn link_stubs(missing: &[&(&str, &str, fn(u32) -> String)], cudart_missing: bool) -> Result<(), String> {
+fn link_stubs(missing: &[&CudarcLib], cudart_missing: bool) -> Result<(), String> {
     let stubs = PathBuf::from(env::var("OUT_DIR").unwrap()).join("cuda-link-stubs");
     fs::create_dir_all(&stubs).map_err(|e| e.to_string())?;
     let nvcc = find_nvcc().ok_or("no nvcc on PATH, in NVCC or CUDA_HOME (candle-kernels needs it too)")?;
     let major = cuda_major(&nvcc)?;
     let bindings = cudarc_src()?;
     let mut made = Vec::new();
-    for (name, module, soname) in missing {
-        let functions = binding_functions(&bindings.join(module).join("sys/mod.rs"))?;
-        make_stub(&stubs, name, &soname(major), &functions)?;
-        made.push(format!("lib{name}.so ({} functions)", functions.len()));
+    for lib in missing {
+        let functions = binding_functions(&bindings.join(lib.module).join("sys/mod.rs"))?;
+        make_stub(&stubs, lib.name, &(lib.soname)(major), &functions)?;
+        made.push(format!("lib{}.so ({} functions)", lib.name, functions.len()));
     }
     if cudart_missing {
         // The toolkit beside nvcc has the real one, only without the unversioned link name.
@@ -71,15 +78,20 @@ fn library_dirs() -> Vec<PathBuf> {
             dirs.extend(["lib64", "lib", "lib64/stubs", "lib/stubs"].iter().map(|sub| Path::new(&root).join(sub)));
         }
     }
-    dirs.extend(["/usr/local/cuda/lib64", "/usr/local/cuda/lib64/stubs", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"].map(PathBuf::from));
+    dirs.extend(
+        ["/usr/local/cuda/lib64", "/usr/local/cuda/lib64/stubs", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib"]
+            .map(PathBuf::from),
+    );
     dirs
 }
 
 fn find_nvcc() -> Option<PathBuf> {
     let on_path = env::var_os("PATH").and_then(|p| env::split_paths(&p).map(|d| d.join("nvcc")).find(|n| n.exists()));
-    env::var_os("NVCC").map(PathBuf::from).filter(|p| p.exists()).or(on_path).or_else(|| {
-        env::var_os("CUDA_HOME").map(|h| Path::new(&h).join("bin/nvcc")).filter(|p| p.exists())
-    })
+    env::var_os("NVCC")
+        .map(PathBuf::from)
+        .filter(|p| p.exists())
+        .or(on_path)
+        .or_else(|| env::var_os("CUDA_HOME").map(|h| Path::new(&h).join("bin/nvcc")).filter(|p| p.exists()))
 }
 
 fn cuda_major(nvcc: &Path) -> Result<u32, String> {
@@ -87,7 +99,11 @@ fn cuda_major(nvcc: &Path) -> Result<u32, String> {
     let text = String::from_utf8_lossy(&out.stdout);
     // "Cuda compilation tools, release 13.0, V13.0.88"
     let release = text.split("release ").nth(1).ok_or("unexpected `nvcc --version` output")?;
-    release.split('.').next().and_then(|m| m.trim().parse().ok()).ok_or_else(|| "unexpected `nvcc --version` output".into())
+    release
+        .split('.')
+        .next()
+        .and_then(|m| m.trim().parse().ok())
+        .ok_or_else(|| "unexpected `nvcc --version` output".into())
 }
 
 /// cudarc's source in cargo's registry, at the version this workspace's lockfile pins.
@@ -102,7 +118,9 @@ fn cudarc_src() -> Result<PathBuf, String> {
         .and_then(|p| p.lines().find_map(|l| l.strip_prefix("version = \"")))
         .map(|v| v.trim_end_matches('"').to_string())
         .ok_or("cudarc is not in Cargo.lock")?;
-    let cargo_home = env::var_os("CARGO_HOME").map(PathBuf::from).or_else(|| env::var_os("HOME").map(|h| Path::new(&h).join(".cargo")));
+    let cargo_home = env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| env::var_os("HOME").map(|h| Path::new(&h).join(".cargo")));
     let registry = cargo_home.ok_or("no CARGO_HOME or HOME")?.join("registry/src");
     let entries = fs::read_dir(&registry).map_err(|e| format!("{}: {e}", registry.display()))?;
     entries
@@ -133,7 +151,8 @@ fn binding_functions(path: &Path) -> Result<Vec<String>, String> {
 fn make_stub(dir: &Path, name: &str, soname: &str, functions: &[String]) -> Result<(), String> {
     let source = dir.join(format!("{name}_stub.c"));
     let body: String = functions.iter().map(|f| format!("void {f}(void) {{}}\n")).collect();
-    fs::write(&source, format!("/* Link-time stub of {soname}; never loaded. */\n{body}")).map_err(|e| e.to_string())?;
+    fs::write(&source, format!("/* Link-time stub of {soname}; never loaded. */\n{body}"))
+        .map_err(|e| e.to_string())?;
     let cc = env::var("CC").unwrap_or_else(|_| "cc".into());
     let status = Command::new(&cc)
         .args(["-shared", "-fPIC", "-o"])

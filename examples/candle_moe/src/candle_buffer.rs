@@ -42,9 +42,7 @@ impl<T> CandleBuffer<T> {
         let Some((first, end)) = layout.contiguous_offsets() else {
             candle_core::bail!("the tensor is not contiguous")
         };
-        let Storage::Cuda(cuda) = &*storage else {
-            candle_core::bail!("the tensor is not on a CUDA device")
-        };
+        let Storage::Cuda(cuda) = &*storage else { candle_core::bail!("the tensor is not on a CUDA device") };
         let (ptr, stream) = match &cuda.slice {
             CudaStorageSlice::BF16(s) => address(s, first),
             CudaStorageSlice::F16(s) => address(s, first),
