@@ -124,9 +124,11 @@ impl GraphInputs {
     }
 }
 
-/// Elementwise |got - want| <= (|want| + rms(want)) / 64: a couple of bf16 rounding steps of the
-/// element or of the output's scale (the two paths round h and the SwiGLU output to bf16 at
-/// possibly different points of an fp32 sum).
+/// Elementwise |got - want| <= |want| / 64 + rms(want) / 32. The two paths round to bf16 at
+/// different points: candle rounds SiLU(gate) before multiplying by up, capturable-moe rounds the
+/// product once; that difference (about 0.2% of an activation, random) sums over F terms into
+/// about 0.2% of the output's rms, whose maximum over millions of elements is about 1%. A
+/// wrong expert, weight or route is off by the output's own scale.
 fn compare(got: &Tensor, want: &Tensor) -> candle_core::Result<(usize, f32, f32)> {
     let got: Vec<f32> = got.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
     let want: Vec<f32> = want.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
@@ -136,7 +138,7 @@ fn compare(got: &Tensor, want: &Tensor) -> candle_core::Result<(usize, f32, f32)
     for (g, w) in got.iter().zip(&want) {
         let err = (g - w).abs();
         max_err = if err.is_nan() { f32::INFINITY } else { max_err.max(err) };
-        bad += usize::from(err.is_nan() || err > (w.abs() + rms) / 64.0);
+        bad += usize::from(err.is_nan() || err > w.abs() / 64.0 + rms / 32.0);
     }
     Ok((bad, max_err, rms))
 }
