@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (run from the repo root on the GPU machine, after scripts/gpu-bundle.sh here):
-# the whole GPU suite, the ignored timing hooks (fused fc1, graphs) if built, a uniform-routing
+# the whole GPU suite, the C and candle examples, the ignored timing hooks (fused fc1, graphs) if built, a uniform-routing
 # config sweep with ncu off (scripts/gpu-sweep.sh does the full one), and a memcheck of the
 # Echo + expert path graph test and of the fused fc1 tests. Logs under $R (one tarball,
 # refreshed after each step); a short summary is printed last.
@@ -12,6 +12,10 @@ save() { tar -C /tmp -czf $R/logs.tgz logs 2>/dev/null; }
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader > /tmp/logs/gpu.txt
 BUNDLE=$BUNDLE OUT=/tmp/logs timeout ${SUITE_TIMEOUT:-270} bash scripts/gpu-run.sh > /tmp/logs/suite.txt 2>&1; save
 T=$BUNDLE/run/tests
+# The examples: the C ABI from C (a checked grouped GEMM), candle's MoE block on the crate
+# (checked against candle's per-expert loop, and timed against it).
+timeout 60 $BUNDLE/run/bin/capmoe-c-example --gpu > /tmp/logs/c_example.txt 2>&1; echo "c example rc=$?" >> /tmp/logs/c_example.txt; save
+CAPMOE_REQUIRE_GPU=1 timeout 150 $BUNDLE/run/bin/candle_moe > /tmp/logs/candle_moe.txt 2>&1; echo "candle_moe rc=$?" >> /tmp/logs/candle_moe.txt; save
 for hook in fused_gpu:fused_fc1_timing graph_gpu:timing; do
   IFS=: read -r bin filter <<<"$hook"
   [[ -x $T/$bin ]] || continue
@@ -27,6 +31,7 @@ for m in echo_moe_gpu fused_gpu; do
   echo "memcheck $m rc=$?" >> /tmp/logs/memcheck_$m.txt; save
 done
 cat /tmp/logs/gpu.txt /tmp/logs/suite.txt
+tail -n 4 /tmp/logs/c_example.txt; tail -n 12 /tmp/logs/candle_moe.txt
 tail -n 30 /tmp/logs/timing_*.txt 2>/dev/null
 cat /tmp/logs/sweep/sweep_table_enk.txt 2>/dev/null
 tail -n 3 /tmp/logs/memcheck_*.txt

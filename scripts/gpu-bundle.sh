@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds every test and binary target of the workspace in release and gathers them, with a runner, into
-# the git-ignored folder gpu-bundle/ (compressed, to fit the GPU machine's transfer limit).
+# Builds every test and binary target of the workspace and the examples in release and gathers
+# them, with a runner, into the git-ignored folder gpu-bundle/ (compressed, to fit the GPU
+# machine's transfer limit).
 # On the GPU machine, from the repo root:  bash scripts/gpu-run.sh   (needs no Rust toolchain).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,6 +26,12 @@ for line in sys.stdin:
 
 cargo test --release --workspace --no-run --message-format=json-render-diagnostics | collect gpu-bundle/stage/tests test
 cargo build --release --workspace --bins --message-format=json-render-diagnostics | collect gpu-bundle/stage/bin bin
+# The examples: the candle MoE block (a workspace of its own; the shared target folder keeps
+# candle's CUDA kernels built once) and the C program.
+CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}" cargo build --release --manifest-path examples/candle_moe/Cargo.toml \
+  --bins --message-format=json-render-diagnostics | collect gpu-bundle/stage/bin bin
+bash examples/c/build.sh
+cp "${CARGO_TARGET_DIR:-$root/target}/release/capmoe-c-example" gpu-bundle/stage/bin/
 strip gpu-bundle/stage/tests/* gpu-bundle/stage/bin/* 2>/dev/null || true
 tar -C gpu-bundle/stage -czf gpu-bundle/bundle.tar.gz .
 rm -rf gpu-bundle/stage

@@ -73,11 +73,29 @@ impl DeviceInfo {
     }
 }
 
+/// Whether the dynamic loader finds libcuda. Asked of the loader itself, not of cudarc:
+/// cudarc's own probe exists only in its `dynamic-loading` mode, and the application picks the
+/// mode (with `dynamic-linking` the process could not have started without the library).
+fn driver_library_present() -> bool {
+    use std::ffi::{c_char, c_int, c_void};
+    extern "C" {
+        fn dlopen(filename: *const c_char, flags: c_int) -> *mut c_void;
+        fn dlclose(handle: *mut c_void) -> c_int;
+    }
+    const RTLD_LAZY: c_int = 1;
+    [c"libcuda.so.1", c"libcuda.so"].iter().any(|name| {
+        // SAFETY: a NUL-terminated name; the handle is closed right away (the library stays
+        // loaded if cudarc or the process already holds it).
+        let handle = unsafe { dlopen(name.as_ptr(), RTLD_LAZY) };
+        !handle.is_null() && unsafe { dlclose(handle) } == 0
+    })
+}
+
 /// Opens device `ordinal`, or says in words why there is no usable GPU (no driver library,
 /// no device, unsupported arch). Never panics, so binaries can print the reason and exit.
 pub fn open(ordinal: usize) -> Result<Arc<CudaContext>> {
     // NOTE: cudarc panics when libcuda cannot be loaded, so probe for it first.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !driver_library_present() {
         return Err(Error::NoGpu("the CUDA driver library (libcuda.so) is not installed".into()));
     }
     let ctx = CudaContext::new(ordinal).map_err(|e| Error::NoGpu(format!("{e}")))?;

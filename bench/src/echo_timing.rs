@@ -64,8 +64,28 @@ pub fn time_plan_reroute(
     let mut out_pk = stream.alloc_zeros::<f32>((t * k).max(1))?;
     let mut run = |s: &Arc<CudaStream>| -> Result<()> {
         match form {
-            Form::Dense => plan.plan_reroute_dense(s, &counts, &map, &probs, Tokens::Host(t), &mut state, &mut ws, &mut out_map, &mut out_probs),
-            Form::TopK => plan.plan_reroute_topk(s, &counts, &ids, &probs_k, Tokens::Host(t), &mut state, &mut ws, &mut out_dest, &mut out_pk),
+            Form::Dense => plan.plan_reroute_dense(
+                s,
+                &counts,
+                &map,
+                &probs,
+                Tokens::Host(t),
+                &mut state,
+                &mut ws,
+                &mut out_map,
+                &mut out_probs,
+            ),
+            Form::TopK => plan.plan_reroute_topk(
+                s,
+                &counts,
+                &ids,
+                &probs_k,
+                Tokens::Host(t),
+                &mut state,
+                &mut ws,
+                &mut out_dest,
+                &mut out_pk,
+            ),
         }
     };
     run(stream)?; // warm-up outside the graph (module load, smem attributes)
@@ -108,10 +128,8 @@ pub fn time_plan_reroute(
         stop.record(stream)?;
     }
     stream.synchronize()?;
-    let mut us = events
-        .iter()
-        .map(|(start, stop)| Ok(start.elapsed_ms(stop)? as f64 * 1e3))
-        .collect::<Result<Vec<f64>>>()?;
+    let mut us =
+        events.iter().map(|(start, stop)| Ok(start.elapsed_ms(stop)? as f64 * 1e3)).collect::<Result<Vec<f64>>>()?;
     us.sort_by(|a, b| a.partial_cmp(b).unwrap());
     Ok(Timing {
         median_us: us[us.len() / 2],

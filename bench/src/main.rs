@@ -138,7 +138,9 @@ fn main() {
         Ok(ctx) => ctx,
         Err(reason) => {
             eprintln!("capmoe-bench: no GPU to benchmark on: {reason}");
-            eprintln!("capmoe-bench: run it on a machine with an H100 (or other SM90/SM100 GPU) and the NVIDIA driver.");
+            eprintln!(
+                "capmoe-bench: run it on a machine with an H100 (or other SM90/SM100 GPU) and the NVIDIA driver."
+            );
             std::process::exit(2);
         }
     };
@@ -191,6 +193,7 @@ fn main() {
         Err(e) => eprintln!("capmoe-bench: could not write {path}: {e}"),
     }
     let png = format!("{}/{file}.png", args.out);
-    plot::write_png(&png, &device.name, &rows).map_or_else(|e| eprintln!("capmoe-bench: no plot {png}: {e}"), |()| eprintln!("wrote {png}"));
+    plot::write_png(&png, &device.name, &rows)
+        .map_or_else(|e| eprintln!("capmoe-bench: no plot {png}: {e}"), |()| eprintln!("wrote {png}"));
     report::print_table(&rows);
 }

@@ -96,4 +96,3 @@ pub fn sampled_relerr(stream: &Arc<CudaStream>, got: &CudaSlice<bf16>, want: &Cu
     }
     (diff / norm.max(1e-30)).sqrt()
 }
-

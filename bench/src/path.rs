@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use capturable_moe::dtype::DType;
 use crate::echo_timing::{time_plan_reroute, Form};
+use capturable_moe::dtype::DType;
 use capturable_moe::echo::{Algorithm, EchoConfig};
 use capturable_moe::graph::capture;
 use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
@@ -65,7 +65,15 @@ pub fn expert_rows(stream: &Arc<CudaStream>, reps: usize) -> Vec<Row> {
         eprintln!("[expert path] {name}");
         match expert_case(stream, reps, name, e, t, k, h, f) {
             Ok(r) => rows.extend(r),
-            Err(err) => rows.push(row(name, "expert_fwd", "capmoe-graph", f64::NAN, 0.0, None, Some(format!("unavailable: {err}")))),
+            Err(err) => rows.push(row(
+                name,
+                "expert_fwd",
+                "capmoe-graph",
+                f64::NAN,
+                0.0,
+                None,
+                Some(format!("unavailable: {err}")),
+            )),
         }
     }
     rows
@@ -113,9 +121,8 @@ fn expert_case(
 
     moe.forward(stream, &x, &ids, &probs, tok, &w1, &w2, &mut y)?;
     let fwd = capture(stream, || moe.forward(stream, &x, &ids, &probs, tok, &w1, &w2, &mut y))?;
-    let bwd = capture(stream, || {
-        moe.backward(stream, &dy, &probs, tok, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2)
-    })?;
+    let bwd =
+        capture(stream, || moe.backward(stream, &dy, &probs, tok, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2))?;
     let both = capture(stream, || {
         moe.forward(stream, &x, &ids, &probs, tok, &w1, &w2, &mut y)?;
         moe.backward(stream, &dy, &probs, tok, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2)
@@ -169,11 +176,51 @@ fn expert_case(
     let replay_host = median(&mut host);
 
     Ok(vec![
-        row(name, "expert_fwd", "capmoe-graph", fwd_us, fwd_flops, None, Some(format!("{:.2}x its two grouped GEMMs", fwd_us / fwd_gemm_us))),
-        row(name, "expert_fwd", "capmoe-gemms-graph", fwd_gemm_us, fwd_flops, None, Some("fc1 + fc2 grouped GEMMs alone".into())),
-        row(name, "expert_fwd", "capmoe-routing-graph", stages.iter().map(|s| s.1).sum(), 0.0, None, Some(stages_note(&stages))),
-        row(name, "expert_bwd", "capmoe-graph", bwd_us, 2.0 * fwd_flops, None, Some(format!("{:.2}x its four grouped GEMMs", bwd_us / bwd_gemm_us))),
-        row(name, "expert_bwd", "capmoe-gemms-graph", bwd_gemm_us, 2.0 * fwd_flops, None, Some("dgrad + wgrad of fc2 and fc1 alone".into())),
+        row(
+            name,
+            "expert_fwd",
+            "capmoe-graph",
+            fwd_us,
+            fwd_flops,
+            None,
+            Some(format!("{:.2}x its two grouped GEMMs", fwd_us / fwd_gemm_us)),
+        ),
+        row(
+            name,
+            "expert_fwd",
+            "capmoe-gemms-graph",
+            fwd_gemm_us,
+            fwd_flops,
+            None,
+            Some("fc1 + fc2 grouped GEMMs alone".into()),
+        ),
+        row(
+            name,
+            "expert_fwd",
+            "capmoe-routing-graph",
+            stages.iter().map(|s| s.1).sum(),
+            0.0,
+            None,
+            Some(stages_note(&stages)),
+        ),
+        row(
+            name,
+            "expert_bwd",
+            "capmoe-graph",
+            bwd_us,
+            2.0 * fwd_flops,
+            None,
+            Some(format!("{:.2}x its four grouped GEMMs", bwd_us / bwd_gemm_us)),
+        ),
+        row(
+            name,
+            "expert_bwd",
+            "capmoe-gemms-graph",
+            bwd_gemm_us,
+            2.0 * fwd_flops,
+            None,
+            Some("dgrad + wgrad of fc2 and fc1 alone".into()),
+        ),
         row(
             name,
             "expert_fwd_bwd",
@@ -252,7 +299,9 @@ pub fn echo_rows(stream: &Arc<CudaStream>, reps: usize) -> Vec<Row> {
                     );
                     row(&shape, "echo_plan", "capmoe-graph", t.median_us, 0.0, Some(t.host_median_us), Some(note))
                 }
-                Err(e) => row(&shape, "echo_plan", "capmoe-graph", f64::NAN, 0.0, None, Some(format!("unavailable: {e}"))),
+                Err(e) => {
+                    row(&shape, "echo_plan", "capmoe-graph", f64::NAN, 0.0, None, Some(format!("unavailable: {e}")))
+                }
             };
             rows.push(r);
         }
