@@ -217,11 +217,8 @@ fn compile_all(
     identity: &str,
     cache: &ObjectCache,
 ) -> Result<Vec<PathBuf>, String> {
-    let jobs = env::var("CAPMOE_NVCC_JOBS")
-        .ok()
-        .and_then(|j| j.parse().ok())
-        .unwrap_or(MAX_NVCC_JOBS)
-        .clamp(1, MAX_NVCC_JOBS);
+    let jobs =
+        env::var("CAPMOE_NVCC_JOBS").ok().and_then(|j| j.parse().ok()).unwrap_or(MAX_NVCC_JOBS).clamp(1, MAX_NVCC_JOBS);
     let next = AtomicUsize::new(0);
     let results: Mutex<Vec<(usize, Result<PathBuf, String>)>> = Mutex::new(Vec::new());
     std::thread::scope(|scope| {
@@ -315,12 +312,7 @@ fn compile_cached(
         ));
     }
     if env::var("CAPMOE_NVCC_VERBOSE").is_ok() {
-        println!(
-            "cargo:warning=nvcc {} [{}] {:.0?}",
-            unit.source.display(),
-            unit.archs.join(" "),
-            started.elapsed()
-        );
+        println!("cargo:warning=nvcc {} [{}] {:.0?}", unit.source.display(), unit.archs.join(" "), started.elapsed());
     }
     fs::rename(&partial, &object).map_err(|e| format!("caching {}: {e}", object.display()))?;
     Ok(object)
@@ -357,16 +349,18 @@ fn source_closure(source: &Path, flags: &[String]) -> Result<BTreeSet<PathBuf>, 
 fn generate_bindings(include: &Path, out_dir: &Path) -> Result<(), String> {
     let header = include.join("capturable_moe.h");
     // NOTE: bindgen panics (instead of returning an error) when libclang cannot be loaded.
-    let generated = std::panic::catch_unwind(|| bindgen::Builder::default()
-        .header(header.to_string_lossy())
-        .clang_arg(format!("-I{}", include.display()))
-        .allowlist_function("capmoe_.*")
-        .allowlist_type("capmoe_.*")
-        .allowlist_var("CAPMOE_.*")
-        .default_enum_style(bindgen::EnumVariation::Consts)
-        .derive_default(true)
-        .layout_tests(false)
-        .generate());
+    let generated = std::panic::catch_unwind(|| {
+        bindgen::Builder::default()
+            .header(header.to_string_lossy())
+            .clang_arg(format!("-I{}", include.display()))
+            .allowlist_function("capmoe_.*")
+            .allowlist_type("capmoe_.*")
+            .allowlist_var("CAPMOE_.*")
+            .default_enum_style(bindgen::EnumVariation::Consts)
+            .derive_default(true)
+            .layout_tests(false)
+            .generate()
+    });
     let bindings = match generated {
         Ok(Ok(bindings)) => bindings,
         Ok(Err(e)) => return Err(format!("bindgen failed on {}: {e}", header.display())),
@@ -374,9 +368,7 @@ fn generate_bindings(include: &Path, out_dir: &Path) -> Result<(), String> {
             return Err(format!("bindgen could not load libclang. Fix: run `{FIX_COMMAND}` or set LIBCLANG_PATH."))
         }
     };
-    bindings
-        .write_to_file(out_dir.join("capturable_moe_sys.rs"))
-        .map_err(|e| format!("writing bindings: {e}"))
+    bindings.write_to_file(out_dir.join("capturable_moe_sys.rs")).map_err(|e| format!("writing bindings: {e}"))
 }
 
 fn list_files(dir: &Path, keep: &dyn Fn(&Path) -> bool) -> Vec<PathBuf> {

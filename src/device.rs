@@ -22,10 +22,9 @@ impl Arch {
         match (major, minor) {
             (9, 0) => Ok(Arch::Sm90),
             (10, 0) => Ok(Arch::Sm100),
-            _ => Err(Error::UnsupportedArch {
-                need: "9.0 (sm_90a) or 10.0 (sm_100a)",
-                got: format!("{major}.{minor}"),
-            }),
+            _ => {
+                Err(Error::UnsupportedArch { need: "9.0 (sm_90a) or 10.0 (sm_100a)", got: format!("{major}.{minor}") })
+            }
         }
     }
 
@@ -124,12 +123,7 @@ pub fn ensure_same_context<T, B: DeviceSlice<T> + ?Sized>(
 ) -> Result<()> {
     let (want, got) = (stream.context(), buffer.stream().context());
     if want.cu_ctx() != got.cu_ctx() {
-        return Err(Error::WrongContext {
-            op,
-            what,
-            stream_device: want.ordinal(),
-            buffer_device: got.ordinal(),
-        });
+        return Err(Error::WrongContext { op, what, stream_device: want.ordinal(), buffer_device: got.ordinal() });
     }
     Ok(())
 }

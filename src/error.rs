@@ -82,12 +82,8 @@ pub(crate) fn check(status: sys::capmoe_status_t, op: &'static str) -> Result<()
                   or a leading dimension is not a multiple of 8 elements"
                 .into(),
         }),
-        sys::CAPMOE_ERR_UNSUPPORTED => {
-            Err(Error::Unsupported { op, why: "no kernel was built for it".into() })
-        }
-        sys::CAPMOE_ERR_WORKSPACE_TOO_SMALL => {
-            Err(Error::WorkspaceTooSmall { op, need: 0, got: 0 })
-        }
+        sys::CAPMOE_ERR_UNSUPPORTED => Err(Error::Unsupported { op, why: "no kernel was built for it".into() }),
+        sys::CAPMOE_ERR_WORKSPACE_TOO_SMALL => Err(Error::WorkspaceTooSmall { op, need: 0, got: 0 }),
         other => Err(Error::InvalidArgument { op, why: format!("unknown status {other}") }),
     }
 }

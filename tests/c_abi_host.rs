@@ -73,15 +73,21 @@ fn resolve_config_refuses_configurations_without_a_kernel() {
         ("an unknown config value", gemm_desc(90, 42)),
         ("an SM100 config on SM90", gemm_desc(90, sys::CAPMOE_CONFIG_SM100_2SM as i32)),
         ("an unknown arch", gemm_desc(7, sys::CAPMOE_CONFIG_AUTO as i32)),
-        ("fp16 with a bf16-only candidate tile", sys::capmoe_grouped_gemm_desc_t {
-            dtype: sys::CAPMOE_DTYPE_F16 as i32,
-            out_dtype: sys::CAPMOE_DTYPE_F16 as i32,
-            ..gemm_desc(90, sys::CAPMOE_CONFIG_SM90_PINGPONG_128 as i32)
-        }),
+        (
+            "fp16 with a bf16-only candidate tile",
+            sys::capmoe_grouped_gemm_desc_t {
+                dtype: sys::CAPMOE_DTYPE_F16 as i32,
+                out_dtype: sys::CAPMOE_DTYPE_F16 as i32,
+                ..gemm_desc(90, sys::CAPMOE_CONFIG_SM90_PINGPONG_128 as i32)
+            },
+        ),
     ] {
         assert_eq!(resolve(&desc).0, UNSUPPORTED, "{what}");
     }
-    assert_eq!(resolve(&gemm_desc(90, sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE as i32)), (OK, sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE as i32));
+    assert_eq!(
+        resolve(&gemm_desc(90, sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE as i32)),
+        (OK, sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE as i32)
+    );
 }
 
 #[test]
@@ -91,14 +97,33 @@ fn grouped_gemm_run_checks_every_pointer_before_launching() {
     }
     let desc = gemm_desc(90, sys::CAPMOE_CONFIG_AUTO as i32);
     let run = |flags: usize, splits: usize, workspace: usize| unsafe {
-        sys::capmoe_grouped_gemm_run(&desc, fake(0), fake(0), fake(0), fake(splits), fake(flags) as *mut i32, fake(workspace), 1 << 20, null_mut())
-            as i32
+        sys::capmoe_grouped_gemm_run(
+            &desc,
+            fake(0),
+            fake(0),
+            fake(0),
+            fake(splits),
+            fake(flags) as *mut i32,
+            fake(workspace),
+            1 << 20,
+            null_mut(),
+        ) as i32
     };
     assert_eq!(run(2, 0, 0), MISALIGNED, "overflow_flags off 4-byte alignment");
     assert_eq!(run(0, 2, 0), MISALIGNED, "int32 m_splits off 4-byte alignment");
     assert_eq!(run(0, 0, 16), MISALIGNED, "workspace off 256-byte alignment");
     let null_splits = unsafe {
-        sys::capmoe_grouped_gemm_run(&desc, fake(0), fake(0), fake(0), null_mut(), null_mut(), fake(0), 1 << 20, null_mut())
+        sys::capmoe_grouped_gemm_run(
+            &desc,
+            fake(0),
+            fake(0),
+            fake(0),
+            null_mut(),
+            null_mut(),
+            fake(0),
+            1 << 20,
+            null_mut(),
+        )
     };
     assert_eq!(null_splits as i32, INVALID, "NULL m_splits");
 }
@@ -119,8 +144,20 @@ fn routing_build_refuses_a_null_workspace() {
     let p = |o: usize| fake(o);
     let build = |workspace: *mut std::ffi::c_void, bytes: u64| unsafe {
         sys::capmoe_routing_build(
-            &desc, p(0) as *const i32, 16, std::ptr::null(), p(0) as *mut i32, p(0) as *mut i64, p(0) as *mut i64,
-            p(0) as *mut i32, p(0) as *mut i32, p(0) as *mut i32, p(0) as *mut i32, workspace, bytes, null_mut(),
+            &desc,
+            p(0) as *const i32,
+            16,
+            std::ptr::null(),
+            p(0) as *mut i32,
+            p(0) as *mut i64,
+            p(0) as *mut i64,
+            p(0) as *mut i32,
+            p(0) as *mut i32,
+            p(0) as *mut i32,
+            p(0) as *mut i32,
+            workspace,
+            bytes,
+            null_mut(),
         ) as i32
     };
     assert_eq!(build(null_mut(), 1 << 20), INVALID, "NULL workspace");

@@ -144,7 +144,15 @@ fn a_buffer_of_another_context_is_wrong_context_in_every_module_gpu() {
     assert!(stream.clone_dtoh(&maps.row_of_route).unwrap().iter().all(|&r| r == -1), "routing launched");
 
     // Echo: the foreign buffer is the count matrix, then the device token count.
-    let cfg = EchoConfig { ep: 2, num_experts: 4, spare_per_rank: 1, ep_rank: 0, topk: 2, algorithm: Algorithm::default_for(1), threshold_multiplier: 0.0 };
+    let cfg = EchoConfig {
+        ep: 2,
+        num_experts: 4,
+        spare_per_rank: 1,
+        ep_rank: 0,
+        topk: 2,
+        algorithm: Algorithm::default_for(1),
+        threshold_multiplier: 0.0,
+    };
     let echo = EchoPlan::new(cfg, 8).unwrap();
     let counts_foreign = foreign.clone_htod(&[1i64; 8]).unwrap();
     let mut state = stream.clone_htod(&vec![-5i64; echo.state_len()]).unwrap();
@@ -156,7 +164,17 @@ fn a_buffer_of_another_context_is_wrong_context_in_every_module_gpu() {
     let mut dest_probs = stream.alloc_zeros::<f32>(16).unwrap();
     is_wrong_context(
         "echo reroute (device T)",
-        echo.plan_reroute_topk(&stream, &counts, &ids, &probs, Tokens::Device(&t_foreign), &mut state, &mut ws_echo, &mut dest, &mut dest_probs),
+        echo.plan_reroute_topk(
+            &stream,
+            &counts,
+            &ids,
+            &probs,
+            Tokens::Device(&t_foreign),
+            &mut state,
+            &mut ws_echo,
+            &mut dest,
+            &mut dest_probs,
+        ),
     );
     let slot_expert = stream.clone_htod(&[0i64, 1]).unwrap();
     let home = stream.alloc_zeros::<f32>(4 * 8).unwrap();
@@ -164,7 +182,17 @@ fn a_buffer_of_another_context_is_wrong_context_in_every_module_gpu() {
     let mut err = stream.alloc_zeros::<i64>(1).unwrap();
     is_wrong_context(
         "echo fill_spare_weights",
-        capturable_moe::echo::fill_spare_weights(&stream, &slot_expert, 4, 0, 2, &home, &mut spare_foreign, 8, &mut err),
+        capturable_moe::echo::fill_spare_weights(
+            &stream,
+            &slot_expert,
+            4,
+            0,
+            2,
+            &home,
+            &mut spare_foreign,
+            8,
+            &mut err,
+        ),
     );
     assert!(stream.clone_dtoh(&state).unwrap().iter().all(|&v| v == -5), "echo launched");
 
@@ -225,9 +253,18 @@ fn moe_experts_is_bound_to_its_stream_gpu() {
 fn echo_plan_opts_into_shared_memory_in_each_context_gpu() {
     let stream = gpu_or_skip!();
     let _lock = lock();
-    let cfg = EchoConfig { ep: 64, num_experts: 256, spare_per_rank: 2, ep_rank: 5, topk: 8, algorithm: Algorithm::default_for(2), threshold_multiplier: 0.0 };
+    let cfg = EchoConfig {
+        ep: 64,
+        num_experts: 256,
+        spare_per_rank: 2,
+        ep_rank: 5,
+        topk: 8,
+        algorithm: Algorithm::default_for(2),
+        threshold_multiplier: 0.0,
+    };
     let plan = EchoPlan::new(cfg, 4096).unwrap();
-    let counts_h: Vec<i64> = (0..64 * 256).map(|i| ((i * 7919) % 97 + if i % 256 < 3 { 900 } else { 0 }) as i64).collect();
+    let counts_h: Vec<i64> =
+        (0..64 * 256).map(|i| ((i * 7919) % 97 + if i % 256 < 3 { 900 } else { 0 }) as i64).collect();
     let run = |s: &Arc<CudaStream>| -> Vec<i64> {
         let counts = s.clone_htod(&counts_h).unwrap();
         let mut state: CudaSlice<i64> = s.clone_htod(&vec![-7i64; plan.state_len()]).unwrap();

@@ -28,7 +28,15 @@ fn put_i64(out: &mut Vec<u8>, v: &[i64]) {
 
 /// Appends one case in the driver's format: header, inputs, then the reference's stages and
 /// outputs (see `Case::read` in tests/emulation/echo_driver.cpp).
-fn put_case(out: &mut Vec<u8>, cfg: &EchoConfig, counts: &[i64], ids: &[i32], probs: &[f32], t: usize, plan_only: bool) {
+fn put_case(
+    out: &mut Vec<u8>,
+    cfg: &EchoConfig,
+    counts: &[i64],
+    ids: &[i32],
+    probs: &[f32],
+    t: usize,
+    plan_only: bool,
+) {
     let st = reference::plan(cfg, counts).unwrap();
     let approx = (cfg.algorithm == Algorithm::Approx) as i64;
     let header = [cfg.ep, cfg.num_experts, cfg.spare_per_rank, cfg.ep_rank, cfg.topk].map(|v| v as i64);
@@ -40,7 +48,9 @@ fn put_case(out: &mut Vec<u8>, cfg: &EchoConfig, counts: &[i64], ids: &[i32], pr
     for stage in [&st.tokens_per_expert, &st.load_per_rank, &vec![st.avg], &st.spill, &st.spare_capacity] {
         put_i64(out, stage);
     }
-    for stage in [&st.assignment_pre_reclaim, &st.assignment, &st.slot_expert, &st.first_pass, &st.first_pass_home_offload] {
+    for stage in
+        [&st.assignment_pre_reclaim, &st.assignment, &st.slot_expert, &st.first_pass, &st.first_pass_home_offload]
+    {
         put_i64(out, stage);
     }
     for stage in [&st.remaining_capacity, &st.second_pass, &st.tokens_to_slot, &st.home_offload, &st.load_after] {
@@ -78,7 +88,15 @@ fn random_cases(out: &mut Vec<u8>, thorough: bool) -> usize {
                     continue;
                 }
                 for &t in token_counts {
-                    let cfg = EchoConfig { ep, num_experts: e, spare_per_rank: sp, ep_rank: (t + i) % ep, topk: k, algorithm: alg, threshold_multiplier: thr };
+                    let cfg = EchoConfig {
+                        ep,
+                        num_experts: e,
+                        spare_per_rank: sp,
+                        ep_rank: (t + i) % ep,
+                        topk: k,
+                        algorithm: alg,
+                        threshold_multiplier: thr,
+                    };
                     let rc = RandomCase::new(cfg.clone(), t, 177 + n as u64);
                     put_case(out, &cfg, &rc.counts, &rc.routes, &rc.probs, t, false);
                     n += 1;
@@ -94,7 +112,15 @@ fn random_cases(out: &mut Vec<u8>, thorough: bool) -> usize {
 /// staged ids would pass the GPU's 227 KB shared-memory limit, which the emulation enforces.
 fn every_expert_case(out: &mut Vec<u8>) {
     let (ep, e, t) = (8, 256, 28672);
-    let cfg = EchoConfig { ep, num_experts: e, spare_per_rank: 2, ep_rank: 3, topk: e, algorithm: Algorithm::Greedy, threshold_multiplier: 0.0 };
+    let cfg = EchoConfig {
+        ep,
+        num_experts: e,
+        spare_per_rank: 2,
+        ep_rank: 3,
+        topk: e,
+        algorithm: Algorithm::Greedy,
+        threshold_multiplier: 0.0,
+    };
     let ids: Vec<i32> = (0..t * e).map(|i| (i % e) as i32).collect();
     let probs: Vec<f32> = (0..t * e).map(|i| (i % 97 + 1) as f32 / 98.0).collect();
     let other_rank = |x: usize| if x < 2 { 3 * t } else { (x * 7919) % t };
@@ -121,7 +147,15 @@ fn echo_kernels_match_the_reference_under_cpu_emulation() {
         n += 1;
     }
     for sp in [1usize, 2] {
-        let cfg = EchoConfig { ep: 64, num_experts: 256, spare_per_rank: sp, ep_rank: 5, topk: 8, algorithm: Algorithm::default_for(sp), threshold_multiplier: 0.0 };
+        let cfg = EchoConfig {
+            ep: 64,
+            num_experts: 256,
+            spare_per_rank: sp,
+            ep_rank: 5,
+            topk: 8,
+            algorithm: Algorithm::default_for(sp),
+            threshold_multiplier: 0.0,
+        };
         for t in [300, 8192] {
             let (counts, ids, probs) = synthetic_inputs(&cfg, t, 3);
             put_case(&mut cases, &cfg, &counts, &ids, &probs, t, false);

@@ -75,7 +75,17 @@ impl Bufs {
     }
 
     fn topk_tokens(&mut self, s: &Arc<CudaStream>, plan: &EchoPlan, t: Tokens<'_>) -> capturable_moe::Result<()> {
-        plan.plan_reroute_topk(s, &self.counts, &self.ids, &self.probs_k, t, &mut self.state, &mut self.ws, &mut self.out_dest, &mut self.out_pk)
+        plan.plan_reroute_topk(
+            s,
+            &self.counts,
+            &self.ids,
+            &self.probs_k,
+            t,
+            &mut self.state,
+            &mut self.ws,
+            &mut self.out_dest,
+            &mut self.out_pk,
+        )
     }
 
     fn dense(&mut self, s: &Arc<CudaStream>, plan: &EchoPlan, t: usize) -> capturable_moe::Result<()> {
@@ -83,7 +93,17 @@ impl Bufs {
     }
 
     fn dense_tokens(&mut self, s: &Arc<CudaStream>, plan: &EchoPlan, t: Tokens<'_>) -> capturable_moe::Result<()> {
-        plan.plan_reroute_dense(s, &self.counts, &self.map, &self.probs, t, &mut self.state, &mut self.ws, &mut self.out_map, &mut self.out_probs)
+        plan.plan_reroute_dense(
+            s,
+            &self.counts,
+            &self.map,
+            &self.probs,
+            t,
+            &mut self.state,
+            &mut self.ws,
+            &mut self.out_map,
+            &mut self.out_probs,
+        )
     }
 }
 
@@ -121,7 +141,13 @@ fn stages_equal(name: &str, got: &PlanStages, want: &PlanStages) {
 /// The kernel's reroute tables against the reference plan: per slot its expert, the next slot
 /// of that expert and its range in the expert's token list on `ep_rank`; per expert its lowest
 /// slot and the tokens moved off it.
-fn route_tables_equal(name: &str, stream: &Arc<CudaStream>, plan: &EchoPlan, state: &CudaSlice<i64>, want: &PlanStages) {
+fn route_tables_equal(
+    name: &str,
+    stream: &Arc<CudaStream>,
+    plan: &EchoPlan,
+    state: &CudaSlice<i64>,
+    want: &PlanStages,
+) {
     let cfg = plan.config();
     let (ne, s, rho) = (cfg.num_experts, cfg.num_spare(), cfg.ep_rank);
     let (slots, experts) = plan.read_route_tables(stream, state).unwrap();
@@ -146,7 +172,15 @@ fn route_tables_equal(name: &str, stream: &Arc<CudaStream>, plan: &EchoPlan, sta
 }
 
 /// Runs both forms on the GPU and checks them against the CPU reference, bitwise.
-fn check_against_reference(stream: &Arc<CudaStream>, name: &str, cfg: &EchoConfig, counts: &[i64], ids: &[i32], probs: &[f32], t: usize) -> PlanStages {
+fn check_against_reference(
+    stream: &Arc<CudaStream>,
+    name: &str,
+    cfg: &EchoConfig,
+    counts: &[i64],
+    ids: &[i32],
+    probs: &[f32],
+    t: usize,
+) -> PlanStages {
     let plan = EchoPlan::new(cfg.clone(), t.max(1)).unwrap();
     let want = reference::plan(cfg, counts).unwrap();
     let want_dest = reference::reroute_topk(cfg, &want, counts, ids, t).unwrap();
@@ -173,7 +207,11 @@ fn check_against_reference(stream: &Arc<CudaStream>, name: &str, cfg: &EchoConfi
     bufs.dense(stream, &plan, t).unwrap();
     let got2 = plan.read_stages(stream, &bufs.state).unwrap();
     stages_equal(name, &got2, &want);
-    assert_eq!(plan.read_offload_map(stream, &bufs.state).unwrap(), want.offload_map(cfg), "{name}: offload map (dense)");
+    assert_eq!(
+        plan.read_offload_map(stream, &bufs.state).unwrap(),
+        want.offload_map(cfg),
+        "{name}: offload map (dense)"
+    );
     assert_eq!(plan.read_errors(stream, &bufs.state).unwrap(), DeviceErrors(0), "{name}: error word (dense)");
     if t > 0 {
         let om = stream.clone_dtoh(&bufs.out_map).unwrap();
@@ -218,7 +256,17 @@ fn golden_vectors_on_gpu() {
 
 fn random_configs() -> Vec<(EchoConfig, usize)> {
     let mut v = Vec::new();
-    let shapes = [(1, 8, 2), (2, 8, 2), (4, 16, 4), (8, 64, 6), (16, 64, 8), (64, 256, 8), (32, 32, 4), (8, 1024, 8), (256, 256, 4)];
+    let shapes = [
+        (1, 8, 2),
+        (2, 8, 2),
+        (4, 16, 4),
+        (8, 64, 6),
+        (16, 64, 8),
+        (64, 256, 8),
+        (32, 32, 4),
+        (8, 1024, 8),
+        (256, 256, 4),
+    ];
     for (i, &(ep, e, k)) in shapes.iter().enumerate() {
         for sp in [1usize, 2, 4] {
             if ep * sp > 1024 {
@@ -231,7 +279,15 @@ fn random_configs() -> Vec<(EchoConfig, usize)> {
                 let thr = if alg == Algorithm::Greedy && i % 2 == 0 { 0.1 } else { 0.0 };
                 for t in [0usize, 1, 63, 64, 65, 1000, 5000] {
                     v.push((
-                        EchoConfig { ep, num_experts: e, spare_per_rank: sp, ep_rank: (t + i) % ep, topk: k, algorithm: alg, threshold_multiplier: thr },
+                        EchoConfig {
+                            ep,
+                            num_experts: e,
+                            spare_per_rank: sp,
+                            ep_rank: (t + i) % ep,
+                            topk: k,
+                            algorithm: alg,
+                            threshold_multiplier: thr,
+                        },
                         t,
                     ));
                 }
@@ -279,8 +335,18 @@ fn graph_capture_replays_with_new_data() {
     let ctx = stream.context();
     // SAFETY: every buffer of this test lives on `stream` only.
     unsafe { ctx.disable_event_tracking() };
-    for (sp, alg, thr) in [(2usize, Algorithm::Greedy, 0.0f32), (1, Algorithm::Approx, 0.0), (2, Algorithm::Greedy, 0.1)] {
-        let cfg = EchoConfig { ep: 8, num_experts: 64, spare_per_rank: sp, ep_rank: 3, topk: 6, algorithm: alg, threshold_multiplier: thr };
+    for (sp, alg, thr) in
+        [(2usize, Algorithm::Greedy, 0.0f32), (1, Algorithm::Approx, 0.0), (2, Algorithm::Greedy, 0.1)]
+    {
+        let cfg = EchoConfig {
+            ep: 8,
+            num_experts: 64,
+            spare_per_rank: sp,
+            ep_rank: 3,
+            topk: 6,
+            algorithm: alg,
+            threshold_multiplier: thr,
+        };
         let t = 700;
         let first = RandomCase::new(cfg.clone(), t, 1);
         let plan = EchoPlan::new(cfg.clone(), t).unwrap();
@@ -327,7 +393,15 @@ fn graph_replays_with_a_device_token_count() {
     let _lock = common::CAPTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     // SAFETY: every buffer of this test lives on `stream` only.
     unsafe { stream.context().disable_event_tracking() };
-    let cfg = EchoConfig { ep: 8, num_experts: 64, spare_per_rank: 2, ep_rank: 3, topk: 6, algorithm: Algorithm::Greedy, threshold_multiplier: 0.0 };
+    let cfg = EchoConfig {
+        ep: 8,
+        num_experts: 64,
+        spare_per_rank: 2,
+        ep_rank: 3,
+        topk: 6,
+        algorithm: Algorithm::Greedy,
+        threshold_multiplier: 0.0,
+    };
     let (t_max, e, k, w) = (700usize, cfg.num_experts, cfg.topk, cfg.num_columns());
     let first = RandomCase::new(cfg.clone(), t_max, 1);
     let plan = EchoPlan::new(cfg.clone(), t_max).unwrap();
@@ -363,7 +437,11 @@ fn graph_replays_with_a_device_token_count() {
         stages_equal(&name, &plan.read_stages(&stream, &bufs.state).unwrap(), &want);
         assert!(plan.read_errors(&stream, &bufs.state).unwrap().is_empty(), "{name}: error word");
         let dest = stream.clone_dtoh(&bufs.out_dest).unwrap();
-        assert_eq!(&dest[..t * k], &reference::reroute_topk(&cfg, &want, &rc.counts, &rc.routes, t).unwrap()[..], "{name}: destinations");
+        assert_eq!(
+            &dest[..t * k],
+            &reference::reroute_topk(&cfg, &want, &rc.counts, &rc.routes, t).unwrap()[..],
+            "{name}: destinations"
+        );
         assert!(dest[t * k..].iter().all(|&c| c == POISON_I32), "{name}: a destination past T was written");
         let pk = bits(&stream.clone_dtoh(&bufs.out_pk).unwrap());
         assert_eq!(&pk[..t * k], &bits(&rc.probs)[..], "{name}: top-k probs");
@@ -387,7 +465,15 @@ fn graph_replays_with_a_device_token_count() {
 #[test]
 fn device_error_flags() {
     let stream = gpu_or_skip!();
-    let cfg = EchoConfig { ep: 4, num_experts: 16, spare_per_rank: 1, ep_rank: 1, topk: 2, algorithm: Algorithm::Approx, threshold_multiplier: 0.0 };
+    let cfg = EchoConfig {
+        ep: 4,
+        num_experts: 16,
+        spare_per_rank: 1,
+        ep_rank: 1,
+        topk: 2,
+        algorithm: Algorithm::Approx,
+        threshold_multiplier: 0.0,
+    };
     let t = 40;
     let rc = RandomCase::new(cfg.clone(), t, 9);
     let plan = EchoPlan::new(cfg.clone(), t).unwrap();
@@ -428,19 +514,47 @@ fn device_error_flags() {
 #[test]
 fn host_checks_reject_bad_buffers() {
     let stream = gpu_or_skip!();
-    let cfg = EchoConfig { ep: 4, num_experts: 16, spare_per_rank: 2, ep_rank: 0, topk: 2, algorithm: Algorithm::Greedy, threshold_multiplier: 0.0 };
+    let cfg = EchoConfig {
+        ep: 4,
+        num_experts: 16,
+        spare_per_rank: 2,
+        ep_rank: 0,
+        topk: 2,
+        algorithm: Algorithm::Greedy,
+        threshold_multiplier: 0.0,
+    };
     let t = 32;
     let rc = RandomCase::new(cfg.clone(), t, 4);
     let plan = EchoPlan::new(cfg.clone(), t).unwrap();
     let mut b = Bufs::new(&stream, &plan, &rc.counts, &rc.routes, &rc.probs, t);
     assert!(matches!(b.topk(&stream, &plan, t + 1), Err(Error::InvalidArgument { .. })));
     let mut small_ws = stream.alloc_zeros::<i32>(plan.workspace_len() - 1).unwrap();
-    let r = plan.plan_reroute_topk(&stream, &b.counts, &b.ids, &b.probs_k, Tokens::Host(t), &mut b.state, &mut small_ws, &mut b.out_dest, &mut b.out_pk);
+    let r = plan.plan_reroute_topk(
+        &stream,
+        &b.counts,
+        &b.ids,
+        &b.probs_k,
+        Tokens::Host(t),
+        &mut b.state,
+        &mut small_ws,
+        &mut b.out_dest,
+        &mut b.out_pk,
+    );
     assert!(matches!(r, Err(Error::Shape { .. })), "{r:?}");
     let short = stream.alloc_zeros::<i64>(10).unwrap();
     assert!(matches!(plan.plan(&stream, &short, &mut b.state), Err(Error::Shape { .. })));
     let mut short_out = stream.alloc_zeros::<u8>(t * cfg.num_columns() - 1).unwrap();
-    let r = plan.plan_reroute_dense(&stream, &b.counts, &b.map, &b.probs, Tokens::Host(t), &mut b.state, &mut b.ws, &mut short_out, &mut b.out_probs);
+    let r = plan.plan_reroute_dense(
+        &stream,
+        &b.counts,
+        &b.map,
+        &b.probs,
+        Tokens::Host(t),
+        &mut b.state,
+        &mut b.ws,
+        &mut short_out,
+        &mut b.out_probs,
+    );
     assert!(matches!(r, Err(Error::Shape { .. })), "{r:?}");
     // A state view one i64 off a 16-byte boundary is refused before anything runs.
     let mut wide_state = stream.alloc_zeros::<i64>(plan.state_len() + 1).unwrap();

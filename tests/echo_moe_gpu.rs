@@ -361,17 +361,64 @@ impl Rig {
         let cfg = self.plan.config().clone();
         let s = cfg.num_spare();
         let tok = Tokens::Device(&self.tokens);
-        self.plan.plan_reroute_topk(stream, &self.counts, &self.ids, &self.probs, tok, &mut self.state, &mut self.ws, &mut self.dest, &mut self.dest_probs)?;
+        self.plan.plan_reroute_topk(
+            stream,
+            &self.counts,
+            &self.ids,
+            &self.probs,
+            tok,
+            &mut self.state,
+            &mut self.ws,
+            &mut self.dest,
+            &mut self.dest_probs,
+        )?;
         let off = self.plan.layout().slot_expert;
         let slot_expert = self.state.slice(off..off + s);
-        echo::fill_spare_weights(stream, &slot_expert, E, 0, s, &self.w1, &mut self.w1_spare, W1, &mut self.slot_errors)?;
-        echo::fill_spare_weights(stream, &slot_expert, E, 0, s, &self.w2, &mut self.w2_spare, W2, &mut self.slot_errors)?;
+        echo::fill_spare_weights(
+            stream,
+            &slot_expert,
+            E,
+            0,
+            s,
+            &self.w1,
+            &mut self.w1_spare,
+            W1,
+            &mut self.slot_errors,
+        )?;
+        echo::fill_spare_weights(
+            stream,
+            &slot_expert,
+            E,
+            0,
+            s,
+            &self.w2,
+            &mut self.w2_spare,
+            W2,
+            &mut self.slot_errors,
+        )?;
         stream.memset_zeros(&mut self.dw1_spare)?;
         stream.memset_zeros(&mut self.dw2_spare)?;
-        self.moe.forward(stream, &self.x, &self.dest, &self.dest_probs, tok, &self.w1_ptrs, &self.w2_ptrs, &mut self.y)?;
+        self.moe.forward(
+            stream,
+            &self.x,
+            &self.dest,
+            &self.dest_probs,
+            tok,
+            &self.w1_ptrs,
+            &self.w2_ptrs,
+            &mut self.y,
+        )?;
         self.moe.backward(
-            stream, &self.dy, &self.dest_probs, tok, &self.w1_ptrs, &self.w2_ptrs, &mut self.dx, &mut self.dprobs,
-            &mut self.dw1_ptrs, &mut self.dw2_ptrs,
+            stream,
+            &self.dy,
+            &self.dest_probs,
+            tok,
+            &self.w1_ptrs,
+            &self.w2_ptrs,
+            &mut self.dx,
+            &mut self.dprobs,
+            &mut self.dw1_ptrs,
+            &mut self.dw2_ptrs,
         )?;
         echo::fold_spare_grads(stream, &slot_expert, E, s, &self.dw1_spare, &mut self.dw1, W1, &mut self.slot_errors)?;
         echo::fold_spare_grads(stream, &slot_expert, E, s, &self.dw2_spare, &mut self.dw2, W2, &mut self.slot_errors)
@@ -382,8 +429,16 @@ impl Rig {
         let tok = Tokens::Host(self.t);
         self.plain.forward(stream, &self.x, &self.ids, &self.probs, tok, &self.w1, &self.w2, &mut self.plain_y)?;
         self.plain.backward(
-            stream, &self.dy, &self.probs, tok, &self.w1, &self.w2, &mut self.plain_dx, &mut self.plain_dprobs,
-            &mut self.plain_dw1, &mut self.plain_dw2,
+            stream,
+            &self.dy,
+            &self.probs,
+            tok,
+            &self.w1,
+            &self.w2,
+            &mut self.plain_dx,
+            &mut self.plain_dprobs,
+            &mut self.plain_dw1,
+            &mut self.plain_dw2,
         )
     }
 }
@@ -400,11 +455,17 @@ fn check_grads(what: &str, got: &[f32], want: &[f32], init: &[f32], per: usize, 
         let bitwise = got[r.clone()].iter().zip(&want[r.clone()]).all(|(a, b)| a.to_bits() == b.to_bits());
         equal += bitwise as usize;
         if exact[e] {
-            assert!(bitwise, "{what}: expert {e} moved no tokens, so its gradient must equal the plain path's bit for bit");
+            assert!(
+                bitwise,
+                "{what}: expert {e} moved no tokens, so its gradient must equal the plain path's bit for bit"
+            );
         }
         let scale = w.iter().fold(0.0f64, |m, v| m.max(v.abs()));
         for (i, (a, b)) in g.iter().zip(&w).enumerate() {
-            assert!(a.is_finite() && (a - b).abs() <= 1e-4 * scale, "{what}: expert {e} element {i}: got {a:e}, plain path {b:e} (largest {scale:e})");
+            assert!(
+                a.is_finite() && (a - b).abs() <= 1e-4 * scale,
+                "{what}: expert {e} element {i}: got {a:e}, plain path {b:e} (largest {scale:e})"
+            );
         }
         assert_close(&format!("{what}: expert {e}"), &g, &w, 1e-5);
     }
@@ -493,7 +554,11 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
         assert_bits(&format!("{what}: rerouted columns"), dest, &want_dest);
         assert!(dest_past.iter().all(|&c| c == -7777), "{what}: reroute wrote a route past T");
         let dest_probs = bits32(stream, &rig.dest_probs);
-        assert_bits(&format!("{what}: rerouted probs"), &dest_probs[..t * K], &ro.probs.iter().map(|p| p.to_bits()).collect::<Vec<_>>());
+        assert_bits(
+            &format!("{what}: rerouted probs"),
+            &dest_probs[..t * K],
+            &ro.probs.iter().map(|p| p.to_bits()).collect::<Vec<_>>(),
+        );
         assert!(dest_probs[t * K..].iter().all(|&b| b == 0xFFFF_FFFF), "{what}: reroute wrote a prob past T");
         let slot_cols: Vec<usize> = (0..s).map(|j| cfg.slot_column(j)).collect();
         let moved = dest.iter().filter(|&&c| slot_cols.contains(&(c as usize))).count();
@@ -512,8 +577,16 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
         for (j, &e) in stages.slot_expert.iter().enumerate() {
             if e >= 0 {
                 let e = e as usize;
-                assert_bits(&format!("{what}: fc1 slot {j} = expert {e}"), &spare1[j * W1..(j + 1) * W1], &home1[e * W1..(e + 1) * W1]);
-                assert_bits(&format!("{what}: fc2 slot {j} = expert {e}"), &spare2[j * W2..(j + 1) * W2], &home2[e * W2..(e + 1) * W2]);
+                assert_bits(
+                    &format!("{what}: fc1 slot {j} = expert {e}"),
+                    &spare1[j * W1..(j + 1) * W1],
+                    &home1[e * W1..(e + 1) * W1],
+                );
+                assert_bits(
+                    &format!("{what}: fc2 slot {j} = expert {e}"),
+                    &spare2[j * W2..(j + 1) * W2],
+                    &home2[e * W2..(e + 1) * W2],
+                );
             }
         }
 
@@ -529,7 +602,10 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
         y.truncate(t * H);
         dxv.truncate(t * H);
         dpv.truncate(t * K);
-        assert!(y.iter().chain(&dxv).all(|v| v.is_finite()) && dpv.iter().all(|v| v.is_finite()), "{what}: unwritten or non-finite output");
+        assert!(
+            y.iter().chain(&dxv).all(|v| v.is_finite()) && dpv.iter().all(|v| v.is_finite()),
+            "{what}: unwritten or non-finite output"
+        );
         assert_bits(&format!("{what}: y"), &bits16(stream, &rig.y), &bits16(stream, &rig.plain_y));
         assert_bits(&format!("{what}: dx"), &bits16(stream, &rig.dx), &bits16(stream, &rig.plain_dx));
         assert_bits(&format!("{what}: dprobs"), &bits32(stream, &rig.dprobs), &bits32(stream, &rig.plain_dprobs));
@@ -542,8 +618,10 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
         }
         let dw1 = stream.clone_dtoh(&rig.dw1).unwrap();
         let dw2 = stream.clone_dtoh(&rig.dw2).unwrap();
-        bitwise_experts += check_grads(&format!("{what}: dW1"), &dw1, &stream.clone_dtoh(&rig.plain_dw1).unwrap(), &init1, W1, &exact);
-        bitwise_experts += check_grads(&format!("{what}: dW2"), &dw2, &stream.clone_dtoh(&rig.plain_dw2).unwrap(), &init2, W2, &exact);
+        bitwise_experts +=
+            check_grads(&format!("{what}: dW1"), &dw1, &stream.clone_dtoh(&rig.plain_dw1).unwrap(), &init1, W1, &exact);
+        bitwise_experts +=
+            check_grads(&format!("{what}: dW2"), &dw2, &stream.clone_dtoh(&rig.plain_dw2).unwrap(), &init2, W2, &exact);
 
         for (flag, word) in [
             ("routing", stream.clone_dtoh(&rig.moe.maps.flags).unwrap()[0]),
@@ -558,7 +636,9 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
         // Once per case, with tokens moved: the fp64 CPU reference on the home routes.
         if !checked_reference && moved > 0 {
             let r = common::moe::reference(DIMS, t, &ro.ids, &ro.probs, &x, &dy, &weights.0, &weights.1);
-            let delta = |got: &[f32], init: &[f32]| got.iter().zip(init).map(|(g, i)| *g as f64 - *i as f64).collect::<Vec<_>>();
+            let delta = |got: &[f32], init: &[f32]| {
+                got.iter().zip(init).map(|(g, i)| *g as f64 - *i as f64).collect::<Vec<_>>()
+            };
             assert_close(&format!("{what}: y vs fp64"), &f64s(&y), &r.y, 2e-2);
             assert_close(&format!("{what}: dx vs fp64"), &f64s(&dxv), &r.dx, 2e-2);
             let dp: Vec<f64> = dpv.iter().map(|&v| v as f64).collect();
@@ -601,14 +681,23 @@ fn echo_plan_reroute_slots_and_expert_path_in_one_graph() {
 #[test]
 fn slot_table_follows_the_final_column_order() {
     for (ep, ne, sp) in [(4usize, 16usize, 2usize), (1, 8, 1), (8, 64, 1), (2, 6, 3)] {
-        let cfg = EchoConfig { ep, num_experts: ne, spare_per_rank: sp, ep_rank: 0, topk: 1, algorithm: Algorithm::Greedy, threshold_multiplier: 0.0 };
+        let cfg = EchoConfig {
+            ep,
+            num_experts: ne,
+            spare_per_rank: sp,
+            ep_rank: 0,
+            topk: 1,
+            algorithm: Algorithm::Greedy,
+            threshold_multiplier: 0.0,
+        };
         let (home, spare, bytes) = (0x1000_0000u64, 0x9000_0000u64, 4096usize);
         let table = echo_slot_table(&cfg, home, spare, bytes);
         assert_eq!(table.len(), ne + ep * sp);
         let l = ne / ep;
         for (c, &p) in table.iter().enumerate() {
             let (q, i) = (c / (l + sp), c % (l + sp));
-            let want = if i < l { home + ((q * l + i) * bytes) as u64 } else { spare + ((q * sp + i - l) * bytes) as u64 };
+            let want =
+                if i < l { home + ((q * l + i) * bytes) as u64 } else { spare + ((q * sp + i - l) * bytes) as u64 };
             assert_eq!(p, want, "ep={ep} E={ne} S_per={sp}: column {c}");
         }
     }

@@ -6,7 +6,9 @@ mod echo_support;
 use capturable_moe::echo::reference;
 use capturable_moe::echo::{Algorithm, EchoConfig};
 use capturable_moe::Error;
-use echo_support::{check_plan_invariants, check_reroute_invariants, check_stages, golden_files, load, same, RandomCase};
+use echo_support::{
+    check_plan_invariants, check_reroute_invariants, check_stages, golden_files, load, same, RandomCase,
+};
 
 #[test]
 fn golden_every_stage() {
@@ -30,8 +32,7 @@ fn golden_every_stage() {
             assert_eq!(dest, g.route_dest(), "{}: route_dest", g.name);
             check_reroute_invariants(&g.name, &g.cfg, &st, &g.routes, g.t, &dest);
             let (map, probs) = g.dense_inputs();
-            let (out_map, out_probs) =
-                reference::reroute_dense(&g.cfg, &st, &g.counts, &map, &probs, g.t).unwrap();
+            let (out_map, out_probs) = reference::reroute_dense(&g.cfg, &st, &g.counts, &map, &probs, g.t).unwrap();
             let (want_map, want_probs) = g.expected_dense_outputs();
             assert_eq!(out_map, want_map, "{}: dense map", g.name);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -63,7 +64,8 @@ fn golden_p5_to_p7_from_the_original_assignment() {
             }
             m
         };
-        let ints = |key: &str| -> Vec<i64> { raw[key].as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect() };
+        let ints =
+            |key: &str| -> Vec<i64> { raw[key].as_array().unwrap().iter().map(|x| x.as_i64().unwrap()).collect() };
         let p = reference::passes_from_assignment(&g.cfg, &g.counts, &dense("assignment", e, s)).unwrap();
         let n = &g.name;
         same(n, "slot_expert", &p.slot_expert, &ints("slot_expert"));
@@ -133,10 +135,7 @@ fn typed_errors_for_bad_configs_and_counts() {
     counts[5] = 1;
     let st = reference::plan(&ok, &counts).unwrap();
     let routes = vec![0i32, 1, 2, 3];
-    assert!(matches!(
-        reference::reroute_topk(&ok, &st, &counts, &routes, 2),
-        Err(Error::InvalidArgument { .. })
-    ));
+    assert!(matches!(reference::reroute_topk(&ok, &st, &counts, &routes, 2), Err(Error::InvalidArgument { .. })));
     let dup = vec![0i32, 0];
     assert!(reference::reroute_topk(&ok, &st, &counts, &dup, 1).is_err());
     let out = vec![0i32, 16];
@@ -145,9 +144,7 @@ fn typed_errors_for_bad_configs_and_counts() {
 
 #[test]
 fn worked_example_a_from_the_spec() {
-    let c = vec![
-        5, 2, 3, 1, 1, 0, 0, 0, 4, 2, 2, 1, 0, 1, 0, 0, 3, 1, 2, 1, 1, 0, 0, 0, 2, 1, 1, 1, 0, 0, 1, 0,
-    ];
+    let c = vec![5, 2, 3, 1, 1, 0, 0, 0, 4, 2, 2, 1, 0, 1, 0, 0, 3, 1, 2, 1, 1, 0, 0, 0, 2, 1, 1, 1, 0, 0, 1, 0];
     let a = cfg(4, 8, 1, Algorithm::Approx);
     let st = reference::plan(&a, &c).unwrap();
     assert_eq!(st.spill, vec![11, 0, 3, 0, 0, 0, 0, 0]);
@@ -162,9 +159,7 @@ fn worked_example_a_from_the_spec() {
 
 #[test]
 fn worked_example_b_reclaim() {
-    let c = vec![
-        5, 2, 3, 1, 0, 0, 1, 0, 4, 2, 2, 1, 0, 0, 1, 0, 3, 2, 3, 2, 0, 0, 0, 0, 3, 1, 1, 1, 0, 1, 0, 1,
-    ];
+    let c = vec![5, 2, 3, 1, 0, 0, 1, 0, 4, 2, 2, 1, 0, 0, 1, 0, 3, 2, 3, 2, 0, 0, 0, 0, 3, 1, 1, 1, 0, 1, 0, 1];
     let mut b = cfg(4, 8, 2, Algorithm::Greedy);
     let st = reference::plan(&b, &c).unwrap();
     assert_eq!(st.slot_expert, vec![-1, -1, -1, -1, 0, -1, 2, 0]);
@@ -248,7 +243,15 @@ fn edge_cases_from_the_spec() {
     assert!(reference::reroute_topk(&c, &st, &vec![0i64; 64], &[], 0).unwrap().is_empty());
     // EP = 1: nothing moves, S_per false columns.
     for (sp, alg) in [(1, Algorithm::Approx), (2, Algorithm::Greedy)] {
-        let c = EchoConfig { ep: 1, num_experts: 8, spare_per_rank: sp, ep_rank: 0, topk: 2, algorithm: alg, threshold_multiplier: 0.0 };
+        let c = EchoConfig {
+            ep: 1,
+            num_experts: 8,
+            spare_per_rank: sp,
+            ep_rank: 0,
+            topk: 2,
+            algorithm: alg,
+            threshold_multiplier: 0.0,
+        };
         let rc = RandomCase::new(c.clone(), 20, 5);
         let st = reference::plan(&c, &rc.counts).unwrap();
         assert!(st.slot_expert.iter().all(|&x| x == -1));

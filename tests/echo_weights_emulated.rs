@@ -16,7 +16,6 @@
 
 mod common;
 
-
 use bytemuck::Pod;
 use capturable_moe::echo::DeviceErrors;
 use capturable_moe::sys;
@@ -114,10 +113,22 @@ fn grad_value(rng: &mut StdRng) -> f32 {
 /// The fill of slots `slot_begin .. slot_begin + num_slots` of `slot_expert` from `home`
 /// ([E, per_expert] elements of T, made by `value`).
 #[allow(clippy::too_many_arguments)]
-fn fill_case<T: Pod>(name: &str, rng: &mut StdRng, e: usize, slot_expert: &[i64], slot_begin: usize, num_slots: usize, per_expert: usize, value: fn(&mut StdRng) -> T) -> Case {
+fn fill_case<T: Pod>(
+    name: &str,
+    rng: &mut StdRng,
+    e: usize,
+    slot_expert: &[i64],
+    slot_begin: usize,
+    num_slots: usize,
+    per_expert: usize,
+    value: fn(&mut StdRng) -> T,
+) -> Case {
     let bytes = per_expert * std::mem::size_of::<T>();
     Case {
-        name: format!("fill {name} ({}, {per_expert} per expert)", std::any::type_name::<T>().rsplit("::").next().unwrap()),
+        name: format!(
+            "fill {name} ({}, {per_expert} per expert)",
+            std::any::type_name::<T>().rsplit("::").next().unwrap()
+        ),
         op: Op::Fill,
         num_experts: e as i64,
         slot_begin: slot_begin as i64,
@@ -261,7 +272,16 @@ fn fill_cases(rng: &mut StdRng) -> Vec<Case> {
     x.push(fill_case("every slot empty", rng, 8, &[-1; 6], 0, 6, 16, bf16_value));
     let slots: Vec<i64> = (0..MAX_SLOTS).map(|_| rng.random_range(-1..64)).collect();
     x.push(fill_case("8192 slots (the limit)", rng, 64, &slots, 0, MAX_SLOTS, 8, bf16_value));
-    x.extend(bad_slot_cases(fill_case("bad ids", rng, 16, &[16, 0, -2, 5, 1 << 40, -1, i64::MIN], 0, 7, 8, bf16_value)));
+    x.extend(bad_slot_cases(fill_case(
+        "bad ids",
+        rng,
+        16,
+        &[16, 0, -2, 5, 1 << 40, -1, i64::MIN],
+        0,
+        7,
+        8,
+        bf16_value,
+    )));
     x.extend(rejected_cases(fill_case("valid", rng, 16, &SLOTS, 0, 12, 8, bf16_value)));
     x
 }
@@ -299,7 +319,11 @@ fn order_case() -> Case {
 /// (they must stay), and with no error word.
 fn bad_slot_cases(c: Case) -> Vec<Case> {
     let variant = |what: &str, errors: Option<i64>| Case { name: format!("{} ({what})", c.name), errors, ..c.clone() };
-    vec![variant("error word 0", Some(0)), variant("error word 0x3 set before", Some(3)), variant("no error word", None)]
+    vec![
+        variant("error word 0", Some(0)),
+        variant("error word 0x3 set before", Some(3)),
+        variant("no error word", None),
+    ]
 }
 
 /// The arguments the entry point rejects and the sizes it takes as no-ops (OK), derived from
@@ -360,7 +384,11 @@ fn spare_weight_kernels_match_the_reference_under_cpu_emulation() {
     cases.extend(fold_cases(&mut rng));
     let mut input = Vec::new();
     cases.iter().for_each(|c| put_case(&mut input, c));
-    let exe = common::emulation::build("echo_weights_emulator", &["csrc/echo/echo_weights.cu"], "tests/emulation/echo_weights_driver.cpp");
+    let exe = common::emulation::build(
+        "echo_weights_emulator",
+        &["csrc/echo/echo_weights.cu"],
+        "tests/emulation/echo_weights_driver.cpp",
+    );
     common::emulation::run_case_file(&exe, "echo_weights_emulated", &input, cases.len(), |output, order| {
         check_output(output, &cases, order)
     });

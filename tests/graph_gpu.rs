@@ -104,7 +104,8 @@ struct Io {
 impl Io {
     fn new(stream: &Arc<CudaStream>, s: Shape, weight_seed: u64) -> Io {
         let mut rng = StdRng::seed_from_u64(weight_seed);
-        let (w1, w2) = (random_bf16(&mut rng, s.e * 2 * s.f * s.h, 0.125), random_bf16(&mut rng, s.e * s.h * s.f, 0.125));
+        let (w1, w2) =
+            (random_bf16(&mut rng, s.e * 2 * s.f * s.h, 0.125), random_bf16(&mut rng, s.e * s.h * s.f, 0.125));
         let zeros_bf16 = |n: usize| stream.alloc_zeros::<bf16>(n).unwrap();
         Io {
             shape: s,
@@ -148,7 +149,12 @@ impl Io {
     }
 
     /// Forward + backward with a host token count (`Some`) or the device one.
-    fn run_with(&mut self, moe: &mut MoeExperts<bf16>, stream: &Arc<CudaStream>, host_t: Option<usize>) -> capturable_moe::Result<()> {
+    fn run_with(
+        &mut self,
+        moe: &mut MoeExperts<bf16>,
+        stream: &Arc<CudaStream>,
+        host_t: Option<usize>,
+    ) -> capturable_moe::Result<()> {
         let Io { x, ids, probs, tokens, w1, w2, y, dy, dx, dprobs, dw1, dw2, .. } = self;
         let tokens = host_t.map_or(Tokens::Device(&*tokens), Tokens::Host);
         moe.forward(stream, &*x, &*ids, &*probs, tokens, &*w1, &*w2, y)?;
@@ -211,7 +217,11 @@ fn pool_ranges_are_distinct_addresses_over_shared_physical_memory_gpu() {
     assert_ne!(first.device_address(), second.device_address());
     let pattern: Vec<u32> = (0..n as u32).map(|i| i.wrapping_mul(2654435761)).collect();
     stream.memcpy_htod(&pattern, &mut first).unwrap();
-    assert_eq!(stream.clone_dtoh(&second).unwrap(), pattern, "the second range does not see the first's physical bytes");
+    assert_eq!(
+        stream.clone_dtoh(&second).unwrap(),
+        pattern,
+        "the second range does not see the first's physical bytes"
+    );
     let stats = pool.stats();
     assert_eq!(stats.ranges, 4);
     assert_eq!(stats.physical_bytes, round_up(4 * n, stats.granularity).unwrap());
@@ -235,7 +245,11 @@ fn pool_physical_bytes_are_the_largest_range_gpu() {
     }
     let (cap, per_row) = (1024 * SMALL.k, (4 * SMALL.h + 6 * SMALL.f) * 2);
     assert!(used[2] >= cap * per_row, "the largest range holds the eight activation buffers");
-    println!("pool: physical {} bytes, ranges used {used:?} (sum {})", pool.physical_bytes(), used.iter().sum::<usize>());
+    println!(
+        "pool: physical {} bytes, ranges used {used:?} (sum {})",
+        pool.physical_bytes(),
+        used.iter().sum::<usize>()
+    );
 }
 
 /// A pool buffer used on a stream other than the pool's panics (no silent race), and a plan
@@ -286,7 +300,8 @@ fn pooled_bucket_graphs_equal_graphs_captured_alone_over_interleaved_replays_gpu
     for (i, &t_max) in buckets.iter().enumerate() {
         let shape = Shape { t_max, ..SMALL };
         let range = pool.range().unwrap();
-        let mut pooled_moe = MoeExperts::<bf16>::with_pool(config(shape), MoeOptions::default(), &stream, &range).unwrap();
+        let mut pooled_moe =
+            MoeExperts::<bf16>::with_pool(config(shape), MoeOptions::default(), &stream, &range).unwrap();
         let mut alone_moe = MoeExperts::<bf16>::new(config(shape), &stream).unwrap();
         let mut pooled_io = Io::new(&stream, shape, 10 + i as u64);
         let mut alone_io = Io::new(&stream, shape, 10 + i as u64);
@@ -343,7 +358,10 @@ fn updated_graph_equals_a_freshly_captured_one_gpu() {
         let updated = layer_b.bits(&stream);
         let untouched = layer_a.bits(&stream);
         assert!(untouched.y.iter().all(|&v| v == POISON_BF16), "step {i}: the updated graph still wrote layer A's y");
-        assert!(untouched.dw1.iter().all(|&v| v == POISON_BF16), "step {i}: the updated graph still wrote layer A's dW1");
+        assert!(
+            untouched.dw1.iter().all(|&v| v == POISON_BF16),
+            "step {i}: the updated graph still wrote layer A's dW1"
+        );
         layer_b.poison(&stream);
         let fresh = capture(&stream, || layer_b.run(&mut moe, &stream)).unwrap();
         fresh.launch().unwrap();
@@ -376,7 +394,11 @@ fn update_to_another_topology_is_refused_gpu() {
 
 /// Begins a global-mode capture on `stream`, makes the call, ends the capture, and checks the
 /// call returned `Error::Capturing` naming `op`.
-fn assert_refused_while_capturing(stream: &Arc<CudaStream>, op: &str, call: impl FnOnce() -> capturable_moe::Result<()>) {
+fn assert_refused_while_capturing(
+    stream: &Arc<CudaStream>,
+    op: &str,
+    call: impl FnOnce() -> capturable_moe::Result<()>,
+) {
     tracking_off(stream);
     stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
     let result = call();
@@ -387,7 +409,11 @@ fn assert_refused_while_capturing(stream: &Arc<CudaStream>, op: &str, call: impl
         other => panic!("{op} while capturing: expected Error::Capturing, got {:?}", other.err()),
     }
     let status = status.unwrap();
-    assert_eq!(status, CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE, "{op} invalidated the capture: it did CUDA work before refusing");
+    assert_eq!(
+        status,
+        CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE,
+        "{op} invalidated the capture: it did CUDA work before refusing"
+    );
 }
 
 macro_rules! guard_test {
@@ -425,8 +451,15 @@ fn tiny_graph(stream: &Arc<CudaStream>) -> (CudaGraph, GraphTemplate, CudaSlice<
 }
 
 guard_test!(guard_capture_gpu, "graph::capture", |stream| (), |_s| capture(&stream, || Ok(())));
-guard_test!(guard_capture_with_gpu, "graph::capture", |stream| (), |_s| capture_with(&stream, CaptureOptions { upload: false }, || Ok(())));
-guard_test!(guard_graph_template_capture_gpu, "GraphTemplate::capture", |stream| (), |_s| GraphTemplate::capture(&stream, || Ok(())));
+guard_test!(guard_capture_with_gpu, "graph::capture", |stream| (), |_s| capture_with(
+    &stream,
+    CaptureOptions { upload: false },
+    || Ok(())
+));
+guard_test!(guard_graph_template_capture_gpu, "GraphTemplate::capture", |stream| (), |_s| GraphTemplate::capture(
+    &stream,
+    || Ok(())
+));
 guard_test!(guard_graph_template_apply_to_gpu, "GraphTemplate::apply_to", |stream| { tiny_graph(&stream) }, |s| {
     let (mut graph, template, _buf) = s;
     template.apply_to(&mut graph)
@@ -436,19 +469,95 @@ guard_test!(guard_update_gpu, "GraphTemplate::capture", |stream| { tiny_graph(&s
     update(&mut graph, &stream, || Ok(()))
 });
 guard_test!(guard_memory_pool_new_gpu, "MemoryPool::new", |stream| (), |_s| MemoryPool::new(&stream, 1 << 20));
-guard_test!(guard_memory_pool_range_gpu, "MemoryPool::range", |stream| { MemoryPool::new(&stream, 1 << 20).unwrap() }, |pool| pool.range());
-guard_test!(guard_pool_range_alloc_gpu, "PoolRange::alloc", |stream| { MemoryPool::new(&stream, 1 << 20).unwrap().range().unwrap() }, |range| range.alloc::<f32>(16));
-guard_test!(guard_moe_experts_new_gpu, "MoeExperts::new", |stream| (), |_s| MoeExperts::<bf16>::new(config(SMALL), &stream));
-guard_test!(guard_moe_experts_with_options_gpu, "MoeExperts::new", |stream| (), |_s| MoeExperts::<bf16>::with_options(config(SMALL), MoeOptions::default(), &stream));
-guard_test!(guard_moe_experts_with_pool_gpu, "MoeExperts::with_pool", |stream| { MemoryPool::new(&stream, 16 << 20).unwrap().range().unwrap() }, |range| MoeExperts::<bf16>::with_pool(config(SMALL), MoeOptions::default(), &stream, &range));
-guard_test!(guard_grouped_gemm_new_gpu, "GroupedGemm::new", |stream| (), |_s| GroupedGemm::new(GroupedGemmSpec::new(GemmOp::Fprop, 8, 64, 64, 128), &stream));
-guard_test!(guard_routing_alloc_maps_gpu, "RoutingPlan::alloc_maps", |stream| { RoutingPlan::new(config(SMALL).routing_config()).unwrap() }, |plan| plan.alloc_maps(&stream));
-guard_test!(guard_echo_read_errors_gpu, "EchoPlan::read_errors", |stream| { let p = echo_plan(); let st = stream.alloc_zeros::<i64>(p.state_len()).unwrap(); (p, st) }, |s| s.0.read_errors(&stream, &s.1));
-guard_test!(guard_echo_read_stages_gpu, "EchoPlan::read_stages", |stream| { let p = echo_plan(); let st = stream.alloc_zeros::<i64>(p.state_len()).unwrap(); (p, st) }, |s| s.0.read_stages(&stream, &s.1));
-guard_test!(guard_echo_read_route_tables_gpu, "EchoPlan::read_route_tables", |stream| { let p = echo_plan(); let st = stream.alloc_zeros::<i64>(p.state_len()).unwrap(); (p, st) }, |s| s.0.read_route_tables(&stream, &s.1));
-guard_test!(guard_echo_read_offload_map_gpu, "EchoPlan::read_offload_map", |stream| { let p = echo_plan(); let st = stream.alloc_zeros::<i64>(p.state_len()).unwrap(); (p, st) }, |s| s.0.read_offload_map(&stream, &s.1));
-guard_test!(guard_flag_report_read_gpu, "FlagReport::read", |stream| { stream.alloc_zeros::<i32>(1).unwrap() }, |word| FlagReport::read(&stream, FlagWords { routing: Some(word.as_view()), ..Default::default() }));
-guard_test!(guard_flag_report_of_moe_gpu, "FlagReport::read", |stream| { MoeExperts::<bf16>::new(config(SMALL), &stream).unwrap() }, |moe| FlagReport::of_moe(&moe));
+guard_test!(
+    guard_memory_pool_range_gpu,
+    "MemoryPool::range",
+    |stream| { MemoryPool::new(&stream, 1 << 20).unwrap() },
+    |pool| pool.range()
+);
+guard_test!(
+    guard_pool_range_alloc_gpu,
+    "PoolRange::alloc",
+    |stream| { MemoryPool::new(&stream, 1 << 20).unwrap().range().unwrap() },
+    |range| range.alloc::<f32>(16)
+);
+guard_test!(guard_moe_experts_new_gpu, "MoeExperts::new", |stream| (), |_s| MoeExperts::<bf16>::new(
+    config(SMALL),
+    &stream
+));
+guard_test!(guard_moe_experts_with_options_gpu, "MoeExperts::new", |stream| (), |_s| MoeExperts::<bf16>::with_options(
+    config(SMALL),
+    MoeOptions::default(),
+    &stream
+));
+guard_test!(
+    guard_moe_experts_with_pool_gpu,
+    "MoeExperts::with_pool",
+    |stream| { MemoryPool::new(&stream, 16 << 20).unwrap().range().unwrap() },
+    |range| MoeExperts::<bf16>::with_pool(config(SMALL), MoeOptions::default(), &stream, &range)
+);
+guard_test!(guard_grouped_gemm_new_gpu, "GroupedGemm::new", |stream| (), |_s| GroupedGemm::new(
+    GroupedGemmSpec::new(GemmOp::Fprop, 8, 64, 64, 128),
+    &stream
+));
+guard_test!(
+    guard_routing_alloc_maps_gpu,
+    "RoutingPlan::alloc_maps",
+    |stream| { RoutingPlan::new(config(SMALL).routing_config()).unwrap() },
+    |plan| plan.alloc_maps(&stream)
+);
+guard_test!(
+    guard_echo_read_errors_gpu,
+    "EchoPlan::read_errors",
+    |stream| {
+        let p = echo_plan();
+        let st = stream.alloc_zeros::<i64>(p.state_len()).unwrap();
+        (p, st)
+    },
+    |s| s.0.read_errors(&stream, &s.1)
+);
+guard_test!(
+    guard_echo_read_stages_gpu,
+    "EchoPlan::read_stages",
+    |stream| {
+        let p = echo_plan();
+        let st = stream.alloc_zeros::<i64>(p.state_len()).unwrap();
+        (p, st)
+    },
+    |s| s.0.read_stages(&stream, &s.1)
+);
+guard_test!(
+    guard_echo_read_route_tables_gpu,
+    "EchoPlan::read_route_tables",
+    |stream| {
+        let p = echo_plan();
+        let st = stream.alloc_zeros::<i64>(p.state_len()).unwrap();
+        (p, st)
+    },
+    |s| s.0.read_route_tables(&stream, &s.1)
+);
+guard_test!(
+    guard_echo_read_offload_map_gpu,
+    "EchoPlan::read_offload_map",
+    |stream| {
+        let p = echo_plan();
+        let st = stream.alloc_zeros::<i64>(p.state_len()).unwrap();
+        (p, st)
+    },
+    |s| s.0.read_offload_map(&stream, &s.1)
+);
+guard_test!(
+    guard_flag_report_read_gpu,
+    "FlagReport::read",
+    |stream| { stream.alloc_zeros::<i32>(1).unwrap() },
+    |word| FlagReport::read(&stream, FlagWords { routing: Some(word.as_view()), ..Default::default() })
+);
+guard_test!(
+    guard_flag_report_of_moe_gpu,
+    "FlagReport::read",
+    |stream| { MoeExperts::<bf16>::new(config(SMALL), &stream).unwrap() },
+    |moe| FlagReport::of_moe(&moe)
+);
 
 // ---------------------------------------------------------------- flag report
 
@@ -498,7 +607,10 @@ fn replay_us(stream: &Arc<CudaStream>, graph: &CudaGraph, reps: usize) -> f64 {
         graph.launch().unwrap();
     }
     let ctx = stream.context();
-    let (a, b) = (ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap(), ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap());
+    let (a, b) = (
+        ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap(),
+        ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap(),
+    );
     a.record(stream).unwrap();
     for _ in 0..reps {
         graph.launch().unwrap();
@@ -534,18 +646,35 @@ fn timing_one_graph_for_every_t_gpu() {
     stream.synchronize().unwrap();
     let one_graph = capture(&stream, || io.run(&mut full, &stream)).unwrap();
     let pool = MemoryPool::new(&stream, 8 << 30).unwrap();
-    println!("one graph for every T: {} E={} H={} F={} k={} T_max={t_max}", stream.context().name().unwrap(), shape.e, shape.h, shape.f, shape.k);
+    println!(
+        "one graph for every T: {} E={} H={} F={} k={} T_max={t_max}",
+        stream.context().name().unwrap(),
+        shape.e,
+        shape.h,
+        shape.f,
+        shape.k
+    );
     println!("{:>7} {:>12} {:>12} {:>7} {:>8}", "T", "T_max graph", "per-T graph", "ratio", "target");
     for div in [16usize, 8, 4, 2, 1] {
         let t = t_max / div;
         let range = pool.range().unwrap();
-        let mut bucket = MoeExperts::<bf16>::with_pool(config(Shape { t_max: t, ..shape }), MoeOptions::default(), &stream, &range).unwrap();
+        let mut bucket =
+            MoeExperts::<bf16>::with_pool(config(Shape { t_max: t, ..shape }), MoeOptions::default(), &stream, &range)
+                .unwrap();
         stream.synchronize().unwrap();
         let per_t = capture(&stream, || io.run_with(&mut bucket, &stream, Some(t))).unwrap();
         stream.memcpy_htod(&[t as i32], &mut io.tokens).unwrap();
         let (one_us, per_us) = (replay_us(&stream, &one_graph, reps), replay_us(&stream, &per_t, reps));
         let ratio = one_us / per_us;
-        let target = if div <= 8 { if ratio <= 1.10 { "met" } else { "MISSED" } } else { "-" };
+        let target = if div <= 8 {
+            if ratio <= 1.10 {
+                "met"
+            } else {
+                "MISSED"
+            }
+        } else {
+            "-"
+        };
         println!("{t:>7} {one_us:>10.1}us {per_us:>10.1}us {ratio:>7.3} {target:>8}");
     }
     println!("pool physical for the per-T graphs: {} MiB", pool.physical_bytes() >> 20);
@@ -588,11 +717,26 @@ fn timing_update_vs_capture_and_instantiate_gpu() {
         stream.synchronize().unwrap();
     }
     let (fresh, recapture, apply) = (median(fresh), median(recapture), median(apply));
-    println!("graph update, {} E={} H={} F={} k={} T_max={} (median of {reps})", stream.context().name().unwrap(), shape.e, shape.h, shape.f, shape.k, shape.t_max);
+    println!(
+        "graph update, {} E={} H={} F={} k={} T_max={} (median of {reps})",
+        stream.context().name().unwrap(),
+        shape.e,
+        shape.h,
+        shape.f,
+        shape.k,
+        shape.t_max
+    );
     println!("capture + instantiate      {fresh:>9.1} us");
     println!("re-capture (host only)     {recapture:>9.1} us");
-    println!("cuGraphExecUpdate          {apply:>9.1} us   {:.3}x of capture + instantiate (target <= 0.100)", apply / fresh);
-    println!("re-capture + update        {:>9.1} us   {:.3}x of capture + instantiate", recapture + apply, (recapture + apply) / fresh);
+    println!(
+        "cuGraphExecUpdate          {apply:>9.1} us   {:.3}x of capture + instantiate (target <= 0.100)",
+        apply / fresh
+    );
+    println!(
+        "re-capture + update        {:>9.1} us   {:.3}x of capture + instantiate",
+        recapture + apply,
+        (recapture + apply) / fresh
+    );
 }
 
 /// First replay of a freshly instantiated graph without and with `upload` (which `capture`
@@ -627,8 +771,14 @@ fn timing_first_replay_with_and_without_upload_gpu() {
         stream.synchronize().unwrap(); // the upload is done before the first launch
         uploaded.push(timed(&g));
     }
-    println!("first replay, {} T_max={}: not uploaded {:.1} us, uploaded {:.1} us, steady {:.1} us (median of 10)",
-        stream.context().name().unwrap(), shape.t_max, median(cold), median(uploaded), median(steady));
+    println!(
+        "first replay, {} T_max={}: not uploaded {:.1} us, uploaded {:.1} us, steady {:.1} us (median of 10)",
+        stream.context().name().unwrap(),
+        shape.t_max,
+        median(cold),
+        median(uploaded),
+        median(steady)
+    );
 }
 
 /// The memory target: eight expert-path plans for token buckets 128 ... 16384 in one

@@ -63,8 +63,10 @@ fn physical_bytes_are_the_max_over_ranges_not_the_sum_host() {
     // k 8, bf16): (4H + 6F) * 2 bytes per routed row.
     let per_row = (4 * 2048 + 6 * 768) * 2;
     let buckets = [128usize, 256, 512, 1024, 2048, 4096, 8192, 16384];
-    let sizes: Vec<Vec<usize>> =
-        buckets.iter().map(|t| [2048, 1536, 768, 2048, 2048, 768, 1536, 2048].iter().map(|w| t * 8 * w * 2).collect()).collect();
+    let sizes: Vec<Vec<usize>> = buckets
+        .iter()
+        .map(|t| [2048, 1536, 768, 2048, 2048, 768, 1536, 2048].iter().map(|w| t * 8 * w * 2).collect())
+        .collect();
     for order in [vec![0, 1, 2, 3, 4, 5, 6, 7], vec![7, 0, 6, 1, 5, 2, 4, 3]] {
         let mut layout = PhysicalLayout::new(MIB2);
         let mut used = [0usize; 8];
@@ -92,7 +94,9 @@ fn graph_errors_say_what_to_do_host() {
     assert!(e.starts_with("MoeExperts::new needs the host") && e.contains("before begin_capture"), "{e}");
     let e = Error::PoolExhausted { op: "PoolRange::alloc", need: 10, used: 20, reserve: 24 }.to_string();
     assert!(e.contains("larger range_bytes") && e.contains("10") && e.contains("24"), "{e}");
-    let e = Error::GraphUpdate { why: update_failure(CUgraphExecUpdateResult::CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED) };
+    let e = Error::GraphUpdate {
+        why: update_failure(CUgraphExecUpdateResult::CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED),
+    };
     assert!(e.to_string().contains("topology"), "{e}");
 }
 

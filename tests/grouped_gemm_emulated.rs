@@ -13,7 +13,6 @@
 
 mod common;
 
-
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -67,7 +66,11 @@ impl Case {
         self.pointer_kinds.as_ref().map_or(VALID, |k| k[e])
     }
     fn weight_element_bytes(&self) -> i64 {
-        if self.op == WGRAD { self.d_bytes } else { 2 }
+        if self.op == WGRAD {
+            self.d_bytes
+        } else {
+            2
+        }
     }
 
     fn write(&self, out: &mut Vec<u8>) {
@@ -83,7 +86,11 @@ impl Case {
             self.d_bytes,
             self.zero_fill() as i64,
         ];
-        header.iter().chain(&self.counts).chain(self.pointer_kinds.iter().flatten()).for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
+        header
+            .iter()
+            .chain(&self.counts)
+            .chain(self.pointer_kinds.iter().flatten())
+            .for_each(|v| out.extend_from_slice(&v.to_le_bytes()));
     }
 }
 
@@ -137,11 +144,22 @@ fn reference(c: &Case) -> Outcome {
                 flags |= OVERFLOW_NULL_POINTER;
                 (NULL_POINTER, 0)
             }
-            kind => (weight_buffer, e as i64 * matrix_bytes + if kind == MISALIGNED { c.weight_element_bytes() } else { 0 }),
+            kind => {
+                (weight_buffer, e as i64 * matrix_bytes + if kind == MISALIGNED { c.weight_element_bytes() } else { 0 })
+            }
         };
         let mut g = match c.op {
-            FPROP => Group { m: rows, n, k, a: (BUFFER_A, start * k * 2), b: weight, d: (BUFFER_D, start * n * c.d_bytes) },
-            DGRAD => Group { m: rows, n: k, k: n, a: (BUFFER_A, start * n * 2), b: weight, d: (BUFFER_D, start * k * c.d_bytes) },
+            FPROP => {
+                Group { m: rows, n, k, a: (BUFFER_A, start * k * 2), b: weight, d: (BUFFER_D, start * n * c.d_bytes) }
+            }
+            DGRAD => Group {
+                m: rows,
+                n: k,
+                k: n,
+                a: (BUFFER_A, start * n * 2),
+                b: weight,
+                d: (BUFFER_D, start * k * c.d_bytes),
+            },
             _ => {
                 let (dy, x) = ((BUFFER_A, start * n * 2), (BUFFER_B, start * k * 2));
                 let (m, cols, a, b) = if c.transposed { (k, n, x, dy) } else { (n, k, dy, x) };
@@ -181,7 +199,14 @@ fn read_outcome(c: &Case, bytes: &[u8], at: &mut usize) -> Outcome {
     let (status, flags) = (next(), next());
     let row_offsets = (0..=c.experts()).map(|_| next()).collect();
     let groups = (0..c.experts())
-        .map(|_| Group { m: next(), n: next(), k: next(), a: (next(), next()), b: (next(), next()), d: (next(), next()) })
+        .map(|_| Group {
+            m: next(),
+            n: next(),
+            k: next(),
+            a: (next(), next()),
+            b: (next(), next()),
+            d: (next(), next()),
+        })
         .collect();
     let weights = c.zero_fill().then(|| {
         let len = (c.n * c.k * c.weight_element_bytes()) as usize * c.experts();
@@ -212,12 +237,23 @@ fn cases() -> Vec<Case> {
     let mut rng = StdRng::seed_from_u64(90);
     let mut cases = Vec::new();
     for op in [FPROP, DGRAD, WGRAD] {
-        for &(experts, n, k, capacity) in &[(1, 8, 16, 40), (7, 24, 16, 100), (5, 64, 48, 200), (64, 16, 8, 512), (1025, 8, 8, 3000), (3000, 8, 16, 2048)] {
+        for &(experts, n, k, capacity) in &[
+            (1, 8, 16, 40),
+            (7, 24, 16, 100),
+            (5, 64, 48, 200),
+            (64, 16, 8, 512),
+            (1025, 8, 8, 3000),
+            (3000, 8, 16, 2048),
+        ] {
             for splits_i64 in [false, true] {
                 for pointers in [false, true] {
                     for wild in [false, true] {
                         let d_bytes = if op == WGRAD && rng.random_bool(0.5) { 4 } else { 2 };
-                        let pointer_kinds = pointers.then(|| (0..experts).map(|_| [VALID, VALID, VALID, NULL, MISALIGNED][rng.random_range(0..5)]).collect());
+                        let pointer_kinds = pointers.then(|| {
+                            (0..experts)
+                                .map(|_| [VALID, VALID, VALID, NULL, MISALIGNED][rng.random_range(0..5)])
+                                .collect()
+                        });
                         let mut counts = random_counts(&mut rng, experts, capacity, wild);
                         if !splits_i64 {
                             counts.iter_mut().for_each(|v| *v = *v as i32 as i64);
@@ -231,7 +267,17 @@ fn cases() -> Vec<Case> {
     }
     // The edges: no rows at all, every row on the last expert, exactly full, capacity 0, and
     // the most experts a plan accepts.
-    let edge = |op, counts: Vec<i64>, capacity| Case { op, splits_i64: true, pointer_kinds: None, transposed: false, n: 8, k: 8, capacity, d_bytes: 2, counts };
+    let edge = |op, counts: Vec<i64>, capacity| Case {
+        op,
+        splits_i64: true,
+        pointer_kinds: None,
+        transposed: false,
+        n: 8,
+        k: 8,
+        capacity,
+        d_bytes: 2,
+        counts,
+    };
     for op in [FPROP, WGRAD] {
         cases.push(edge(op, vec![0; 9], 64));
         cases.push(edge(op, [vec![0; 8], vec![64]].concat(), 64));

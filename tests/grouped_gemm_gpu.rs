@@ -207,7 +207,10 @@ fn null_and_misaligned_expert_pointers_are_skipped_and_flagged() {
         // Expert 2's matrix (wgrad) or rows (fprop/dgrad) were skipped: still poison.
         assert!(out.got[range(2)].iter().all(|&v| v == POISON as f64), "{what}: the misaligned expert was written");
         if op != GemmOp::Wgrad {
-            assert!(out.got[range(1)].iter().all(|&v| v == POISON as f64), "{what}: the null expert's rows were written");
+            assert!(
+                out.got[range(1)].iter().all(|&v| v == POISON as f64),
+                "{what}: the null expert's rows were written"
+            );
         }
     }
 }
@@ -258,7 +261,8 @@ fn graph_replay_with_new_m_splits_matches_eager() {
     for op in OPS {
         let experts = 8;
         let capacity = 2048;
-        let base = HostCase::new(spec(op, experts, 128, 128, capacity), skewed_splits(experts, 2000, 12), Data::Random, 13);
+        let base =
+            HostCase::new(spec(op, experts, 128, 128, capacity), skewed_splits(experts, 2000, 12), Data::Random, 13);
         let mut graph_case = DeviceCase::upload(&base, &stream);
         let mut eager_case = DeviceCase::upload(&base, &stream);
         stream.synchronize().unwrap();
@@ -281,7 +285,8 @@ fn graph_replay_with_new_m_splits_matches_eager() {
             eager_case.set_splits(&stream, &splits);
             graph.launch().unwrap();
             eager_case.launch(&stream).unwrap();
-            let case = HostCase { splits: splits.clone(), ..HostCase::new(base.spec.clone(), vec![], Data::Random, 13) };
+            let case =
+                HostCase { splits: splits.clone(), ..HostCase::new(base.spec.clone(), vec![], Data::Random, 13) };
             let from_graph = graph_case.outcome(&case, &stream);
             let eager = eager_case.outcome(&case, &stream);
             assert!(from_graph.bits == eager.bits, "{op:?} replay {replay}: graph and eager differ");
@@ -302,17 +307,25 @@ fn graph_replay_with_new_m_splits_matches_eager() {
 fn diagnose_wgrad() {
     let stream = gpu_or_skip!();
     for out in [DType::Bf16, DType::F32] {
-        for splits in [vec![40i64, 0, 100, 60, 0], vec![64, 64, 64, 64, 0], vec![100, 100, 0, 0, 0], vec![0, 0, 100, 0, 0], vec![128, 0, 0, 0, 128]] {
+        for splits in [
+            vec![40i64, 0, 100, 60, 0],
+            vec![64, 64, 64, 64, 0],
+            vec![100, 100, 0, 0, 0],
+            vec![0, 0, 100, 0, 0],
+            vec![128, 0, 0, 0, 128],
+        ] {
             let mut s = spec(GemmOp::Wgrad, 5, 64, 32, 256);
             s.out_dtype = out;
             let case = HostCase::new(s, splits.clone(), Data::SmallInt, 4);
             let o = case.run(&stream);
             let per = 64 * 32;
-            let bad: Vec<usize> = (0..5)
-                .map(|e| (e * per..(e + 1) * per).filter(|&i| o.got[i] != o.expected[i]).count())
-                .collect();
+            let bad: Vec<usize> =
+                (0..5).map(|e| (e * per..(e + 1) * per).filter(|&i| o.got[i] != o.expected[i]).count()).collect();
             let first = (0..o.got.len()).find(|&i| o.got[i] != o.expected[i]);
-            println!("out={out:?} splits={splits:?} mismatches per expert {bad:?} first {:?}", first.map(|i| (i, o.got[i], o.expected[i])));
+            println!(
+                "out={out:?} splits={splits:?} mismatches per expert {bad:?} first {:?}",
+                first.map(|i| (i, o.got[i], o.expected[i]))
+            );
         }
     }
 }

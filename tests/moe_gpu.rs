@@ -10,8 +10,8 @@ use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions, WeightForm};
 use capturable_moe::routing::{self, flags, Tokens};
 use capturable_moe::Error;
 use common::moe::{
-    assert_bits, assert_close, assert_written_bf16, assert_written_f32, bf, f64s, poison_bf16, poison_f32, reference, Dims,
-    Reference,
+    assert_bits, assert_close, assert_written_bf16, assert_written_f32, bf, f64s, poison_bf16, poison_f32, reference,
+    Dims, Reference,
 };
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
@@ -62,12 +62,16 @@ fn step(rng: &mut StdRng, i: usize) -> Step {
     for tok in 0..t {
         for j in 0..K {
             ids[tok * K + j] = match i % 10 {
-                2 => 5,                                  // every token on one expert (twice)
-                3 => [1, 6][j],                          // only two experts busy
-                4 => rng.random_range(0..E as i32),      // duplicates possible
+                2 => 5,                             // every token on one expert (twice)
+                3 => [1, 6][j],                     // only two experts busy
+                4 => rng.random_range(0..E as i32), // duplicates possible
                 _ => {
                     let first = rng.random_range(0..E as i32);
-                    if j == 0 { first } else { (first + rng.random_range(1..E as i32)) % E as i32 }
+                    if j == 0 {
+                        first
+                    } else {
+                        (first + rng.random_range(1..E as i32)) % E as i32
+                    }
                 }
             };
             probs[tok * K + j] = rng.random_range(0.05f32..1.0);
@@ -146,7 +150,15 @@ impl Io {
         let tokens = Tokens::Device(&self.tokens);
         moe.forward(stream, &self.x, &self.ids, &self.probs, tokens, &self.w1, &self.w2, &mut self.y)?;
         moe.backward(
-            stream, &self.dy, &self.probs, tokens, &self.w1, &self.w2, &mut self.dx, &mut self.dprobs, &mut self.dw1,
+            stream,
+            &self.dy,
+            &self.probs,
+            tokens,
+            &self.w1,
+            &self.w2,
+            &mut self.dx,
+            &mut self.dprobs,
+            &mut self.dw1,
             &mut self.dw2,
         )
     }
@@ -163,7 +175,12 @@ impl Io {
 }
 
 /// y, dx `[T_max, H]` and dprobs `[T_max, k]` poisoned (rows past T must keep it).
-fn poison_outputs(stream: &Arc<CudaStream>, y: &mut CudaSlice<bf16>, dx: &mut CudaSlice<bf16>, dprobs: &mut CudaSlice<f32>) {
+fn poison_outputs(
+    stream: &Arc<CudaStream>,
+    y: &mut CudaSlice<bf16>,
+    dx: &mut CudaSlice<bf16>,
+    dprobs: &mut CudaSlice<f32>,
+) {
     stream.memcpy_htod(&poison_bf16(T_MAX * H), y).unwrap();
     stream.memcpy_htod(&poison_bf16(T_MAX * H), dx).unwrap();
     stream.memcpy_htod(&poison_f32(T_MAX * K), dprobs).unwrap();
@@ -308,7 +325,11 @@ fn smaller_capacity_drops_the_later_rows_and_matches_the_reference_on_the_kept_r
         io.step(&mut moe, &stream).unwrap();
         assert_eq!(stream.clone_dtoh(&moe.maps.flags).unwrap()[0], want.flags, "{what}: routing flags");
         assert_eq!(stream.clone_dtoh(&moe.gemm_flags).unwrap()[0], 0, "{what}: GEMM flags (the kept rows fit)");
-        assert_bits(&format!("{what}: row_of_route"), &stream.clone_dtoh(&moe.maps.row_of_route).unwrap(), &want.row_of_route);
+        assert_bits(
+            &format!("{what}: row_of_route"),
+            &stream.clone_dtoh(&moe.maps.row_of_route).unwrap(),
+            &want.row_of_route,
+        );
         let splits: Vec<i32> = want.m_splits.iter().map(|&m| m as i32).collect();
         assert_bits(&format!("{what}: m_splits"), &stream.clone_dtoh(&moe.maps.m_splits_i32).unwrap(), &splits);
         // The reference over the kept routes only: a dropped route becomes an empty slot (-1).
@@ -345,7 +366,11 @@ fn expert_capacity_drops_each_experts_later_routes_and_matches_the_reference_gpu
         io.load(&stream, &s);
         io.step(&mut moe, &stream).unwrap();
         assert_eq!(stream.clone_dtoh(&moe.maps.flags).unwrap()[0], want.flags, "{what}: routing flags");
-        assert_bits(&format!("{what}: row_of_route"), &stream.clone_dtoh(&moe.maps.row_of_route).unwrap(), &want.row_of_route);
+        assert_bits(
+            &format!("{what}: row_of_route"),
+            &stream.clone_dtoh(&moe.maps.row_of_route).unwrap(),
+            &want.row_of_route,
+        );
         let splits: Vec<i32> = want.m_splits.iter().map(|&m| m as i32).collect();
         assert_bits(&format!("{what}: m_splits"), &stream.clone_dtoh(&moe.maps.m_splits_i32).unwrap(), &splits);
         let ids = s.ids.iter().zip(&want.row_of_route).map(|(&id, &row)| if row >= 0 { id } else { -1 }).collect();
@@ -431,7 +456,17 @@ fn megatron_map_form_matches_topk_form() {
     let run_map = |moe: &mut MoeExperts<bf16>, io: &mut Io, map: &CudaSlice<u8>, mp: &CudaSlice<f32>| {
         let tokens = Tokens::Device(&io.tokens);
         moe.forward_from_map(&stream, &io.x, map, mp, tokens, &io.w1, &io.w2, &mut io.y)?;
-        moe.backward_from_map(&stream, &io.dy, tokens, &io.w1, &io.w2, &mut io.dx, &mut io.dprobs, &mut io.dw1, &mut io.dw2)
+        moe.backward_from_map(
+            &stream,
+            &io.dy,
+            tokens,
+            &io.w1,
+            &io.w2,
+            &mut io.dx,
+            &mut io.dprobs,
+            &mut io.dw1,
+            &mut io.dw2,
+        )
     };
     let load = |io: &mut Io, map_d: &mut CudaSlice<u8>, map_probs_d: &mut CudaSlice<f32>, ms: &MapStep, base: &Step| {
         let s = Step { t: ms.t, ids: ms.ids.clone(), probs: ms.probs.clone(), x: base.x.clone(), dy: base.dy.clone() };
@@ -530,14 +565,44 @@ fn pointer_weights_match_tensor_weights() {
             tensor_moe.forward(&stream, &io.x, &io.ids, &io.probs, tok, &io.w1, &io.w2, &mut io.y).unwrap();
             ptr_moe.forward(&stream, &io.x, &io.ids, &io.probs, tok, &w1p, &w2p, &mut y_p).unwrap();
             if accumulate {
-                tensor_moe.backward(&stream, &io.dy, &io.probs, tok, &io.w1, &io.w2, &mut io.dx, &mut io.dprobs, &mut dw1_t, &mut dw2_t).unwrap();
+                tensor_moe
+                    .backward(
+                        &stream,
+                        &io.dy,
+                        &io.probs,
+                        tok,
+                        &io.w1,
+                        &io.w2,
+                        &mut io.dx,
+                        &mut io.dprobs,
+                        &mut dw1_t,
+                        &mut dw2_t,
+                    )
+                    .unwrap();
             } else {
-                tensor_moe.backward(&stream, &io.dy, &io.probs, tok, &io.w1, &io.w2, &mut io.dx, &mut io.dprobs, &mut io.dw1, &mut io.dw2).unwrap();
+                tensor_moe
+                    .backward(
+                        &stream,
+                        &io.dy,
+                        &io.probs,
+                        tok,
+                        &io.w1,
+                        &io.w2,
+                        &mut io.dx,
+                        &mut io.dprobs,
+                        &mut io.dw1,
+                        &mut io.dw2,
+                    )
+                    .unwrap();
             }
-            ptr_moe.backward(&stream, &io.dy, &io.probs, tok, &w1p, &w2p, &mut dx_p, &mut dprobs_p, &mut dw1pp, &mut dw2pp).unwrap();
+            ptr_moe
+                .backward(&stream, &io.dy, &io.probs, tok, &w1p, &w2p, &mut dx_p, &mut dprobs_p, &mut dw1pp, &mut dw2pp)
+                .unwrap();
             let what = format!("accumulate={accumulate} step {i} (T={})", s.t);
-            let bits16 = |v: &CudaSlice<bf16>| stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect::<Vec<_>>();
-            let bits32 = |v: &CudaSlice<f32>| stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+            let bits16 =
+                |v: &CudaSlice<bf16>| stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+            let bits32 =
+                |v: &CudaSlice<f32>| stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect::<Vec<_>>();
             assert_bits(&format!("{what}: y"), &bits16(&y_p), &bits16(&io.y));
             assert_bits(&format!("{what}: dx"), &bits16(&dx_p), &bits16(&io.dx));
             assert_bits(&format!("{what}: dprobs"), &bits32(&dprobs_p), &bits32(&io.dprobs));
@@ -555,9 +620,21 @@ fn pointer_weights_match_tensor_weights() {
             if accumulate {
                 let r = reference(DIMS, s.t, &s.ids, &s.probs, &s.x, &s.dy, &w.w1, &w.w2);
                 check_token_outputs(&what, &got, s.t, &r);
-                let added = |after: &[f32], before: &[f32]| after.iter().zip(before).map(|(a, b)| *a as f64 - *b as f64).collect::<Vec<_>>();
-                assert_close(&format!("{what} dw1 added"), &added(&stream.clone_dtoh(&dw1_t).unwrap(), &before1), &r.dw1, 2e-2);
-                assert_close(&format!("{what} dw2 added"), &added(&stream.clone_dtoh(&dw2_t).unwrap(), &before2), &r.dw2, 2e-2);
+                let added = |after: &[f32], before: &[f32]| {
+                    after.iter().zip(before).map(|(a, b)| *a as f64 - *b as f64).collect::<Vec<_>>()
+                };
+                assert_close(
+                    &format!("{what} dw1 added"),
+                    &added(&stream.clone_dtoh(&dw1_t).unwrap(), &before1),
+                    &r.dw1,
+                    2e-2,
+                );
+                assert_close(
+                    &format!("{what} dw2 added"),
+                    &added(&stream.clone_dtoh(&dw2_t).unwrap(), &before2),
+                    &r.dw2,
+                    2e-2,
+                );
             } else {
                 check_against_reference(&what, &got, &s, &w);
             }
@@ -595,7 +672,18 @@ fn mismatched_weight_forms_are_typed_errors() {
 
     let acc = MoeConfig { wgrad_accumulate: true, ..config() };
     let mut acc_moe = MoeExperts::<bf16>::new(acc.clone(), &stream).unwrap();
-    let r = acc_moe.backward(&stream, &io.dy, &io.probs, tok, &io.w1, &io.w2, &mut io.dx, &mut io.dprobs, &mut io.dw1, &mut io.dw2);
+    let r = acc_moe.backward(
+        &stream,
+        &io.dy,
+        &io.probs,
+        tok,
+        &io.w1,
+        &io.w2,
+        &mut io.dx,
+        &mut io.dprobs,
+        &mut io.dw1,
+        &mut io.dw2,
+    );
     is_shape(r, "dw1"); // bf16 gradients into an fp32 main-grad plan
 
     let opts = MoeOptions { weights: WeightForm::Pointers, ..MoeOptions::default() };
@@ -605,11 +693,25 @@ fn mismatched_weight_forms_are_typed_errors() {
     is_shape(ptr_moe.forward(&stream, &io.x, &io.ids, &io.probs, tok, &ptrs, &short_ptrs, &mut io.y), "fc2_weight");
     let mut dw_t: CudaSlice<f32> = stream.alloc_zeros(E * 2 * F * H).unwrap();
     let mut dw_t2: CudaSlice<f32> = stream.alloc_zeros(E * 2 * F * H).unwrap();
-    let r = ptr_moe.backward(&stream, &io.dy, &io.probs, tok, &ptrs, &ptrs, &mut io.dx, &mut io.dprobs, &mut dw_t, &mut dw_t2);
+    let r = ptr_moe.backward(
+        &stream,
+        &io.dy,
+        &io.probs,
+        tok,
+        &ptrs,
+        &ptrs,
+        &mut io.dx,
+        &mut io.dprobs,
+        &mut dw_t,
+        &mut dw_t2,
+    );
     is_shape(r, "dw1");
     let short_map: CudaSlice<u8> = stream.alloc_zeros(T_MAX * E - 1).unwrap();
     let mp: CudaSlice<f32> = stream.alloc_zeros(T_MAX * E).unwrap();
-    is_shape(tensor_moe.forward_from_map(&stream, &io.x, &short_map, &mp, tok, &io.w1, &io.w2, &mut io.y), "routing_map");
+    is_shape(
+        tensor_moe.forward_from_map(&stream, &io.x, &short_map, &mp, tok, &io.w1, &io.w2, &mut io.y),
+        "routing_map",
+    );
     for moe in [&tensor_moe, &acc_moe, &ptr_moe] {
         assert_eq!(stream.clone_dtoh(&moe.maps.flags).unwrap()[0], 0);
         assert_eq!(stream.clone_dtoh(&moe.gemm_flags).unwrap()[0], 0);

@@ -33,7 +33,15 @@ fn routing_desc_resolves_the_capacity_host() {
 
 #[test]
 fn echo_desc_holds_the_config_t_max_and_sizes_host() {
-    let cfg = EchoConfig { ep: 4, num_experts: 16, spare_per_rank: 1, ep_rank: 2, topk: 4, algorithm: Algorithm::default_for(1), threshold_multiplier: 0.0 };
+    let cfg = EchoConfig {
+        ep: 4,
+        num_experts: 16,
+        spare_per_rank: 1,
+        ep_rank: 2,
+        topk: 4,
+        algorithm: Algorithm::default_for(1),
+        threshold_multiplier: 0.0,
+    };
     let plan = EchoPlan::new(cfg.clone(), 300).unwrap();
     let desc = plan.desc();
     assert_eq!(desc.config, cfg);

@@ -19,7 +19,6 @@
 
 mod common;
 
-
 use bytemuck::Pod;
 use capturable_moe::routing::reference::{self as r, Scalar};
 use capturable_moe::routing::DType;
@@ -81,7 +80,19 @@ struct Case {
 }
 
 fn case(name: &str, e: usize, k: usize, h: usize, f: usize, t_max: usize, tokens: Tokens) -> Case {
-    Case { name: name.into(), e, k, h, f, t_max, tokens, capacity: None, expert_capacity: 0, map_density: None, map_routes_cap: None }
+    Case {
+        name: name.into(),
+        e,
+        k,
+        h,
+        f,
+        t_max,
+        tokens,
+        capacity: None,
+        expert_capacity: 0,
+        map_density: None,
+        map_routes_cap: None,
+    }
 }
 
 /// What from_map's flags word holds before the call (`kFromMapFlagsBefore` of the driver): a
@@ -95,7 +106,8 @@ fn routing_map<P: Scalar>(c: &Case, seed: u64) -> (Vec<u8>, Vec<P>) {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x6d61_7073);
     let density = c.map_density.unwrap_or((c.k as f64 / c.e as f64).min(1.0));
     let n = c.t_max * c.e;
-    let mut map: Vec<u8> = (0..n).map(|_| if rng.random_bool(density) { rng.random_range(1..=255) } else { 0 }).collect();
+    let mut map: Vec<u8> =
+        (0..n).map(|_| if rng.random_bool(density) { rng.random_range(1..=255) } else { 0 }).collect();
     if let Some(cap) = c.map_routes_cap {
         for row in map.chunks_mut(c.e.max(1)) {
             row.iter_mut().filter(|m| **m != 0).skip(cap).for_each(|m| *m = 0);
@@ -220,7 +232,10 @@ fn put_case<T: Element, P: Element>(out: &mut Vec<u8>, c: &Case, ids: &[i32], se
         ("expert_counts", b(bytes(bytemuck::cast_slice(&guarded(maps.expert_counts.clone()))))),
         ("flags", b(bytes(bytemuck::cast_slice(&guarded(vec![maps.flags]))))),
         ("offsets (optional outputs left out)", b(bytes(bytemuck::cast_slice(&guarded(maps.offsets.clone()))))),
-        ("row_of_route (optional outputs left out)", b(bytes(bytemuck::cast_slice(&guarded(maps.row_of_route.clone()))))),
+        (
+            "row_of_route (optional outputs left out)",
+            b(bytes(bytemuck::cast_slice(&guarded(maps.row_of_route.clone())))),
+        ),
         ("permute rows", b(bytes(bytemuck::cast_slice(&rows)))),
         ("unpermute y", b(bytes(bytemuck::cast_slice(&y)))),
         ("permute_backward dx", b(bytes(bytemuck::cast_slice(&dx)))),
@@ -236,7 +251,14 @@ fn put_case<T: Element, P: Element>(out: &mut Vec<u8>, c: &Case, ids: &[i32], se
         buffers.push(("from_map expert_ids (flags NULL)", b(bytes(bytemuck::cast_slice(&map_ids)))));
         buffers.push(("from_map probs (flags NULL)", b(bytes(bytemuck::cast_slice(&map_k_probs)))));
     }
-    let name = format!("{} ({:?} / {:?} probs, E={e} k={k} H={h} F={f} T_max={t_max} {:?} capacity={cap} expert_capacity={})", c.name, T::DTYPE, P::DTYPE, c.tokens, c.expert_capacity);
+    let name = format!(
+        "{} ({:?} / {:?} probs, E={e} k={k} H={h} F={f} T_max={t_max} {:?} capacity={cap} expert_capacity={})",
+        c.name,
+        T::DTYPE,
+        P::DTYPE,
+        c.tokens,
+        c.expert_capacity
+    );
     Expected { name, buffers: buffers.into_iter().map(|(n, (v, c))| (n, v, c)).collect() }
 }
 
@@ -375,7 +397,9 @@ fn cases(out: &mut Vec<u8>) -> Vec<Expected> {
 /// range must still be flagged).
 fn megatron_cases(out: &mut Vec<u8>, rng: &mut StdRng) -> Vec<Expected> {
     let mut x = Vec::new();
-    for (i, &(e, k, t_max, t, density)) in [(64, 8, 300, 300, 0.1), (200, 4, 100, 90, 0.03), (8, 2, 40, 40, 0.5)].iter().enumerate() {
+    for (i, &(e, k, t_max, t, density)) in
+        [(64, 8, 300, 300, 0.1), (200, 4, 100, 90, 0.03), (8, 2, 40, 40, 0.5)].iter().enumerate()
+    {
         let mut c = case("Megatron map -> ids -> build", e, k, 64, 32, t_max, Tokens::Device(t));
         c.map_density = Some(density);
         let seed = 61 + i as u64;

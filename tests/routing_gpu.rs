@@ -43,9 +43,7 @@ fn assert_bitwise<T: Pod + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     if bytes_of(got) != bytes_of(want) {
         let size = std::mem::size_of::<T>();
-        let i = (0..got.len())
-            .find(|&i| bytes_of(&got[i..i + 1]) != bytes_of(&want[i..i + 1]))
-            .unwrap();
+        let i = (0..got.len()).find(|&i| bytes_of(&got[i..i + 1]) != bytes_of(&want[i..i + 1])).unwrap();
         let _ = size;
         panic!("{what}: element {i} of {}: got {:?}, expected {:?}", got.len(), got[i], want[i]);
     }
@@ -90,9 +88,21 @@ fn check_maps(s: &Arc<CudaStream>, plan: &RoutingPlan, maps: &RouteMaps, want: &
     assert_bitwise("m_splits_i64", &download(s, &maps.m_splits_i64), &with_guard(want.m_splits.clone(), POISON_I64));
     assert_bitwise("m_splits_i32", &download(s, &maps.m_splits_i32), &with_guard(m32, POISON_I32));
     assert_bitwise("offsets", &download(s, &maps.offsets), &with_guard(want.offsets.clone(), POISON_I64));
-    assert_bitwise("row_of_route", &download(s, &maps.row_of_route), &with_guard(want.row_of_route.clone(), POISON_I32));
-    assert_bitwise("token_of_row", &download(s, &maps.token_of_row), &with_guard(want.token_of_row.clone(), POISON_I32));
-    assert_bitwise("expert_counts", &download(s, &maps.expert_counts), &with_guard(want.expert_counts.clone(), POISON_I32));
+    assert_bitwise(
+        "row_of_route",
+        &download(s, &maps.row_of_route),
+        &with_guard(want.row_of_route.clone(), POISON_I32),
+    );
+    assert_bitwise(
+        "token_of_row",
+        &download(s, &maps.token_of_row),
+        &with_guard(want.token_of_row.clone(), POISON_I32),
+    );
+    assert_bitwise(
+        "expert_counts",
+        &download(s, &maps.expert_counts),
+        &with_guard(want.expert_counts.clone(), POISON_I32),
+    );
     assert_eq!(download(s, &maps.flags)[0], want.flags, "flags (E = {e})");
 }
 
@@ -133,10 +143,13 @@ fn run_case<T: Element + Pod, P: Element + Pod>(s: &Arc<CudaStream>, c: &Case, i
     .unwrap();
     let (k, h, f, cap) = (c.k, c.h, c.f, plan.capacity());
     assert_eq!(ids.len(), c.t_max * k, "{}: ids length", c.name);
-    let t_dev = upload(s, &[match c.tokens {
-        TokenMode::Host(t) => t as i32,
-        TokenMode::Device(v) => v,
-    }]);
+    let t_dev = upload(
+        s,
+        &[match c.tokens {
+            TokenMode::Host(t) => t as i32,
+            TokenMode::Device(v) => v,
+        }],
+    );
     let (t, token_flag) = match c.tokens {
         TokenMode::Host(t) => (t, 0),
         TokenMode::Device(v) => r::resolve_tokens(v, c.t_max),
@@ -338,8 +351,15 @@ fn random_floats_are_bitwise_deterministic() {
     let mut rng = StdRng::seed_from_u64(60);
     let (e, k, h, t) = (64, 8, 1024, 256);
     let plan = RoutingPlan::new(RoutingConfig {
-        num_experts: e, hidden: h, ffn: 64, topk: k, max_tokens: t, capacity: None,
-        expert_capacity: None, dtype: DType::Bf16, prob_dtype: DType::F32,
+        num_experts: e,
+        hidden: h,
+        ffn: 64,
+        topk: k,
+        max_tokens: t,
+        capacity: None,
+        expert_capacity: None,
+        dtype: DType::Bf16,
+        prob_dtype: DType::F32,
     })
     .unwrap();
     let ids = topk_ids(&mut rng, t, e, k);
@@ -368,8 +388,15 @@ fn maps_never_built_are_no_ops() {
     let _g = serial();
     let (e, k, h, t) = (8, 2, 64, 40);
     let plan = RoutingPlan::new(RoutingConfig {
-        num_experts: e, hidden: h, ffn: 32, topk: k, max_tokens: t, capacity: None,
-        expert_capacity: None, dtype: DType::Bf16, prob_dtype: DType::F32,
+        num_experts: e,
+        hidden: h,
+        ffn: 32,
+        topk: k,
+        max_tokens: t,
+        capacity: None,
+        expert_capacity: None,
+        dtype: DType::Bf16,
+        prob_dtype: DType::F32,
     })
     .unwrap();
     let maps = plan.alloc_maps(&s).unwrap();
@@ -387,13 +414,23 @@ fn megatron_map_conversion_matches_reference() {
     let s = gpu_or_skip!();
     let _g = serial();
     let mut rng = StdRng::seed_from_u64(70);
-    for &(e, k, t_max, t, p_hit) in &[(64usize, 8usize, 300usize, 300usize, 0.1f64), (200, 4, 100, 90, 0.03), (8, 2, 40, 40, 0.5)] {
+    for &(e, k, t_max, t, p_hit) in
+        &[(64usize, 8usize, 300usize, 300usize, 0.1f64), (200, 4, 100, 90, 0.03), (8, 2, 40, 40, 0.5)]
+    {
         let plan = RoutingPlan::new(RoutingConfig {
-            num_experts: e, hidden: 64, ffn: 32, topk: k, max_tokens: t_max, capacity: None,
-            expert_capacity: None, dtype: DType::Bf16, prob_dtype: DType::F32,
+            num_experts: e,
+            hidden: 64,
+            ffn: 32,
+            topk: k,
+            max_tokens: t_max,
+            capacity: None,
+            expert_capacity: None,
+            dtype: DType::Bf16,
+            prob_dtype: DType::F32,
         })
         .unwrap();
-        let map: Vec<u8> = (0..t_max * e).map(|_| if rng.random_bool(p_hit) { rng.random_range(1..=255) } else { 0 }).collect();
+        let map: Vec<u8> =
+            (0..t_max * e).map(|_| if rng.random_bool(p_hit) { rng.random_range(1..=255) } else { 0 }).collect();
         let map_probs: Vec<f32> = (0..t_max * e).map(|_| rng.random_range(0.0f32..1.0)).collect();
         let mut ids_want = vec![POISON_I32; t_max * k + GUARD];
         let mut probs_want = vec![f32::from_bits(0x7fa5_a5a5); t_max * k + GUARD];
@@ -402,8 +439,16 @@ fn megatron_map_conversion_matches_reference() {
         let mut probs_d = upload(&s, &vec![f32::from_bits(0x7fa5_a5a5); t_max * k + GUARD]);
         let mut flags_d = upload(&s, &[0i32]);
         let t_dev = upload(&s, &[t as i32]);
-        plan.from_map(&s, &upload(&s, &map), &upload(&s, &map_probs), Tokens::Device(&t_dev), &mut ids_d, &mut probs_d, &mut flags_d)
-            .unwrap();
+        plan.from_map(
+            &s,
+            &upload(&s, &map),
+            &upload(&s, &map_probs),
+            Tokens::Device(&t_dev),
+            &mut ids_d,
+            &mut probs_d,
+            &mut flags_d,
+        )
+        .unwrap();
         assert_bitwise("from_map ids", &download(&s, &ids_d), &ids_want);
         assert_bitwise("from_map probs", &download(&s, &probs_d), &probs_want);
         assert_eq!(download(&s, &flags_d)[0], fl, "from_map flags (E = {e}, k = {k})");
@@ -422,8 +467,15 @@ fn launchers_reject_bad_buffers_before_launching() {
     let s = gpu_or_skip!();
     let _g = serial();
     let plan = RoutingPlan::new(RoutingConfig {
-        num_experts: 8, hidden: 64, ffn: 32, topk: 2, max_tokens: 10, capacity: None,
-        expert_capacity: None, dtype: DType::Bf16, prob_dtype: DType::F32,
+        num_experts: 8,
+        hidden: 64,
+        ffn: 32,
+        topk: 2,
+        max_tokens: 10,
+        capacity: None,
+        expert_capacity: None,
+        dtype: DType::Bf16,
+        prob_dtype: DType::F32,
     })
     .unwrap();
     let ids = upload(&s, &[0i32; 19]);
@@ -451,11 +503,11 @@ fn launchers_reject_bad_buffers_before_launching() {
         (rows.device_ptr(&s).0, maps.row_of_route.device_ptr(&s).0, probs.device_ptr(&s).0, y.device_ptr_mut(&s).0);
     for (what, ror, pr) in [("row_of_route + 2 bytes", ror_p + 2, probs_p), ("probs + 2 bytes", ror_p, probs_p + 2)] {
         // SAFETY: the pointers are checked and refused before anything is launched.
-        let e = unsafe {
-            plan.unpermute_raw(&s, rows_p, ror, pr, 10, 0, y_p)
-        }
-        .unwrap_err();
-        assert!(matches!(e, capturable_moe::Error::InvalidArgument { .. }) && e.to_string().contains("aligned"), "{what}: {e}");
+        let e = unsafe { plan.unpermute_raw(&s, rows_p, ror, pr, 10, 0, y_p) }.unwrap_err();
+        assert!(
+            matches!(e, capturable_moe::Error::InvalidArgument { .. }) && e.to_string().contains("aligned"),
+            "{what}: {e}"
+        );
     }
 }
 
@@ -471,8 +523,15 @@ fn graph_replays_with_new_routing() {
     const DPROBS_SENTINEL: f32 = -12345.0;
     let (e, k, h, f, t_max, cap) = (16usize, 4usize, 64usize, 32usize, 256usize, 700usize);
     let plan = RoutingPlan::new(RoutingConfig {
-        num_experts: e, hidden: h, ffn: f, topk: k, max_tokens: t_max, capacity: Some(cap),
-        expert_capacity: None, dtype: DType::Bf16, prob_dtype: DType::F32,
+        num_experts: e,
+        hidden: h,
+        ffn: f,
+        topk: k,
+        max_tokens: t_max,
+        capacity: Some(cap),
+        expert_capacity: None,
+        dtype: DType::Bf16,
+        prob_dtype: DType::F32,
     })
     .unwrap();
     let mut rng = StdRng::seed_from_u64(80);
@@ -511,7 +570,8 @@ fn graph_replays_with_new_routing() {
             1 => t_max,
             _ => rng.random_range(1..=t_max),
         };
-        let ids: Vec<i32> = if replay % 7 == 3 { vec![(replay % e) as i32; t_max * k] } else { topk_ids(&mut rng, t_max, e, k) };
+        let ids: Vec<i32> =
+            if replay % 7 == 3 { vec![(replay % e) as i32; t_max * k] } else { topk_ids(&mut rng, t_max, e, k) };
         let probs: Vec<f32> = (0..t_max * k).map(|_| dyadic(&mut rng)).collect();
         let x: Vec<bf16> = (0..t_max * h).map(|_| small_int(&mut rng)).collect();
         let dy: Vec<bf16> = (0..t_max * h).map(|_| small_int(&mut rng)).collect();
@@ -580,15 +640,23 @@ fn perf_report_target_shape() {
     unsafe { s.context().disable_event_tracking() };
     let (e, k, h, f, t) = (128usize, 8usize, 2048usize, 768usize, 4096usize);
     let plan = RoutingPlan::new(RoutingConfig {
-        num_experts: e, hidden: h, ffn: f, topk: k, max_tokens: t, capacity: None,
-        expert_capacity: None, dtype: DType::Bf16, prob_dtype: DType::F32,
+        num_experts: e,
+        hidden: h,
+        ffn: f,
+        topk: k,
+        max_tokens: t,
+        capacity: None,
+        expert_capacity: None,
+        dtype: DType::Bf16,
+        prob_dtype: DType::F32,
     })
     .unwrap();
     let cap = plan.capacity();
     let mut rng = StdRng::seed_from_u64(90);
     let ids = upload(&s, &topk_ids(&mut rng, t, e, k));
     let probs = upload(&s, &(0..t * k).map(|_| rng.random_range(0.0f32..1.0)).collect::<Vec<_>>());
-    let rand_bf16 = |n: usize, rng: &mut StdRng| (0..n).map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0))).collect::<Vec<_>>();
+    let rand_bf16 =
+        |n: usize, rng: &mut StdRng| (0..n).map(|_| bf16::from_f32(rng.random_range(-2.0f32..2.0))).collect::<Vec<_>>();
     let x = upload(&s, &rand_bf16(t * h, &mut rng));
     let dy = upload(&s, &rand_bf16(t * h, &mut rng));
     let hbuf = upload(&s, &rand_bf16(cap * 2 * f, &mut rng));
@@ -643,7 +711,9 @@ fn perf_report_target_shape() {
     time("build (graph)", (t * k * 4 * 4) as f64, &mut || g_build.launch().unwrap());
     time("forward routing (graph)", 4.0 * row_bytes, &mut || g_fwd.launch().unwrap());
     time("build", (t * k * 4 * 4) as f64, &mut || plan.build(&s, &ids, Tokens::Host(t), &mut maps).unwrap());
-    time("permute", tok_bytes + row_bytes, &mut || plan.permute(&s, &x, &maps.row_of_route, Tokens::Host(t), &mut rows).unwrap());
+    time("permute", tok_bytes + row_bytes, &mut || {
+        plan.permute(&s, &x, &maps.row_of_route, Tokens::Host(t), &mut rows).unwrap()
+    });
     time("swiglu", (cap * f * 2 * 3) as f64, &mut || plan.swiglu(&s, &hbuf, &maps.offsets, &mut act).unwrap());
     time("unpermute", row_bytes + tok_bytes, &mut || {
         plan.unpermute(&s, &rows, &maps.row_of_route, &probs, Tokens::Host(t), &mut y).unwrap()

@@ -73,7 +73,6 @@ fn plan_rejects_what_the_host_can_check() {
     assert!(matches!(bad(config(8, 32, 1 << 26)), Error::InvalidArgument { .. }));
 }
 
-
 /// The layout contract, checked from first principles on any reference output.
 fn check_contract(ids: &[i32], tokens: usize, e: usize, k: usize, capacity: usize, m: &r::RouteMaps) {
     let total = m.offsets[e] as usize;

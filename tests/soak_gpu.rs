@@ -162,9 +162,18 @@ impl Stability {
         sorted.sort_by(f64::total_cmp);
         let median = sorted[sorted.len() / 2];
         let slowest = sorted[sorted.len() - 1];
-        assert!(slowest <= 2.0 * median, "{}: a block of 1000 replays took {slowest:.0} ms, the median {median:.0} ms", self.name);
+        assert!(
+            slowest <= 2.0 * median,
+            "{}: a block of 1000 replays took {slowest:.0} ms, the median {median:.0} ms",
+            self.name
+        );
         let lowest = self.free_mb.iter().copied().fold(f64::INFINITY, f64::min);
-        assert!(self.free_mb[0] - lowest <= 16.0, "{}: free device memory fell from {:.1} to {lowest:.1} MiB", self.name, self.free_mb[0]);
+        assert!(
+            self.free_mb[0] - lowest <= 16.0,
+            "{}: free device memory fell from {:.1} to {lowest:.1} MiB",
+            self.name,
+            self.free_mb[0]
+        );
     }
 }
 
@@ -247,7 +256,15 @@ impl ExpertIo {
         let tokens = Tokens::Device(&self.tokens);
         self.moe.forward(stream, &self.x, &self.ids, &self.probs, tokens, &self.w1, &self.w2, &mut self.y)?;
         self.moe.backward(
-            stream, &self.dy, &self.probs, tokens, &self.w1, &self.w2, &mut self.dx, &mut self.dprobs, &mut self.dw1,
+            stream,
+            &self.dy,
+            &self.probs,
+            tokens,
+            &self.w1,
+            &self.w2,
+            &mut self.dx,
+            &mut self.dprobs,
+            &mut self.dw1,
             &mut self.dw2,
         )
     }
@@ -459,17 +476,64 @@ impl EchoIo {
     fn run(&mut self, stream: &Arc<CudaStream>) -> capturable_moe::Result<()> {
         let s = self.plan.config().num_spare();
         let tok = Tokens::Device(&self.tokens);
-        self.plan.plan_reroute_topk(stream, &self.counts, &self.ids, &self.probs, tok, &mut self.state, &mut self.ws, &mut self.dest, &mut self.dest_probs)?;
+        self.plan.plan_reroute_topk(
+            stream,
+            &self.counts,
+            &self.ids,
+            &self.probs,
+            tok,
+            &mut self.state,
+            &mut self.ws,
+            &mut self.dest,
+            &mut self.dest_probs,
+        )?;
         let off = self.plan.layout().slot_expert;
         let slot_expert = self.state.slice(off..off + s);
-        echo::fill_spare_weights(stream, &slot_expert, EE, 0, s, &self.w1, &mut self.w1_spare, W1, &mut self.slot_errors)?;
-        echo::fill_spare_weights(stream, &slot_expert, EE, 0, s, &self.w2, &mut self.w2_spare, W2, &mut self.slot_errors)?;
+        echo::fill_spare_weights(
+            stream,
+            &slot_expert,
+            EE,
+            0,
+            s,
+            &self.w1,
+            &mut self.w1_spare,
+            W1,
+            &mut self.slot_errors,
+        )?;
+        echo::fill_spare_weights(
+            stream,
+            &slot_expert,
+            EE,
+            0,
+            s,
+            &self.w2,
+            &mut self.w2_spare,
+            W2,
+            &mut self.slot_errors,
+        )?;
         stream.memset_zeros(&mut self.dw1_spare)?;
         stream.memset_zeros(&mut self.dw2_spare)?;
-        self.moe.forward(stream, &self.x, &self.dest, &self.dest_probs, tok, &self.w1_ptrs, &self.w2_ptrs, &mut self.y)?;
+        self.moe.forward(
+            stream,
+            &self.x,
+            &self.dest,
+            &self.dest_probs,
+            tok,
+            &self.w1_ptrs,
+            &self.w2_ptrs,
+            &mut self.y,
+        )?;
         self.moe.backward(
-            stream, &self.dy, &self.dest_probs, tok, &self.w1_ptrs, &self.w2_ptrs, &mut self.dx, &mut self.dprobs,
-            &mut self.dw1_ptrs, &mut self.dw2_ptrs,
+            stream,
+            &self.dy,
+            &self.dest_probs,
+            tok,
+            &self.w1_ptrs,
+            &self.w2_ptrs,
+            &mut self.dx,
+            &mut self.dprobs,
+            &mut self.dw1_ptrs,
+            &mut self.dw2_ptrs,
         )?;
         echo::fold_spare_grads(stream, &slot_expert, EE, s, &self.dw1_spare, &mut self.dw1, W1, &mut self.slot_errors)?;
         echo::fold_spare_grads(stream, &slot_expert, EE, s, &self.dw2_spare, &mut self.dw2, W2, &mut self.slot_errors)
@@ -553,14 +617,22 @@ fn soak_echo_plan_reroute_and_expert_path_graph_gpu() {
             want_echo |= DeviceErrors::BAD_TOKENS;
         }
         let want_routing = if kind == Kind::TokensPastMax { flags::BAD_TOKENS } else { 0 };
-        assert_eq!(graph_io.plan.read_errors(&stream, &graph_io.state).unwrap().0, want_echo, "{what}: Echo error word");
+        assert_eq!(
+            graph_io.plan.read_errors(&stream, &graph_io.state).unwrap().0,
+            want_echo,
+            "{what}: Echo error word"
+        );
         assert_eq!(word(&stream, &graph_io.moe.maps.flags), want_routing, "{what}: routing flag word");
         assert_eq!(word(&stream, &graph_io.moe.gemm_flags), 0, "{what}: GEMM flag word");
         assert_eq!(stream.clone_dtoh(&graph_io.slot_errors).unwrap()[0], 0, "{what}: fill / fold error word");
         if sampled(i) {
             eager_io.load(&stream, &r, &counts, &x, &dy);
             eager_io.run(&stream).unwrap();
-            assert_eq!(eager_io.plan.read_errors(&stream, &eager_io.state).unwrap().0, want_echo, "{what}: eager Echo error word");
+            assert_eq!(
+                eager_io.plan.read_errors(&stream, &eager_io.state).unwrap().0,
+                want_echo,
+                "{what}: eager Echo error word"
+            );
             let got = graph_io.bits(&stream);
             assert_bits(&format!("{what}: graph vs eager"), &got, &eager_io.bits(&stream));
             let dest = &got[..ET_MAX * EK];
@@ -571,7 +643,10 @@ fn soak_echo_plan_reroute_and_expert_path_graph_gpu() {
         }
         stable.after_replay(&stream, i);
     }
-    println!("echo + expert path: {} replays, {compared} compared with eager, {moved} of those moved routes to spare slots", replays());
+    println!(
+        "echo + expert path: {} replays, {compared} compared with eager, {moved} of those moved routes to spare slots",
+        replays()
+    );
     assert!(moved >= compared / 10, "too few compared replays exercised the spare slots");
     stable.check();
 }

@@ -81,7 +81,8 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     // Activation-shaped operands rotate over `sets` copies so that a timed call reads them from
     // HBM, not from the L2 the previous call left warm (the weights exceed L2 on every shape).
     let wgrad = op == GemmOp::Wgrad;
-    let l2 = stream.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE).unwrap_or(50 << 20) as usize;
+    let l2 =
+        stream.context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE).unwrap_or(50 << 20) as usize;
     let rotated_bytes = 2 * if wgrad { a_len + b_len } else { a_len + d_len };
     let sets = (2 * l2).div_ceil(rotated_bytes.max(1)).clamp(1, 8);
     let copies = |rotated: bool| if rotated { sets } else { 1 };
@@ -161,12 +162,15 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
 
     // Other kernel configurations asked for with --configs, each checked against Auto's output.
     for &config in &args.configs {
-        let (us, note) = match time_config(stream, args, &spec, config, &a, &b, &m_splits, &mut d, &mut check, &reference, d_len) {
-            // Different tiles sum in a different order: agreement within bf16 rounding.
-            Ok((us, err)) if err <= 1e-2 => (us, format!("relerr vs auto {err:.1e}")),
-            Ok((_, err)) => (f64::NAN, format!("output disagrees with auto (relerr {err:.2e} > 1e-2), time not reported")),
-            Err(e) => (f64::NAN, format!("unavailable: {e}")),
-        };
+        let (us, note) =
+            match time_config(stream, args, &spec, config, &a, &b, &m_splits, &mut d, &mut check, &reference, d_len) {
+                // Different tiles sum in a different order: agreement within bf16 rounding.
+                Ok((us, err)) if err <= 1e-2 => (us, format!("relerr vs auto {err:.1e}")),
+                Ok((_, err)) => {
+                    (f64::NAN, format!("output disagrees with auto (relerr {err:.2e} > 1e-2), time not reported"))
+                }
+                Err(e) => (f64::NAN, format!("unavailable: {e}")),
+            };
         push(&format!("capmoe-graph[{}]", config.name()), us, None, Some(note));
     }
 
@@ -184,12 +188,18 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     };
 
     // cuBLAS loops: the host reads m_splits back first (the sync TransformerEngine needs).
-    let loops: &[(&str, usize)] = if args.sweep { &[] } else { &[("cublas-multistream", args.streams), ("cublas-single", 1)] };
+    let loops: &[(&str, usize)] =
+        if args.sweep { &[] } else { &[("cublas-multistream", args.streams), ("cublas-single", 1)] };
     for &(imp, streams) in loops {
         let timed = CublasLoop::new(spec.clone(), stream, streams).map_err(|e| e.to_string()).and_then(|baseline| {
-            time_with_readback(stream, args.reps, &m_splits, &mut verify, |i| ops_at(i, &d[i % d.len()]), |ops, splits| {
-                baseline.launch(stream, ops, splits)
-            })
+            time_with_readback(
+                stream,
+                args.reps,
+                &m_splits,
+                &mut verify,
+                |i| ops_at(i, &d[i % d.len()]),
+                |ops, splits| baseline.launch(stream, ops, splits),
+            )
         });
         match timed {
             Ok((us, host, sync)) => push(imp, us, Some(host), Some(format!("m_splits readback {sync:.1} us"))),
@@ -200,18 +210,24 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     // One cublasGemmGroupedBatchedEx call: also needs m_splits on the host (its sizes are host
     // arrays); the device pointer arrays are rebuilt and uploaded on every call.
     let imp = "cublas-grouped-batched";
-    let timed = if args.sweep { Err("skipped (--sweep)".to_string()) } else { CublasGroupedBatched::new(spec.clone(), stream).map_err(|e| e.to_string()).and_then(|mut baseline| {
-        time_with_readback(stream, args.reps, &m_splits, &mut verify, |i| ops_at(i, &d[i % d.len()]), |ops, splits| {
-            baseline.launch(ops, splits)
+    let timed = if args.sweep {
+        Err("skipped (--sweep)".to_string())
+    } else {
+        CublasGroupedBatched::new(spec.clone(), stream).map_err(|e| e.to_string()).and_then(|mut baseline| {
+            time_with_readback(
+                stream,
+                args.reps,
+                &m_splits,
+                &mut verify,
+                |i| ops_at(i, &d[i % d.len()]),
+                |ops, splits| baseline.launch(ops, splits),
+            )
         })
-    }) };
+    };
     match timed {
-        Ok((us, host, sync)) => push(
-            imp,
-            us,
-            Some(host),
-            Some(format!("m_splits readback {sync:.1} us; pointer arrays uploaded per call")),
-        ),
+        Ok((us, host, sync)) => {
+            push(imp, us, Some(host), Some(format!("m_splits readback {sync:.1} us; pointer arrays uploaded per call")))
+        }
         Err(_) if args.sweep => {}
         Err(e) => push(imp, f64::NAN, None, Some(format!("unavailable: {e}"))),
     }
@@ -389,7 +405,10 @@ fn cublaslt_grouped_status(stream: &Arc<CudaStream>) -> String {
         Ok((major, minor, patch)) => {
             format!("cuBLAS {major}.{minor}.{patch} supports it but this report does not implement it yet")
         }
-        Err(e) => format!("cuBLAS version unknown ({e}); grouped matmul with device-side sizes needs {}.{}+{on}", need.0, need.1),
+        Err(e) => format!(
+            "cuBLAS version unknown ({e}); grouped matmul with device-side sizes needs {}.{}+{on}",
+            need.0, need.1
+        ),
     }
 }
 

@@ -25,8 +25,10 @@ pub fn anchor_rows(path: &str) -> Result<Vec<Row>, String> {
         // rows for the grouped and loop calls (the script records how many had none), one
         // [K, N] matrix for torch.mm.
         let active = shape.experts.saturating_sub(dims("zero_experts"));
-        let bytes = |weights: usize| ((shape.rows * shape.k + weights * shape.k * shape.n + shape.rows * shape.n) * 2) as f64;
-        for (key, imp) in [("grouped_ms", "torch-grouped-mm"), ("loop4_ms", "torch-loop4"), ("dense_ms", "torch-dense")] {
+        let bytes =
+            |weights: usize| ((shape.rows * shape.k + weights * shape.k * shape.n + shape.rows * shape.n) * 2) as f64;
+        for (key, imp) in [("grouped_ms", "torch-grouped-mm"), ("loop4_ms", "torch-loop4"), ("dense_ms", "torch-dense")]
+        {
             let bytes = bytes(if key == "dense_ms" { 1 } else { active });
             if let Some(ms) = r[key].as_f64() {
                 let us = ms * 1e3;
@@ -99,7 +101,14 @@ pub fn print_table(rows: &[Row]) {
     for r in rows {
         let References { multistream_us: multi, dense_us: dense, roofline_us: roofline } = reference(r);
         if r.us.is_nan() {
-            println!("{:<14} | {:<8} | {:<6} | {:<22} | {}", r.shape, r.routing, r.op, r.imp, r.note.clone().unwrap_or_default());
+            println!(
+                "{:<14} | {:<8} | {:<6} | {:<22} | {}",
+                r.shape,
+                r.routing,
+                r.op,
+                r.imp,
+                r.note.clone().unwrap_or_default()
+            );
             continue;
         }
         // The memcpy-floor row does no FLOPs: "-" rather than NaN.
@@ -108,7 +117,16 @@ pub fn print_table(rows: &[Row]) {
         // other two ratios are the reference's time over this row's (> 1 = faster).
         println!(
             "{:<14} | {:<8} | {:<6} | {:<22} | {:>9.1} | {:>8} | {:>7.0} | {:>14.2} | {:>7.2} | {:>10.2}",
-            r.shape, r.routing, r.op, r.imp, r.us, tflops, r.gbps, multi / r.us, dense / r.us, r.us / roofline
+            r.shape,
+            r.routing,
+            r.op,
+            r.imp,
+            r.us,
+            tflops,
+            r.gbps,
+            multi / r.us,
+            dense / r.us,
+            r.us / roofline
         );
     }
 }
@@ -145,4 +163,3 @@ pub fn write_json(path: &str, device: &DeviceInfo, max_clocks_khz: (i32, i32), r
     }
     std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap())
 }
-

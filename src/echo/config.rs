@@ -101,10 +101,7 @@ impl EchoConfig {
             return bad("ep must be >= 1".into());
         }
         if self.num_experts == 0 || !self.num_experts.is_multiple_of(self.ep) {
-            return bad(format!(
-                "num_experts = {} must be a positive multiple of ep = {}",
-                self.num_experts, self.ep
-            ));
+            return bad(format!("num_experts = {} must be a positive multiple of ep = {}", self.num_experts, self.ep));
         }
         if self.spare_per_rank == 0 || self.spare_per_rank > self.num_experts {
             return bad(format!(

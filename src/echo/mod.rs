@@ -136,10 +136,7 @@ impl EchoPlan {
     pub fn new(cfg: EchoConfig, t_max: usize) -> Result<EchoPlan> {
         cfg.validate_gpu()?;
         if t_max > i32::MAX as usize {
-            return Err(Error::InvalidArgument {
-                op: "echo plan",
-                why: format!("t_max = {t_max} must be < 2^31"),
-            });
+            return Err(Error::InvalidArgument { op: "echo plan", why: format!("t_max = {t_max} must be < 2^31") });
         }
         let abi = sys::capmoe_echo_config_t {
             ep: cfg.ep as i64,
@@ -179,7 +176,12 @@ impl EchoPlan {
 
     /// What the plan was built for: the configuration, `t_max`, the state and workspace sizes.
     pub fn desc(&self) -> EchoPlanDesc {
-        EchoPlanDesc { config: self.cfg.clone(), t_max: self.t_max, state_len: self.state_len(), workspace_len: self.workspace_len }
+        EchoPlanDesc {
+            config: self.cfg.clone(),
+            t_max: self.t_max,
+            state_len: self.state_len(),
+            workspace_len: self.workspace_len,
+        }
     }
     pub fn config(&self) -> &EchoConfig {
         &self.cfg
@@ -284,9 +286,7 @@ impl EchoPlan {
         let (op, _g7) = out_probs.device_ptr_mut(stream);
         let (t_dev, _g8) = device_count(stream, tokens);
         // SAFETY: every length checked above; guards alive until the end of the call.
-        unsafe {
-            self.plan_reroute_dense_raw(stream, c, m, p, num_tokens, t_dev, s, ws, ws_len, om, op)
-        }
+        unsafe { self.plan_reroute_dense_raw(stream, c, m, p, num_tokens, t_dev, s, ws, ws_len, om, op) }
     }
 
     /// P1–P9, top-k form: rewrites `expert_ids [T, k]` to final columns. Two launches; no host
@@ -332,9 +332,7 @@ impl EchoPlan {
         let (op, _g7) = out_probs.device_ptr_mut(stream);
         let (t_dev, _g8) = device_count(stream, tokens);
         // SAFETY: every length checked above; guards alive until the end of the call.
-        unsafe {
-            self.plan_reroute_topk_raw(stream, c, ids, p, num_tokens, t_dev, s, ws, ws_len, od, op)
-        }
+        unsafe { self.plan_reroute_topk_raw(stream, c, ids, p, num_tokens, t_dev, s, ws, ws_len, od, op) }
     }
 
     /// Raw form of [`plan`](Self::plan) for other engines (crate convention: `&CudaStream`
@@ -348,7 +346,10 @@ impl EchoPlan {
     /// is rejected before a launch).
     pub unsafe fn plan_raw(&self, stream: &CudaStream, counts: CUdeviceptr, state: CUdeviceptr) -> Result<()> {
         stream.context().bind_to_thread()?;
-        check(sys::capmoe_echo_plan(&self.abi, counts as *const i64, state as *mut i64, raw_stream(stream)), "echo plan")
+        check(
+            sys::capmoe_echo_plan(&self.abi, counts as *const i64, state as *mut i64, raw_stream(stream)),
+            "echo plan",
+        )
     }
 
     /// Raw form of [`plan_reroute_dense`](Self::plan_reroute_dense).
@@ -544,7 +545,10 @@ pub const MAX_WEIGHT_SLOTS: usize = sys::CAPMOE_ECHO_MAX_WEIGHT_SLOTS as usize;
 
 fn ensure_weight_slots(op: &'static str, num_slots: usize) -> Result<()> {
     if num_slots > MAX_WEIGHT_SLOTS {
-        return Err(Error::InvalidArgument { op, why: format!("num_slots = {num_slots} > {MAX_WEIGHT_SLOTS} per call") });
+        return Err(Error::InvalidArgument {
+            op,
+            why: format!("num_slots = {num_slots} > {MAX_WEIGHT_SLOTS} per call"),
+        });
     }
     Ok(())
 }

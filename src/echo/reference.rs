@@ -299,8 +299,7 @@ pub fn passes_from_assignment(cfg: &EchoConfig, counts: &[i64], h: &[i64]) -> Re
     let c = |r: usize, x: usize| counts[r * ne + x];
     let n: Vec<i64> = (0..ne).map(|x| (0..ep).map(|r| c(r, x)).sum()).collect();
     // P4
-    let slot_expert: Vec<i64> =
-        (0..s).map(|j| (0..ne).find(|&x| h[x * s + j] > 0).map_or(-1, |x| x as i64)).collect();
+    let slot_expert: Vec<i64> = (0..s).map(|j| (0..ne).find(|&x| h[x * s + j] > 0).map_or(-1, |x| x as i64)).collect();
 
     // P5
     let mut f = vec![0i64; ep * s];
@@ -454,10 +453,7 @@ pub fn reroute_topk(
                 });
             };
             if std::mem::replace(&mut routing[i * ne + x], true) {
-                return Err(Error::InvalidArgument {
-                    op: OP,
-                    why: format!("token {i} lists expert {x} twice"),
-                });
+                return Err(Error::InvalidArgument { op: OP, why: format!("token {i} lists expert {x} twice") });
             }
         }
     }

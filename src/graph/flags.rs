@@ -38,25 +38,53 @@ const ROUTING_BITS: [(i32, &str, &str); 4] = [
     (routing::flags::CAPACITY, "CAPMOE_ROUTING_CAPACITY", "routes were dropped by capacity / expert_capacity"),
     (routing::flags::BAD_EXPERT, "CAPMOE_ROUTING_BAD_EXPERT", "an expert id outside [0, E) was dropped"),
     (routing::flags::TOO_MANY, "CAPMOE_ROUTING_TOO_MANY", "a token of the routing map had more than k routes"),
-    (routing::flags::BAD_TOKENS, "CAPMOE_ROUTING_BAD_TOKENS", "the device token count was outside [0, T_max] (clamped)"),
+    (
+        routing::flags::BAD_TOKENS,
+        "CAPMOE_ROUTING_BAD_TOKENS",
+        "the device token count was outside [0, T_max] (clamped)",
+    ),
 ];
 
 const GEMM_BITS: [(i32, &str, &str); 4] = [
     (gg::OVERFLOW_CAPACITY, "CAPMOE_OVERFLOW_CAPACITY", "the row total exceeded the GEMM's capacity (clamped)"),
     (gg::OVERFLOW_NEGATIVE, "CAPMOE_OVERFLOW_NEGATIVE", "a negative m_splits count was read as 0"),
-    (gg::OVERFLOW_MISALIGNED_POINTER, "CAPMOE_OVERFLOW_MISALIGNED", "a per-expert pointer was not 16-byte aligned (expert skipped)"),
+    (
+        gg::OVERFLOW_MISALIGNED_POINTER,
+        "CAPMOE_OVERFLOW_MISALIGNED",
+        "a per-expert pointer was not 16-byte aligned (expert skipped)",
+    ),
     (gg::OVERFLOW_NULL_POINTER, "CAPMOE_OVERFLOW_NULL_POINTER", "a per-expert pointer was null (expert skipped)"),
 ];
 
 const ECHO_BITS: [(u32, &str, &str); 8] = [
     (DeviceErrors::NEGATIVE_COUNT, "CAPMOE_ECHO_ERR_NEGATIVE_COUNT", "a count was negative: the plan was zeroed"),
-    (DeviceErrors::COUNT_TOO_LARGE, "CAPMOE_ECHO_ERR_COUNT_TOO_LARGE", "an expert count reached 2^24: the plan was zeroed"),
-    (DeviceErrors::ROUTING_MISMATCH, "CAPMOE_ECHO_ERR_ROUTING_MISMATCH", "the routing's column sums differ from the rank's counts"),
-    (DeviceErrors::EXPERT_OUT_OF_RANGE, "CAPMOE_ECHO_ERR_EXPERT_OUT_OF_RANGE", "an expert id outside [0, E) (route got -1)"),
+    (
+        DeviceErrors::COUNT_TOO_LARGE,
+        "CAPMOE_ECHO_ERR_COUNT_TOO_LARGE",
+        "an expert count reached 2^24: the plan was zeroed",
+    ),
+    (
+        DeviceErrors::ROUTING_MISMATCH,
+        "CAPMOE_ECHO_ERR_ROUTING_MISMATCH",
+        "the routing's column sums differ from the rank's counts",
+    ),
+    (
+        DeviceErrors::EXPERT_OUT_OF_RANGE,
+        "CAPMOE_ECHO_ERR_EXPERT_OUT_OF_RANGE",
+        "an expert id outside [0, E) (route got -1)",
+    ),
     (DeviceErrors::DUPLICATE_ROUTE, "CAPMOE_ECHO_ERR_DUPLICATE_ROUTE", "a token listed one expert twice"),
     (DeviceErrors::INTERNAL, "CAPMOE_ECHO_ERR_INTERNAL", "a planner invariant failed"),
-    (DeviceErrors::BAD_SLOT_EXPERT, "CAPMOE_ECHO_ERR_BAD_SLOT_EXPERT", "a spare slot's expert was outside [-1, E) (slot skipped)"),
-    (DeviceErrors::BAD_TOKENS, "CAPMOE_ECHO_ERR_BAD_TOKENS", "the device token count was outside [0, num_tokens] (clamped)"),
+    (
+        DeviceErrors::BAD_SLOT_EXPERT,
+        "CAPMOE_ECHO_ERR_BAD_SLOT_EXPERT",
+        "a spare slot's expert was outside [-1, E) (slot skipped)",
+    ),
+    (
+        DeviceErrors::BAD_TOKENS,
+        "CAPMOE_ECHO_ERR_BAD_TOKENS",
+        "the device token count was outside [0, num_tokens] (clamped)",
+    ),
 ];
 
 /// The words to read; any may be absent. Views of one element (e.g. `moe.maps.flags.as_view()`,
@@ -115,10 +143,20 @@ impl FlagReport {
     pub fn flags(&self) -> Vec<Flag> {
         let mut out = Vec::new();
         if let Some(word) = self.routing {
-            decode(&mut out, FlagSource::Routing, word as u32, ROUTING_BITS.map(|(b, n, m)| (b as u32, n, m)).as_slice());
+            decode(
+                &mut out,
+                FlagSource::Routing,
+                word as u32,
+                ROUTING_BITS.map(|(b, n, m)| (b as u32, n, m)).as_slice(),
+            );
         }
         if let Some(word) = self.grouped_gemm {
-            decode(&mut out, FlagSource::GroupedGemm, word as u32, GEMM_BITS.map(|(b, n, m)| (b as u32, n, m)).as_slice());
+            decode(
+                &mut out,
+                FlagSource::GroupedGemm,
+                word as u32,
+                GEMM_BITS.map(|(b, n, m)| (b as u32, n, m)).as_slice(),
+            );
         }
         if let Some(word) = self.echo {
             decode(&mut out, FlagSource::Echo, word as u32, &ECHO_BITS);
@@ -192,18 +230,24 @@ mod tests {
     #[test]
     fn bit_values_are_the_c_headers_host() {
         use crate::sys;
-        assert_eq!(ROUTING_BITS.map(|b| b.0 as u32), [
-            sys::CAPMOE_ROUTING_CAPACITY,
-            sys::CAPMOE_ROUTING_BAD_EXPERT,
-            sys::CAPMOE_ROUTING_TOO_MANY,
-            sys::CAPMOE_ROUTING_BAD_TOKENS
-        ]);
-        assert_eq!(GEMM_BITS.map(|b| b.0 as u32), [
-            sys::CAPMOE_OVERFLOW_CAPACITY,
-            sys::CAPMOE_OVERFLOW_NEGATIVE,
-            sys::CAPMOE_OVERFLOW_MISALIGNED,
-            sys::CAPMOE_OVERFLOW_NULL_POINTER
-        ]);
+        assert_eq!(
+            ROUTING_BITS.map(|b| b.0 as u32),
+            [
+                sys::CAPMOE_ROUTING_CAPACITY,
+                sys::CAPMOE_ROUTING_BAD_EXPERT,
+                sys::CAPMOE_ROUTING_TOO_MANY,
+                sys::CAPMOE_ROUTING_BAD_TOKENS
+            ]
+        );
+        assert_eq!(
+            GEMM_BITS.map(|b| b.0 as u32),
+            [
+                sys::CAPMOE_OVERFLOW_CAPACITY,
+                sys::CAPMOE_OVERFLOW_NEGATIVE,
+                sys::CAPMOE_OVERFLOW_MISALIGNED,
+                sys::CAPMOE_OVERFLOW_NULL_POINTER
+            ]
+        );
         assert_eq!(ECHO_BITS.iter().fold(0, |acc, b| acc | b.0), 255, "the eight Echo bits are 1 ..= 128");
     }
 
@@ -212,14 +256,17 @@ mod tests {
     fn mixed_words_and_unknown_bits_host() {
         let r = FlagReport { routing: Some(1 | 16 | 2), grouped_gemm: Some(64), echo: Some(4 | (1 << 40)) };
         let names: Vec<_> = r.flags().iter().map(|f| (f.source, f.name, f.bit)).collect();
-        assert_eq!(names, vec![
-            (FlagSource::Routing, "CAPMOE_ROUTING_CAPACITY", 1),
-            (FlagSource::Routing, "CAPMOE_ROUTING_BAD_TOKENS", 16),
-            (FlagSource::Routing, "UNKNOWN", 2),
-            (FlagSource::GroupedGemm, "CAPMOE_OVERFLOW_NULL_POINTER", 64),
-            (FlagSource::Echo, "CAPMOE_ECHO_ERR_ROUTING_MISMATCH", 4),
-            (FlagSource::Echo, "UNKNOWN", 0),
-        ]);
+        assert_eq!(
+            names,
+            vec![
+                (FlagSource::Routing, "CAPMOE_ROUTING_CAPACITY", 1),
+                (FlagSource::Routing, "CAPMOE_ROUTING_BAD_TOKENS", 16),
+                (FlagSource::Routing, "UNKNOWN", 2),
+                (FlagSource::GroupedGemm, "CAPMOE_OVERFLOW_NULL_POINTER", 64),
+                (FlagSource::Echo, "CAPMOE_ECHO_ERR_ROUTING_MISMATCH", 4),
+                (FlagSource::Echo, "UNKNOWN", 0),
+            ]
+        );
         assert!(!r.is_clean());
         let clean = FlagReport { routing: Some(0), grouped_gemm: Some(0), echo: None };
         assert!(clean.is_clean() && clean.flags().is_empty());

@@ -33,7 +33,7 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{
-    self, CUdeviceptr, CUmemAccess_flags, CUmemAccessDesc, CUmemAllocationGranularity_flags, CUmemAllocationProp,
+    self, CUdeviceptr, CUmemAccessDesc, CUmemAccess_flags, CUmemAllocationGranularity_flags, CUmemAllocationProp,
     CUmemAllocationType, CUmemGenericAllocationHandle, CUmemLocation, CUmemLocationType,
 };
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice, SyncOnDrop};
@@ -271,7 +271,9 @@ impl MemoryPool {
         let range_bytes = round_up(range_bytes.max(1), granularity)
             .ok_or_else(|| Error::InvalidArgument { op: OP, why: format!("range_bytes {range_bytes} overflows") })?;
         let state = PoolState { layout: PhysicalLayout::new(granularity), handles: Vec::new(), ranges: Vec::new() };
-        Ok(MemoryPool { shared: Arc::new(PoolShared { stream: stream.clone(), range_bytes, state: Mutex::new(state) }) })
+        Ok(MemoryPool {
+            shared: Arc::new(PoolShared { stream: stream.clone(), range_bytes, state: Mutex::new(state) }),
+        })
     }
 
     /// The one stream every buffer and graph of the pool is used on.

@@ -245,7 +245,10 @@ impl GroupedGemmSpec {
         if !out_ok {
             return Err(Error::Unsupported {
                 op: OP,
-                why: format!("{:?} output {:?} from {:?} input (fp32 output is wgrad-only)", self.op, self.out_dtype, self.dtype),
+                why: format!(
+                    "{:?} output {:?} from {:?} input (fp32 output is wgrad-only)",
+                    self.op, self.out_dtype, self.dtype
+                ),
             });
         }
         if self.accumulate && !(wgrad && self.out_dtype == DType::F32) {
@@ -255,7 +258,9 @@ impl GroupedGemmSpec {
         // device's offsets; this also keeps `operand_lens` free of overflow.
         let (e, n, k, cap) = (self.num_experts as u128, self.n as u128, self.k as u128, self.capacity as u128);
         if e * n * k * 4 > i64::MAX as u128 || (cap + 1) * n.max(k) * 4 > i64::MAX as u128 {
-            return invalid(format!("E * N * K = {e} * {n} * {k} or capacity * max(N, K) is too large for 64-bit byte offsets"));
+            return invalid(format!(
+                "E * N * K = {e} * {n} * {k} or capacity * max(N, K) is too large for 64-bit byte offsets"
+            ));
         }
         Ok(())
     }
@@ -383,7 +388,13 @@ impl GroupedGemm {
         abi.config = resolved;
         let mut bytes = 0u64;
         check(unsafe { sys::capmoe_grouped_gemm_workspace_size(&abi, &mut bytes) }, OP)?;
-        let desc = GroupedGemmDesc { spec, config, arch: device.arch, sm_count: device.sm_count, workspace_bytes: bytes as usize };
+        let desc = GroupedGemmDesc {
+            spec,
+            config,
+            arch: device.arch,
+            sm_count: device.sm_count,
+            workspace_bytes: bytes as usize,
+        };
         Ok(GroupedGemm { desc, abi })
     }
 

@@ -46,12 +46,12 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, ValidAsZero
 
 pub use slots::{echo_slot_pointers, echo_slot_table};
 
+use crate::device::ensure_same_context;
 use crate::dtype::DType;
+use crate::error::ensure_len;
 use crate::graph::{ensure_not_capturing, DeviceBuffer, PoolRange, Scratch};
 use crate::grouped_gemm::{GemmConfig, GemmOp, GemmOperand, GroupedGemm, GroupedGemmSpec};
 use crate::routing::{self, RouteMaps, RoutingConfig, RoutingPlan, Tokens};
-use crate::device::ensure_same_context;
-use crate::error::ensure_len;
 use crate::{Error, Result};
 
 /// Shapes and types of one MoE layer's experts, fixed at plan time.
@@ -269,7 +269,10 @@ fn ensure_backward_contexts<T, P, W, G>(
 }
 
 fn form_name(dtype: Option<DType>) -> String {
-    dtype.map_or_else(|| "a u64 pointer array (WeightForm::Pointers)".into(), |d| format!("a {d:?} tensor (WeightForm::Tensor)"))
+    dtype.map_or_else(
+        || "a u64 pointer array (WeightForm::Pointers)".into(),
+        |d| format!("a {d:?} tensor (WeightForm::Tensor)"),
+    )
 }
 
 impl<T: MoeElement> MoeExperts<T> {
@@ -292,7 +295,12 @@ impl<T: MoeElement> MoeExperts<T> {
     /// allocations: they are read after a replay or carry state between launches. `stream`
     /// must be the pool's stream ([`Error::WrongStream`]). Forward and backward of one step
     /// must run with no other graph of the pool between them (the pool's rule).
-    pub fn with_pool(config: MoeConfig, options: MoeOptions, stream: &Arc<CudaStream>, range: &PoolRange) -> Result<MoeExperts<T>> {
+    pub fn with_pool(
+        config: MoeConfig,
+        options: MoeOptions,
+        stream: &Arc<CudaStream>,
+        range: &PoolRange,
+    ) -> Result<MoeExperts<T>> {
         if **stream != **range.stream() {
             return Err(Error::WrongStream {
                 op: "MoeExperts::with_pool",
@@ -303,7 +311,13 @@ impl<T: MoeElement> MoeExperts<T> {
         Self::build("MoeExperts::with_pool", config, options, stream, Scratch::Pool(range))
     }
 
-    fn build(op: &'static str, config: MoeConfig, options: MoeOptions, stream: &Arc<CudaStream>, scratch: Scratch<'_>) -> Result<MoeExperts<T>> {
+    fn build(
+        op: &'static str,
+        config: MoeConfig,
+        options: MoeOptions,
+        stream: &Arc<CudaStream>,
+        scratch: Scratch<'_>,
+    ) -> Result<MoeExperts<T>> {
         ensure_not_capturing(stream, op)?;
         if config.dtype != <T as routing::Element>::DTYPE {
             return Err(Error::Shape {
@@ -362,7 +376,11 @@ impl<T: MoeElement> MoeExperts<T> {
     /// [`Error::WrongStream`].
     fn ensure_bound_stream(&self, op: &'static str, stream: &CudaStream) -> Result<()> {
         if *stream != *self.stream {
-            return Err(Error::WrongStream { op, bound: self.stream.cu_stream() as u64, got: stream.cu_stream() as u64 });
+            return Err(Error::WrongStream {
+                op,
+                bound: self.stream.cu_stream() as u64,
+                got: stream.cu_stream() as u64,
+            });
         }
         Ok(())
     }
@@ -414,7 +432,18 @@ impl<T: MoeElement> MoeExperts<T> {
         ensure_same_context(OP, "fc1_weight", stream, fc1_weight)?;
         ensure_same_context(OP, "fc2_weight", stream, fc2_weight)?;
         ensure_same_context(OP, "y", stream, y)?;
-        self.path.forward(stream, &mut self.maps, &mut self.gemm_flags, x, expert_ids, probs, tokens, fc1_weight, fc2_weight, y)
+        self.path.forward(
+            stream,
+            &mut self.maps,
+            &mut self.gemm_flags,
+            x,
+            expert_ids,
+            probs,
+            tokens,
+            fc1_weight,
+            fc2_weight,
+            y,
+        )
     }
 
     /// Gradients of [`forward`](Self::forward) (which must have run with the same inputs):
@@ -438,10 +467,32 @@ impl<T: MoeElement> MoeExperts<T> {
         const OP: &str = "MoeExperts::backward";
         self.ensure_bound_stream(OP, stream)?;
         self.check_routes(OP, "dprobs", dprobs.len())?;
-        self.check_backward::<P, W, G>(OP, dy.len(), probs.len(), fc1_weight.len(), fc2_weight.len(), dx.len(), dw1.len(), dw2.len())?;
+        self.check_backward::<P, W, G>(
+            OP,
+            dy.len(),
+            probs.len(),
+            fc1_weight.len(),
+            fc2_weight.len(),
+            dx.len(),
+            dw1.len(),
+            dw2.len(),
+        )?;
         ensure_same_context(OP, "probs", stream, probs)?;
         ensure_backward_contexts(OP, stream, dy, tokens, fc1_weight, fc2_weight, dx, dprobs, dw1, dw2)?;
-        self.path.backward(stream, &self.maps, &mut self.gemm_flags, dy, probs, tokens, fc1_weight, fc2_weight, dx, dprobs, dw1, dw2)
+        self.path.backward(
+            stream,
+            &self.maps,
+            &mut self.gemm_flags,
+            dy,
+            probs,
+            tokens,
+            fc1_weight,
+            fc2_weight,
+            dx,
+            dprobs,
+            dw1,
+            dw2,
+        )
     }
 
     /// [`forward`](Self::forward) from Megatron's routing form: `routing_map [T_max, E]` (u8,
@@ -481,11 +532,30 @@ impl<T: MoeElement> MoeExperts<T> {
             // SAFETY: every prob dtype (bf16, f16, f32) is at most 4 bytes and valid as any
             // bits, and the fp32-sized storage holds `routes` of them.
             let mut probs = unsafe { mr.probs.transmute_mut::<P>(routes) }.expect("map probs storage holds T_max * k");
-            self.path.routing.from_map(stream, routing_map, map_probs, tokens, &mut mr.ids, &mut probs, &mut self.maps.flags)?;
+            self.path.routing.from_map(
+                stream,
+                routing_map,
+                map_probs,
+                tokens,
+                &mut mr.ids,
+                &mut probs,
+                &mut self.maps.flags,
+            )?;
         }
         // SAFETY: as above.
         let probs = unsafe { mr.probs.transmute::<P>(routes) }.expect("map probs storage holds T_max * k");
-        self.path.forward(stream, &mut self.maps, &mut self.gemm_flags, x, &mr.ids, &probs, tokens, fc1_weight, fc2_weight, y)
+        self.path.forward(
+            stream,
+            &mut self.maps,
+            &mut self.gemm_flags,
+            x,
+            &mr.ids,
+            &probs,
+            tokens,
+            fc1_weight,
+            fc2_weight,
+            y,
+        )
     }
 
     /// [`backward`](Self::backward) after [`forward_from_map`](Self::forward_from_map), with
@@ -508,11 +578,33 @@ impl<T: MoeElement> MoeExperts<T> {
         self.ensure_bound_stream(OP, stream)?;
         let routes = self.path.routing.routes_len();
         self.check_routes(OP, "dprobs", dprobs.len())?;
-        self.check_backward::<P, W, G>(OP, dy.len(), routes, fc1_weight.len(), fc2_weight.len(), dx.len(), dw1.len(), dw2.len())?;
+        self.check_backward::<P, W, G>(
+            OP,
+            dy.len(),
+            routes,
+            fc1_weight.len(),
+            fc2_weight.len(),
+            dx.len(),
+            dw1.len(),
+            dw2.len(),
+        )?;
         ensure_backward_contexts(OP, stream, dy, tokens, fc1_weight, fc2_weight, dx, dprobs, dw1, dw2)?;
         // SAFETY: as in forward_from_map (any bits are a valid prob of at most 4 bytes).
         let probs = unsafe { self.map_routes.probs.transmute::<P>(routes) }.expect("map probs storage holds T_max * k");
-        self.path.backward(stream, &self.maps, &mut self.gemm_flags, dy, &probs, tokens, fc1_weight, fc2_weight, dx, dprobs, dw1, dw2)
+        self.path.backward(
+            stream,
+            &self.maps,
+            &mut self.gemm_flags,
+            dy,
+            &probs,
+            tokens,
+            fc1_weight,
+            fc2_weight,
+            dx,
+            dprobs,
+            dw1,
+            dw2,
+        )
     }
 
     /// `[T_max, k]` expert ids the last [`forward_from_map`](Self::forward_from_map) converted.
@@ -532,14 +624,26 @@ impl<T: MoeElement> MoeExperts<T> {
 
     fn check_probs<P: routing::Element>(&self, op: &'static str, len: usize) -> Result<()> {
         if P::DTYPE != self.config.prob_dtype {
-            return Err(Error::Shape { op, what: "probs element type", expected: format!("{:?}", self.config.prob_dtype), got: format!("{:?}", P::DTYPE) });
+            return Err(Error::Shape {
+                op,
+                what: "probs element type",
+                expected: format!("{:?}", self.config.prob_dtype),
+                got: format!("{:?}", P::DTYPE),
+            });
         }
         self.check_routes(op, "probs", len)
     }
 
     /// A weight-shaped operand: a tensor of `dtype` holding `E` matrices of `matrix` elements,
     /// or a u64 array of `E` pointers, per the plan's [`WeightForm`].
-    fn check_weight<W: GemmOperand>(&self, op: &'static str, what: &'static str, len: usize, dtype: DType, matrix: usize) -> Result<()> {
+    fn check_weight<W: GemmOperand>(
+        &self,
+        op: &'static str,
+        what: &'static str,
+        len: usize,
+        dtype: DType,
+        matrix: usize,
+    ) -> Result<()> {
         let e = self.config.num_experts;
         let (want, need) = match self.options.weights {
             WeightForm::Tensor => (Some(dtype), e * matrix),
@@ -557,7 +661,15 @@ impl<T: MoeElement> MoeExperts<T> {
         self.check_weight::<W>(op, "fc2_weight [E, H, F]", fc2, dtype, h * f)
     }
 
-    fn check_forward<P: routing::Element, W: GemmOperand>(&self, op: &'static str, x: usize, probs: usize, fc1: usize, fc2: usize, y: usize) -> Result<()> {
+    fn check_forward<P: routing::Element, W: GemmOperand>(
+        &self,
+        op: &'static str,
+        x: usize,
+        probs: usize,
+        fc1: usize,
+        fc2: usize,
+        y: usize,
+    ) -> Result<()> {
         self.check_tokens(op, "x", x)?;
         self.check_tokens(op, "y", y)?;
         self.check_probs::<P>(op, probs)?;

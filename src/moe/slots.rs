@@ -60,7 +60,10 @@ pub fn echo_slot_pointers<T: DeviceRepr>(
     let (h, _gh) = home.device_ptr(stream);
     let (s, _gs) = spare.device_ptr(stream);
     if !h.is_multiple_of(16) || !s.is_multiple_of(16) {
-        return Err(Error::InvalidArgument { op: OP, why: format!("home at {h:#x} and spare at {s:#x} must be 16-byte aligned") });
+        return Err(Error::InvalidArgument {
+            op: OP,
+            why: format!("home at {h:#x} and spare at {s:#x} must be 16-byte aligned"),
+        });
     }
     Ok(echo_slot_table(cfg, h, s, bytes))
 }

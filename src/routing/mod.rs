@@ -155,10 +155,7 @@ impl RoutingPlan {
         })?;
         let capacity = c.capacity.unwrap_or(routes);
         if capacity > routes {
-            return Err(invalid(
-                OP,
-                format!("capacity = {capacity} must be at most max_tokens * topk = {routes}"),
-            ));
+            return Err(invalid(OP, format!("capacity = {capacity} must be at most max_tokens * topk = {routes}")));
         }
         if c.expert_capacity == Some(0) {
             return Err(invalid(OP, "expert_capacity = Some(0) would drop every route; use None for no limit".into()));
@@ -167,14 +164,24 @@ impl RoutingPlan {
         if capacity.max(c.max_tokens) as u128 * widest as u128 > i32::MAX as u128 {
             return Err(invalid(
                 OP,
-                format!("a [{}, {}] buffer has too many 16-byte vectors for int32 indexing", capacity.max(c.max_tokens), widest * 8),
+                format!(
+                    "a [{}, {}] buffer has too many 16-byte vectors for int32 indexing",
+                    capacity.max(c.max_tokens),
+                    widest * 8
+                ),
             ));
         }
         if !matches!(c.dtype, DType::Bf16 | DType::F16) {
-            return Err(Error::Unsupported { op: OP, why: format!("activation dtype {:?}; need Bf16 or F16", c.dtype) });
+            return Err(Error::Unsupported {
+                op: OP,
+                why: format!("activation dtype {:?}; need Bf16 or F16", c.dtype),
+            });
         }
         if !matches!(c.prob_dtype, DType::F32 | DType::Bf16 | DType::F16) {
-            return Err(Error::Unsupported { op: OP, why: format!("prob dtype {:?}; need F32, Bf16 or F16", c.prob_dtype) });
+            return Err(Error::Unsupported {
+                op: OP,
+                why: format!("prob dtype {:?}; need F32, Bf16 or F16", c.prob_dtype),
+            });
         }
         let desc = sys::capmoe_routing_desc_t {
             num_experts: c.num_experts as i64,
@@ -334,9 +341,7 @@ impl RoutingPlan {
         let (ids, _g2) = expert_ids.device_ptr_mut(stream);
         let (p, _g3) = probs.device_ptr_mut(stream);
         let (f, _g4) = flags.device_ptr_mut(stream);
-        with_tokens(stream, tokens, |t, td| unsafe {
-            self.from_map_raw(stream, m, mp, t, td, ids, p, f)
-        })
+        with_tokens(stream, tokens, |t, td| unsafe { self.from_map_raw(stream, m, mp, t, td, ids, p, f) })
     }
 
     /// Counts, offsets and maps from `expert_ids [T_max, k]` into `maps` (see [`RouteMaps`]).
@@ -399,9 +404,7 @@ impl RoutingPlan {
         let (rp, _g2) = rows.device_ptr_mut(stream);
         Self::aligned(OP, "x", xp)?;
         Self::aligned(OP, "rows", rp)?;
-        with_tokens(stream, tokens, |t, td| unsafe {
-            self.permute_raw(stream, xp, rr, t, td, rp)
-        })
+        with_tokens(stream, tokens, |t, td| unsafe { self.permute_raw(stream, xp, rr, t, td, rp) })
     }
 
     /// `dx[t] = sum_j drows[row_of_route[t, j]]` (the backward of permute).
@@ -425,9 +428,7 @@ impl RoutingPlan {
         let (dxp, _g2) = dx.device_ptr_mut(stream);
         Self::aligned(OP, "drows", dr)?;
         Self::aligned(OP, "dx", dxp)?;
-        with_tokens(stream, tokens, |t, td| unsafe {
-            self.permute_backward_raw(stream, dr, rr, t, td, dxp)
-        })
+        with_tokens(stream, tokens, |t, td| unsafe { self.permute_backward_raw(stream, dr, rr, t, td, dxp) })
     }
 
     /// `y[t] = sum_j probs[t, j] * rows[row_of_route[t, j]]`.
@@ -455,9 +456,7 @@ impl RoutingPlan {
         let (yp, _g3) = y.device_ptr_mut(stream);
         Self::aligned(OP, "rows", rp)?;
         Self::aligned(OP, "y", yp)?;
-        with_tokens(stream, tokens, |t, td| unsafe {
-            self.unpermute_raw(stream, rp, rr, pp, t, td, yp)
-        })
+        with_tokens(stream, tokens, |t, td| unsafe { self.unpermute_raw(stream, rp, rr, pp, t, td, yp) })
     }
 
     /// `drows[row(t, j)] = probs[t, j] * dy[t]`, `dprobs[t, j] = <dy[t], rows[row(t, j)]>`.

@@ -24,15 +24,20 @@ pub fn build(name: &str, kernel_sources: &[&str], driver: &str) -> PathBuf {
     // -ffp-contract=off: no fused multiply-adds the device code does not ask for.
     cmd.args(["-std=c++17", "-O2", "-U_FORTIFY_SOURCE", "-fno-strict-aliasing", "-ffp-contract=off"])
         .arg("-DCAPMOE_CPU_EMULATION")
-        .arg("-I").arg(root.join("tests/emulation"))
-        .arg("-I").arg(root.join("csrc"))
-        .arg("-I").arg(root.join("csrc/include"))
-        .arg("-x").arg("c++");
+        .arg("-I")
+        .arg(root.join("tests/emulation"))
+        .arg("-I")
+        .arg(root.join("csrc"))
+        .arg("-I")
+        .arg(root.join("csrc/include"))
+        .arg("-x")
+        .arg("c++");
     for source in kernel_sources.iter().chain(&["csrc/common/status.cu", driver]) {
         cmd.arg(root.join(source));
     }
     let out = cmd
-        .arg("-o").arg(&exe)
+        .arg("-o")
+        .arg(&exe)
         .args(extra.split_whitespace())
         .output()
         .unwrap_or_else(|e| panic!("cannot run the C++ compiler `{cxx}` (set CXX): {e}"));
@@ -43,7 +48,8 @@ pub fn build(name: &str, kernel_sources: &[&str], driver: &str) -> PathBuf {
 /// Runs the emulated driver with `args` in one thread order; panics with its output unless it
 /// exits 0, and returns its standard output.
 pub fn run(exe: &Path, args: &[&Path], order: &str) -> String {
-    let out: Output = Command::new(exe).args(args).env("CAPMOE_EMULATION_ORDER", order).output().expect("run the emulated kernels");
+    let out: Output =
+        Command::new(exe).args(args).env("CAPMOE_EMULATION_ORDER", order).output().expect("run the emulated kernels");
     let report = String::from_utf8_lossy(&out.stdout).into_owned();
     assert!(
         out.status.success(),

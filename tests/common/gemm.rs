@@ -60,8 +60,12 @@ pub enum Buf {
 impl Buf {
     pub fn upload(stream: &Arc<CudaStream>, dtype: DType, host: &[f32]) -> Buf {
         match dtype {
-            DType::Bf16 => Buf::Bf16(stream.clone_htod(&host.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>()).unwrap()),
-            DType::F16 => Buf::F16(stream.clone_htod(&host.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>()).unwrap()),
+            DType::Bf16 => {
+                Buf::Bf16(stream.clone_htod(&host.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>()).unwrap())
+            }
+            DType::F16 => {
+                Buf::F16(stream.clone_htod(&host.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>()).unwrap())
+            }
             DType::F32 => Buf::F32(stream.clone_htod(host).unwrap()),
             other => panic!("no float buffer of {other:?}"),
         }
@@ -324,9 +328,8 @@ impl Outcome {
 /// m_splits that put `total` rows over `experts` experts, uneven and with empty experts.
 pub fn skewed_splits(experts: usize, total: usize, seed: u64) -> Vec<i64> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let weights: Vec<f64> = (0..experts)
-        .map(|_| if rng.random_bool(0.2) { 0.0 } else { rng.random_range(0.1f64..3.0).powi(3) })
-        .collect();
+    let weights: Vec<f64> =
+        (0..experts).map(|_| if rng.random_bool(0.2) { 0.0 } else { rng.random_range(0.1f64..3.0).powi(3) }).collect();
     let sum: f64 = weights.iter().sum::<f64>().max(1e-9);
     let mut splits: Vec<i64> = weights.iter().map(|w| (w / sum * total as f64).floor() as i64).collect();
     let assigned: i64 = splits.iter().sum();

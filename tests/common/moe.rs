@@ -37,7 +37,16 @@ pub fn f64s(v: &[bf16]) -> Vec<f64> {
 /// rows, their gradients) are rounded to bf16 here too, so the comparison measures the kernels'
 /// arithmetic rather than bf16 storage.
 #[allow(clippy::too_many_arguments)]
-pub fn reference(d: Dims, t: usize, ids: &[i32], probs: &[f32], x: &[bf16], dy: &[bf16], w1: &[bf16], w2: &[bf16]) -> Reference {
+pub fn reference(
+    d: Dims,
+    t: usize,
+    ids: &[i32],
+    probs: &[f32],
+    x: &[bf16],
+    dy: &[bf16],
+    w1: &[bf16],
+    w2: &[bf16],
+) -> Reference {
     let Dims { e: ne, h: hh, f: ff, k: kk } = d;
     let t_max = x.len() / hh;
     let (w1, w2, x, dy) = (f64s(w1), f64s(w2), f64s(x), f64s(dy));
@@ -143,12 +152,20 @@ pub fn poison_f32(n: usize) -> Vec<f32> {
 /// Elements `[0, written)` were written (finite: a NaN left means unwritten or a NaN result),
 /// elements `[written, len)` still hold the poison bit for bit (not written).
 pub fn assert_written_bf16(what: &str, got: &[bf16], written: usize) {
-    assert_written(what, &got.iter().map(|b| (b.is_finite(), b.to_bits() == POISON_BF16, b.to_bits() as u32)).collect::<Vec<_>>(), written);
+    assert_written(
+        what,
+        &got.iter().map(|b| (b.is_finite(), b.to_bits() == POISON_BF16, b.to_bits() as u32)).collect::<Vec<_>>(),
+        written,
+    );
 }
 
 /// [`assert_written_bf16`] for fp32 outputs.
 pub fn assert_written_f32(what: &str, got: &[f32], written: usize) {
-    assert_written(what, &got.iter().map(|f| (f.is_finite(), f.to_bits() == POISON_F32, f.to_bits())).collect::<Vec<_>>(), written);
+    assert_written(
+        what,
+        &got.iter().map(|f| (f.is_finite(), f.to_bits() == POISON_F32, f.to_bits())).collect::<Vec<_>>(),
+        written,
+    );
 }
 
 fn assert_written(what: &str, got: &[(bool, bool, u32)], written: usize) {
@@ -160,6 +177,9 @@ fn assert_written(what: &str, got: &[(bool, bool, u32)], written: usize) {
     }
     if let Some(i) = (written..got.len()).find(|&i| !got[i].1) {
         let n = got[written..].iter().filter(|g| !g.1).count();
-        panic!("{what}: {n} elements at or past {written} (must not be written) were written; first at {i}: bits {:#x}", got[i].2);
+        panic!(
+            "{what}: {n} elements at or past {written} (must not be written) were written; first at {i}: bits {:#x}",
+            got[i].2
+        );
     }
 }

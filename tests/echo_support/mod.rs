@@ -308,14 +308,7 @@ pub fn check_plan_invariants(name: &str, cfg: &EchoConfig, counts: &[i64], st: &
 }
 
 /// Spec section 8, item 6, on the top-k form's destinations.
-pub fn check_reroute_invariants(
-    name: &str,
-    cfg: &EchoConfig,
-    st: &PlanStages,
-    routes: &[i32],
-    t: usize,
-    dest: &[i32],
-) {
+pub fn check_reroute_invariants(name: &str, cfg: &EchoConfig, st: &PlanStages, routes: &[i32], t: usize, dest: &[i32]) {
     let (k, s) = (cfg.topk, cfg.num_spare());
     assert_eq!(dest.len(), t * k, "{name}: dest length");
     let mut per_slot = vec![0i64; s];
@@ -327,9 +320,9 @@ pub fn check_reroute_invariants(
             assert!(c < cfg.num_columns(), "{name}: column {c} out of range");
             assert!(seen.insert(c), "{name}: token {i} has two routes in column {c}");
             if c != cfg.expert_column(x) {
-                let j = (0..s).find(|&j| cfg.slot_column(j) == c).unwrap_or_else(|| {
-                    panic!("{name}: token {i} route {x} ends in home column {c} of another expert")
-                });
+                let j = (0..s)
+                    .find(|&j| cfg.slot_column(j) == c)
+                    .unwrap_or_else(|| panic!("{name}: token {i} route {x} ends in home column {c} of another expert"));
                 assert_eq!(st.slot_expert[j], x as i64, "{name}: token {i}: slot {j} not fed by {x}");
                 per_slot[j] += 1;
             }
