@@ -22,7 +22,8 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 
 use crate::device::{Arch, DeviceInfo};
 use crate::error::{check, ensure_len};
-use crate::routing::{Element, RoutingPlan};
+use crate::dtype::DType;
+use crate::routing::{Element, RoutingConfig, RoutingPlan};
 use crate::{sys, Error, Result};
 
 /// act columns per tile: `F` must be a multiple of it.
@@ -39,7 +40,7 @@ pub struct FusedFc1 {
     ffn: usize,
     max_tokens: usize,
     capacity: usize,
-    dtype: crate::dtype::DType,
+    dtype: DType,
 }
 
 impl FusedFc1 {
@@ -49,12 +50,7 @@ impl FusedFc1 {
     pub fn new(routing: &RoutingPlan, stream: &CudaStream) -> Result<FusedFc1> {
         const OP: &str = "FusedFc1::new";
         let c = routing.config();
-        if c.ffn % FC1_TILE_N != 0 {
-            return Err(Error::Unsupported { op: OP, why: format!("F = {} is not a multiple of {FC1_TILE_N}", c.ffn) });
-        }
-        if c.num_experts > MAX_EXPERTS {
-            return Err(Error::Unsupported { op: OP, why: format!("E = {} exceeds {MAX_EXPERTS}", c.num_experts) });
-        }
+        Self::check_shapes(c)?;
         let device = DeviceInfo::of_stream(stream)?;
         if device.arch != Arch::Sm90 {
             return Err(Error::UnsupportedArch { need: "9.0 (sm_90a) for the fused fc1", got: format!("{:?}", device.arch) });
@@ -82,6 +78,23 @@ impl FusedFc1 {
             capacity: routing.capacity(),
             dtype: c.dtype,
         })
+    }
+
+    /// The shape checks of [`FusedFc1::new`] that need no GPU: `F` a multiple of
+    /// [`FC1_TILE_N`], `E <=` [`MAX_EXPERTS`], a 16-bit activation type. An `Err` means the
+    /// fused kernel does not take this layer (use the unfused path).
+    pub fn check_shapes(c: &RoutingConfig) -> Result<()> {
+        const OP: &str = "FusedFc1::new";
+        if c.ffn % FC1_TILE_N != 0 {
+            return Err(Error::Unsupported { op: OP, why: format!("F = {} is not a multiple of {FC1_TILE_N}", c.ffn) });
+        }
+        if c.num_experts > MAX_EXPERTS {
+            return Err(Error::Unsupported { op: OP, why: format!("E = {} exceeds {MAX_EXPERTS}", c.num_experts) });
+        }
+        if !matches!(c.dtype, DType::Bf16 | DType::F16) {
+            return Err(Error::Unsupported { op: OP, why: format!("activation dtype {:?}; need Bf16 or F16", c.dtype) });
+        }
+        Ok(())
     }
 
     /// The C ABI descriptor.
