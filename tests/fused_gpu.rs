@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use capturable_moe::dtype::DType;
-use capturable_moe::fused::FusedFc1;
+use capturable_moe::fused::{FusedFc1, Gather};
 use capturable_moe::graph::capture;
 use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
 use capturable_moe::routing::{self, flags, RouteMaps, RoutingConfig, RoutingPlan, Tokens};
@@ -94,10 +94,10 @@ struct Outputs {
 }
 
 impl Runner {
-    fn new(stream: &Arc<CudaStream>, shape: Shape, w1: &[bf16]) -> Runner {
+    fn new(stream: &Arc<CudaStream>, shape: Shape, w1: &[bf16], gather: Gather) -> Runner {
         let plan = RoutingPlan::new(shape.routing()).unwrap();
         let cap = plan.capacity();
-        let fused = FusedFc1::new(&plan, stream).unwrap();
+        let fused = FusedFc1::with_gather(&plan, stream, gather).unwrap();
         let spec = GroupedGemmSpec::new(GemmOp::Fprop, shape.e, 2 * shape.f, shape.h, cap).with_dtype(DType::Bf16);
         let fc1 = GroupedGemm::new(spec, stream).unwrap();
         let zeros = |n: usize| stream.alloc_zeros::<bf16>(n.max(1)).unwrap();
@@ -249,6 +249,9 @@ fn check_case(what: &str, stream: &Arc<CudaStream>, runner: &mut Runner, inputs:
     assert_close(&format!("{what}: h vs fp64"), &pick(&out.h_fused, 2 * s.f), &h_ref, 1e-2);
 }
 
+/// Both gather forms are tested everywhere: they must give the same bits.
+const GATHERS: [Gather; 2] = [Gather::TmaRows, Gather::CpAsync];
+
 fn weights(shape: Shape, seed: u64) -> Vec<bf16> {
     let mut rng = StdRng::seed_from_u64(seed);
     random_bf16(&mut rng, shape.e * 2 * shape.f * shape.h, 1.0 / (shape.h as f32).sqrt())
@@ -283,12 +286,14 @@ fn fused_fc1_matches_unfused_on_messy_routing() {
     // H = 200: the last K block is partial (TMA zero-fills columns past H in x and W1).
     let shape = Shape { e: 8, h: 200, f: 256, k: 3, t_max: 300, capacity: None };
     let w1 = weights(shape, 1);
-    let mut runner = Runner::new(&stream, shape, &w1);
-    let mut rng = StdRng::seed_from_u64(2);
-    for (i, t) in [300usize, 0, 1, 137, 299].into_iter().enumerate() {
-        let ids = messy_ids(&mut rng, shape);
-        let inputs = inputs(shape, &mut rng, t, ids);
-        check_case(&format!("messy case {i} (T={t})"), &stream, &mut runner, &inputs, &w1, None);
+    for gather in GATHERS {
+        let mut runner = Runner::new(&stream, shape, &w1, gather);
+        let mut rng = StdRng::seed_from_u64(2);
+        for (i, t) in [300usize, 0, 1, 137, 299].into_iter().enumerate() {
+            let ids = messy_ids(&mut rng, shape);
+            let inputs = inputs(shape, &mut rng, t, ids);
+            check_case(&format!("{gather:?}: messy case {i} (T={t})"), &stream, &mut runner, &inputs, &w1, None);
+        }
     }
 }
 
@@ -297,12 +302,14 @@ fn fused_fc1_one_expert_takes_every_route() {
     let stream = gpu_or_skip!();
     let shape = Shape { e: 16, h: 256, f: 128, k: 4, t_max: 200, capacity: None };
     let w1 = weights(shape, 3);
-    let mut runner = Runner::new(&stream, shape, &w1);
-    let mut rng = StdRng::seed_from_u64(4);
-    for expert in [0i32, 15] {
-        // k duplicates of one expert per token: 800 rows, 7 M tiles, the last one partial.
-        let inputs = inputs(shape, &mut rng, 200, vec![expert; 200 * 4]);
-        check_case(&format!("all routes to expert {expert}"), &stream, &mut runner, &inputs, &w1, None);
+    for gather in GATHERS {
+        let mut runner = Runner::new(&stream, shape, &w1, gather);
+        let mut rng = StdRng::seed_from_u64(4);
+        for expert in [0i32, 15] {
+            // k duplicates of one expert per token: 800 rows, 7 M tiles, the last one partial.
+            let inputs = inputs(shape, &mut rng, 200, vec![expert; 200 * 4]);
+            check_case(&format!("{gather:?}: all routes to expert {expert}"), &stream, &mut runner, &inputs, &w1, None);
+        }
     }
 }
 
@@ -311,13 +318,15 @@ fn fused_fc1_capacity_overflow_drops_like_the_unfused_path() {
     let stream = gpu_or_skip!();
     let shape = Shape { e: 4, h: 128, f: 128, k: 2, t_max: 256, capacity: Some(300) };
     let w1 = weights(shape, 5);
-    let mut runner = Runner::new(&stream, shape, &w1);
-    let mut rng = StdRng::seed_from_u64(6);
-    let ids = topk_ids(&mut rng, 256, 4, 2);
-    let inputs = inputs(shape, &mut rng, 256, ids);
-    check_case("capacity 300 of 512 routes", &stream, &mut runner, &inputs, &w1, None);
-    let fl = stream.clone_dtoh(&runner.maps.flags).unwrap()[0];
-    assert!(fl & flags::CAPACITY != 0, "the routing build must flag the dropped routes (flags {fl:#x})");
+    for gather in GATHERS {
+        let mut runner = Runner::new(&stream, shape, &w1, gather);
+        let mut rng = StdRng::seed_from_u64(6);
+        let ids = topk_ids(&mut rng, 256, 4, 2);
+        let inputs = inputs(shape, &mut rng, 256, ids);
+        check_case(&format!("{gather:?}: capacity 300 of 512 routes"), &stream, &mut runner, &inputs, &w1, None);
+        let fl = stream.clone_dtoh(&runner.maps.flags).unwrap()[0];
+        assert!(fl & flags::CAPACITY != 0, "the routing build must flag the dropped routes (flags {fl:#x})");
+    }
 }
 
 #[test]
@@ -329,14 +338,16 @@ fn fused_fc1_model_shapes() {
         ("E128 H2048 F768 k8 T4000 of 4096", Shape { e: 128, h: 2048, f: 768, k: 8, t_max: 4096, capacity: None }, 4000),
         ("E64 H2048 F1408 k8 T128", Shape { e: 64, h: 2048, f: 1408, k: 8, t_max: 128, capacity: None }, 128),
     ] {
-        let start = Instant::now();
         let w1 = weights(shape, 7);
-        let mut runner = Runner::new(&stream, shape, &w1);
         let mut rng = StdRng::seed_from_u64(8);
         let ids = topk_ids(&mut rng, shape.t_max, shape.e, shape.k);
         let inputs = inputs(shape, &mut rng, t, ids);
-        check_case(name, &stream, &mut runner, &inputs, &w1, Some(48));
-        println!("{name}: checked in {:.1} s", start.elapsed().as_secs_f64());
+        for gather in GATHERS {
+            let start = Instant::now();
+            let mut runner = Runner::new(&stream, shape, &w1, gather);
+            check_case(&format!("{gather:?}: {name}"), &stream, &mut runner, &inputs, &w1, Some(48));
+            println!("{gather:?}: {name}: checked in {:.1} s", start.elapsed().as_secs_f64());
+        }
     }
 }
 
@@ -349,34 +360,36 @@ fn fused_fc1_graph_replays_match_eager() {
     let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let shape = Shape { e: 8, h: 192, f: 256, k: 2, t_max: 160, capacity: None };
     let w1 = weights(shape, 9);
-    let mut graph_runner = Runner::new(&stream, shape, &w1);
-    let mut eager = Runner::new(&stream, shape, &w1);
-    let mut rng = StdRng::seed_from_u64(10);
-    let first_ids = messy_ids(&mut rng, shape);
-    let first = inputs(shape, &mut rng, 100, first_ids);
-    graph_runner.load(&stream, &first);
-    stream.synchronize().unwrap();
-    let graph = capture(&stream, || graph_runner.fused(&stream)).unwrap();
-    for i in 0..50 {
-        let t = match i % 5 {
-            0 => 0,
-            1 => shape.t_max,
-            _ => rng.random_range(1..=shape.t_max),
-        };
-        let ids = if i % 7 == 3 { vec![5; shape.t_max * shape.k] } else { messy_ids(&mut rng, shape) };
-        let inp = inputs(shape, &mut rng, t, ids);
-        graph_runner.load(&stream, &inp);
-        graph_runner.poison(&stream);
-        graph.launch().unwrap();
-        let what = format!("replay {i} (T={t})");
-        check_case(&what, &stream, &mut eager, &inp, &w1, Some(8));
-        let g = graph_runner.read(&stream);
-        let e = eager.read(&stream);
-        let total = e.offsets[shape.e] as usize;
-        assert_eq!(g.offsets, e.offsets, "{what}: offsets");
-        assert_written_bf16(&format!("{what}: graph act"), &g.act_fused, total * shape.f);
-        assert_bits_bf16(&format!("{what}: graph act vs eager"), &g.act_fused, &e.act_fused, shape.f * shape.t_max * shape.k);
-        assert_bits_bf16(&format!("{what}: graph h vs eager"), &g.h_fused, &e.h_fused, 2 * shape.f * total);
+    for gather in GATHERS {
+        let mut graph_runner = Runner::new(&stream, shape, &w1, gather);
+        let mut eager = Runner::new(&stream, shape, &w1, gather);
+        let mut rng = StdRng::seed_from_u64(10);
+        let first_ids = messy_ids(&mut rng, shape);
+        let first = inputs(shape, &mut rng, 100, first_ids);
+        graph_runner.load(&stream, &first);
+        stream.synchronize().unwrap();
+        let graph = capture(&stream, || graph_runner.fused(&stream)).unwrap();
+        for i in 0..50 {
+            let t = match i % 5 {
+                0 => 0,
+                1 => shape.t_max,
+                _ => rng.random_range(1..=shape.t_max),
+            };
+            let ids = if i % 7 == 3 { vec![5; shape.t_max * shape.k] } else { messy_ids(&mut rng, shape) };
+            let inp = inputs(shape, &mut rng, t, ids);
+            graph_runner.load(&stream, &inp);
+            graph_runner.poison(&stream);
+            graph.launch().unwrap();
+            let what = format!("{gather:?}: replay {i} (T={t})");
+            check_case(&what, &stream, &mut eager, &inp, &w1, Some(8));
+            let g = graph_runner.read(&stream);
+            let e = eager.read(&stream);
+            let total = e.offsets[shape.e] as usize;
+            assert_eq!(g.offsets, e.offsets, "{what}: offsets");
+            assert_written_bf16(&format!("{what}: graph act"), &g.act_fused, total * shape.f);
+            assert_bits_bf16(&format!("{what}: graph act vs eager"), &g.act_fused, &e.act_fused, g.act_fused.len());
+            assert_bits_bf16(&format!("{what}: graph h vs eager"), &g.h_fused, &e.h_fused, 2 * shape.f * total);
+        }
     }
 }
 
@@ -409,7 +422,8 @@ fn fused_fc1_timing() {
     let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let shape = Shape { e: 128, h: 2048, f: 768, k: 8, t_max: 4096, capacity: None };
     let w1 = weights(shape, 11);
-    let mut r = Runner::new(&stream, shape, &w1);
+    let mut r = Runner::new(&stream, shape, &w1, Gather::TmaRows);
+    let fused_cp_async = FusedFc1::with_gather(&r.plan, &stream, Gather::CpAsync).unwrap();
     let mut rng = StdRng::seed_from_u64(12);
     let ids = topk_ids(&mut rng, shape.t_max, shape.e, shape.k);
     let inp = inputs(shape, &mut rng, shape.t_max, ids);
@@ -419,6 +433,11 @@ fn fused_fc1_timing() {
     let fused_graph = capture(&stream, || {
         let m = &r.maps;
         r.fused.run(&stream, &r.x, &r.w1, &m.offsets, &m.token_of_row, &mut r.act_fused, None::<&mut CudaSlice<bf16>>)
+    })
+    .unwrap();
+    let fused_cp_async_graph = capture(&stream, || {
+        let m = &r.maps;
+        fused_cp_async.run(&stream, &r.x, &r.w1, &m.offsets, &m.token_of_row, &mut r.act_fused, None::<&mut CudaSlice<bf16>>)
     })
     .unwrap();
     let fused_h_graph = capture(&stream, || {
@@ -457,8 +476,9 @@ fn fused_fc1_timing() {
     };
     let flops = 2.0 * (shape.t_max * shape.k) as f64 * (2 * shape.f * shape.h) as f64;
     for (name, graph) in [
-        ("fused fc1 + SwiGLU (act only)", &fused_graph),
-        ("fused fc1 + SwiGLU (act + h)", &fused_h_graph),
+        ("fused fc1 + SwiGLU, TMA-row gather (act only)", &fused_graph),
+        ("fused fc1 + SwiGLU, cp.async gather (act only)", &fused_cp_async_graph),
+        ("fused fc1 + SwiGLU, TMA-row gather (act + h)", &fused_h_graph),
         ("permute + fc1 + SwiGLU", &unfused_graph),
         ("fc1 grouped GEMM alone", &gemm_graph),
     ] {

@@ -25,6 +25,7 @@ capmoe_status_t check_desc(const capmoe_fused_fc1_desc_t* d) {
   if (d->hidden % 8 != 0) return CAPMOE_ERR_MISALIGNED;
   if (d->dtype != CAPMOE_DTYPE_BF16 && d->dtype != CAPMOE_DTYPE_F16) return CAPMOE_ERR_UNSUPPORTED;
   if (d->ffn % CAPMOE_FUSED_FC1_TILE_N != 0) return CAPMOE_ERR_UNSUPPORTED;
+  if (d->gather < CAPMOE_FUSED_GATHER_AUTO || d->gather > CAPMOE_FUSED_GATHER_CP_ASYNC) return CAPMOE_ERR_INVALID_ARGUMENT;
   return CAPMOE_OK;
 }
 
@@ -117,6 +118,7 @@ extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc,
     const cuuint64_t w_strides[2] = {cuuint64_t(d.hidden) * elem, cuuint64_t(2 * d.ffn * d.hidden) * elem};
     const cuuint32_t w_box[3] = {64, CAPMOE_FUSED_FC1_TILE_N, 1};
     CAPMOE_TRY(encode(&p.w1_map, d.dtype, w1, 3, w_dims, w_strides, w_box));
+    p.x = x;
     p.offsets = offsets;
     p.token_of_row = token_of_row;
     p.act = act;
@@ -128,7 +130,8 @@ extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc,
     p.capacity = int32_t(d.capacity);
     const int64_t tiles = fc1_max_tiles(d.num_experts, d.capacity, d.ffn);
     const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
-    return launch_fc1_sm90(p, d.dtype, grid, static_cast<cudaStream_t>(stream));
+    const capmoe_fused_gather_t gather = d.gather == CAPMOE_FUSED_GATHER_AUTO ? CAPMOE_FUSED_GATHER_TMA_ROWS : d.gather;
+    return launch_fc1_sm90(p, d.dtype, gather, grid, static_cast<cudaStream_t>(stream));
 #else
     return CAPMOE_ERR_UNSUPPORTED;
 #endif

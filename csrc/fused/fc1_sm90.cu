@@ -7,14 +7,22 @@
 // 256-row operand, so one 64x256 wgmma per consumer warpgroup leaves every thread holding gate
 // column c and up column c + 128 of the same row: SwiGLU is elementwise in registers.
 //
-// Roles (384 threads): warpgroup 0 is the producer (one warp issues TMA, the rest exit after
-// giving back registers); warpgroups 1 and 2 are the consumers, 64 tile rows each.
-// A operand gather: one TMA per tile row, a 1 x 64 box of x at (k0, token), landing at
-// row * 128 B of the stage. The 128B swizzle is a function of the shared-memory address
-// (bits [4,7) XOR bits [7,10)), so per-row boxes into a 1024-byte aligned stage land exactly
-// where one 128 x 64 box would, i.e. in the layout the wgmma descriptors expect.
-// Rows past the expert's count are not loaded (their accumulators are never stored), so the
-// transaction count of a stage is 128 B per loaded row plus the full B tile.
+// Roles (384 threads): warpgroup 0 is the producer (TMA rows: one warp issues the TMAs and the
+// others exit after giving back registers; cp.async: all four warps copy); warpgroups 1 and 2
+// are the consumers, 64 tile rows each. W1 always comes by TMA.
+// A operand gather, two forms (capmoe_fused_gather_t; same bits, the faster one is AUTO):
+//  - TMA rows: one TMA per tile row, a 1 x 64 box of x at (k0, token), landing at row * 128 B
+//    of the stage. The 128B swizzle is a function of the shared-memory address (16-byte chunk
+//    bits [4,7) XOR row bits [7,10)), so per-row boxes into a 1024-byte aligned stage land
+//    exactly where one 128 x 64 box would: the layout the wgmma descriptors expect. The stage's
+//    transaction count is 128 B per loaded row plus the B tile.
+//  - cp.async: the producer warpgroup, one tile row per thread, copies 8 16-byte chunks per
+//    K block to chunk (c XOR row % 8) of the row (the same 128B swizzle, by hand; columns past
+//    H are zero-filled); each thread's copies arrive on the stage's barrier when they land
+//    (cp.async.mbarrier.arrive.noinc), and consumers fence the generic proxy against the async
+//    one before wgmma reads them.
+// Rows past the expert's count are not loaded in either form (their accumulators are never
+// stored).
 //
 // Scheduling: the tile list comes from the device-side offsets: every CTA computes, per expert,
 // m_tiles(e) = ceil(rows(e) / 128) and its prefix in shared memory; linear tile i belongs to
@@ -26,6 +34,7 @@
 // rounded values, exactly as capmoe_routing_swiglu does on h, so act equals the unfused path's.
 #include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm80.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
@@ -51,6 +60,9 @@ constexpr int kConsumerWarps = 8;
 constexpr uint64_t kEvictNormal = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
 // x is re-read by every column slice of every expert its token routes to: keep it in L2.
 constexpr uint64_t kEvictLast = uint64_t(TMA::CacheHintSm90::EVICT_LAST);
+constexpr int kProducerThreads = 128;
+
+enum class Gather { TmaRows, CpAsync };
 
 template <class T>
 struct MmaAtom;
@@ -144,9 +156,25 @@ __device__ __forceinline__ Tile locate(int tile, int slices, const int32_t* tile
   return Tile{e, row0, min(kTileM, row_end - row0), slice * kTileN};
 }
 
+// The B tile of a stage: gate rows [n0, n0 + 128) and up rows [F + n0, ...) of W1_e.
 template <class T>
-__device__ void produce(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles,
-                        int slices) {
+__device__ __forceinline__ void load_weights(const Fc1Params& p, typename Kernel<T>::Shared& s, int stage, const Tile& t,
+                                             int k0) {
+  using K = Kernel<T>;
+  T* b = s.b + stage * K::kStageElemsB;
+  SM90_TMA_LOAD_3D::copy(&p.w1_map, &s.full[stage], kEvictNormal, b, k0, t.n0, t.expert);
+  SM90_TMA_LOAD_3D::copy(&p.w1_map, &s.full[stage], kEvictNormal, b + kTileN * kTileK, k0, p.ffn + t.n0, t.expert);
+}
+
+// Token of tile row r, or -1 when the row is past the expert's count or the token is invalid.
+__device__ __forceinline__ int row_token(const Fc1Params& p, const Tile& t, int r) {
+  const int token = r < t.rows ? __ldg(p.token_of_row + t.row0 + r) : -1;
+  return token < p.max_tokens ? token : -1;
+}
+
+template <class T>
+__device__ void produce_tma_rows(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles,
+                                 int slices) {
   using K = Kernel<T>;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   const int lane = threadIdx.x & 31;
@@ -159,9 +187,7 @@ __device__ void produce(const Fc1Params& p, typename Kernel<T>::Shared& s, int t
     int loaded = 0;
 #pragma unroll
     for (int i = 0; i < kTileM / 32; ++i) {
-      const int r = lane + 32 * i;
-      token[i] = r < t.rows ? __ldg(p.token_of_row + t.row0 + r) : -1;
-      if (token[i] >= p.max_tokens) token[i] = -1;
+      token[i] = row_token(p, t, lane + 32 * i);
       loaded += __popc(__ballot_sync(0xffffffffu, token[i] >= 0));
     }
     const uint32_t bytes = uint32_t(loaded) * K::kRowBytes + K::kBytesB;
@@ -177,12 +203,48 @@ __device__ void produce(const Fc1Params& p, typename Kernel<T>::Shared& s, int t
           SM90_TMA_LOAD_2D::copy(&p.x_map, &s.full[stage], kEvictLast, a + (lane + 32 * i) * kTileK, k0,
                                  token[i]);
       }
-      if (lane == 0) {
-        T* b = s.b + stage * K::kStageElemsB;
-        SM90_TMA_LOAD_3D::copy(&p.w1_map, &s.full[stage], kEvictNormal, b, k0, t.n0, t.expert);
-        SM90_TMA_LOAD_3D::copy(&p.w1_map, &s.full[stage], kEvictNormal, b + kTileN * kTileK, k0,
-                               p.ffn + t.n0, t.expert);
+      if (lane == 0) load_weights<T>(p, s, stage, t, k0);
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
       }
+    }
+  }
+}
+
+template <class T>
+__device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles,
+                                 int slices) {
+  using K = Kernel<T>;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  using Copy16 = SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>;
+  const int r = threadIdx.x;  // the tile row this thread copies
+  const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
+  constexpr int kChunks = kTileK * sizeof(T) / 16;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    const Tile t = locate(tile, slices, s.tile_prefix, s.row_start, p.experts);
+    const int token = row_token(p, t, r);
+    const T* src_row = static_cast<const T*>(p.x) + int64_t(token < 0 ? 0 : token) * p.hidden;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      Barrier::wait(&s.empty[stage], phase ^ 1);
+      const int k0 = kb * kTileK;
+      if (r == 0) {
+        Barrier::arrive_and_expect_tx(&s.full[stage], K::kBytesB);
+        load_weights<T>(p, s, stage, t, k0);
+      }
+      if (token >= 0) {
+        uint128_t* dst_row = reinterpret_cast<uint128_t*>(s.a + stage * K::kStageElemsA + r * kTileK);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          const int col = k0 + c * 8;
+          const bool inside = col < p.hidden;  // H is a multiple of 8: chunks are all in or all out
+          const auto* src = reinterpret_cast<const uint128_t*>(src_row + (inside ? col : 0));
+          Copy16::copy(*src, dst_row[c ^ (r & 7)], inside);
+        }
+      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
       if (++stage == kStages) {
         stage = 0;
         phase ^= 1;
@@ -227,7 +289,7 @@ __device__ void store_tile(const Fc1Params& p, const Tile& t, const Accum& acc, 
   }
 }
 
-template <class T>
+template <class T, Gather kGather>
 __device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles,
                         int slices) {
   using K = Kernel<T>;
@@ -253,6 +315,8 @@ __device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int t
     int previous = -1;
     for (int kb = 0; kb < k_blocks; ++kb) {
       Barrier::wait(&s.full[stage], phase);
+      // cp.async wrote the A rows through the generic proxy; wgmma reads through the async one.
+      if constexpr (kGather == Gather::CpAsync) cutlass::arch::fence_view_async_shared();
       warpgroup_fence_operand(acc);
       warpgroup_arrive();
 #pragma unroll
@@ -278,7 +342,7 @@ __device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int t
   }
 }
 
-template <class T>
+template <class T, Gather kGather>
 __global__ void __launch_bounds__(kThreads, 1) fc1_swiglu_kernel(const __grid_constant__ Fc1Params p) {
   using K = Kernel<T>;
   extern __shared__ uint8_t raw[];
@@ -288,7 +352,8 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_swiglu_kernel(const __grid_co
   if (warp == 0) build_tile_prefix(p, s.tile_prefix, s.row_start);
   if (threadIdx.x == 32) {
     for (int i = 0; i < kStages; ++i) {
-      cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], 1);
+      // TMA rows: the producer's expect_tx arrival; cp.async: that plus one per copying thread.
+      cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], kGather == Gather::CpAsync ? 1 + kProducerThreads : 1);
       cutlass::arch::ClusterBarrier::init(&s.empty[i], kConsumerWarps);
     }
     cutlass::arch::fence_barrier_init();
@@ -303,16 +368,17 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_swiglu_kernel(const __grid_co
   const int total_tiles = s.tile_prefix[p.experts] * slices;
   if (warp < 4) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (warp == 0) produce<T>(p, s, total_tiles, slices);
+    if constexpr (kGather == Gather::CpAsync) produce_cp_async<T>(p, s, total_tiles, slices);
+    else if (warp == 0) produce_tma_rows<T>(p, s, total_tiles, slices);
   } else {
     cutlass::arch::warpgroup_reg_alloc<232>();
-    consume<T>(p, s, total_tiles, slices);
+    consume<T, kGather>(p, s, total_tiles, slices);
   }
 }
 
-template <class T>
+template <class T, Gather kGather>
 capmoe_status_t launch_typed(const Fc1Params& params, int grid, cudaStream_t stream) {
-  auto kernel = fc1_swiglu_kernel<T>;
+  auto kernel = fc1_swiglu_kernel<T, kGather>;
   constexpr size_t smem = Kernel<T>::kSmemBytes;
   CAPMOE_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem))));
   return launch(kernel, dim3(grid), kThreads, smem, stream, params);
@@ -320,9 +386,15 @@ capmoe_status_t launch_typed(const Fc1Params& params, int grid, cudaStream_t str
 
 }  // namespace
 
-capmoe_status_t launch_fc1_sm90(const Fc1Params& params, capmoe_dtype_t dtype, int grid, cudaStream_t stream) {
-  if (dtype == CAPMOE_DTYPE_BF16) return launch_typed<cutlass::bfloat16_t>(params, grid, stream);
-  if (dtype == CAPMOE_DTYPE_F16) return launch_typed<cutlass::half_t>(params, grid, stream);
+capmoe_status_t launch_fc1_sm90(const Fc1Params& params, capmoe_dtype_t dtype, capmoe_fused_gather_t gather, int grid,
+                                cudaStream_t stream) {
+  const bool cp_async = gather == CAPMOE_FUSED_GATHER_CP_ASYNC;
+  if (dtype == CAPMOE_DTYPE_BF16)
+    return cp_async ? launch_typed<cutlass::bfloat16_t, Gather::CpAsync>(params, grid, stream)
+                    : launch_typed<cutlass::bfloat16_t, Gather::TmaRows>(params, grid, stream);
+  if (dtype == CAPMOE_DTYPE_F16)
+    return cp_async ? launch_typed<cutlass::half_t, Gather::CpAsync>(params, grid, stream)
+                    : launch_typed<cutlass::half_t, Gather::TmaRows>(params, grid, stream);
   return CAPMOE_ERR_UNSUPPORTED;
 }
 

@@ -31,6 +31,28 @@ pub const FC1_TILE_N: usize = sys::CAPMOE_FUSED_FC1_TILE_N as usize;
 /// Largest `E` the fused kernels take.
 pub const MAX_EXPERTS: usize = sys::CAPMOE_FUSED_MAX_EXPERTS as usize;
 
+/// How the fused fc1 gathers a tile's x rows into shared memory (both give the same bits).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Gather {
+    /// The faster of the two on the H100.
+    #[default]
+    Auto,
+    /// One TMA per row (a `1 x 64` box of x), issued by one producer warp.
+    TmaRows,
+    /// 16-byte `cp.async` copies by a producer warpgroup, one row per thread.
+    CpAsync,
+}
+
+impl Gather {
+    fn abi(self) -> sys::capmoe_fused_gather_t {
+        (match self {
+            Gather::Auto => sys::CAPMOE_FUSED_GATHER_AUTO,
+            Gather::TmaRows => sys::CAPMOE_FUSED_GATHER_TMA_ROWS,
+            Gather::CpAsync => sys::CAPMOE_FUSED_GATHER_CP_ASYNC,
+        }) as sys::capmoe_fused_gather_t
+    }
+}
+
 /// A validated fused fc1 + SwiGLU launch plan for one routing plan's shapes on one device.
 #[derive(Clone, Debug)]
 pub struct FusedFc1 {
@@ -48,6 +70,11 @@ impl FusedFc1 {
     /// `stream`; an [`Error::Unsupported`] / [`Error::UnsupportedArch`] / [`Error::NotBuilt`]
     /// means: use the unfused path. No launch.
     pub fn new(routing: &RoutingPlan, stream: &CudaStream) -> Result<FusedFc1> {
+        Self::with_gather(routing, stream, Gather::Auto)
+    }
+
+    /// [`FusedFc1::new`] with a forced gather form.
+    pub fn with_gather(routing: &RoutingPlan, stream: &CudaStream, gather: Gather) -> Result<FusedFc1> {
         const OP: &str = "FusedFc1::new";
         let c = routing.config();
         Self::check_shapes(c)?;
@@ -66,6 +93,7 @@ impl FusedFc1 {
             capacity: routing.capacity() as i64,
             sm_count: device.sm_count,
             dtype: c.dtype.abi(),
+            gather: gather.abi(),
         };
         stream.context().bind_to_thread()?;
         check(unsafe { sys::capmoe_fused_fc1_supported(&desc) }, OP)?;

@@ -39,6 +39,14 @@ extern "C" {
 
 enum { CAPMOE_FUSED_FC1_TILE_N = 128, CAPMOE_FUSED_MAX_EXPERTS = 1024 };
 
+/* How the kernel gathers the x rows of a tile into shared memory. Both give the same bits.
+ *  TMA_ROWS: one TMA per row (a 1 x 64 box of x), issued by one producer warp;
+ *  CP_ASYNC: 16-byte cp.async copies by a producer warpgroup, one row per thread, swizzled by
+ *            hand;
+ *  AUTO:     the faster on the H100 (TMA_ROWS until measured otherwise). */
+typedef int32_t capmoe_fused_gather_t;
+enum { CAPMOE_FUSED_GATHER_AUTO = 0, CAPMOE_FUSED_GATHER_TMA_ROWS = 1, CAPMOE_FUSED_GATHER_CP_ASYNC = 2 };
+
 typedef struct capmoe_fused_fc1_desc {
   int64_t num_experts; /* E, 1 ..= CAPMOE_FUSED_MAX_EXPERTS */
   int64_t hidden;      /* H, a positive multiple of 8 */
@@ -47,6 +55,7 @@ typedef struct capmoe_fused_fc1_desc {
   int64_t capacity;    /* rows of act / h, 0 ..= 2^31 - 1 */
   int32_t sm_count;    /* SMs of the device (the persistent grid), >= 1 */
   capmoe_dtype_t dtype; /* BF16 or F16 */
+  capmoe_fused_gather_t gather;
 } capmoe_fused_fc1_desc_t;
 
 /* CAPMOE_OK when a fused fc1 kernel exists for this descriptor on the current device (checks
