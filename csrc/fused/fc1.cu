@@ -25,6 +25,8 @@ capmoe_status_t check_desc(const capmoe_fused_fc1_desc_t* d) {
   if (d->hidden % 8 != 0) return CAPMOE_ERR_MISALIGNED;
   if (d->dtype != CAPMOE_DTYPE_BF16 && d->dtype != CAPMOE_DTYPE_F16) return CAPMOE_ERR_UNSUPPORTED;
   if (d->ffn % CAPMOE_FUSED_FC1_TILE_N != 0) return CAPMOE_ERR_UNSUPPORTED;
+  // The kernel indexes tiles with int32.
+  if (fc1_max_tiles(d->num_experts, d->capacity, d->ffn) > INT32_MAX) return CAPMOE_ERR_UNSUPPORTED;
   if (d->gather < CAPMOE_FUSED_GATHER_AUTO || d->gather > CAPMOE_FUSED_GATHER_CP_ASYNC) return CAPMOE_ERR_INVALID_ARGUMENT;
   return CAPMOE_OK;
 }

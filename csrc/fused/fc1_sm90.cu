@@ -251,6 +251,7 @@ __device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared&
       }
     }
   }
+  cp_async_wait<0>();  // no thread exits with copies in flight
 }
 
 template <class T>
