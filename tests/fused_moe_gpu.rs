@@ -255,3 +255,48 @@ fn fused_moe_plan_choices() {
     let forced = MoeOptions { fc1: Fc1Kernel::Fused, ..MoeOptions::default() };
     assert!(matches!(MoeExperts::<bf16>::with_options(odd, forced, &stream), Err(Error::Unsupported { .. })));
 }
+
+/// The f16 kernels: forward and backward of a fused f16 plan equal the unfused f16 plan bit
+/// for bit (y poisoned first: rows past T stay the poison in both).
+#[test]
+fn fused_moe_f16_equals_unfused() {
+    use half::f16;
+    let stream = gpu_or_skip!();
+    let cfg = MoeConfig { dtype: DType::F16, ..config(None) };
+    let mk = |fc1| MoeExperts::<f16>::with_options(cfg.clone(), MoeOptions { fc1, ..MoeOptions::default() }, &stream).unwrap();
+    let (mut fused, mut unfused) = (mk(Fc1Kernel::Fused), mk(Fc1Kernel::Unfused));
+    assert!(fused.fc1_is_fused() && !unfused.fc1_is_fused());
+    let mut rng = StdRng::seed_from_u64(7);
+    let h16 = |n: usize, s: f32, rng: &mut StdRng| -> Vec<f16> { (0..n).map(|_| f16::from_f32(rng.random_range(-s..s))).collect() };
+    let w1 = stream.clone_htod(&h16(E * 2 * F * H, 1.0 / (H as f32).sqrt(), &mut rng)).unwrap();
+    let w2 = stream.clone_htod(&h16(E * H * F, 1.0 / (F as f32).sqrt(), &mut rng)).unwrap();
+    let poison = vec![f16::from_bits(0x7E01); T_MAX * H];
+    for i in 0..6 {
+        let s = step(&mut rng, i);
+        let x = stream.clone_htod(&h16(T_MAX * H, 1.0, &mut rng)).unwrap();
+        let dy = stream.clone_htod(&h16(T_MAX * H, 1.0, &mut rng)).unwrap();
+        let ids = stream.clone_htod(&s.ids).unwrap();
+        let probs = stream.clone_htod(&s.probs).unwrap();
+        let tokens = Tokens::Host(s.t);
+        let mut outs = Vec::new();
+        for moe in [&mut fused, &mut unfused] {
+            let mut y = stream.clone_htod(&poison).unwrap();
+            let mut dx = stream.clone_htod(&poison).unwrap();
+            let mut dprobs = stream.alloc_zeros::<f32>(T_MAX * K).unwrap();
+            let mut dw1 = stream.alloc_zeros::<f16>(E * 2 * F * H).unwrap();
+            let mut dw2 = stream.alloc_zeros::<f16>(E * H * F).unwrap();
+            moe.forward(&stream, &x, &ids, &probs, tokens, &w1, &w2, &mut y).unwrap();
+            moe.backward(&stream, &dy, &probs, tokens, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2).unwrap();
+            let mut bits: Vec<u16> = Vec::new();
+            for v in [&y, &dx, &dw1, &dw2] {
+                bits.extend(stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()));
+            }
+            let y_host = stream.clone_dtoh(&y).unwrap();
+            assert!(y_host[..s.t * H].iter().all(|v| v.is_finite()), "step {i}: y rows < T written and finite");
+            assert!(y_host[s.t * H..].iter().all(|v| v.to_bits() == 0x7E01), "step {i}: y rows >= T untouched");
+            outs.push((bits, stream.clone_dtoh(&dprobs).unwrap().iter().map(|f| f.to_bits()).collect::<Vec<u32>>()));
+        }
+        assert_bits(&format!("f16 step {i} (T={}): y, dx, dw1, dw2", s.t), &outs[0].0, &outs[1].0);
+        assert_bits(&format!("f16 step {i} (T={}): dprobs", s.t), &outs[0].1, &outs[1].1);
+    }
+}
