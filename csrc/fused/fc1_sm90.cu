@@ -308,10 +308,26 @@ __device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int t
   Tensor acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<2 * kTileN>>{});
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<2 * kTileN>>{}));
 
+  // This warpgroup's rows of a tile: [first_row, first_row + 64).
+  const int first_row = (consumer_thread / 128) * (kTileM / 2);
   int stage = 0;
   uint32_t phase = 0;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     const Tile t = locate(tile, slices, s.tile_prefix, s.row_start, p.experts);
+    if (t.rows <= first_row) {
+      // An expert's last tile with at most 64 rows: this warpgroup has none, so it leaves the
+      // tensor cores to the other one (which then runs up to twice as fast) and only keeps
+      // the pipeline's arrival count.
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        Barrier::wait(&s.full[stage], phase);
+        if (warp_leader) Barrier::arrive(&s.empty[stage]);
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      continue;
+    }
     mma.accumulate_ = GMMA::ScaleOut::Zero;
     int previous = -1;
     for (int kb = 0; kb < k_blocks; ++kb) {
