@@ -90,7 +90,12 @@ using namespace capmoe::fused;
 extern "C" capmoe_status_t capmoe_fused_fc1_supported(const capmoe_fused_fc1_desc_t* desc) {
   return capmoe::guarded([&]() -> capmoe_status_t {
     CAPMOE_TRY(check_desc(desc));
-    return check_device();
+    CAPMOE_TRY(check_device());
+#if defined(CAPMOE_HAS_SM90)
+    // Resolve the driver's encoder now (plan time), not inside a first launch under capture.
+    if (encode_fn() == nullptr) return CAPMOE_ERR_UNSUPPORTED;
+#endif
+    return CAPMOE_OK;
   });
 }
 
