@@ -127,11 +127,13 @@ impl Runner {
         stream.memcpy_htod(&[inputs.t as i32], &mut self.tokens).unwrap();
     }
 
+    /// Poisons every output and clears the (sticky) routing flag word.
     fn poison(&mut self, stream: &Arc<CudaStream>) {
         for buf in [&mut self.h_unfused, &mut self.act_unfused, &mut self.h_fused, &mut self.act_fused] {
             let n = buf.len();
             stream.memcpy_htod(&poison_bf16(n), buf).unwrap();
         }
+        stream.memset_zeros(&mut self.maps.flags).unwrap();
     }
 
     /// Routing build with the device token count, then the fused kernel (act and h).
