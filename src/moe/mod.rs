@@ -3,7 +3,9 @@
 //! both can be captured once in a CUDA graph and replayed with new routing every step.
 //!
 //! Forward:  build maps -> permute x -> fc1 grouped GEMM -> SwiGLU -> fc2 grouped GEMM ->
-//!           prob-weighted unpermute into y.
+//!           prob-weighted unpermute into y. Where it applies ([`MoeOptions::fc1`]), permute ->
+//!           fc1 -> SwiGLU is one fused kernel reading x directly (same bits; the permute then
+//!           only runs to keep the rows fc1's wgrad reads, not at all with `forward_only`).
 //! Backward: unpermute backward (drows, dprobs) -> fc2 dgrad + wgrad -> SwiGLU backward ->
 //!           fc1 dgrad + wgrad -> permute backward into dx.
 //!
