@@ -23,6 +23,7 @@ pub mod device;
 pub mod dtype;
 pub mod echo;
 mod error;
+pub mod fused;
 pub mod graph;
 pub mod grouped_gemm;
 pub mod moe;

@@ -312,9 +312,9 @@ impl Rig {
         let table32 = |home: &CudaSlice<f32>, spare: &CudaSlice<f32>, per: usize| {
             stream.clone_htod(&echo_slot_pointers(stream, cfg, home, spare, per).unwrap()).unwrap()
         };
-        let opts = MoeOptions { weights: WeightForm::Pointers, gemm_config: case.gemm };
+        let opts = MoeOptions { weights: WeightForm::Pointers, gemm_config: case.gemm, ..MoeOptions::default() };
         let moe = MoeExperts::<bf16>::with_options(moe_config(cfg.num_columns(), t), opts, stream).unwrap();
-        let plain_opts = MoeOptions { weights: WeightForm::Tensor, gemm_config: case.gemm };
+        let plain_opts = MoeOptions { weights: WeightForm::Tensor, gemm_config: case.gemm, ..MoeOptions::default() };
         let plain = MoeExperts::<bf16>::with_options(moe_config(E, t), plain_opts, stream).unwrap();
         assert_eq!(moe.gemm_configs(), plain.gemm_configs(), "{}: both paths must run the same kernels", case.name);
         Rig {

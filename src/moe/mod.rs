@@ -3,7 +3,9 @@
 //! both can be captured once in a CUDA graph and replayed with new routing every step.
 //!
 //! Forward:  build maps -> permute x -> fc1 grouped GEMM -> SwiGLU -> fc2 grouped GEMM ->
-//!           prob-weighted unpermute into y.
+//!           prob-weighted unpermute into y. Where it applies ([`MoeOptions::fc1`]), permute ->
+//!           fc1 -> SwiGLU is one fused kernel reading x directly (same bits; the permute then
+//!           only runs to keep the rows fc1's wgrad reads, not at all with `forward_only`).
 //! Backward: unpermute backward (drows, dprobs) -> fc2 dgrad + wgrad -> SwiGLU backward ->
 //!           fc1 dgrad + wgrad -> permute backward into dx.
 //!
@@ -38,12 +40,14 @@
 //! inputs into them between replays. T may change per replay when given as
 //! [`Tokens::Device`].
 
+mod fused;
 mod slots;
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, ValidAsZeroBits};
 
+pub use fused::Fc1Kernel;
 pub use slots::{echo_slot_pointers, echo_slot_table};
 
 use crate::device::ensure_same_context;
@@ -119,11 +123,22 @@ pub struct MoeOptions {
     /// (then each row's result is bitwise the same in both). The wgrad GEMMs always resolve
     /// `Auto`: one wgrad kernel exists per arch.
     pub gemm_config: GemmConfig,
+    /// fc1 of the forward: fused (gather + GEMM + SwiGLU in one kernel) or not; see
+    /// [`Fc1Kernel`]. Both give the same bits.
+    pub fc1: Fc1Kernel,
+    /// The plan never runs backward: a fused forward then writes neither the permuted rows nor
+    /// the pre-activation h (the backward would need them), and `backward` is an error.
+    pub forward_only: bool,
 }
 
 impl Default for MoeOptions {
     fn default() -> Self {
-        MoeOptions { weights: WeightForm::Tensor, gemm_config: GemmConfig::Auto }
+        MoeOptions {
+            weights: WeightForm::Tensor,
+            gemm_config: GemmConfig::Auto,
+            fc1: Fc1Kernel::Auto,
+            forward_only: false,
+        }
     }
 }
 
@@ -186,6 +201,9 @@ struct Buffers<T> {
 /// need besides the route maps and flag words (public fields of [`MoeExperts`]).
 struct Path<T> {
     routing: RoutingPlan,
+    /// The fused fc1, where the plan runs it (module `fused`).
+    fused: Option<crate::fused::FusedFc1>,
+    forward_only: bool,
     gemms: Gemms,
     buffers: Buffers<T>,
     /// One workspace shared by the six GEMMs: they run one after another on one stream.
@@ -348,7 +366,14 @@ impl<T: MoeElement> MoeExperts<T> {
             maps: routing.alloc_maps(stream)?,
             gemm_flags: stream.alloc_zeros(1)?,
             map_routes: MapRoutes { ids: stream.alloc_zeros(routes)?, probs: stream.alloc_zeros(routes)? },
-            path: Path { workspace: stream.alloc_zeros(workspace_bytes.max(1))?, routing, gemms, buffers },
+            path: Path {
+                workspace: stream.alloc_zeros(workspace_bytes.max(1))?,
+                fused: fused::plan(&options, &routing, stream)?,
+                forward_only: options.forward_only,
+                routing,
+                gemms,
+                buffers,
+            },
             config,
             options,
             stream: stream.clone(),
@@ -466,6 +491,7 @@ impl<T: MoeElement> MoeExperts<T> {
     ) -> Result<()> {
         const OP: &str = "MoeExperts::backward";
         self.ensure_bound_stream(OP, stream)?;
+        self.check_not_forward_only(OP)?;
         self.check_routes(OP, "dprobs", dprobs.len())?;
         self.check_backward::<P, W, G>(
             OP,
@@ -576,6 +602,7 @@ impl<T: MoeElement> MoeExperts<T> {
     ) -> Result<()> {
         const OP: &str = "MoeExperts::backward_from_map";
         self.ensure_bound_stream(OP, stream)?;
+        self.check_not_forward_only(OP)?;
         let routes = self.path.routing.routes_len();
         self.check_routes(OP, "dprobs", dprobs.len())?;
         self.check_backward::<P, W, G>(
@@ -613,6 +640,18 @@ impl<T: MoeElement> MoeExperts<T> {
     }
 
     // ---- host checks, all before the first launch ----
+
+    fn check_not_forward_only(&self, op: &'static str) -> Result<()> {
+        if self.options.forward_only {
+            return Err(Error::InvalidArgument { op, why: "the plan was made with MoeOptions::forward_only".into() });
+        }
+        Ok(())
+    }
+
+    /// Whether the forward runs the fused fc1 ([`MoeOptions::fc1`]).
+    pub fn fc1_is_fused(&self) -> bool {
+        self.path.fused.is_some()
+    }
 
     fn check_routes(&self, op: &'static str, what: &'static str, len: usize) -> Result<()> {
         ensure_len(op, what, len, self.path.routing.routes_len(), " (T_max * k)")
@@ -716,10 +755,18 @@ impl<T: MoeElement> Path<T> {
     ) -> Result<()> {
         let (r, g, b, ws) = (&self.routing, &self.gemms, &mut self.buffers, &mut self.workspace);
         r.build(stream, expert_ids, tokens, maps)?;
-        r.permute(stream, x, &maps.row_of_route, tokens, &mut b.rows)?;
         let splits = &maps.m_splits_i32;
-        g.fc1_fprop.run(stream, &b.rows, fc1_weight, &mut b.h, splits, Some(&mut *flags), ws)?;
-        r.swiglu(stream, &b.h, &maps.offsets, &mut b.act)?;
+        if let Some(f) = &self.fused {
+            let keep = !self.forward_only;
+            fused::fc1(f, stream, x, fc1_weight, maps, &mut b.act, keep.then_some(&mut b.h))?;
+            if keep {
+                r.permute(stream, x, &maps.row_of_route, tokens, &mut b.rows)?; // for fc1 wgrad
+            }
+        } else {
+            r.permute(stream, x, &maps.row_of_route, tokens, &mut b.rows)?;
+            g.fc1_fprop.run(stream, &b.rows, fc1_weight, &mut b.h, splits, Some(&mut *flags), ws)?;
+            r.swiglu(stream, &b.h, &maps.offsets, &mut b.act)?;
+        }
         g.fc2_fprop.run(stream, &b.act, fc2_weight, &mut b.out_rows, splits, Some(&mut *flags), ws)?;
         r.unpermute(stream, &b.out_rows, &maps.row_of_route, probs, tokens, y)
     }

@@ -1,0 +1,33 @@
+// The seam between the fused fc1 C ABI entry (csrc/fused/fc1.cu, built for every arch) and its
+// sm_90a kernel TU (csrc/fused/fc1_sm90.cu): the kernel parameters, with the TMA descriptors
+// already encoded on the host.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "capturable_moe/fused.h"
+
+namespace capmoe::fused {
+
+struct Fc1Params {
+  CUtensorMap x_map;   // x [T_max, H]: box 64 columns x 1 row, 128B swizzle
+  CUtensorMap w1_map;  // w1 [E, 2F, H]: box 64 x TILE_N rows x 1 expert, 128B swizzle
+  const void* x;       // x [T_max, H] for the cp.async gather
+  const int64_t* offsets;
+  const int32_t* token_of_row;
+  void* act;
+  void* h;  // may be null
+  int32_t experts, hidden, ffn, max_tokens, capacity;
+};
+
+// Launches the sm_90a kernel on `grid` persistent CTAs (fc1_sm90.cu).
+capmoe_status_t launch_fc1_sm90(const Fc1Params& params, capmoe_dtype_t dtype, capmoe_fused_gather_t gather,
+                                int grid, cudaStream_t stream);
+
+// Largest grid worth launching: one CTA per tile when there are fewer tiles than SMs.
+int64_t fc1_max_tiles(int64_t experts, int64_t capacity, int64_t ffn);
+
+}  // namespace capmoe::fused

@@ -1,0 +1,418 @@
+// capmoe-archs: 90a
+// Fused fc1 of the expert path on Hopper: act = SwiGLU(gather(x) @ W1_e^T), one persistent,
+// warp-specialized kernel (contract: capturable_moe/fused.h).
+//
+// Tiles: 128 rows (routing rows of one expert) x 128 output columns of act. The B tile holds
+// the gate rows [n0, n0 + 128) and the up rows [F + n0, F + n0 + 128) of W1_e, stacked as one
+// 256-row operand, so one 64x256 wgmma per consumer warpgroup leaves every thread holding gate
+// column c and up column c + 128 of the same row: SwiGLU is elementwise in registers.
+//
+// Roles (384 threads): warpgroup 0 is the producer (TMA rows: one warp issues the TMAs and the
+// others exit after giving back registers; cp.async: all four warps copy); warpgroups 1 and 2
+// are the consumers, 64 tile rows each. W1 always comes by TMA.
+// A operand gather, two forms (capmoe_fused_gather_t; same bits, the faster one is AUTO):
+//  - TMA rows: one TMA per tile row, a 1 x 64 box of x at (k0, token), landing at row * 128 B
+//    of the stage. The 128B swizzle is a function of the shared-memory address (16-byte chunk
+//    bits [4,7) XOR row bits [7,10)), so per-row boxes into a 1024-byte aligned stage land
+//    exactly where one 128 x 64 box would: the layout the wgmma descriptors expect. The stage's
+//    transaction count is 128 B per loaded row plus the B tile.
+//  - cp.async: the producer warpgroup, one tile row per thread, copies 8 16-byte chunks per
+//    K block to chunk (c XOR row % 8) of the row (the same 128B swizzle, by hand; columns past
+//    H are zero-filled); each thread's copies arrive on the stage's barrier when they land
+//    (cp.async.mbarrier.arrive.noinc), and consumers fence the generic proxy against the async
+//    one before wgmma reads them.
+// Rows past the expert's count are not loaded in either form (their accumulators are never
+// stored).
+//
+// Scheduling: the tile list comes from the device-side offsets: every CTA computes, per expert,
+// m_tiles(e) = ceil(rows(e) / 128) and its prefix in shared memory; linear tile i belongs to
+// the expert whose [prefix(e) * S, prefix(e + 1) * S) holds it (S = F / 128 column slices),
+// and within an expert the M tiles of one slice are consecutive, so the CTAs running together
+// read the same weight slice (once from HBM, then from L2). CTAs stride over the tiles.
+//
+// The epilogue rounds gate and up to the output type first and computes SwiGLU in fp32 on the
+// rounded values, exactly as capmoe_routing_swiglu does on h, so act equals the unfused path's.
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/bfloat16.h>
+#include <cutlass/half.h>
+
+#include "common/launch.cuh"
+#include "fused/fc1_launch.h"
+
+namespace capmoe::fused {
+namespace {
+
+using namespace cute;
+
+constexpr int kTileM = 128;
+constexpr int kTileN = CAPMOE_FUSED_FC1_TILE_N;  // act columns per tile (B holds 2x)
+constexpr int kTileK = 64;                       // 64 16-bit elements = one 128-byte row
+constexpr int kStages = 4;
+constexpr int kThreads = 384;
+constexpr int kConsumerWarps = 8;
+constexpr uint64_t kEvictNormal = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
+// x is re-read by every column slice of every expert its token routes to: keep it in L2.
+constexpr uint64_t kEvictLast = uint64_t(TMA::CacheHintSm90::EVICT_LAST);
+constexpr int kProducerThreads = 128;
+
+enum class Gather { TmaRows, CpAsync };
+
+template <class T>
+struct MmaAtom;
+template <>
+struct MmaAtom<cutlass::bfloat16_t> {
+  using type = SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
+};
+template <>
+struct MmaAtom<cutlass::half_t> {
+  using type = SM90_64x256x16_F32F16F16_SS<GMMA::Major::K, GMMA::Major::K>;
+};
+
+template <class T>
+struct Kernel {
+  using TiledMma = decltype(make_tiled_mma(typename MmaAtom<T>::type{}, Layout<Shape<_2, _1, _1>>{}));
+  using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
+                                             Shape<Int<kTileM>, Int<kTileK>, Int<kStages>>{}));
+  using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
+                                             Shape<Int<2 * kTileN>, Int<kTileK>, Int<kStages>>{}));
+  static constexpr int kStageElemsA = kTileM * kTileK;
+  static constexpr int kStageElemsB = 2 * kTileN * kTileK;
+  static constexpr uint32_t kRowBytes = kTileK * sizeof(T);
+  static constexpr uint32_t kBytesB = kStageElemsB * sizeof(T);
+
+  struct Shared {
+    alignas(1024) T a[cosize_v<SmemLayoutA>];
+    alignas(1024) T b[cosize_v<SmemLayoutB>];
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
+    int32_t tile_prefix[CAPMOE_FUSED_MAX_EXPERTS + 1];  // M tiles of the experts before e
+    int32_t row_start[CAPMOE_FUSED_MAX_EXPERTS + 1];    // first row of expert e (clamped)
+  };
+  static constexpr size_t kSmemBytes = sizeof(Shared) + 1024;  // + room to align the base
+};
+
+// Where a linear tile index lands.
+struct Tile {
+  int expert, row0, rows, n0;
+};
+
+__device__ __forceinline__ int64_t clamp_row(int64_t r, int capacity) {
+  return r < 0 ? 0 : (r > capacity ? capacity : r);
+}
+
+// Warp 0 writes tile_prefix[0..E] and row_start[0..E]; returns nothing (the caller syncs).
+__device__ void build_tile_prefix(const Fc1Params& p, int32_t* tile_prefix, int32_t* row_start) {
+  const int lane = threadIdx.x & 31;
+  const int per_lane = (p.experts + 31) / 32;
+  const int first = lane * per_lane, last = min(p.experts, first + per_lane);
+  int local = 0;
+  for (int e = first; e < last; ++e) {
+    const int64_t start = clamp_row(p.offsets[e], p.capacity);
+    const int64_t end = clamp_row(p.offsets[e + 1], p.capacity);
+    const int rows = end > start ? int(end - start) : 0;
+    row_start[e] = int(start);
+    local += (rows + kTileM - 1) / kTileM;
+  }
+  int inclusive = local;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += v;
+  }
+  int running = inclusive - local;
+  for (int e = first; e < last; ++e) {
+    tile_prefix[e] = running;
+    const int rows = int(clamp_row(p.offsets[e + 1], p.capacity)) - row_start[e];
+    running += rows > 0 ? (rows + kTileM - 1) / kTileM : 0;
+  }
+  if (lane == 31) {
+    tile_prefix[p.experts] = inclusive;
+    row_start[p.experts] = int(clamp_row(p.offsets[p.experts], p.capacity));
+  }
+}
+
+__device__ __forceinline__ Tile locate(int tile, int slices, const int32_t* tile_prefix,
+                                       const int32_t* row_start, int experts) {
+  // Largest e with tile_prefix[e] * slices <= tile; it owns at least one tile.
+  int lo = 0, hi = experts - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (tile_prefix[mid] * slices <= tile) lo = mid;
+    else hi = mid - 1;
+  }
+  const int e = lo;
+  const int m_tiles = tile_prefix[e + 1] - tile_prefix[e];
+  const int local = tile - tile_prefix[e] * slices;
+  const int slice = local / m_tiles, m_tile = local - slice * m_tiles;
+  const int row_end = max(row_start[e + 1], row_start[e]);
+  const int row0 = row_start[e] + m_tile * kTileM;
+  return Tile{e, row0, min(kTileM, row_end - row0), slice * kTileN};
+}
+
+// The B tile of a stage: gate rows [n0, n0 + 128) and up rows [F + n0, ...) of W1_e.
+template <class T>
+__device__ __forceinline__ void load_weights(const Fc1Params& p, typename Kernel<T>::Shared& s, int stage, const Tile& t,
+                                             int k0) {
+  using K = Kernel<T>;
+  T* b = s.b + stage * K::kStageElemsB;
+  SM90_TMA_LOAD_3D::copy(&p.w1_map, &s.full[stage], kEvictNormal, b, k0, t.n0, t.expert);
+  SM90_TMA_LOAD_3D::copy(&p.w1_map, &s.full[stage], kEvictNormal, b + kTileN * kTileK, k0, p.ffn + t.n0, t.expert);
+}
+
+// Token of tile row r, or -1 when the row is past the expert's count or the token is invalid.
+__device__ __forceinline__ int row_token(const Fc1Params& p, const Tile& t, int r) {
+  const int token = r < t.rows ? __ldg(p.token_of_row + t.row0 + r) : -1;
+  return token < p.max_tokens ? token : -1;
+}
+
+template <class T>
+__device__ void produce_tma_rows(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles,
+                                 int slices) {
+  using K = Kernel<T>;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  const int lane = threadIdx.x & 31;
+  const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    const Tile t = locate(tile, slices, s.tile_prefix, s.row_start, p.experts);
+    int token[kTileM / 32];
+    int loaded = 0;
+#pragma unroll
+    for (int i = 0; i < kTileM / 32; ++i) {
+      token[i] = row_token(p, t, lane + 32 * i);
+      loaded += __popc(__ballot_sync(0xffffffffu, token[i] >= 0));
+    }
+    const uint32_t bytes = uint32_t(loaded) * K::kRowBytes + K::kBytesB;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      Barrier::wait(&s.empty[stage], phase ^ 1);
+      if (lane == 0) Barrier::arrive_and_expect_tx(&s.full[stage], bytes);
+      __syncwarp();
+      T* a = s.a + stage * K::kStageElemsA;
+      const int k0 = kb * kTileK;
+#pragma unroll
+      for (int i = 0; i < kTileM / 32; ++i) {
+        if (token[i] >= 0)
+          SM90_TMA_LOAD_2D::copy(&p.x_map, &s.full[stage], kEvictLast, a + (lane + 32 * i) * kTileK, k0,
+                                 token[i]);
+      }
+      if (lane == 0) load_weights<T>(p, s, stage, t, k0);
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+  }
+}
+
+template <class T>
+__device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles,
+                                 int slices) {
+  using K = Kernel<T>;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  using Copy16 = SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>;
+  const int r = threadIdx.x;  // the tile row this thread copies
+  const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
+  constexpr int kChunks = kTileK * sizeof(T) / 16;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    const Tile t = locate(tile, slices, s.tile_prefix, s.row_start, p.experts);
+    const int token = row_token(p, t, r);
+    const T* src_row = static_cast<const T*>(p.x) + int64_t(token < 0 ? 0 : token) * p.hidden;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      Barrier::wait(&s.empty[stage], phase ^ 1);
+      const int k0 = kb * kTileK;
+      if (r == 0) {
+        Barrier::arrive_and_expect_tx(&s.full[stage], K::kBytesB);
+        load_weights<T>(p, s, stage, t, k0);
+      }
+      if (token >= 0) {
+        uint128_t* dst_row = reinterpret_cast<uint128_t*>(s.a + stage * K::kStageElemsA + r * kTileK);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          const int col = k0 + c * 8;
+          const bool inside = col < p.hidden;  // H is a multiple of 8: chunks are all in or all out
+          const auto* src = reinterpret_cast<const uint128_t*>(src_row + (inside ? col : 0));
+          Copy16::copy(*src, dst_row[c ^ (r & 7)], inside);
+        }
+      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+  }
+  cp_async_wait<0>();  // no thread exits with copies in flight
+}
+
+template <class T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  return uint32_t(T(lo).raw()) | (uint32_t(T(hi).raw()) << 16);
+}
+
+__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + __expf(-g)); }
+
+// Rounds the accumulators to T, then act = silu(g) * u in fp32 (capmoe_routing_swiglu's math),
+// and h = [g | u] when requested. Only rows < t.rows are stored.
+template <class T, class Accum, class Coords>
+__device__ void store_tile(const Fc1Params& p, const Tile& t, const Accum& acc, const Coords& coords) {
+  constexpr int kHalf = decltype(size(acc))::value / 2;
+  T* act = static_cast<T*>(p.act);
+  T* h = static_cast<T*>(p.h);
+#pragma unroll
+  for (int i = 0; i < kHalf; i += 2) {
+    const int m = get<0>(coords(i)), n = get<1>(coords(i));
+    // The accumulator layout pairs (i, i + 1) as adjacent columns and (i, i + kHalf) as gate /
+    // up of the same column; a layout that broke this would be a build of the wrong atom.
+    if (get<1>(coords(i + 1)) != n + 1 || get<1>(coords(i + kHalf)) != n + kTileN ||
+        get<0>(coords(i + kHalf)) != m)
+      __trap();
+    if (m >= t.rows) continue;
+    const float g0 = float(T(acc(i))), g1 = float(T(acc(i + 1)));
+    const float u0 = float(T(acc(i + kHalf))), u1 = float(T(acc(i + kHalf + 1)));
+    const int64_t row = t.row0 + m;
+    const int64_t col = t.n0 + n;
+    *reinterpret_cast<uint32_t*>(act + row * p.ffn + col) =
+        pack2<T>(g0 * sigmoid(g0) * u0, g1 * sigmoid(g1) * u1);
+    if (h != nullptr) {
+      *reinterpret_cast<uint32_t*>(h + row * 2 * p.ffn + col) = pack2<T>(g0, g1);
+      *reinterpret_cast<uint32_t*>(h + row * 2 * p.ffn + p.ffn + col) = pack2<T>(u0, u1);
+    }
+  }
+}
+
+template <class T, Gather kGather>
+__device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles,
+                        int slices) {
+  using K = Kernel<T>;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  const int consumer_thread = threadIdx.x - 128;
+  const bool warp_leader = (threadIdx.x & 31) == 0;
+  const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
+
+  typename K::TiledMma mma;
+  Tensor sA = make_tensor(make_smem_ptr(s.a), typename K::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(s.b), typename K::SmemLayoutB{});
+  auto thr = mma.get_thread_slice(consumer_thread);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stage)
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  Tensor acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<2 * kTileN>>{});
+  Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<2 * kTileN>>{}));
+
+  // This warpgroup's rows of a tile: [first_row, first_row + 64).
+  const int first_row = (consumer_thread / 128) * (kTileM / 2);
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    const Tile t = locate(tile, slices, s.tile_prefix, s.row_start, p.experts);
+    if (t.rows <= first_row) {
+      // An expert's last tile with at most 64 rows: this warpgroup has none, so it leaves the
+      // tensor cores to the other one (which then runs up to twice as fast) and only keeps
+      // the pipeline's arrival count.
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        Barrier::wait(&s.full[stage], phase);
+        if (warp_leader) Barrier::arrive(&s.empty[stage]);
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      continue;
+    }
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    int previous = -1;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      Barrier::wait(&s.full[stage], phase);
+      // cp.async wrote the A rows through the generic proxy; wgmma reads through the async one.
+      if constexpr (kGather == Gather::CpAsync) cutlass::arch::fence_view_async_shared();
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+#pragma unroll
+      for (int k = 0; k < size<2>(tCrA); ++k) {
+        cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), acc);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      // Keep one batch in flight: the previous stage's wgmmas are done once this returns.
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc);
+      if (previous >= 0 && warp_leader) Barrier::arrive(&s.empty[previous]);
+      previous = stage;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if (previous >= 0 && warp_leader) Barrier::arrive(&s.empty[previous]);
+    store_tile<T>(p, t, acc, coords);
+  }
+}
+
+template <class T, Gather kGather>
+__global__ void __launch_bounds__(kThreads, 1) fc1_swiglu_kernel(const __grid_constant__ Fc1Params p) {
+  using K = Kernel<T>;
+  extern __shared__ uint8_t raw[];
+  auto& s = *reinterpret_cast<typename K::Shared*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  const int warp = threadIdx.x / 32;
+
+  if (warp == 0) build_tile_prefix(p, s.tile_prefix, s.row_start);
+  if (threadIdx.x == 32) {
+    for (int i = 0; i < kStages; ++i) {
+      // TMA rows: the producer's expect_tx arrival; cp.async: that plus one per copying thread.
+      cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], kGather == Gather::CpAsync ? 1 + kProducerThreads : 1);
+      cutlass::arch::ClusterBarrier::init(&s.empty[i], kConsumerWarps);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  if (threadIdx.x == 64) {
+    cute::prefetch_tma_descriptor(&p.x_map);
+    cute::prefetch_tma_descriptor(&p.w1_map);
+  }
+  __syncthreads();
+
+  const int slices = p.ffn / kTileN;
+  const int total_tiles = s.tile_prefix[p.experts] * slices;
+  if (warp < 4) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if constexpr (kGather == Gather::CpAsync) produce_cp_async<T>(p, s, total_tiles, slices);
+    else if (warp == 0) produce_tma_rows<T>(p, s, total_tiles, slices);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<232>();
+    consume<T, kGather>(p, s, total_tiles, slices);
+  }
+}
+
+template <class T, Gather kGather>
+capmoe_status_t launch_typed(const Fc1Params& params, int grid, cudaStream_t stream) {
+  auto kernel = fc1_swiglu_kernel<T, kGather>;
+  constexpr size_t smem = Kernel<T>::kSmemBytes;
+  CAPMOE_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem))));
+  return launch(kernel, dim3(grid), kThreads, smem, stream, params);
+}
+
+}  // namespace
+
+capmoe_status_t launch_fc1_sm90(const Fc1Params& params, capmoe_dtype_t dtype, capmoe_fused_gather_t gather, int grid,
+                                cudaStream_t stream) {
+  const bool cp_async = gather == CAPMOE_FUSED_GATHER_CP_ASYNC;
+  if (dtype == CAPMOE_DTYPE_BF16)
+    return cp_async ? launch_typed<cutlass::bfloat16_t, Gather::CpAsync>(params, grid, stream)
+                    : launch_typed<cutlass::bfloat16_t, Gather::TmaRows>(params, grid, stream);
+  if (dtype == CAPMOE_DTYPE_F16)
+    return cp_async ? launch_typed<cutlass::half_t, Gather::CpAsync>(params, grid, stream)
+                    : launch_typed<cutlass::half_t, Gather::TmaRows>(params, grid, stream);
+  return CAPMOE_ERR_UNSUPPORTED;
+}
+
+}  // namespace capmoe::fused

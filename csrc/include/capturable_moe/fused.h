@@ -1,0 +1,75 @@
+/* Fused expert-path kernels: fc1 that gathers its A rows straight from x and applies SwiGLU in
+ * its epilogue (no permuted copy of x is written or read, no separate SwiGLU pass).
+ *
+ * Shapes (fixed at plan time; routing lives on the device and changes every launch):
+ *   x             [T_max, H]      BF16 or F16 (desc.dtype), row-major, contiguous
+ *   w1            [E, 2F, H]      same dtype; rows [0, F) of each expert are the gate, [F, 2F)
+ *                                 the up projection (the unfused path's layout)
+ *   offsets       [E + 1]  int64  routing build's row offsets: expert e owns rows
+ *                                 [offsets[e], offsets[e+1]) (each clamped into [0, capacity])
+ *   token_of_row  [capacity] int32 routing build's token of each row
+ *   act           [capacity, F]   silu(gate) * up, rows in routing order
+ *   h (optional)  [capacity, 2F]  the pre-activation [gate | up] for the backward; NULL: not
+ *                                 written
+ * For every row r < offsets[E] (clamped to capacity) of expert e:
+ *   g = round(x[token_of_row[r]] . w1[e, f]),  u = round(x[token_of_row[r]] . w1[e, F + f])
+ *   act[r, f] = round(silu(g) * u)          (fp32 accumulate, fp32 SwiGLU as
+ *                                            capmoe_routing_swiglu computes it from h)
+ * so act and h equal the unfused permute -> fc1 -> SwiGLU path's. Rows at or past offsets[E],
+ * and past capacity, are neither read nor written. A row whose token lies outside [0, T_max)
+ * (never the case for a map capmoe_routing_build wrote) is not loaded; its outputs are
+ * unspecified.
+ *
+ * Limits: F a multiple of CAPMOE_FUSED_FC1_TILE_N, H a multiple of 8, E <=
+ * CAPMOE_FUSED_MAX_EXPERTS; other shapes are CAPMOE_ERR_UNSUPPORTED (use the unfused path).
+ * Only sm_90a has a kernel: on another device (or a binary built without 90a) the launch
+ * returns CAPMOE_ERR_UNSUPPORTED before anything is launched.
+ * Alignment: x, w1, act, h 16-byte aligned; offsets 8; token_of_row 4 (else MISALIGNED).
+ * No workspace, no allocation, no synchronisation, no host read of device data: capturable.
+ * The TMA descriptors of x and w1 are encoded on the host at every call (pure host work), so
+ * a captured graph keeps the addresses it was captured with. */
+#ifndef CAPTURABLE_MOE_FUSED_H
+#define CAPTURABLE_MOE_FUSED_H
+
+#include "capturable_moe/status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { CAPMOE_FUSED_FC1_TILE_N = 128, CAPMOE_FUSED_MAX_EXPERTS = 1024 };
+
+/* How the kernel gathers the x rows of a tile into shared memory. Both give the same bits.
+ *  TMA_ROWS: one TMA per row (a 1 x 64 box of x), issued by one producer warp;
+ *  CP_ASYNC: 16-byte cp.async copies by a producer warpgroup, one row per thread, swizzled by
+ *            hand;
+ *  AUTO:     the faster on the H100 (TMA_ROWS until measured otherwise). */
+typedef int32_t capmoe_fused_gather_t;
+enum { CAPMOE_FUSED_GATHER_AUTO = 0, CAPMOE_FUSED_GATHER_TMA_ROWS = 1, CAPMOE_FUSED_GATHER_CP_ASYNC = 2 };
+
+typedef struct capmoe_fused_fc1_desc {
+  int64_t num_experts; /* E, 1 ..= CAPMOE_FUSED_MAX_EXPERTS */
+  int64_t hidden;      /* H, a positive multiple of 8 */
+  int64_t ffn;         /* F, a positive multiple of CAPMOE_FUSED_FC1_TILE_N */
+  int64_t max_tokens;  /* T_max, rows of x, < 2^31 */
+  int64_t capacity;    /* rows of act / h, 0 ..= 2^31 - 1 */
+  int32_t sm_count;    /* SMs of the device (the persistent grid), >= 1 */
+  capmoe_dtype_t dtype; /* BF16 or F16 */
+  capmoe_fused_gather_t gather;
+} capmoe_fused_fc1_desc_t;
+
+/* CAPMOE_OK when a fused fc1 kernel exists for this descriptor on the current device (checks
+ * shapes, dtype, the device's compute capability and the archs built into the binary);
+ * otherwise the status the launch would return. No CUDA work beyond device attribute queries. */
+capmoe_status_t capmoe_fused_fc1_supported(const capmoe_fused_fc1_desc_t* desc);
+
+/* act (and h when not NULL) as described above, on `stream` (a cudaStream_t). */
+capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc, const void* x,
+                                 const void* w1, const int64_t* offsets,
+                                 const int32_t* token_of_row, void* act, void* h, void* stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

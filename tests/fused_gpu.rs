@@ -1,0 +1,543 @@
+//! The fused fc1 (gather of x rows + fc1 + SwiGLU in one sm_90a kernel) against the unfused
+//! path it replaces (routing build -> permute -> grouped GEMM fc1 -> SwiGLU) and against an
+//! fp64 CPU reference; eager against CUDA-graph replay with fresh routing.
+//!
+//! Equality with the unfused path is asserted bit for bit: both accumulate each output in fp32
+//! over the same sequence of k16 wgmma steps in ascending K (the sum order of an element does
+//! not depend on the tile shape), both round gate / up to bf16, and the fused epilogue computes
+//! SwiGLU with the same fp32 expression as the SwiGLU kernel. On a mismatch the message gives
+//! the number of differing elements and the largest difference in bf16 ulps.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use capturable_moe::dtype::DType;
+use capturable_moe::fused::{FusedFc1, Gather};
+use capturable_moe::graph::capture;
+use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
+use capturable_moe::routing::{self, flags, RouteMaps, RoutingConfig, RoutingPlan, Tokens};
+use capturable_moe::Error;
+use common::moe::{assert_close, assert_written_bf16, poison_bf16};
+use common::routing::topk_ids;
+use cudarc::driver::{CudaSlice, CudaStream};
+use half::bf16;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    e: usize,
+    h: usize,
+    f: usize,
+    k: usize,
+    t_max: usize,
+    capacity: Option<usize>,
+}
+
+impl Shape {
+    fn routing(&self) -> RoutingConfig {
+        RoutingConfig {
+            num_experts: self.e,
+            hidden: self.h,
+            ffn: self.f,
+            topk: self.k,
+            max_tokens: self.t_max,
+            capacity: self.capacity,
+            expert_capacity: None,
+            dtype: DType::Bf16,
+            prob_dtype: DType::F32,
+        }
+    }
+}
+
+fn random_bf16(rng: &mut StdRng, n: usize, scale: f32) -> Vec<bf16> {
+    (0..n).map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0) * scale)).collect()
+}
+
+/// Both paths of one shape, with every buffer allocated once.
+struct Runner {
+    shape: Shape,
+    plan: RoutingPlan,
+    fused: FusedFc1,
+    fc1: GroupedGemm,
+    maps: RouteMaps,
+    gemm_flags: CudaSlice<i32>,
+    workspace: CudaSlice<u8>,
+    x: CudaSlice<bf16>,
+    w1: CudaSlice<bf16>,
+    ids: CudaSlice<i32>,
+    tokens: CudaSlice<i32>,
+    rows: CudaSlice<bf16>,
+    h_unfused: CudaSlice<bf16>,
+    act_unfused: CudaSlice<bf16>,
+    h_fused: CudaSlice<bf16>,
+    act_fused: CudaSlice<bf16>,
+}
+
+/// One launch's inputs on the host.
+struct Inputs {
+    t: usize,
+    ids: Vec<i32>,
+    x: Vec<bf16>,
+}
+
+/// Outputs of both paths, downloaded.
+struct Outputs {
+    act_fused: Vec<bf16>,
+    h_fused: Vec<bf16>,
+    act_unfused: Vec<bf16>,
+    h_unfused: Vec<bf16>,
+    offsets: Vec<i64>,
+    token_of_row: Vec<i32>,
+    routing_flags: i32,
+}
+
+impl Runner {
+    fn new(stream: &Arc<CudaStream>, shape: Shape, w1: &[bf16], gather: Gather) -> Runner {
+        let plan = RoutingPlan::new(shape.routing()).unwrap();
+        let cap = plan.capacity();
+        let fused = FusedFc1::with_gather(&plan, stream, gather).unwrap();
+        let spec = GroupedGemmSpec::new(GemmOp::Fprop, shape.e, 2 * shape.f, shape.h, cap).with_dtype(DType::Bf16);
+        let fc1 = GroupedGemm::new(spec, stream).unwrap();
+        let zeros = |n: usize| stream.alloc_zeros::<bf16>(n.max(1)).unwrap();
+        Runner {
+            maps: plan.alloc_maps(stream).unwrap(),
+            gemm_flags: stream.alloc_zeros(1).unwrap(),
+            workspace: stream.alloc_zeros(fc1.workspace_bytes().max(1)).unwrap(),
+            x: zeros(shape.t_max * shape.h),
+            w1: stream.clone_htod(w1).unwrap(),
+            ids: stream.alloc_zeros(shape.t_max * shape.k).unwrap(),
+            tokens: stream.alloc_zeros(1).unwrap(),
+            rows: zeros(cap * shape.h),
+            h_unfused: zeros(cap * 2 * shape.f),
+            act_unfused: zeros(cap * shape.f),
+            h_fused: zeros(cap * 2 * shape.f),
+            act_fused: zeros(cap * shape.f),
+            shape,
+            plan,
+            fused,
+            fc1,
+        }
+    }
+
+    fn load(&mut self, stream: &Arc<CudaStream>, inputs: &Inputs) {
+        stream.memcpy_htod(&inputs.x, &mut self.x).unwrap();
+        stream.memcpy_htod(&inputs.ids, &mut self.ids).unwrap();
+        stream.memcpy_htod(&[inputs.t as i32], &mut self.tokens).unwrap();
+    }
+
+    /// Poisons every output and clears the (sticky) routing flag word.
+    fn poison(&mut self, stream: &Arc<CudaStream>) {
+        for buf in [&mut self.h_unfused, &mut self.act_unfused, &mut self.h_fused, &mut self.act_fused] {
+            let n = buf.len();
+            stream.memcpy_htod(&poison_bf16(n), buf).unwrap();
+        }
+        stream.memset_zeros(&mut self.maps.flags).unwrap();
+    }
+
+    /// Routing build with the device token count, then the fused kernel (act and h).
+    fn fused(&mut self, stream: &CudaStream) -> capturable_moe::Result<()> {
+        let tokens = Tokens::Device(&self.tokens);
+        self.plan.build(stream, &self.ids, tokens, &mut self.maps)?;
+        let m = &self.maps;
+        self.fused.run(
+            stream,
+            &self.x,
+            &self.w1,
+            &m.offsets,
+            &m.token_of_row,
+            &mut self.act_fused,
+            Some(&mut self.h_fused),
+        )
+    }
+
+    /// The same routing build, then permute -> grouped GEMM fc1 -> SwiGLU.
+    fn unfused(&mut self, stream: &CudaStream) -> capturable_moe::Result<()> {
+        let tokens = Tokens::Device(&self.tokens);
+        self.plan.build(stream, &self.ids, tokens, &mut self.maps)?;
+        let m = &self.maps;
+        self.plan.permute(stream, &self.x, &m.row_of_route, tokens, &mut self.rows)?;
+        self.fc1.run(
+            stream,
+            &self.rows,
+            &self.w1,
+            &mut self.h_unfused,
+            &m.m_splits_i32,
+            Some(&mut self.gemm_flags),
+            &mut self.workspace,
+        )?;
+        self.plan.swiglu(stream, &self.h_unfused, &m.offsets, &mut self.act_unfused)
+    }
+
+    fn read(&self, stream: &Arc<CudaStream>) -> Outputs {
+        Outputs {
+            act_fused: stream.clone_dtoh(&self.act_fused).unwrap(),
+            h_fused: stream.clone_dtoh(&self.h_fused).unwrap(),
+            act_unfused: stream.clone_dtoh(&self.act_unfused).unwrap(),
+            h_unfused: stream.clone_dtoh(&self.h_unfused).unwrap(),
+            offsets: stream.clone_dtoh(&self.maps.offsets).unwrap(),
+            token_of_row: stream.clone_dtoh(&self.maps.token_of_row).unwrap(),
+            routing_flags: stream.clone_dtoh(&self.maps.flags).unwrap()[0],
+        }
+    }
+}
+
+/// Bit equality over `[0, n)`, reporting the count of differences and the largest in ulps.
+fn assert_bits_bf16(what: &str, got: &[bf16], want: &[bf16], n: usize) {
+    let diffs: Vec<usize> = (0..n).filter(|&i| got[i].to_bits() != want[i].to_bits()).collect();
+    if let Some(&first) = diffs.first() {
+        let ulps = diffs.iter().map(|&i| (got[i].to_bits() as i32 - want[i].to_bits() as i32).abs()).max().unwrap();
+        panic!(
+            "{what}: {} of {n} elements differ from the unfused path (largest {ulps} bf16 ulps); first at {first}: got {}, expected {}",
+            diffs.len(),
+            got[first],
+            want[first]
+        );
+    }
+}
+
+/// fp64 reference of `rows` rows of act / h from the CPU routing maps: gate and up rounded to
+/// bf16 (the stored h), act = silu(g) * u.
+fn reference_rows(
+    shape: Shape,
+    maps: &routing::reference::RouteMaps,
+    x: &[bf16],
+    w1: &[bf16],
+    rows: &[usize],
+) -> (Vec<f64>, Vec<f64>) {
+    let (h, f) = (shape.h, shape.f);
+    let mut act = Vec::with_capacity(rows.len() * f);
+    let mut pre = Vec::with_capacity(rows.len() * 2 * f);
+    for &r in rows {
+        let e = (0..shape.e).rfind(|&e| maps.offsets[e] as usize <= r).unwrap();
+        let t = maps.token_of_row[r] as usize;
+        let xr: Vec<f64> = x[t * h..(t + 1) * h].iter().map(|v| v.to_f64()).collect();
+        let dot = |n: usize| -> f64 {
+            let w = &w1[(e * 2 * f + n) * h..(e * 2 * f + n + 1) * h];
+            xr.iter().zip(w).map(|(a, b)| a * b.to_f64()).sum()
+        };
+        let gu: Vec<f64> = (0..2 * f).map(|n| bf16::from_f64(dot(n)).to_f64()).collect();
+        for c in 0..f {
+            let (g, u) = (gu[c], gu[f + c]);
+            act.push(g / (1.0 + (-g).exp()) * u);
+        }
+        pre.extend(gu);
+    }
+    (act, pre)
+}
+
+/// Runs both paths on `inputs` and checks: the maps against the CPU routing reference, every
+/// element of act and h written exactly on rows `< offsets[E]` (poison elsewhere), fused ==
+/// unfused bit for bit, and the fp64 reference on `sample` rows (all rows when `None`).
+fn check_case(
+    what: &str,
+    stream: &Arc<CudaStream>,
+    runner: &mut Runner,
+    inputs: &Inputs,
+    w1: &[bf16],
+    sample: Option<usize>,
+) {
+    let s = runner.shape;
+    runner.load(stream, inputs);
+    runner.poison(stream);
+    runner.unfused(stream).unwrap();
+    runner.fused(stream).unwrap();
+    let out = runner.read(stream);
+    let cap = runner.plan.capacity();
+    let want = routing::reference::build(&inputs.ids, inputs.t, s.t_max, s.e, s.k, cap, 0);
+    assert_eq!(out.offsets, want.offsets, "{what}: offsets");
+    assert_eq!(out.token_of_row, want.token_of_row, "{what}: token_of_row");
+    assert_eq!(out.routing_flags, want.flags, "{what}: routing flags");
+    let total = want.offsets[s.e] as usize;
+
+    assert_written_bf16(&format!("{what}: fused act"), &out.act_fused, total * s.f);
+    assert_written_bf16(&format!("{what}: fused h"), &out.h_fused, total * 2 * s.f);
+    assert_written_bf16(&format!("{what}: unfused act"), &out.act_unfused, total * s.f);
+    assert_bits_bf16(&format!("{what}: h"), &out.h_fused, &out.h_unfused, total * 2 * s.f);
+    assert_bits_bf16(&format!("{what}: act"), &out.act_fused, &out.act_unfused, total * s.f);
+
+    let rows: Vec<usize> = match sample {
+        None => (0..total).collect(),
+        // Every tile boundary region is hit: rows spread over the whole range plus both ends.
+        Some(n) => {
+            let mut r: Vec<usize> = (0..n).map(|i| i * total / n.max(1)).collect();
+            r.extend([total.saturating_sub(1), 127.min(total.saturating_sub(1)), 128.min(total.saturating_sub(1))]);
+            r.retain(|&v| v < total);
+            r.sort_unstable();
+            r.dedup();
+            r
+        }
+    };
+    if rows.is_empty() {
+        return;
+    }
+    let (act_ref, h_ref) = reference_rows(s, &want, &inputs.x, w1, &rows);
+    let pick = |v: &[bf16], width: usize| -> Vec<f64> {
+        rows.iter().flat_map(|&r| v[r * width..(r + 1) * width].iter().map(|b| b.to_f64())).collect()
+    };
+    assert_close(&format!("{what}: act vs fp64"), &pick(&out.act_fused, s.f), &act_ref, 1e-2);
+    assert_close(&format!("{what}: h vs fp64"), &pick(&out.h_fused, 2 * s.f), &h_ref, 1e-2);
+}
+
+/// Both gather forms are tested everywhere: they must give the same bits.
+const GATHERS: [Gather; 2] = [Gather::TmaRows, Gather::CpAsync];
+
+fn weights(shape: Shape, seed: u64) -> Vec<bf16> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    random_bf16(&mut rng, shape.e * 2 * shape.f * shape.h, 1.0 / (shape.h as f32).sqrt())
+}
+
+fn inputs(shape: Shape, rng: &mut StdRng, t: usize, ids: Vec<i32>) -> Inputs {
+    let mut x = random_bf16(rng, shape.t_max * shape.h, 1.0);
+    // Rows of tokens >= T hold NaN: a gather that read one would poison its output.
+    for v in &mut x[t * shape.h..] {
+        *v = bf16::NAN;
+    }
+    Inputs { t, ids, x }
+}
+
+/// Routes with everything the routing allows: duplicates within a token, empty slots (-1),
+/// out-of-range ids (dropped), and skewed experts.
+fn messy_ids(rng: &mut StdRng, shape: Shape) -> Vec<i32> {
+    (0..shape.t_max * shape.k)
+        .map(|_| match rng.random_range(0..20) {
+            0 => -1,
+            1 => shape.e as i32 + rng.random_range(0..3),
+            2 => -7,
+            3..=6 => 0, // a heavy expert
+            _ => rng.random_range(0..shape.e as i32),
+        })
+        .collect()
+}
+
+#[test]
+fn fused_fc1_matches_unfused_on_messy_routing() {
+    let stream = gpu_or_skip!();
+    // H = 200: the last K block is partial (TMA zero-fills columns past H in x and W1).
+    let shape = Shape { e: 8, h: 200, f: 256, k: 3, t_max: 300, capacity: None };
+    let w1 = weights(shape, 1);
+    for gather in GATHERS {
+        let mut runner = Runner::new(&stream, shape, &w1, gather);
+        let mut rng = StdRng::seed_from_u64(2);
+        for (i, t) in [300usize, 0, 1, 137, 299].into_iter().enumerate() {
+            let ids = messy_ids(&mut rng, shape);
+            let inputs = inputs(shape, &mut rng, t, ids);
+            check_case(&format!("{gather:?}: messy case {i} (T={t})"), &stream, &mut runner, &inputs, &w1, None);
+        }
+    }
+}
+
+#[test]
+fn fused_fc1_one_expert_takes_every_route() {
+    let stream = gpu_or_skip!();
+    let shape = Shape { e: 16, h: 256, f: 128, k: 4, t_max: 200, capacity: None };
+    let w1 = weights(shape, 3);
+    for gather in GATHERS {
+        let mut runner = Runner::new(&stream, shape, &w1, gather);
+        let mut rng = StdRng::seed_from_u64(4);
+        for expert in [0i32, 15] {
+            // k duplicates of one expert per token: 800 rows, 7 M tiles, the last one partial.
+            let inputs = inputs(shape, &mut rng, 200, vec![expert; 200 * 4]);
+            check_case(&format!("{gather:?}: all routes to expert {expert}"), &stream, &mut runner, &inputs, &w1, None);
+        }
+    }
+}
+
+#[test]
+fn fused_fc1_capacity_overflow_drops_like_the_unfused_path() {
+    let stream = gpu_or_skip!();
+    let shape = Shape { e: 4, h: 128, f: 128, k: 2, t_max: 256, capacity: Some(300) };
+    let w1 = weights(shape, 5);
+    for gather in GATHERS {
+        let mut runner = Runner::new(&stream, shape, &w1, gather);
+        let mut rng = StdRng::seed_from_u64(6);
+        let ids = topk_ids(&mut rng, 256, 4, 2);
+        let inputs = inputs(shape, &mut rng, 256, ids);
+        check_case(&format!("{gather:?}: capacity 300 of 512 routes"), &stream, &mut runner, &inputs, &w1, None);
+        let fl = stream.clone_dtoh(&runner.maps.flags).unwrap()[0];
+        assert!(fl & flags::CAPACITY != 0, "the routing build must flag the dropped routes (flags {fl:#x})");
+    }
+}
+
+#[test]
+fn fused_fc1_model_shapes() {
+    let stream = gpu_or_skip!();
+    // E128 H2048 F768 k8 (the benchmark's training shape) and decode E64 H2048 F1408 k8.
+    for (name, shape, t) in [
+        ("E128 H2048 F768 k8 T4096", Shape { e: 128, h: 2048, f: 768, k: 8, t_max: 4096, capacity: None }, 4096),
+        (
+            "E128 H2048 F768 k8 T4000 of 4096",
+            Shape { e: 128, h: 2048, f: 768, k: 8, t_max: 4096, capacity: None },
+            4000,
+        ),
+        ("E64 H2048 F1408 k8 T128", Shape { e: 64, h: 2048, f: 1408, k: 8, t_max: 128, capacity: None }, 128),
+    ] {
+        let w1 = weights(shape, 7);
+        let mut rng = StdRng::seed_from_u64(8);
+        let ids = topk_ids(&mut rng, shape.t_max, shape.e, shape.k);
+        let inputs = inputs(shape, &mut rng, t, ids);
+        for gather in GATHERS {
+            let start = Instant::now();
+            let mut runner = Runner::new(&stream, shape, &w1, gather);
+            check_case(&format!("{gather:?}: {name}"), &stream, &mut runner, &inputs, &w1, Some(48));
+            println!("{gather:?}: {name}: checked in {:.1} s", start.elapsed().as_secs_f64());
+        }
+    }
+}
+
+/// Capture routing build + fused fc1 once; replay with fresh routing, x and T (device token
+/// count) written between replays. Every replay equals an eager run bit for bit (and the
+/// unfused path, through check_case on the eager runner).
+#[test]
+fn fused_fc1_graph_replays_match_eager() {
+    let stream = gpu_or_skip!();
+    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let shape = Shape { e: 8, h: 192, f: 256, k: 2, t_max: 160, capacity: None };
+    let w1 = weights(shape, 9);
+    for gather in GATHERS {
+        let mut graph_runner = Runner::new(&stream, shape, &w1, gather);
+        let mut eager = Runner::new(&stream, shape, &w1, gather);
+        let mut rng = StdRng::seed_from_u64(10);
+        let first_ids = messy_ids(&mut rng, shape);
+        let first = inputs(shape, &mut rng, 100, first_ids);
+        graph_runner.load(&stream, &first);
+        stream.synchronize().unwrap();
+        let graph = capture(&stream, || graph_runner.fused(&stream)).unwrap();
+        for i in 0..50 {
+            let t = match i % 5 {
+                0 => 0,
+                1 => shape.t_max,
+                _ => rng.random_range(1..=shape.t_max),
+            };
+            let ids = if i % 7 == 3 { vec![5; shape.t_max * shape.k] } else { messy_ids(&mut rng, shape) };
+            let inp = inputs(shape, &mut rng, t, ids);
+            graph_runner.load(&stream, &inp);
+            graph_runner.poison(&stream);
+            graph.launch().unwrap();
+            let what = format!("{gather:?}: replay {i} (T={t})");
+            check_case(&what, &stream, &mut eager, &inp, &w1, Some(8));
+            let g = graph_runner.read(&stream);
+            let e = eager.read(&stream);
+            let total = e.offsets[shape.e] as usize;
+            assert_eq!(g.offsets, e.offsets, "{what}: offsets");
+            assert_written_bf16(&format!("{what}: graph act"), &g.act_fused, total * shape.f);
+            assert_bits_bf16(&format!("{what}: graph act vs eager"), &g.act_fused, &e.act_fused, g.act_fused.len());
+            assert_bits_bf16(&format!("{what}: graph h vs eager"), &g.h_fused, &e.h_fused, 2 * shape.f * total);
+        }
+    }
+}
+
+#[test]
+fn fused_fc1_refuses_what_it_does_not_take() {
+    let stream = gpu_or_skip!();
+    let shape = Shape { e: 4, h: 128, f: 96, k: 2, t_max: 16, capacity: None };
+    let plan = RoutingPlan::new(shape.routing()).unwrap();
+    assert!(matches!(FusedFc1::new(&plan, &stream), Err(Error::Unsupported { .. })), "F = 96 is not a multiple of 128");
+    // Wrong lengths are shape errors before any launch.
+    let shape = Shape { e: 4, h: 128, f: 128, k: 2, t_max: 16, capacity: None };
+    let plan = RoutingPlan::new(shape.routing()).unwrap();
+    let fused = FusedFc1::new(&plan, &stream).unwrap();
+    let maps = plan.alloc_maps(&stream).unwrap();
+    let x = stream.alloc_zeros::<bf16>(16 * 128).unwrap();
+    let short_w1 = stream.alloc_zeros::<bf16>(4 * 256 * 128 - 1).unwrap();
+    let mut act = stream.alloc_zeros::<bf16>(32 * 128).unwrap();
+    let r =
+        fused.run(&stream, &x, &short_w1, &maps.offsets, &maps.token_of_row, &mut act, None::<&mut CudaSlice<bf16>>);
+    assert!(matches!(r, Err(Error::Shape { .. })), "short w1: {r:?}");
+}
+
+/// Timing hook for the benchmark (ignored by default): us per launch, graph replay, at
+/// E128 T4096 k8 H2048 F768, fused fc1 against permute + grouped GEMM fc1 + SwiGLU (the routing
+/// build is outside both). Run: `cargo test --release --test fused_gpu fused_fc1_timing --
+/// --ignored --nocapture`.
+#[test]
+#[ignore]
+fn fused_fc1_timing() {
+    let stream = gpu_or_skip!();
+    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let shape = Shape { e: 128, h: 2048, f: 768, k: 8, t_max: 4096, capacity: None };
+    let w1 = weights(shape, 11);
+    let mut r = Runner::new(&stream, shape, &w1, Gather::TmaRows);
+    let fused_cp_async = FusedFc1::with_gather(&r.plan, &stream, Gather::CpAsync).unwrap();
+    let mut rng = StdRng::seed_from_u64(12);
+    let ids = topk_ids(&mut rng, shape.t_max, shape.e, shape.k);
+    let inp = inputs(shape, &mut rng, shape.t_max, ids);
+    r.load(&stream, &inp);
+    r.unfused(&stream).unwrap(); // maps built once; both graphs below skip the build
+    let tokens_dev = r.tokens.clone();
+    let fused_graph = capture(&stream, || {
+        let m = &r.maps;
+        r.fused.run(&stream, &r.x, &r.w1, &m.offsets, &m.token_of_row, &mut r.act_fused, None::<&mut CudaSlice<bf16>>)
+    })
+    .unwrap();
+    let fused_cp_async_graph = capture(&stream, || {
+        let m = &r.maps;
+        fused_cp_async.run(
+            &stream,
+            &r.x,
+            &r.w1,
+            &m.offsets,
+            &m.token_of_row,
+            &mut r.act_fused,
+            None::<&mut CudaSlice<bf16>>,
+        )
+    })
+    .unwrap();
+    let fused_h_graph = capture(&stream, || {
+        let m = &r.maps;
+        r.fused.run(&stream, &r.x, &r.w1, &m.offsets, &m.token_of_row, &mut r.act_fused, Some(&mut r.h_fused))
+    })
+    .unwrap();
+    let unfused_graph = capture(&stream, || {
+        let m = &r.maps;
+        let tokens = Tokens::Device(&tokens_dev);
+        r.plan.permute(&stream, &r.x, &m.row_of_route, tokens, &mut r.rows)?;
+        r.fc1.run(
+            &stream,
+            &r.rows,
+            &r.w1,
+            &mut r.h_unfused,
+            &m.m_splits_i32,
+            Some(&mut r.gemm_flags),
+            &mut r.workspace,
+        )?;
+        r.plan.swiglu(&stream, &r.h_unfused, &m.offsets, &mut r.act_unfused)
+    })
+    .unwrap();
+    let gemm_graph = capture(&stream, || {
+        let m = &r.maps;
+        r.fc1.run(&stream, &r.rows, &r.w1, &mut r.h_unfused, &m.m_splits_i32, Some(&mut r.gemm_flags), &mut r.workspace)
+    })
+    .unwrap();
+    let ctx = stream.context();
+    let time = |graph: &cudarc::driver::CudaGraph| -> f64 {
+        for _ in 0..5 {
+            graph.launch().unwrap();
+        }
+        let reps = 50;
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let (a, b) = (ctx.new_event(flags).unwrap(), ctx.new_event(flags).unwrap());
+        a.record(&stream).unwrap();
+        for _ in 0..reps {
+            graph.launch().unwrap();
+        }
+        b.record(&stream).unwrap();
+        b.synchronize().unwrap();
+        a.elapsed_ms(&b).unwrap() as f64 * 1000.0 / reps as f64
+    };
+    let flops = 2.0 * (shape.t_max * shape.k) as f64 * (2 * shape.f * shape.h) as f64;
+    for (name, graph) in [
+        ("fused fc1 + SwiGLU, TMA-row gather (act only)", &fused_graph),
+        ("fused fc1 + SwiGLU, cp.async gather (act only)", &fused_cp_async_graph),
+        ("fused fc1 + SwiGLU, TMA-row gather (act + h)", &fused_h_graph),
+        ("permute + fc1 + SwiGLU", &unfused_graph),
+        ("fc1 grouped GEMM alone", &gemm_graph),
+    ] {
+        let us = time(graph);
+        println!(
+            "fused_fc1_timing E128 T4096 k8 H2048 F768: {name}: {us:.1} us ({:.0} TFLOP/s of fc1)",
+            flops / us * 1e-6
+        );
+    }
+}

@@ -1,0 +1,117 @@
+//! Host-only checks of the fused kernels' plan-time shape rules (no GPU needed): the shapes the
+//! fused fc1 refuses are the ones whose callers must take the unfused path.
+
+use capturable_moe::dtype::DType;
+use capturable_moe::fused::{FusedFc1, FC1_TILE_N};
+use capturable_moe::routing::RoutingConfig;
+use capturable_moe::Error;
+
+fn config(ffn: usize) -> RoutingConfig {
+    RoutingConfig {
+        num_experts: 128,
+        hidden: 2048,
+        ffn,
+        topk: 8,
+        max_tokens: 4096,
+        capacity: None,
+        expert_capacity: None,
+        dtype: DType::Bf16,
+        prob_dtype: DType::F32,
+    }
+}
+
+#[test]
+fn fused_fc1_takes_ffn_multiples_of_its_tile() {
+    for f in [128, 256, 512, 768, 1408] {
+        FusedFc1::check_shapes(&config(f)).unwrap_or_else(|e| panic!("F = {f}: {e}"));
+    }
+    for f in [8, 96, 200, 1400, FC1_TILE_N + 8] {
+        let r = FusedFc1::check_shapes(&config(f));
+        assert!(matches!(r, Err(Error::Unsupported { .. })), "F = {f}: {r:?}");
+    }
+}
+
+#[test]
+fn fused_fc1_refuses_fp32_activations() {
+    let c = RoutingConfig { dtype: DType::F32, ..config(768) };
+    assert!(matches!(FusedFc1::check_shapes(&c), Err(Error::Unsupported { .. })));
+}
+
+// ---- the C ABI's host-side checks, called with fake device addresses (never dereferenced:
+// every call below returns before any CUDA call) ----
+
+mod abi {
+    use std::ffi::c_void;
+    use std::ptr::{null, null_mut};
+
+    use capturable_moe::sys;
+
+    const OK: i32 = sys::CAPMOE_OK as i32;
+    const INVALID: i32 = sys::CAPMOE_ERR_INVALID_ARGUMENT as i32;
+    const MISALIGNED: i32 = sys::CAPMOE_ERR_MISALIGNED as i32;
+    const UNSUPPORTED: i32 = sys::CAPMOE_ERR_UNSUPPORTED as i32;
+
+    fn fake(offset: usize) -> *mut c_void {
+        (0x7f00_0000_0000usize + offset) as *mut c_void
+    }
+
+    fn desc() -> sys::capmoe_fused_fc1_desc_t {
+        sys::capmoe_fused_fc1_desc_t {
+            num_experts: 8,
+            hidden: 256,
+            ffn: 256,
+            max_tokens: 64,
+            capacity: 128,
+            sm_count: 132,
+            dtype: sys::CAPMOE_DTYPE_BF16 as i32,
+            gather: sys::CAPMOE_FUSED_GATHER_AUTO as i32,
+        }
+    }
+
+    /// `capmoe_fused_fc1` with the given descriptor and pointers (act = fake(0x4000)).
+    fn call(d: &sys::capmoe_fused_fc1_desc_t, x: *const c_void, offsets: *const i64, h: *mut c_void) -> i32 {
+        let tokens = fake(0x3000) as *const i32;
+        unsafe { sys::capmoe_fused_fc1(d, x, fake(0x2000), offsets, tokens, fake(0x4000), h, null_mut()) }
+    }
+
+    #[test]
+    fn fused_fc1_c_abi_refuses_bad_descriptors() {
+        let offsets = fake(0x1000) as *const i64;
+        assert_eq!(
+            unsafe {
+                sys::capmoe_fused_fc1(null(), fake(0), fake(0), offsets, null(), fake(0), null_mut(), null_mut())
+            },
+            INVALID
+        );
+        let cases: [(&str, fn(&mut sys::capmoe_fused_fc1_desc_t), i32); 8] = [
+            ("E = 0", |d| d.num_experts = 0, INVALID),
+            ("E = 1025", |d| d.num_experts = 1025, INVALID),
+            ("H = 260 (not a multiple of 8)", |d| d.hidden = 260, MISALIGNED),
+            ("F = 200 (not a multiple of 128)", |d| d.ffn = 200, UNSUPPORTED),
+            ("fp32 activations", |d| d.dtype = sys::CAPMOE_DTYPE_F32 as i32, UNSUPPORTED),
+            ("gather 7", |d| d.gather = 7, INVALID),
+            ("sm_count 0", |d| d.sm_count = 0, INVALID),
+            ("negative capacity", |d| d.capacity = -1, INVALID),
+        ];
+        for (what, edit, want) in cases {
+            let mut d = desc();
+            edit(&mut d);
+            assert_eq!(call(&d, fake(0), offsets, null_mut()), want, "{what}");
+            assert_eq!(unsafe { sys::capmoe_fused_fc1_supported(&d) }, want, "{what} (supported)");
+        }
+    }
+
+    #[test]
+    fn fused_fc1_c_abi_checks_pointers_before_any_launch() {
+        let d = desc();
+        let offsets = fake(0x1000) as *const i64;
+        assert_eq!(call(&d, fake(0), null(), null_mut()), INVALID, "NULL offsets");
+        assert_eq!(call(&d, fake(0), fake(0x1004) as *const i64, null_mut()), MISALIGNED, "offsets not 8-aligned");
+        assert_eq!(call(&d, null(), offsets, null_mut()), INVALID, "NULL x");
+        assert_eq!(call(&d, fake(8), offsets, null_mut()), MISALIGNED, "x not 16-aligned");
+        assert_eq!(call(&d, fake(0), offsets, fake(0x5008)), MISALIGNED, "h not 16-aligned");
+        // Capacity 0: no row can be written; OK without a launch (and without other pointers).
+        let empty = sys::capmoe_fused_fc1_desc_t { capacity: 0, ..d };
+        assert_eq!(call(&empty, null(), offsets, null_mut()), OK, "capacity 0");
+    }
+}

@@ -1,0 +1,325 @@
+//! The expert path with the fused fc1 (`MoeOptions::fc1 = Fc1Kernel::Fused`) against the same
+//! path unfused: forward and backward bit for bit (the fused kernel writes the unfused act and
+//! h bits, and nothing downstream changes), against the fp64 reference, and one captured graph
+//! replayed with fresh routing against eager unfused runs.
+
+mod common;
+
+use std::sync::Arc;
+
+use capturable_moe::dtype::DType;
+use capturable_moe::graph::capture;
+use capturable_moe::moe::{Fc1Kernel, MoeConfig, MoeExperts, MoeOptions, WeightForm};
+use capturable_moe::routing::Tokens;
+use capturable_moe::Error;
+use common::moe::{
+    assert_bits, assert_close, assert_written_bf16, assert_written_f32, bf, f64s, poison_bf16, poison_f32, reference,
+    Dims,
+};
+use cudarc::driver::{CudaSlice, CudaStream};
+use half::bf16;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+
+const E: usize = 8;
+const H: usize = 192;
+const F: usize = 256;
+const K: usize = 2;
+const T_MAX: usize = 160;
+const DIMS: Dims = Dims { e: E, h: H, f: F, k: K };
+
+fn config(capacity: Option<usize>) -> MoeConfig {
+    MoeConfig {
+        num_experts: E,
+        hidden: H,
+        ffn: F,
+        topk: K,
+        max_tokens: T_MAX,
+        capacity,
+        expert_capacity: None,
+        dtype: DType::Bf16,
+        prob_dtype: DType::F32,
+        wgrad_accumulate: false,
+    }
+}
+
+fn plan(stream: &Arc<CudaStream>, capacity: Option<usize>, fc1: Fc1Kernel, forward_only: bool) -> MoeExperts<bf16> {
+    let opts = MoeOptions { fc1, forward_only, ..MoeOptions::default() };
+    let moe = MoeExperts::<bf16>::with_options(config(capacity), opts, stream).unwrap();
+    assert_eq!(moe.fc1_is_fused(), fc1 == Fc1Kernel::Fused, "{fc1:?}");
+    moe
+}
+
+struct Step {
+    t: usize,
+    ids: Vec<i32>,
+    probs: Vec<f32>,
+    x: Vec<bf16>,
+    dy: Vec<bf16>,
+}
+
+fn step(rng: &mut StdRng, i: usize) -> Step {
+    let t = match i % 6 {
+        0 => 0,
+        1 => T_MAX,
+        _ => rng.random_range(1..=T_MAX),
+    };
+    let mut ids = vec![-1i32; T_MAX * K];
+    let mut probs = vec![0f32; T_MAX * K];
+    for tok in 0..t {
+        for j in 0..K {
+            ids[tok * K + j] = match i % 5 {
+                2 => 3,                                             // one expert takes every route
+                3 => [-1, E as i32 + 2, 1][rng.random_range(0..3)], // empty, dropped, one expert
+                _ => rng.random_range(0..E as i32),                 // duplicates possible
+            };
+            probs[tok * K + j] = rng.random_range(0.05f32..1.0);
+        }
+    }
+    let x = bf(&(0..T_MAX * H).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>());
+    let dy = bf(&(0..T_MAX * H).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>());
+    Step { t, ids, probs, x, dy }
+}
+
+struct Io {
+    x: CudaSlice<bf16>,
+    ids: CudaSlice<i32>,
+    probs: CudaSlice<f32>,
+    tokens: CudaSlice<i32>,
+    w1: CudaSlice<bf16>,
+    w2: CudaSlice<bf16>,
+    y: CudaSlice<bf16>,
+    dy: CudaSlice<bf16>,
+    dx: CudaSlice<bf16>,
+    dprobs: CudaSlice<f32>,
+    dw1: CudaSlice<bf16>,
+    dw2: CudaSlice<bf16>,
+}
+
+impl Io {
+    fn new(stream: &Arc<CudaStream>, w1: &[bf16], w2: &[bf16]) -> Io {
+        Io {
+            x: stream.alloc_zeros(T_MAX * H).unwrap(),
+            ids: stream.alloc_zeros(T_MAX * K).unwrap(),
+            probs: stream.alloc_zeros(T_MAX * K).unwrap(),
+            tokens: stream.alloc_zeros(1).unwrap(),
+            w1: stream.clone_htod(w1).unwrap(),
+            w2: stream.clone_htod(w2).unwrap(),
+            y: stream.alloc_zeros(T_MAX * H).unwrap(),
+            dy: stream.alloc_zeros(T_MAX * H).unwrap(),
+            dx: stream.alloc_zeros(T_MAX * H).unwrap(),
+            dprobs: stream.alloc_zeros(T_MAX * K).unwrap(),
+            dw1: stream.alloc_zeros(E * 2 * F * H).unwrap(),
+            dw2: stream.alloc_zeros(E * H * F).unwrap(),
+        }
+    }
+
+    fn load(&mut self, stream: &Arc<CudaStream>, s: &Step) {
+        stream.memcpy_htod(&s.x, &mut self.x).unwrap();
+        stream.memcpy_htod(&s.ids, &mut self.ids).unwrap();
+        stream.memcpy_htod(&s.probs, &mut self.probs).unwrap();
+        stream.memcpy_htod(&s.dy, &mut self.dy).unwrap();
+        stream.memcpy_htod(&[s.t as i32], &mut self.tokens).unwrap();
+        stream.memcpy_htod(&poison_bf16(T_MAX * H), &mut self.y).unwrap();
+        stream.memcpy_htod(&poison_bf16(T_MAX * H), &mut self.dx).unwrap();
+        stream.memcpy_htod(&poison_f32(T_MAX * K), &mut self.dprobs).unwrap();
+        stream.memcpy_htod(&poison_bf16(E * 2 * F * H), &mut self.dw1).unwrap();
+        stream.memcpy_htod(&poison_bf16(E * H * F), &mut self.dw2).unwrap();
+    }
+
+    fn forward(&mut self, moe: &mut MoeExperts<bf16>, stream: &Arc<CudaStream>) -> capturable_moe::Result<()> {
+        let tokens = Tokens::Device(&self.tokens);
+        moe.forward(stream, &self.x, &self.ids, &self.probs, tokens, &self.w1, &self.w2, &mut self.y)
+    }
+
+    fn backward(&mut self, moe: &mut MoeExperts<bf16>, stream: &Arc<CudaStream>) -> capturable_moe::Result<()> {
+        let tokens = Tokens::Device(&self.tokens);
+        moe.backward(
+            stream,
+            &self.dy,
+            &self.probs,
+            tokens,
+            &self.w1,
+            &self.w2,
+            &mut self.dx,
+            &mut self.dprobs,
+            &mut self.dw1,
+            &mut self.dw2,
+        )
+    }
+
+    fn step(&mut self, moe: &mut MoeExperts<bf16>, stream: &Arc<CudaStream>) -> capturable_moe::Result<()> {
+        self.forward(moe, stream)?;
+        self.backward(moe, stream)
+    }
+
+    /// y, dx, dw1, dw2 and dprobs as raw bits (poison included).
+    fn bits(&self, stream: &Arc<CudaStream>) -> Vec<u32> {
+        let mut bits: Vec<u32> = Vec::new();
+        for v in [&self.y, &self.dx, &self.dw1, &self.dw2] {
+            bits.extend(stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits() as u32));
+        }
+        bits.extend(stream.clone_dtoh(&self.dprobs).unwrap().iter().map(|f| f.to_bits()));
+        bits
+    }
+}
+
+fn weights(seed: u64) -> (Vec<bf16>, Vec<bf16>) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (s1, s2) = (1.0 / (H as f32).sqrt(), 1.0 / (F as f32).sqrt());
+    (
+        bf(&(0..E * 2 * F * H).map(|_| rng.random_range(-s1..s1)).collect::<Vec<_>>()),
+        bf(&(0..E * H * F).map(|_| rng.random_range(-s2..s2)).collect::<Vec<_>>()),
+    )
+}
+
+#[test]
+fn fused_moe_equals_unfused_bitwise_and_the_fp64_reference() {
+    let stream = gpu_or_skip!();
+    let (w1, w2) = weights(1);
+    for capacity in [None, Some(150)] {
+        let mut fused = plan(&stream, capacity, Fc1Kernel::Fused, false);
+        let mut unfused = plan(&stream, capacity, Fc1Kernel::Unfused, false);
+        let (mut fio, mut uio) = (Io::new(&stream, &w1, &w2), Io::new(&stream, &w1, &w2));
+        let mut rng = StdRng::seed_from_u64(2);
+        for i in 0..12 {
+            let s = step(&mut rng, i);
+            let what = format!("capacity {capacity:?}, step {i} (T={})", s.t);
+            fio.load(&stream, &s);
+            uio.load(&stream, &s);
+            fio.step(&mut fused, &stream).unwrap();
+            uio.step(&mut unfused, &stream).unwrap();
+            assert_bits(
+                &format!("{what}: y, dx, dw1, dw2, dprobs fused vs unfused"),
+                &fio.bits(&stream),
+                &uio.bits(&stream),
+            );
+            let y = stream.clone_dtoh(&fio.y).unwrap();
+            assert_written_bf16(&format!("{what}: y"), &y, s.t * H);
+            assert_written_f32(&format!("{what}: dprobs"), &stream.clone_dtoh(&fio.dprobs).unwrap(), s.t * K);
+            if capacity.is_none() {
+                // Ids out of range are dropped by the GPU and ignored by the reference alike.
+                let ids: Vec<i32> = s.ids.iter().map(|&e| if (0..E as i32).contains(&e) { e } else { -1 }).collect();
+                let r = reference(DIMS, s.t, &ids, &s.probs, &s.x, &s.dy, &w1, &w2);
+                assert_close(&format!("{what}: y vs fp64"), &f64s(&y[..s.t * H]), &r.y[..s.t * H], 2e-2);
+                let dx = stream.clone_dtoh(&fio.dx).unwrap();
+                assert_close(&format!("{what}: dx vs fp64"), &f64s(&dx[..s.t * H]), &r.dx[..s.t * H], 2e-2);
+                let dw1 = stream.clone_dtoh(&fio.dw1).unwrap();
+                assert_close(&format!("{what}: dw1 vs fp64"), &f64s(&dw1), &r.dw1, 2e-2);
+            }
+        }
+    }
+}
+
+/// One captured forward + backward of the fused plan, replayed 200 times with fresh routing,
+/// x, dy and T; every replay bit-equal to an eager unfused run.
+#[test]
+fn fused_moe_graph_replays_equal_eager_unfused() {
+    let stream = gpu_or_skip!();
+    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let (w1, w2) = weights(3);
+    let mut graph_moe = plan(&stream, None, Fc1Kernel::Fused, false);
+    let mut eager_moe = plan(&stream, None, Fc1Kernel::Unfused, false);
+    let (mut gio, mut eio) = (Io::new(&stream, &w1, &w2), Io::new(&stream, &w1, &w2));
+    let mut rng = StdRng::seed_from_u64(4);
+    gio.load(&stream, &step(&mut rng, 4));
+    stream.synchronize().unwrap();
+    let graph = capture(&stream, || gio.step(&mut graph_moe, &stream)).unwrap();
+    for i in 0..200 {
+        let s = step(&mut rng, i);
+        gio.load(&stream, &s);
+        eio.load(&stream, &s);
+        graph.launch().unwrap();
+        eio.step(&mut eager_moe, &stream).unwrap();
+        assert_bits(&format!("replay {i} (T={})", s.t), &gio.bits(&stream), &eio.bits(&stream));
+    }
+}
+
+#[test]
+fn fused_moe_forward_only_skips_the_saves_and_refuses_backward() {
+    let stream = gpu_or_skip!();
+    let (w1, w2) = weights(5);
+    let mut fwd = plan(&stream, None, Fc1Kernel::Fused, true);
+    let mut unfused = plan(&stream, None, Fc1Kernel::Unfused, false);
+    let (mut fio, mut uio) = (Io::new(&stream, &w1, &w2), Io::new(&stream, &w1, &w2));
+    let mut rng = StdRng::seed_from_u64(6);
+    for i in 0..6 {
+        let s = step(&mut rng, i);
+        fio.load(&stream, &s);
+        uio.load(&stream, &s);
+        fio.forward(&mut fwd, &stream).unwrap();
+        uio.forward(&mut unfused, &stream).unwrap();
+        let (a, b) = (stream.clone_dtoh(&fio.y).unwrap(), stream.clone_dtoh(&uio.y).unwrap());
+        assert_bits(&format!("step {i} (T={}): y", s.t), &a, &b);
+    }
+    assert!(matches!(fio.backward(&mut fwd, &stream), Err(Error::InvalidArgument { .. })));
+}
+
+#[test]
+fn fused_moe_plan_choices() {
+    let stream = gpu_or_skip!();
+    // Auto stays on the unfused path until the fused kernel's GPU suite has passed (Fc1Kernel);
+    // a forced Fused plan takes it on the H100 (sm_90a) for tensor weights and F % 128 == 0.
+    let auto = MoeExperts::<bf16>::new(config(None), &stream).unwrap();
+    assert!(!auto.fc1_is_fused(), "Auto must keep the unfused fc1 for now");
+    let fused = MoeOptions { fc1: Fc1Kernel::Fused, ..MoeOptions::default() };
+    assert!(MoeExperts::<bf16>::with_options(config(None), fused, &stream).unwrap().fc1_is_fused());
+    // Pointer weights: Auto falls back, a forced Fused is an error.
+    let ptrs = MoeOptions { weights: WeightForm::Pointers, ..MoeOptions::default() };
+    assert!(!MoeExperts::<bf16>::with_options(config(None), ptrs, &stream).unwrap().fc1_is_fused());
+    let forced = MoeOptions { fc1: Fc1Kernel::Fused, ..ptrs };
+    assert!(matches!(MoeExperts::<bf16>::with_options(config(None), forced, &stream), Err(Error::Unsupported { .. })));
+    // F = 96: not a multiple of the fused tile.
+    let odd = MoeConfig { ffn: 96, ..config(None) };
+    assert!(!MoeExperts::<bf16>::new(odd.clone(), &stream).unwrap().fc1_is_fused());
+    let forced = MoeOptions { fc1: Fc1Kernel::Fused, ..MoeOptions::default() };
+    assert!(matches!(MoeExperts::<bf16>::with_options(odd, forced, &stream), Err(Error::Unsupported { .. })));
+}
+
+/// The f16 kernels: forward and backward of a fused f16 plan equal the unfused f16 plan bit
+/// for bit (y poisoned first: rows past T stay the poison in both).
+#[test]
+fn fused_moe_f16_equals_unfused() {
+    use half::f16;
+    let stream = gpu_or_skip!();
+    let cfg = MoeConfig { dtype: DType::F16, ..config(None) };
+    let mk = |fc1| {
+        MoeExperts::<f16>::with_options(cfg.clone(), MoeOptions { fc1, ..MoeOptions::default() }, &stream).unwrap()
+    };
+    let (mut fused, mut unfused) = (mk(Fc1Kernel::Fused), mk(Fc1Kernel::Unfused));
+    assert!(fused.fc1_is_fused() && !unfused.fc1_is_fused());
+    let mut rng = StdRng::seed_from_u64(7);
+    let h16 = |n: usize, s: f32, rng: &mut StdRng| -> Vec<f16> {
+        (0..n).map(|_| f16::from_f32(rng.random_range(-s..s))).collect()
+    };
+    let w1 = stream.clone_htod(&h16(E * 2 * F * H, 1.0 / (H as f32).sqrt(), &mut rng)).unwrap();
+    let w2 = stream.clone_htod(&h16(E * H * F, 1.0 / (F as f32).sqrt(), &mut rng)).unwrap();
+    let poison = vec![f16::from_bits(0x7E01); T_MAX * H];
+    for i in 0..6 {
+        let s = step(&mut rng, i);
+        let x = stream.clone_htod(&h16(T_MAX * H, 1.0, &mut rng)).unwrap();
+        let dy = stream.clone_htod(&h16(T_MAX * H, 1.0, &mut rng)).unwrap();
+        let ids = stream.clone_htod(&s.ids).unwrap();
+        let probs = stream.clone_htod(&s.probs).unwrap();
+        let tokens = Tokens::Host(s.t);
+        let mut outs = Vec::new();
+        for moe in [&mut fused, &mut unfused] {
+            let mut y = stream.clone_htod(&poison).unwrap();
+            let mut dx = stream.clone_htod(&poison).unwrap();
+            let mut dprobs = stream.alloc_zeros::<f32>(T_MAX * K).unwrap();
+            let mut dw1 = stream.alloc_zeros::<f16>(E * 2 * F * H).unwrap();
+            let mut dw2 = stream.alloc_zeros::<f16>(E * H * F).unwrap();
+            moe.forward(&stream, &x, &ids, &probs, tokens, &w1, &w2, &mut y).unwrap();
+            moe.backward(&stream, &dy, &probs, tokens, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2).unwrap();
+            let mut bits: Vec<u16> = Vec::new();
+            for v in [&y, &dx, &dw1, &dw2] {
+                bits.extend(stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()));
+            }
+            let y_host = stream.clone_dtoh(&y).unwrap();
+            assert!(y_host[..s.t * H].iter().all(|v| v.is_finite()), "step {i}: y rows < T written and finite");
+            assert!(y_host[s.t * H..].iter().all(|v| v.to_bits() == 0x7E01), "step {i}: y rows >= T untouched");
+            outs.push((bits, stream.clone_dtoh(&dprobs).unwrap().iter().map(|f| f.to_bits()).collect::<Vec<u32>>()));
+        }
+        assert_bits(&format!("f16 step {i} (T={}): y, dx, dw1, dw2", s.t), &outs[0].0, &outs[1].0);
+        assert_bits(&format!("f16 step {i} (T={}): dprobs", s.t), &outs[0].1, &outs[1].1);
+    }
+}
