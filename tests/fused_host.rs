@@ -51,6 +51,9 @@ mod abi {
     const MISALIGNED: i32 = sys::CAPMOE_ERR_MISALIGNED as i32;
     const UNSUPPORTED: i32 = sys::CAPMOE_ERR_UNSUPPORTED as i32;
 
+    /// One change to a valid descriptor, for a table of refused descriptors.
+    type EditDesc = fn(&mut sys::capmoe_fused_fc1_desc_t);
+
     fn fake(offset: usize) -> *mut c_void {
         (0x7f00_0000_0000usize + offset) as *mut c_void
     }
@@ -83,7 +86,7 @@ mod abi {
             },
             INVALID
         );
-        let cases: [(&str, fn(&mut sys::capmoe_fused_fc1_desc_t), i32); 8] = [
+        let cases: [(&str, EditDesc, i32); 8] = [
             ("E = 0", |d| d.num_experts = 0, INVALID),
             ("E = 1025", |d| d.num_experts = 1025, INVALID),
             ("H = 260 (not a multiple of 8)", |d| d.hidden = 260, MISALIGNED),

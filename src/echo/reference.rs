@@ -173,13 +173,12 @@ pub fn plan(cfg: &EchoConfig, counts: &[i64]) -> Result<PlanStages> {
                     break;
                 }
                 let mut pick = None;
-                for k in cur..8 {
-                    if let Some(a) = queues[k].pop_front() {
+                while cur < 8 {
+                    if let Some(a) = queues[cur].pop_front() {
                         pick = Some(a);
-                        cur = k;
                         break;
                     }
-                    cur = k + 1;
+                    cur += 1;
                 }
                 let Some(a) = pick else { break };
                 let x = rest[a].min(cp);
@@ -199,6 +198,7 @@ pub fn plan(cfg: &EchoConfig, counts: &[i64]) -> Result<PlanStages> {
         let avgf = avg as f32;
         let maxload = avgf + cfg.threshold_multiplier * avgf;
         let mut keep = vec![false; s];
+        #[allow(clippy::needless_range_loop)] // q also names the rank's expert range
         for q in 0..ep {
             let mut v = vec![0i64; s];
             for x in q * l..(q + 1) * l {

@@ -117,7 +117,7 @@ impl FusedFc1 {
     /// fused kernel does not take this layer (use the unfused path).
     pub fn check_shapes(c: &RoutingConfig) -> Result<()> {
         const OP: &str = "FusedFc1::new";
-        if c.ffn % FC1_TILE_N != 0 {
+        if !c.ffn.is_multiple_of(FC1_TILE_N) {
             return Err(Error::Unsupported { op: OP, why: format!("F = {} is not a multiple of {FC1_TILE_N}", c.ffn) });
         }
         if c.num_experts > MAX_EXPERTS {

@@ -86,8 +86,7 @@ pub fn build(
     let e_count = num_experts;
     let mut fl = 0;
     let mut per_expert: Vec<Vec<usize>> = vec![Vec::new(); e_count];
-    for r in 0..tokens * k {
-        let e = expert_ids[r];
+    for (r, &e) in expert_ids.iter().enumerate().take(tokens * k) {
         if e == -1 {
             continue;
         }
