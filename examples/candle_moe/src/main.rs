@@ -202,6 +202,7 @@ fn main() -> AnyResult<()> {
         topk: shape.topk,
         max_tokens: shape.tokens,
         capacity: None,
+        expert_capacity: None,
         dtype: capturable_moe::dtype::DType::Bf16,
         prob_dtype: capturable_moe::dtype::DType::F32,
         wgrad_accumulate: false,
