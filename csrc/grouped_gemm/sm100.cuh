@@ -4,6 +4,11 @@
 // project; these kernels are compiled in CI but have never been run.
 #pragma once
 
+// CUTLASS's SM100 pointer-array kernels wait on a programmatic dependency (before reading the
+// argument arrays) when this is defined, so they are launched as dependents of the argument
+// kernel (see Traits::launch).
+#define CUTLASS_ENABLE_GDC_FOR_SM100 1
+
 #include "cute/tensor.hpp"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/epilogue/fusion/operations.hpp"
@@ -56,6 +61,11 @@ struct Traits {
     info.cluster_shape = Config::kCluster;
     info.cluster_shape_fallback = Config::kClusterFallback;
     return info;
+  }
+
+  static capmoe_status_t launch(Gemm& gemm, cudaStream_t stream) {
+    return gemm.run(stream, nullptr, /*launch_with_pdl=*/true) == cutlass::Status::kSuccess ? CAPMOE_OK
+                                                                                             : CAPMOE_ERR_CUTLASS;
   }
 };
 
