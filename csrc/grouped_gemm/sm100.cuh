@@ -4,11 +4,6 @@
 // project; these kernels are compiled in CI but have never been run.
 #pragma once
 
-// CUTLASS's SM100 pointer-array kernels wait on a programmatic dependency (before reading the
-// argument arrays) when this is defined, so they are launched as dependents of the argument
-// kernel (see Traits::launch).
-#define CUTLASS_ENABLE_GDC_FOR_SM100 1
-
 #include "cute/tensor.hpp"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/epilogue/fusion/operations.hpp"
@@ -63,9 +58,12 @@ struct Traits {
     return info;
   }
 
+  // NOTE: a plain launch, not a programmatic dependent one. CUTLASS 4.2's SM100 array kernel
+  // (with CUTLASS_ENABLE_GDC_FOR_SM100) reads its first work tile and that group's problem
+  // shape before it waits on the previous grid, and those are exactly what the argument
+  // kernel writes, so an early start would race with it.
   static capmoe_status_t launch(Gemm& gemm, cudaStream_t stream) {
-    return gemm.run(stream, nullptr, /*launch_with_pdl=*/true) == cutlass::Status::kSuccess ? CAPMOE_OK
-                                                                                             : CAPMOE_ERR_CUTLASS;
+    return gemm.run(stream) == cutlass::Status::kSuccess ? CAPMOE_OK : CAPMOE_ERR_CUTLASS;
   }
 };
 
