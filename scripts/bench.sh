@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-cargo build --release --bin capmoe-bench
+cargo build --release -p capmoe-bench
 # cuBLAS (for the baselines) is loaded at run time; make a toolkit install findable.
 for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
   [[ -d "$dir" ]] && export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

@@ -1,27 +1,32 @@
 #!/usr/bin/env bash
 # One device call (run from the repo root on the GPU machine, after scripts/gpu-bundle.sh here):
-# the whole GPU suite, the Echo planner rows, the GEMM tile-config sweep (both weight layouts),
-# the expert-path breakdown, a memcheck of the Echo + expert path graph test and one of the GEMM
-# null / misaligned pointer test. Logs under $R (one tarball, refreshed after each step).
+# the whole GPU suite, the ignored timing hooks (fused fc1, graphs) if built, a uniform-routing
+# config sweep with ncu off (scripts/gpu-sweep.sh does the full one), and a memcheck of the
+# Echo + expert path graph test and of the fused fc1 tests. Logs under $R (one tarball,
+# refreshed after each step); a short summary is printed last.
 set -uo pipefail
 R=${R:-${OUT:?set OUT to a folder for the logs}}; BUNDLE=${BUNDLE:-gpu-bundle}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-mkdir -p /tmp/logs /tmp/sweep /tmp/sweep_ekn /tmp/paths /tmp/echo
-save() { tar -C /tmp -czf $R/logs.tgz logs sweep sweep_ekn paths echo 2>/dev/null; }
+mkdir -p /tmp/logs
+save() { tar -C /tmp -czf $R/logs.tgz logs 2>/dev/null; }
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader > /tmp/logs/gpu.txt
-BUNDLE=$BUNDLE OUT=/tmp/logs timeout 270 bash scripts/gpu-run.sh > /tmp/logs/suite.txt 2>&1; save
+BUNDLE=$BUNDLE OUT=/tmp/logs timeout ${SUITE_TIMEOUT:-270} bash scripts/gpu-run.sh > /tmp/logs/suite.txt 2>&1; save
+T=$BUNDLE/run/tests
+for hook in fused_gpu:fused_fc1_timing graph_gpu:timing; do
+  IFS=: read -r bin filter <<<"$hook"
+  [[ -x $T/$bin ]] || continue
+  CAPMOE_REQUIRE_GPU=1 timeout 60 $T/$bin --ignored --nocapture --test-threads=1 $filter > /tmp/logs/timing_$bin.txt 2>&1
+  echo "timing $bin rc=$?" >> /tmp/logs/timing_$bin.txt; save
+done
+OUT=/tmp/logs/sweep BUNDLE=$BUNDLE NCU=0 SWEEP_ROUTING=uniform SWEEP_LAYOUTS=enk SWEEP_TIMEOUT=150 \
+  bash scripts/gpu-sweep.sh > /tmp/logs/sweep.txt 2>&1; save
+for m in echo_moe_gpu fused_gpu; do
+  [[ -x $T/$m ]] || continue
+  CAPMOE_REQUIRE_GPU=1 CAPMOE_ECHO_MOE_REPLAYS=2 timeout 60 /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
+    $T/$m --test-threads=1 > /tmp/logs/memcheck_$m.txt 2>&1
+  echo "memcheck $m rc=$?" >> /tmp/logs/memcheck_$m.txt; save
+done
 cat /tmp/logs/gpu.txt /tmp/logs/suite.txt
-T=$BUNDLE/run/tests; B=$BUNDLE/run/bin/capmoe-bench
-timeout 40 $B --only echo --reps 50 --out /tmp/echo > /tmp/logs/echo_bench.log 2>&1; save; grep -E "\[echo\]|echo_plan" /tmp/logs/echo_bench.log
-CFG=sm90-coop,sm90-pingpong,sm90-coop-nocluster,sm90-coop-m256,sm90-pingpong128,sm90-pingpong-wide
-timeout 120 $B --shapes dsv3_ep8_fc1,dsv3_ep8_fc2,qwen3moe_fc1,qwen3moe_fc2,decode_fc1 --routing uniform --ops fprop,dgrad,wgrad --configs $CFG --reps 8 --no-paths --out /tmp/sweep > /tmp/logs/sweep.log 2>&1; save
-timeout 50 $B --shapes dsv3_ep8_fc1,qwen3moe_fc1,decode_fc1 --routing uniform --ops fprop --weight-layout ekn --configs $CFG --reps 8 --no-paths --out /tmp/sweep_ekn > /tmp/logs/sweep_ekn.log 2>&1; save
-timeout 40 $B --shapes decode_fc1 --routing uniform --ops fprop --reps 8 --out /tmp/paths > /tmp/logs/paths.log 2>&1; save
-cat /tmp/logs/sweep.log /tmp/logs/sweep_ekn.log | grep -E "capmoe-graph|cublas-dense" | awk -F'|' '{printf "%s|%s|%s|%s\n",$1,$3,$4,$5}' | sed 's/  */ /g'
-grep -E "expert_fwd" /tmp/logs/paths.log | sed 's/  */ /g'
-CAPMOE_REQUIRE_GPU=1 CAPMOE_ECHO_MOE_REPLAYS=2 timeout 60 /usr/local/cuda/bin/compute-sanitizer --tool memcheck $T/echo_moe_gpu --test-threads=1 > /tmp/logs/memcheck.txt 2>&1; echo "memcheck rc=$?" >> /tmp/logs/memcheck.txt; save
-tail -3 /tmp/logs/memcheck.txt
-# Last (may be cut by the 600 s call limit): the skipped null / misaligned per-expert pointers
-# must never be touched, which memcheck checks.
-CAPMOE_REQUIRE_GPU=1 timeout 40 /usr/local/cuda/bin/compute-sanitizer --tool memcheck $T/grouped_gemm_gpu --test-threads=1 null_and_misaligned > /tmp/logs/memcheck_gemm.txt 2>&1; echo "memcheck (gemm pointers) rc=$?" >> /tmp/logs/memcheck_gemm.txt; save
-tail -3 /tmp/logs/memcheck_gemm.txt
+tail -n 30 /tmp/logs/timing_*.txt 2>/dev/null
+cat /tmp/logs/sweep/sweep_table_enk.txt 2>/dev/null
+tail -n 3 /tmp/logs/memcheck_*.txt

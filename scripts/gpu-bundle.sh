@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds every test, bench and binary target in release and gathers them, with a runner, into
+# Builds every test and binary target of the workspace in release and gathers them, with a runner, into
 # the git-ignored folder gpu-bundle/ (compressed, to fit the GPU machine's transfer limit).
 # On the GPU machine, from the repo root:  bash scripts/gpu-run.sh   (needs no Rust toolchain).
 set -euo pipefail
@@ -23,8 +23,8 @@ for line in sys.stdin:
 ' "$@"
 }
 
-cargo test --release --no-run --message-format=json-render-diagnostics | collect gpu-bundle/stage/tests test
-cargo build --release --bins --message-format=json-render-diagnostics | collect gpu-bundle/stage/bin bin
+cargo test --release --workspace --no-run --message-format=json-render-diagnostics | collect gpu-bundle/stage/tests test
+cargo build --release --workspace --bins --message-format=json-render-diagnostics | collect gpu-bundle/stage/bin bin
 strip gpu-bundle/stage/tests/* gpu-bundle/stage/bin/* 2>/dev/null || true
 tar -C gpu-bundle/stage -czf gpu-bundle/bundle.tar.gz .
 rm -rf gpu-bundle/stage

@@ -7,13 +7,14 @@
 set -uo pipefail
 R=${R:-${OUT:?set OUT to a folder for the logs}}; BUNDLE=${BUNDLE:-gpu-bundle}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-mkdir -p "$BUNDLE/run" /tmp/sweep && tar -C "$BUNDLE/run" -xzf "$BUNDLE/bundle.tar.gz"
+mkdir -p "$R" "$BUNDLE/run" /tmp/sweep
+[[ -x $BUNDLE/run/bin/capmoe-bench ]] || tar -C "$BUNDLE/run" -xzf "$BUNDLE/bundle.tar.gz"
 B=$BUNDLE/run/bin/capmoe-bench
 CONFIGS=${CONFIGS:-sm90-coop,sm90-pingpong,sm90-coop-nocluster,sm90-coop-m256,sm90-pingpong128,sm90-pingpong-wide}
 SHAPES=${SHAPES:-mixtral_fc1,dsv3_ep8_fc1,dsv3_ep8_fc2,qwen3moe_fc1,qwen3moe_fc2,decode_fc1}
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | tee $R/gpu.txt
-for layout in enk ekn; do
-  timeout ${SWEEP_TIMEOUT:-200} $B --sweep --shapes $SHAPES --routing uniform,zipf --ops fprop,dgrad,wgrad \
+for layout in ${SWEEP_LAYOUTS:-enk ekn}; do
+  timeout ${SWEEP_TIMEOUT:-200} $B --sweep --shapes $SHAPES --routing ${SWEEP_ROUTING:-uniform,zipf} --ops fprop,dgrad,wgrad \
     --weight-layout $layout --configs $CONFIGS --reps ${REPS:-8} --out /tmp/sweep/$layout > $R/sweep_$layout.log 2>&1
   echo "sweep $layout rc=$?"
   cp /tmp/sweep/$layout/*.json $R/sweep_$layout.json 2>/dev/null
@@ -30,6 +31,7 @@ if [[ "${NCU:-1}" == 1 ]]; then
     echo "ncu $spec rc=$?"
   done
 fi
-python3 bench/tools/sweep_table.py $R/sweep_enk.json > $R/sweep_table_enk.txt
-python3 bench/tools/sweep_table.py $R/sweep_ekn.json > $R/sweep_table_ekn.txt
-cat $R/sweep_table_enk.txt $R/sweep_table_ekn.txt
+for layout in ${SWEEP_LAYOUTS:-enk ekn}; do
+  python3 bench/tools/sweep_table.py $R/sweep_$layout.json > $R/sweep_table_$layout.txt
+  cat $R/sweep_table_$layout.txt
+done

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The README's test command: installs the toolchain if needed, then runs every test in release
+# The README's test command: installs the toolchain if needed, then runs every test of the
+# workspace (the library, capmoe-bench, the examples) in release
 # (CUDA objects are shared with `cargo build --release`). GPU tests print "skipping: <reason>"
 # without a GPU unless CAPMOE_REQUIRE_GPU=1 (output is not captured, so those lines show).
 # Ends with one summary line over all test binaries, where a GPU test that skipped counts as
@@ -10,7 +11,7 @@ bash scripts/bootstrap.sh
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 status=0
-cargo test --release "$@" -- --nocapture 2>&1 | tee "$log" || status=$?
+cargo test --release --workspace "$@" -- --nocapture 2>&1 | tee "$log" || status=$?
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed;?$/) p += $i; if ($(i+1) ~ /^failed;?$/) f += $i } }
      { s += gsub(/skipping: /, "&") }  # anywhere: one test thread prints it after "test NAME ... "
      END { printf "tests: %d passed, %d failed, %d skipped\n", p - s, f, s }' "$log"

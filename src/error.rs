@@ -28,6 +28,16 @@ pub enum Error {
     /// A plan bound to one stream (its buffers are reused by every launch) was given another.
     #[error("{op}: the plan was made for stream {bound:#x} and owns buffers used on it; got stream {got:#x} (make one plan per stream)")]
     WrongStream { op: &'static str, bound: u64, got: u64 },
+    /// A call that needs the host (plan creation, allocation, a read-back, a sync) was made
+    /// while its stream was capturing a CUDA graph ([`crate::graph::ensure_not_capturing`]).
+    #[error("{op} needs the host (allocation, plan creation, a read-back or a sync) and cannot run while its stream is capturing a CUDA graph: call it before begin_capture or after end_capture")]
+    Capturing { op: &'static str },
+    /// A range of a [`crate::graph::MemoryPool`] has no room for a buffer.
+    #[error("{op}: {need} more bytes do not fit in a pool range of {reserve} bytes ({used} used); make the pool with a larger range_bytes")]
+    PoolExhausted { op: &'static str, need: usize, used: usize, reserve: usize },
+    /// The driver refused to update an executable graph ([`crate::graph::GraphTemplate::apply_to`]).
+    #[error("graph update refused: {why}")]
+    GraphUpdate { why: String },
     #[error("{op}: CUTLASS rejected the problem (can_implement / initialize / run)")]
     Cutlass { op: &'static str },
     #[error("{op}: CUDA runtime error {code} ({name})")]

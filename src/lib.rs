@@ -19,7 +19,6 @@
 //! - A plan that owns buffers reused across launches ([`moe::MoeExperts`]) is bound to the
 //!   stream it was made on ([`Error::WrongStream`] for another).
 
-pub mod baseline;
 pub mod device;
 pub mod dtype;
 pub mod echo;

@@ -57,8 +57,8 @@ fn resolve_config_refuses_configurations_without_a_kernel() {
     if !sm90_built_or_skip() {
         return;
     }
-    // 128 rows per expert and a reduction of 128: AUTO's first choice, the bf16-only 64x256
-    // pingpong; with fp16 it falls back to the cooperative kernel, which is built for both.
+    // 128 rows per expert and a reduction of 128: AUTO's first choice, the 64x256 pingpong
+    // (built for bf16 and fp16); wgrad: the cooperative kernel.
     let auto = gemm_desc(90, sys::CAPMOE_CONFIG_AUTO as i32);
     assert_eq!(resolve(&auto), (OK, sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE as i32));
     let auto_f16 = sys::capmoe_grouped_gemm_desc_t {
@@ -66,7 +66,9 @@ fn resolve_config_refuses_configurations_without_a_kernel() {
         out_dtype: sys::CAPMOE_DTYPE_F16 as i32,
         ..auto
     };
-    assert_eq!(resolve(&auto_f16), (OK, sys::CAPMOE_CONFIG_SM90_COOPERATIVE as i32));
+    assert_eq!(resolve(&auto_f16), (OK, sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE as i32));
+    let auto_wgrad = sys::capmoe_grouped_gemm_desc_t { op: sys::CAPMOE_GEMM_WGRAD as i32, ..auto };
+    assert_eq!(resolve(&auto_wgrad), (OK, sys::CAPMOE_CONFIG_SM90_COOPERATIVE as i32));
     for (what, desc) in [
         ("an unknown config value", gemm_desc(90, 42)),
         ("an SM100 config on SM90", gemm_desc(90, sys::CAPMOE_CONFIG_SM100_2SM as i32)),
@@ -74,7 +76,7 @@ fn resolve_config_refuses_configurations_without_a_kernel() {
         ("fp16 with a bf16-only candidate tile", sys::capmoe_grouped_gemm_desc_t {
             dtype: sys::CAPMOE_DTYPE_F16 as i32,
             out_dtype: sys::CAPMOE_DTYPE_F16 as i32,
-            ..gemm_desc(90, sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE as i32)
+            ..gemm_desc(90, sys::CAPMOE_CONFIG_SM90_PINGPONG_128 as i32)
         }),
     ] {
         assert_eq!(resolve(&desc).0, UNSUPPORTED, "{what}");

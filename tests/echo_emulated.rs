@@ -19,7 +19,7 @@ mod echo_support;
 
 use std::path::Path;
 
-use capturable_moe::echo::{bench::synthetic_inputs, reference, Algorithm, EchoConfig};
+use capturable_moe::echo::{reference, synthetic::synthetic_inputs, Algorithm, EchoConfig};
 use echo_support::{golden_files, load, RandomCase};
 
 fn put_i64(out: &mut Vec<u8>, v: &[i64]) {

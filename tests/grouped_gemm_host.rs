@@ -85,13 +85,13 @@ fn auto_config_heuristic_uses_host_facts_only() {
         assert_eq!(GroupedGemm::for_device(prefill.clone(), &hopper).unwrap().config(), GemmConfig::Sm90Cooperative);
         assert_eq!(GroupedGemm::for_device(wgrad.clone(), &hopper).unwrap().config(), GemmConfig::Sm90Cooperative);
         // E >= 32 at 256 rows per expert: no cluster; a short reduction (K = 768): 64x256
-        // pingpong, bf16 only, so fp16 falls back to the cooperative kernel.
+        // pingpong, for bf16 and fp16 alike.
         let dsv3_fc1 = GroupedGemmSpec::new(GemmOp::Fprop, 32, 4096, 7168, 8192);
         let qwen3_fc2 = GroupedGemmSpec::new(GemmOp::Fprop, 128, 2048, 768, 32768);
         let qwen3_fc2_f16 = GroupedGemmSpec { dtype: DType::F16, out_dtype: DType::F16, ..qwen3_fc2.clone() };
         assert_eq!(GroupedGemm::for_device(dsv3_fc1, &hopper).unwrap().config(), GemmConfig::Sm90CooperativeNoCluster);
         assert_eq!(GroupedGemm::for_device(qwen3_fc2, &hopper).unwrap().config(), GemmConfig::Sm90PingpongWide);
-        assert_eq!(GroupedGemm::for_device(qwen3_fc2_f16, &hopper).unwrap().config(), GemmConfig::Sm90Cooperative);
+        assert_eq!(GroupedGemm::for_device(qwen3_fc2_f16, &hopper).unwrap().config(), GemmConfig::Sm90PingpongWide);
         let plan = GroupedGemm::for_device(prefill.clone(), &hopper).unwrap();
         assert!(plan.workspace_bytes() > 0);
     }

@@ -21,9 +21,9 @@
 //! one captured graph serves a different `T` every replay. With a device count, the token
 //! buffers must hold `t_max` rows; rows `t >= T` of the outputs are not written.
 
-pub mod bench;
 mod config;
 pub mod reference;
+pub mod synthetic;
 
 use std::ffi::c_void;
 
@@ -440,6 +440,7 @@ impl EchoPlan {
 
     /// Reads the device error word. Synchronises the stream: diagnostics and tests only.
     pub fn read_errors(&self, stream: &std::sync::Arc<CudaStream>, state: &CudaSlice<i64>) -> Result<DeviceErrors> {
+        crate::graph::ensure_not_capturing(stream, "EchoPlan::read_errors")?;
         let v = stream.clone_dtoh(&state.slice(self.layout.error..self.layout.error + 1))?;
         Ok(DeviceErrors(v[0] as u32))
     }
@@ -451,6 +452,7 @@ impl EchoPlan {
     /// defines them (the state does not hold them). Synchronises the stream: diagnostics and
     /// tests only.
     pub fn read_stages(&self, stream: &std::sync::Arc<CudaStream>, state: &CudaSlice<i64>) -> Result<PlanStages> {
+        crate::graph::ensure_not_capturing(stream, "EchoPlan::read_stages")?;
         let st = stream.clone_dtoh(&state.slice(0..self.state_len()))?;
         let (ep, ne, s) = (self.cfg.ep, self.cfg.num_experts, self.cfg.num_spare());
         let l = &self.layout;
@@ -514,6 +516,7 @@ impl EchoPlan {
         stream: &std::sync::Arc<CudaStream>,
         state: &CudaSlice<i64>,
     ) -> Result<(Vec<[i32; 4]>, Vec<[i32; 2]>)> {
+        crate::graph::ensure_not_capturing(stream, "EchoPlan::read_route_tables")?;
         let (ne, s) = (self.cfg.num_experts, self.cfg.num_spare());
         let l = &self.layout;
         let words = |off: usize, n: usize| -> Result<Vec<i32>> {
@@ -527,6 +530,7 @@ impl EchoPlan {
 
     /// The kernel-written offload map `M [E, S]`. Synchronises: diagnostics and tests only.
     pub fn read_offload_map(&self, stream: &std::sync::Arc<CudaStream>, state: &CudaSlice<i64>) -> Result<Vec<bool>> {
+        crate::graph::ensure_not_capturing(stream, "EchoPlan::read_offload_map")?;
         let (ne, s) = (self.cfg.num_experts, self.cfg.num_spare());
         let words = (ne * s).div_ceil(8);
         let st = stream.clone_dtoh(&state.slice(self.layout.offload_map..self.layout.offload_map + words))?;

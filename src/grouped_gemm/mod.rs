@@ -57,10 +57,11 @@ pub enum WeightLayout {
 
 /// Kernel configuration; `Auto` applies the documented heuristic on host-known facts.
 ///
-/// The four candidate tiles (`Sm90CooperativeNoCluster`, `Sm90CooperativeM256`,
-/// `Sm90Pingpong128`, `Sm90PingpongWide`) are built for bf16 inputs with a bf16 output only
-/// (fprop / dgrad, plain wgrad); any other dtype or fp32 accumulate with them is
-/// [`Error::Unsupported`] when the plan is made.
+/// `Sm90CooperativeNoCluster` and `Sm90PingpongWide` (AUTO's choices for fprop / dgrad at more
+/// than 64 rows per expert) are built for bf16 and fp16 fprop / dgrad and bf16 plain wgrad;
+/// `Sm90CooperativeM256` and `Sm90Pingpong128` for bf16 in, bf16 out only. Any other
+/// combination with them (fp32 out, fp32 accumulate) is [`Error::Unsupported`] when the plan
+/// is made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GemmConfig {
     Auto,
@@ -356,6 +357,7 @@ pub struct GroupedGemm {
 impl GroupedGemm {
     /// Plans `spec` for the device of `stream` (reads its arch and SM count once).
     pub fn new(spec: GroupedGemmSpec, stream: &CudaStream) -> Result<GroupedGemm> {
+        crate::graph::ensure_not_capturing(stream, "GroupedGemm::new")?;
         Self::for_device(spec, &DeviceInfo::of_stream(stream)?)
     }
 

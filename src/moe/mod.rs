@@ -47,6 +47,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, ValidAsZero
 pub use slots::{echo_slot_pointers, echo_slot_table};
 
 use crate::dtype::DType;
+use crate::graph::{ensure_not_capturing, DeviceBuffer, PoolRange, Scratch};
 use crate::grouped_gemm::{GemmConfig, GemmOp, GemmOperand, GroupedGemm, GroupedGemmSpec};
 use crate::routing::{self, RouteMaps, RoutingConfig, RoutingPlan, Tokens};
 use crate::device::ensure_same_context;
@@ -168,15 +169,17 @@ impl Gemms {
 }
 
 /// Intermediate activations, kept from forward for backward, and backward scratch.
+/// Every byte a launch reads of them was written earlier in the same forward + backward, so
+/// they may live in a [`MemoryPool`](crate::graph::MemoryPool) range ([`MoeExperts::with_pool`]).
 struct Buffers<T> {
-    rows: CudaSlice<T>,     // [cap, H]  permuted x
-    h: CudaSlice<T>,        // [cap, 2F] fc1 output (gate | up)
-    act: CudaSlice<T>,      // [cap, F]  SwiGLU output
-    out_rows: CudaSlice<T>, // [cap, H]  fc2 output
-    drows: CudaSlice<T>,    // [cap, H]  grad of out_rows
-    dact: CudaSlice<T>,     // [cap, F]
-    dh: CudaSlice<T>,       // [cap, 2F]
-    drows_in: CudaSlice<T>, // [cap, H]  grad of rows
+    rows: DeviceBuffer<T>,     // [cap, H]  permuted x
+    h: DeviceBuffer<T>,        // [cap, 2F] fc1 output (gate | up)
+    act: DeviceBuffer<T>,      // [cap, F]  SwiGLU output
+    out_rows: DeviceBuffer<T>, // [cap, H]  fc2 output
+    drows: DeviceBuffer<T>,    // [cap, H]  grad of out_rows
+    dact: DeviceBuffer<T>,     // [cap, F]
+    dh: DeviceBuffer<T>,       // [cap, 2F]
+    drows_in: DeviceBuffer<T>, // [cap, H]  grad of rows
 }
 
 /// The routing plan, GEMMs, intermediates and GEMM workspace: everything forward and backward
@@ -279,6 +282,29 @@ impl<T: MoeElement> MoeExperts<T> {
 
     /// [`new`](Self::new) with a weight form and a forced GEMM kernel.
     pub fn with_options(config: MoeConfig, options: MoeOptions, stream: &Arc<CudaStream>) -> Result<MoeExperts<T>> {
+        Self::build("MoeExperts::new", config, options, stream, Scratch::Stream(stream))
+    }
+
+    /// [`with_options`](Self::with_options) with the intermediate activations (the eight
+    /// `[capacity, ...]` buffers, nearly all of the plan's memory) taken from `range` of a
+    /// [`MemoryPool`](crate::graph::MemoryPool), so that graphs of several shapes share them.
+    /// Route maps, flag words, the map-form routes and the GEMM workspace stay the plan's own
+    /// allocations: they are read after a replay or carry state between launches. `stream`
+    /// must be the pool's stream ([`Error::WrongStream`]). Forward and backward of one step
+    /// must run with no other graph of the pool between them (the pool's rule).
+    pub fn with_pool(config: MoeConfig, options: MoeOptions, stream: &Arc<CudaStream>, range: &PoolRange) -> Result<MoeExperts<T>> {
+        if **stream != **range.stream() {
+            return Err(Error::WrongStream {
+                op: "MoeExperts::with_pool",
+                bound: range.stream().cu_stream() as u64,
+                got: stream.cu_stream() as u64,
+            });
+        }
+        Self::build("MoeExperts::with_pool", config, options, stream, Scratch::Pool(range))
+    }
+
+    fn build(op: &'static str, config: MoeConfig, options: MoeOptions, stream: &Arc<CudaStream>, scratch: Scratch<'_>) -> Result<MoeExperts<T>> {
+        ensure_not_capturing(stream, op)?;
         if config.dtype != <T as routing::Element>::DTYPE {
             return Err(Error::Shape {
                 op: "MoeExperts::new",
@@ -291,7 +317,7 @@ impl<T: MoeElement> MoeExperts<T> {
         let cap = routing.capacity();
         let gemms = Gemms::new(&config, &options, cap, stream)?;
         let (h, f) = (config.hidden, config.ffn);
-        let zeros = |len: usize| stream.alloc_zeros::<T>(len.max(1));
+        let zeros = |len: usize| scratch.alloc::<T>(len);
         let buffers = Buffers {
             rows: zeros(cap * h)?,
             h: zeros(cap * 2 * f)?,

@@ -250,6 +250,7 @@ impl RoutingPlan {
     /// Allocates the buffers of [`RoutingPlan::build`] (flags zeroed, row and token maps -1:
     /// unmapped). Allocation happens here, never in a launch.
     pub fn alloc_maps(&self, stream: &Arc<CudaStream>) -> Result<RouteMaps> {
+        crate::graph::ensure_not_capturing(stream, "RoutingPlan::alloc_maps")?;
         let e = self.num_experts();
         // -1 = no row / no token: maps that were never built make permute & co. no-ops (zeros
         // would send every route to row 0, a write race).

@@ -9,9 +9,10 @@ use std::time::Instant;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaStream;
 
-use super::{EchoConfig, EchoPlan};
-use crate::routing::Tokens;
-use crate::Result;
+use capturable_moe::echo::synthetic::synthetic_inputs;
+use capturable_moe::echo::{EchoConfig, EchoPlan};
+use capturable_moe::routing::Tokens;
+use capturable_moe::Result;
 
 /// Which reroute form to time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,51 +32,6 @@ pub struct Timing {
     pub replays: usize,
     pub host_median_us: f64,
     pub host_calls: usize,
-}
-
-/// Deterministic inputs: skewed top-k routing on this rank, consistent `counts[ep_rank]`,
-/// skewed random counts on the other ranks.
-pub fn synthetic_inputs(cfg: &EchoConfig, t: usize, seed: u64) -> (Vec<i64>, Vec<i32>, Vec<f32>) {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
-    let (ne, k) = (cfg.num_experts, cfg.topk);
-    // Popularity: a few hot experts.
-    let weights: Vec<u64> = (0..ne).map(|_| 1 + (next() % 8).pow(3)).collect();
-    let total: u64 = weights.iter().sum();
-    let mut counts = vec![0i64; cfg.ep * ne];
-    let mut ids = Vec::with_capacity(t * k);
-    let mut probs = Vec::with_capacity(t * k);
-    for i in 0..t {
-        let mut row: Vec<i32> = Vec::with_capacity(k);
-        while row.len() < k {
-            let mut u = next() % total;
-            let mut x = 0;
-            while u >= weights[x] {
-                u -= weights[x];
-                x += 1;
-            }
-            if !row.contains(&(x as i32)) {
-                row.push(x as i32);
-            }
-        }
-        row.sort();
-        for &x in &row {
-            counts[cfg.ep_rank * ne + x as usize] += 1;
-        }
-        ids.extend(&row);
-        probs.extend((0..k).map(|j| ((i * k + j) % 97 + 1) as f32 / 98.0));
-    }
-    for r in (0..cfg.ep).filter(|&r| r != cfg.ep_rank) {
-        for x in 0..ne {
-            counts[r * ne + x] = ((next() % (2 * t as u64 * k as u64 / ne as u64 + 1)) * weights[x] / 8) as i64;
-        }
-    }
-    (counts, ids, probs)
 }
 
 /// Captures plan + reroute for `t` tokens once and times `replays` graph replays.
@@ -138,7 +94,7 @@ pub fn time_plan_reroute(
     let ctx = stream.context();
     // `capture` turns cudarc's event tracking off for the capture only and restores it, so the
     // host figure of a later call (the next form or config) is taken in the same mode as this one.
-    let graph = crate::graph::capture(stream, || run(stream))?;
+    let graph = capturable_moe::graph::capture(stream, || run(stream))?;
     for _ in 0..10 {
         graph.launch()?;
     }

@@ -1,4 +1,15 @@
-//! Capturing launches into a CUDA graph.
+//! CUDA graphs of the expert path: capture, a memory pool shared by graphs of different
+//! shapes ([`MemoryPool`]), re-pointing a graph at other buffers without re-instantiating it
+//! ([`update`], [`GraphTemplate`]), the guard every host-side call of the crate runs first
+//! ([`ensure_not_capturing`]) and the device flag words read back into one report
+//! ([`FlagReport`]).
+//!
+//! One graph for every token count: the launchers read T on the device
+//! ([`crate::routing::Tokens::Device`]), so a graph captured at T_max serves any T up to it;
+//! per-bucket graphs in a [`MemoryPool`] are the alternative when the small buckets must be
+//! faster than the T_max graph runs them.
+//!
+//! ## Event tracking during capture
 //!
 //! cudarc records an event on each buffer use when a context has several streams ("event
 //! tracking"), so that a buffer written on one stream is waited for on another. Those event
@@ -20,25 +31,93 @@
 //!   restored: allocate the buffers a graph uses before capturing it (the plans of this crate
 //!   allocate everything when they are made).
 
+mod flags;
+mod pool;
+mod update;
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaContext, CudaGraph, CudaStream};
+use cudarc::driver::sys::{cudaError_enum, CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus};
+use cudarc::driver::{CudaContext, CudaGraph, CudaStream, DriverError};
+
+pub use flags::{Flag, FlagReport, FlagSource, FlagWords};
+pub use pool::{
+    round_up, BumpCursor, DeviceBuffer, MemoryPool, PhysicalLayout, PoolRange, PoolSlice, PoolStats, Scratch,
+    POOL_ALIGNMENT,
+};
+pub use update::{update, update_failure, GraphTemplate};
 
 use crate::{Error, Result};
 
+/// `Ok` when `stream` is not capturing a graph, else [`Error::Capturing`] naming `op`.
+///
+/// Every public call of the crate that needs the host (plan creation, allocation, reading
+/// device words back, a synchronisation) runs this first: inside a capture such a call would
+/// either fail with an obscure CUDA status and invalidate the capture, or be recorded as
+/// nothing and silently not happen on replay. A stream whose capture was invalidated counts as
+/// capturing until the capture is ended. The legacy default stream reports capturing while
+/// another stream captures in global mode (`CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`).
+///
+/// NOTE: a capture in global mode on one thread also forbids such calls on other streams and
+/// threads; this check sees only the given stream.
+pub fn ensure_not_capturing(stream: &CudaStream, op: &'static str) -> Result<()> {
+    capture_state_to_result(stream.capture_status(), op)
+}
+
+/// The decision of [`ensure_not_capturing`] from what `cuStreamIsCapturing` returned.
+pub(crate) fn capture_state_to_result(
+    status: std::result::Result<CUstreamCaptureStatus, DriverError>,
+    op: &'static str,
+) -> Result<()> {
+    match status {
+        Ok(CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE) => Ok(()),
+        Ok(_) => Err(Error::Capturing { op }),
+        Err(DriverError(cudaError_enum::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)) => Err(Error::Capturing { op }),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// How [`capture_with`] finishes a graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CaptureOptions {
+    /// Upload the instantiated graph to the device on its stream (`cuGraphUpload`), so that
+    /// the first launch costs what the later ones do instead of paying the upload itself.
+    pub upload: bool,
+}
+
+impl Default for CaptureOptions {
+    fn default() -> Self {
+        CaptureOptions { upload: true }
+    }
+}
+
 /// Captures everything `body` enqueues on `stream` (global capture mode: any forbidden call
-/// from any thread, such as a host sync or an allocation, fails the capture) and instantiates
-/// it. The capture is always ended, also when `body` fails. Event tracking of the stream's
-/// context is off while it runs: see the module docs for what that asks of the caller.
+/// from any thread, such as a host sync or an allocation, fails the capture), instantiates it
+/// and uploads it ([`CaptureOptions::default`]). The capture is always ended, also when `body`
+/// fails. Event tracking of the stream's context is off while it runs: see the module docs for
+/// what that asks of the caller. [`Error::Capturing`] if `stream` is capturing already.
 pub fn capture(stream: &Arc<CudaStream>, body: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
+    capture_with(stream, CaptureOptions::default(), body)
+}
+
+/// [`capture`] with explicit [`CaptureOptions`].
+pub fn capture_with(
+    stream: &Arc<CudaStream>,
+    options: CaptureOptions,
+    body: impl FnOnce() -> Result<()>,
+) -> Result<CudaGraph> {
+    ensure_not_capturing(stream, "graph::capture")?;
     let _tracking_off = TrackingOff::new(stream.context().clone());
     stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)?;
     let body_result = body();
     let graph = stream.end_capture(CUgraphInstantiate_flags(0));
     body_result?;
-    graph?.ok_or(Error::InvalidArgument { op: "graph capture", why: "nothing was captured".into() })
+    let graph = graph?.ok_or(Error::InvalidArgument { op: "graph capture", why: "nothing was captured".into() })?;
+    if options.upload {
+        graph.upload()?;
+    }
+    Ok(graph)
 }
 
 /// A context whose event tracking can be switched (cudarc's `CudaContext`; a stand-in in tests).
@@ -120,6 +199,26 @@ impl<C: TrackingSwitch> TrackingSwitch for Arc<C> {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use cudarc::driver::sys::CUstreamCaptureStatus as S;
+
+    /// Active and invalidated captures and the implicit-capture error of the legacy stream are
+    /// `Capturing`; no capture is `Ok`; other driver errors pass through as driver errors.
+    #[test]
+    fn capture_states_map_to_the_capturing_error_host() {
+        assert!(capture_state_to_result(Ok(S::CU_STREAM_CAPTURE_STATUS_NONE), "op").is_ok());
+        for status in [S::CU_STREAM_CAPTURE_STATUS_ACTIVE, S::CU_STREAM_CAPTURE_STATUS_INVALIDATED] {
+            assert!(matches!(capture_state_to_result(Ok(status), "op"), Err(Error::Capturing { op: "op" })));
+        }
+        let implicit = Err(DriverError(cudaError_enum::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT));
+        assert!(matches!(capture_state_to_result(implicit, "x"), Err(Error::Capturing { op: "x" })));
+        let other = Err(DriverError(cudaError_enum::CUDA_ERROR_INVALID_HANDLE));
+        assert!(matches!(capture_state_to_result(other, "x"), Err(Error::Driver(_))));
+    }
+}
+
+#[cfg(test)]
+mod tracking_tests {
     use super::*;
     use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use capturable_moe::baseline::{cublas_version, read_splits, CublasGroupedBatched, CublasLoop, DenseGemm, Operands};
+use crate::baseline::{cublas_version, read_splits, CublasGroupedBatched, CublasLoop, DenseGemm, Operands};
 use capturable_moe::graph::capture;
 use capturable_moe::grouped_gemm::{GemmConfig, GemmOp, GroupedGemm, GroupedGemmSpec, WeightLayout};
 use cudarc::driver::sys::CUdevice_attribute;

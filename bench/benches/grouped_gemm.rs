@@ -8,7 +8,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
 
-#[path = "../src/bin/capmoe-bench/data.rs"]
+#[path = "../src/data.rs"]
 mod data;
 use data::random_bf16;
 

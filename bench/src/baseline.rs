@@ -18,9 +18,9 @@ use std::sync::Arc;
 use cudarc::cublas::sys as cublas;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr};
 
-use crate::dtype::DType;
-use crate::grouped_gemm::{GemmOp, GroupedGemmSpec, WeightLayout};
-use crate::{Error, Result};
+use capturable_moe::dtype::DType;
+use capturable_moe::grouped_gemm::{GemmOp, GroupedGemmSpec, WeightLayout};
+use capturable_moe::{Error, Result};
 
 /// Why cuBLAS cannot be used here, if it cannot.
 pub fn cublas_unavailable() -> Option<String> {

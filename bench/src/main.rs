@@ -12,7 +12,9 @@
 //!                [--sweep]  (a config sweep: graph rows, dense cuBLAS, floor and roofline only;
 //!                            no eager rows, no cuBLAS loops)
 
+mod baseline;
 mod data;
+mod echo_timing;
 mod gemm;
 mod measure;
 mod path;

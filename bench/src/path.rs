@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use capturable_moe::dtype::DType;
-use capturable_moe::echo::bench::{time_plan_reroute, Form};
+use crate::echo_timing::{time_plan_reroute, Form};
 use capturable_moe::echo::{Algorithm, EchoConfig};
 use capturable_moe::graph::capture;
 use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
@@ -247,8 +247,8 @@ pub fn echo_rows(stream: &Arc<CudaStream>, reps: usize) -> Vec<Row> {
                         t.median_us, t.min_us, t.host_median_us
                     );
                     let note = format!(
-                        "{algorithm:?}; graph replay min {:.1} us; host_us: eager enqueue of plan+reroute (median of {} calls, no sync)",
-                        t.min_us, t.host_calls
+                        "{algorithm:?}; graph replay min {:.1} us over {} replays; host_us: eager enqueue of plan+reroute (median of {} calls, no sync)",
+                        t.min_us, t.replays, t.host_calls
                     );
                     row(&shape, "echo_plan", "capmoe-graph", t.median_us, 0.0, Some(t.host_median_us), Some(note))
                 }
