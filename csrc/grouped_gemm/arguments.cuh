@@ -95,6 +95,9 @@ template <class Arrays>
 __global__ void __launch_bounds__(kArgumentThreads) write_arguments(ArgumentParams<Arrays> p) {
   using Scan = cub::BlockScan<int64_t, kArgumentThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
+  // The GEMM that reads these arguments is launched as a programmatic dependent of this kernel
+  // and waits for it to finish: let it become resident now.
+  launch_dependents();
 
   const int64_t per_thread = (p.experts + kArgumentThreads - 1) / kArgumentThreads;
   const int64_t first = threadIdx.x * per_thread;

@@ -5,7 +5,10 @@
 //   1. write_arguments (one block) turns m_splits into clamped 64-bit row offsets and writes
 //      CUTLASS's per-group problem sizes, A/B/C/D pointers and strides into the workspace;
 //   2. the CUTLASS pointer-array grouped GEMM runs with host problem shapes = nullptr, so its
-//      persistent tile scheduler reads the sizes on the device;
+//      persistent tile scheduler reads the sizes on the device. On SM90 it is a programmatic
+//      dependent launch of step 1 (sm90::Traits::launch): its CTAs become resident while the
+//      argument kernel runs and wait for it before reading anything, so the few microseconds
+//      of that serial one-block kernel overlap the GEMM's launch instead of preceding it;
 //   3. (WGRAD, plain mode only) zero_empty_experts writes dW_e = 0 for experts with no rows.
 // Every step is an asynchronous launch on the caller's stream: no allocation, no host sync.
 #pragma once
@@ -160,7 +163,7 @@ struct Runner {
     if (gemm.initialize(args, arr.cutlass_workspace, launch.stream) != cutlass::Status::kSuccess) {
       return CAPMOE_ERR_CUTLASS;
     }
-    if (gemm.run(launch.stream) != cutlass::Status::kSuccess) return CAPMOE_ERR_CUTLASS;
+    CAPMOE_TRY(Traits::launch(gemm, launch.stream));
     CAPMOE_TRY(launch_status());
 
     if (desc.op == CAPMOE_GEMM_WGRAD && !desc.accumulate) {

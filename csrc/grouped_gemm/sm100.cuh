@@ -57,6 +57,14 @@ struct Traits {
     info.cluster_shape_fallback = Config::kClusterFallback;
     return info;
   }
+
+  // NOTE: a plain launch, not a programmatic dependent one. CUTLASS 4.2's SM100 array kernel
+  // (with CUTLASS_ENABLE_GDC_FOR_SM100) reads its first work tile and that group's problem
+  // shape before it waits on the previous grid, and those are exactly what the argument
+  // kernel writes, so an early start would race with it.
+  static capmoe_status_t launch(Gemm& gemm, cudaStream_t stream) {
+    return gemm.run(stream) == cutlass::Status::kSuccess ? CAPMOE_OK : CAPMOE_ERR_CUTLASS;
+  }
 };
 
 }  // namespace capmoe::gg::sm100

@@ -10,6 +10,7 @@
 #include "cutlass/epilogue/fusion/operations.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "common/device_primitives.cuh"
 #include "grouped_gemm/grouped_gemm.cuh"
 
 namespace capmoe::gg::sm90 {
@@ -20,6 +21,7 @@ namespace capmoe::gg::sm90 {
 // mainloop.
 template <int TileM, int TileN, int ClusterM, bool PingpongSchedule>
 struct TileConfig {
+  static constexpr int kClusterM = ClusterM;
   using Tile = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::_64>;
   using Cluster = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
   using KernelSchedule = std::conditional_t<PingpongSchedule, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
@@ -65,7 +67,51 @@ struct Traits {
     info.sm_count = sm_count;
     return info;
   }
+
+  static capmoe_status_t launch(const Gemm& gemm, cudaStream_t stream);
 };
+
+// CUTLASS's SM90 pointer-array kernels never wait on a programmatic dependency, so they cannot
+// be launched as one. This entry waits first, then runs the kernel unchanged: the grid becomes
+// resident (and its CTAs get their shared memory) while the argument kernel still runs, and
+// reads nothing (problem sizes, pointers, operands) before that kernel has finished and flushed.
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksPerMultiprocessor)
+    dependent_gemm_kernel(CUTLASS_GRID_CONSTANT typename Kernel::Params const params) {
+  extern __shared__ char smem[];
+  capmoe::grid_dependency_wait();
+  Kernel op;
+  op(params, smem);
+}
+
+// Launches the initialized `gemm` as a programmatic dependent launch of the previous kernel on
+// `stream` (the argument kernel), with the config's static cluster shape.
+template <class ElementIn, class LayoutA, class LayoutB, class ElementC, class ElementD, class Config>
+capmoe_status_t Traits<ElementIn, LayoutA, LayoutB, ElementC, ElementD, Config>::launch(const Gemm& gemm,
+                                                                                        cudaStream_t stream) {
+  using Kernel = typename Gemm::GemmKernel;
+  const auto& params = gemm.params();
+  constexpr int kSmemBytes = Kernel::SharedStorageSize;
+  auto* kernel = &dependent_gemm_kernel<Kernel>;
+  // NOTE: set on every launch (a cheap host call, legal during capture) rather than cached, so
+  // a new context or a device reset never finds the attribute missing.
+  CAPMOE_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes)));
+  cudaLaunchAttribute attrs[2] = {};
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = Config::kClusterM;
+  attrs[0].val.clusterDim.y = 1;
+  attrs[0].val.clusterDim.z = 1;
+  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[1].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = Kernel::get_grid_shape(params);
+  config.blockDim = Kernel::get_block_shape();
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
+  config.attrs = attrs;
+  config.numAttrs = 2;
+  return cuda_status(cudaLaunchKernelEx(&config, kernel, params));
+}
 
 }  // namespace capmoe::gg::sm90
 
