@@ -127,3 +127,16 @@ pub fn ensure_same_context<T, B: DeviceSlice<T> + ?Sized>(
     }
     Ok(())
 }
+
+/// A launcher's check of one buffer it is given: in `stream`'s context
+/// ([`ensure_same_context`]) and holding at least `need` elements ([`Error::Shape`] otherwise).
+pub(crate) fn ensure_buffer<T>(
+    op: &'static str,
+    what: &'static str,
+    stream: &CudaStream,
+    buffer: &impl DeviceSlice<T>,
+    need: usize,
+) -> Result<()> {
+    ensure_same_context(op, what, stream, buffer)?;
+    crate::error::ensure_len(op, what, buffer.len(), need, "")
+}

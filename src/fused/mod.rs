@@ -19,11 +19,11 @@
 use std::ffi::c_void;
 
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
-use crate::device::{ensure_same_context, Arch, DeviceInfo};
+use crate::device::{ensure_buffer, Arch, DeviceInfo};
 use crate::dtype::DType;
-use crate::error::{check, ensure_len};
+use crate::error::check;
 use crate::routing::{Element, RoutingConfig, RoutingPlan};
 use crate::{sys, Error, Result};
 
@@ -160,11 +160,11 @@ impl FusedFc1 {
             });
         }
         let (e, hd, f, cap) = (self.experts, self.hidden, self.ffn, self.capacity);
-        Self::len(OP, "x [T_max, H]", stream, x, self.max_tokens * hd)?;
-        Self::len(OP, "w1 [E, 2F, H]", stream, w1, e * 2 * f * hd)?;
-        Self::len(OP, "offsets [E + 1]", stream, offsets, e + 1)?;
-        Self::len(OP, "token_of_row [capacity]", stream, token_of_row, cap)?;
-        Self::len(OP, "act [capacity, F]", stream, act, cap * f)?;
+        ensure_buffer(OP, "x [T_max, H]", stream, x, self.max_tokens * hd)?;
+        ensure_buffer(OP, "w1 [E, 2F, H]", stream, w1, e * 2 * f * hd)?;
+        ensure_buffer(OP, "offsets [E + 1]", stream, offsets, e + 1)?;
+        ensure_buffer(OP, "token_of_row [capacity]", stream, token_of_row, cap)?;
+        ensure_buffer(OP, "act [capacity, F]", stream, act, cap * f)?;
         stream.context().bind_to_thread()?;
         let (xp, _g0) = x.device_ptr(stream);
         let (wp, _g1) = w1.device_ptr(stream);
@@ -173,7 +173,7 @@ impl FusedFc1 {
         let (ap, _g4) = act.device_ptr_mut(stream);
         let (hp, _g5) = match h {
             Some(h) => {
-                Self::len(OP, "h [capacity, 2F]", stream, h, cap * 2 * f)?;
+                ensure_buffer(OP, "h [capacity, 2F]", stream, h, cap * 2 * f)?;
                 let (p, g) = h.device_ptr_mut(stream);
                 (p, Some(g))
             }
@@ -224,16 +224,5 @@ impl FusedFc1 {
             ),
             "fused fc1",
         )
-    }
-
-    fn len<T>(
-        op: &'static str,
-        what: &'static str,
-        stream: &CudaStream,
-        s: &impl DeviceSlice<T>,
-        need: usize,
-    ) -> Result<()> {
-        ensure_same_context(op, what, stream, s)?;
-        ensure_len(op, what, s.len(), need, "")
     }
 }

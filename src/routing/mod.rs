@@ -19,10 +19,10 @@ pub mod reference;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice};
+use cudarc::driver::{sys::CUdeviceptr, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 
-use crate::device::ensure_same_context;
-use crate::error::{check, ensure_len};
+use crate::device::{ensure_buffer, ensure_same_context};
+use crate::error::check;
 use crate::{sys, Error, Result};
 
 pub use crate::dtype::DType;
@@ -276,17 +276,6 @@ impl RoutingPlan {
 
     // ---- host checks shared by the launchers ----
 
-    fn len_at_least<T>(
-        op: &'static str,
-        what: &'static str,
-        stream: &CudaStream,
-        s: &impl DeviceSlice<T>,
-        need: usize,
-    ) -> Result<()> {
-        ensure_same_context(op, what, stream, s)?;
-        ensure_len(op, what, s.len(), need, "")
-    }
-
     fn dtype_is(&self, op: &'static str, what: &'static str, got: DType, want: DType) -> Result<()> {
         if got != want {
             return Err(Error::Unsupported { op, why: format!("{what} is {got:?} but the plan says {want:?}") });
@@ -307,7 +296,7 @@ impl RoutingPlan {
                 Err(invalid(op, format!("num_tokens = {t} exceeds max_tokens = {}", self.max_tokens())))
             }
             Tokens::Host(_) => Ok(()),
-            Tokens::Device(s) => Self::len_at_least(op, "num_tokens_device", stream, s, 1),
+            Tokens::Device(s) => ensure_buffer(op, "num_tokens_device", stream, s, 1),
         }
     }
 
@@ -329,11 +318,11 @@ impl RoutingPlan {
         const OP: &str = "routing from_map";
         let map_len = self.max_tokens() * self.num_experts();
         self.dtype_is(OP, "probs", P::DTYPE, self.config.prob_dtype)?;
-        Self::len_at_least(OP, "routing_map", stream, routing_map, map_len)?;
-        Self::len_at_least(OP, "map_probs", stream, map_probs, map_len)?;
-        Self::len_at_least(OP, "expert_ids", stream, expert_ids, self.routes_len())?;
-        Self::len_at_least(OP, "probs", stream, probs, self.routes_len())?;
-        Self::len_at_least(OP, "flags", stream, flags, 1)?;
+        ensure_buffer(OP, "routing_map", stream, routing_map, map_len)?;
+        ensure_buffer(OP, "map_probs", stream, map_probs, map_len)?;
+        ensure_buffer(OP, "expert_ids", stream, expert_ids, self.routes_len())?;
+        ensure_buffer(OP, "probs", stream, probs, self.routes_len())?;
+        ensure_buffer(OP, "flags", stream, flags, 1)?;
         self.check_tokens(OP, stream, tokens)?;
         stream.context().bind_to_thread()?;
         let (m, _g0) = routing_map.device_ptr(stream);
@@ -354,14 +343,14 @@ impl RoutingPlan {
     ) -> Result<()> {
         const OP: &str = "routing build";
         let e = self.num_experts();
-        Self::len_at_least(OP, "expert_ids", stream, expert_ids, self.routes_len())?;
-        Self::len_at_least(OP, "m_splits_i32", stream, &maps.m_splits_i32, e)?;
-        Self::len_at_least(OP, "m_splits_i64", stream, &maps.m_splits_i64, e)?;
-        Self::len_at_least(OP, "offsets", stream, &maps.offsets, e + 1)?;
-        Self::len_at_least(OP, "row_of_route", stream, &maps.row_of_route, self.routes_len())?;
-        Self::len_at_least(OP, "token_of_row", stream, &maps.token_of_row, self.capacity())?;
-        Self::len_at_least(OP, "expert_counts", stream, &maps.expert_counts, e)?;
-        Self::len_at_least(OP, "flags", stream, &maps.flags, 1)?;
+        ensure_buffer(OP, "expert_ids", stream, expert_ids, self.routes_len())?;
+        ensure_buffer(OP, "m_splits_i32", stream, &maps.m_splits_i32, e)?;
+        ensure_buffer(OP, "m_splits_i64", stream, &maps.m_splits_i64, e)?;
+        ensure_buffer(OP, "offsets", stream, &maps.offsets, e + 1)?;
+        ensure_buffer(OP, "row_of_route", stream, &maps.row_of_route, self.routes_len())?;
+        ensure_buffer(OP, "token_of_row", stream, &maps.token_of_row, self.capacity())?;
+        ensure_buffer(OP, "expert_counts", stream, &maps.expert_counts, e)?;
+        ensure_buffer(OP, "flags", stream, &maps.flags, 1)?;
         ensure_same_context(OP, "workspace", stream, &maps.workspace)?;
         if maps.workspace.len() < self.workspace_bytes {
             return Err(Error::WorkspaceTooSmall { op: OP, need: self.workspace_bytes, got: maps.workspace.len() });
@@ -394,9 +383,9 @@ impl RoutingPlan {
     ) -> Result<()> {
         const OP: &str = "routing permute";
         self.dtype_is(OP, "x", T::DTYPE, self.config.dtype)?;
-        Self::len_at_least(OP, "x", stream, x, self.tokens_len())?;
-        Self::len_at_least(OP, "row_of_route", stream, row_of_route, self.routes_len())?;
-        Self::len_at_least(OP, "rows", stream, rows, self.rows_len())?;
+        ensure_buffer(OP, "x", stream, x, self.tokens_len())?;
+        ensure_buffer(OP, "row_of_route", stream, row_of_route, self.routes_len())?;
+        ensure_buffer(OP, "rows", stream, rows, self.rows_len())?;
         self.check_tokens(OP, stream, tokens)?;
         stream.context().bind_to_thread()?;
         let (xp, _g0) = x.device_ptr(stream);
@@ -418,9 +407,9 @@ impl RoutingPlan {
     ) -> Result<()> {
         const OP: &str = "routing permute_backward";
         self.dtype_is(OP, "drows", T::DTYPE, self.config.dtype)?;
-        Self::len_at_least(OP, "drows", stream, drows, self.rows_len())?;
-        Self::len_at_least(OP, "row_of_route", stream, row_of_route, self.routes_len())?;
-        Self::len_at_least(OP, "dx", stream, dx, self.tokens_len())?;
+        ensure_buffer(OP, "drows", stream, drows, self.rows_len())?;
+        ensure_buffer(OP, "row_of_route", stream, row_of_route, self.routes_len())?;
+        ensure_buffer(OP, "dx", stream, dx, self.tokens_len())?;
         self.check_tokens(OP, stream, tokens)?;
         stream.context().bind_to_thread()?;
         let (dr, _g0) = drows.device_ptr(stream);
@@ -444,10 +433,10 @@ impl RoutingPlan {
         const OP: &str = "routing unpermute";
         self.dtype_is(OP, "rows", T::DTYPE, self.config.dtype)?;
         self.dtype_is(OP, "probs", P::DTYPE, self.config.prob_dtype)?;
-        Self::len_at_least(OP, "rows", stream, rows, self.rows_len())?;
-        Self::len_at_least(OP, "row_of_route", stream, row_of_route, self.routes_len())?;
-        Self::len_at_least(OP, "probs", stream, probs, self.routes_len())?;
-        Self::len_at_least(OP, "y", stream, y, self.tokens_len())?;
+        ensure_buffer(OP, "rows", stream, rows, self.rows_len())?;
+        ensure_buffer(OP, "row_of_route", stream, row_of_route, self.routes_len())?;
+        ensure_buffer(OP, "probs", stream, probs, self.routes_len())?;
+        ensure_buffer(OP, "y", stream, y, self.tokens_len())?;
         self.check_tokens(OP, stream, tokens)?;
         stream.context().bind_to_thread()?;
         let (rp, _g0) = rows.device_ptr(stream);
@@ -475,12 +464,12 @@ impl RoutingPlan {
         const OP: &str = "routing unpermute_backward";
         self.dtype_is(OP, "dy", T::DTYPE, self.config.dtype)?;
         self.dtype_is(OP, "probs", P::DTYPE, self.config.prob_dtype)?;
-        Self::len_at_least(OP, "dy", stream, dy, self.tokens_len())?;
-        Self::len_at_least(OP, "rows", stream, rows, self.rows_len())?;
-        Self::len_at_least(OP, "row_of_route", stream, row_of_route, self.routes_len())?;
-        Self::len_at_least(OP, "probs", stream, probs, self.routes_len())?;
-        Self::len_at_least(OP, "drows", stream, drows, self.rows_len())?;
-        Self::len_at_least(OP, "dprobs", stream, dprobs, self.routes_len())?;
+        ensure_buffer(OP, "dy", stream, dy, self.tokens_len())?;
+        ensure_buffer(OP, "rows", stream, rows, self.rows_len())?;
+        ensure_buffer(OP, "row_of_route", stream, row_of_route, self.routes_len())?;
+        ensure_buffer(OP, "probs", stream, probs, self.routes_len())?;
+        ensure_buffer(OP, "drows", stream, drows, self.rows_len())?;
+        ensure_buffer(OP, "dprobs", stream, dprobs, self.routes_len())?;
         self.check_tokens(OP, stream, tokens)?;
         stream.context().bind_to_thread()?;
         let (dyp, _g0) = dy.device_ptr(stream);
@@ -507,9 +496,9 @@ impl RoutingPlan {
     ) -> Result<()> {
         const OP: &str = "routing swiglu";
         self.dtype_is(OP, "h", T::DTYPE, self.config.dtype)?;
-        Self::len_at_least(OP, "h", stream, h, self.fc1_len())?;
-        Self::len_at_least(OP, "offsets", stream, offsets, self.num_experts() + 1)?;
-        Self::len_at_least(OP, "act", stream, act, self.act_len())?;
+        ensure_buffer(OP, "h", stream, h, self.fc1_len())?;
+        ensure_buffer(OP, "offsets", stream, offsets, self.num_experts() + 1)?;
+        ensure_buffer(OP, "act", stream, act, self.act_len())?;
         stream.context().bind_to_thread()?;
         let (hp, _g0) = h.device_ptr(stream);
         let (op, _g1) = offsets.device_ptr(stream);
@@ -530,10 +519,10 @@ impl RoutingPlan {
     ) -> Result<()> {
         const OP: &str = "routing swiglu_backward";
         self.dtype_is(OP, "h", T::DTYPE, self.config.dtype)?;
-        Self::len_at_least(OP, "dact", stream, dact, self.act_len())?;
-        Self::len_at_least(OP, "h", stream, h, self.fc1_len())?;
-        Self::len_at_least(OP, "offsets", stream, offsets, self.num_experts() + 1)?;
-        Self::len_at_least(OP, "dh", stream, dh, self.fc1_len())?;
+        ensure_buffer(OP, "dact", stream, dact, self.act_len())?;
+        ensure_buffer(OP, "h", stream, h, self.fc1_len())?;
+        ensure_buffer(OP, "offsets", stream, offsets, self.num_experts() + 1)?;
+        ensure_buffer(OP, "dh", stream, dh, self.fc1_len())?;
         stream.context().bind_to_thread()?;
         let (dp, _g0) = dact.device_ptr(stream);
         let (hp, _g1) = h.device_ptr(stream);
