@@ -15,6 +15,7 @@
 #include "capturable_moe/grouped_gemm.h"
 #include "capturable_moe/routing.h"
 #include "capturable_moe/echo.h"
+#include "capturable_moe/ep.h"
 #include "capturable_moe/fused.h"
 
 #endif
