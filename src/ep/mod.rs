@@ -1,0 +1,2 @@
+//! Expert parallel over NCCL (docs/ep.md).
+pub mod simulate;
