@@ -10,7 +10,7 @@ use std::sync::Arc;
 use capturable_moe::dtype::DType;
 use capturable_moe::echo::Algorithm;
 use capturable_moe::ep::{flags, EpEcho, EpGroup, EpMoe, EpMoeConfig};
-use capturable_moe::graph::capture;
+use capturable_moe::graph::{capture, FlagSource};
 use capturable_moe::routing::Tokens;
 use common::moe::{assert_bits, assert_close, bf, f64s, reference, Dims};
 use common::routing::topk_ids;
@@ -212,6 +212,9 @@ fn run_against_reference(echo: bool, capacity: usize, t: usize) {
     assert_eq!(layer.read_dropped().unwrap(), vec![dropped], "dropped routes");
     let flag_word = stream.clone_dtoh(&layer.flags).unwrap()[0];
     assert_eq!(flag_word & flags::OVERFLOW != 0, dropped > 0, "OVERFLOW flag (word {flag_word:#x})");
+    let report = layer.read_flags().unwrap();
+    assert_eq!(report.has(FlagSource::Ep, "CAPMOE_EP_OVERFLOW"), dropped > 0, "{report}");
+    assert_eq!(report.flags().len(), usize::from(dropped > 0), "no other flag: {report}");
 }
 
 #[test]

@@ -11,7 +11,7 @@ use crate::device::ensure_same_context;
 use crate::dtype::DType;
 use crate::echo::{Algorithm, EchoConfig, EchoPlan};
 use crate::error::ensure_len;
-use crate::graph::ensure_not_capturing;
+use crate::graph::{ensure_not_capturing, FlagReport, FlagWords};
 use crate::moe::{MoeConfig, MoeElement, MoeExperts, MoeOptions, WeightForm};
 use crate::routing::Tokens;
 use crate::{Error, Result};
@@ -532,6 +532,22 @@ impl<T: MoeElement> EpMoe<T> {
     /// `counts [R, E]` as all-gathered by the last forward (Echo only: plain EP needs no counts).
     pub fn counts(&self) -> &CudaSlice<i64> {
         &self.bufs.counts
+    }
+
+    /// Every flag word of the layer after a step or a replay, named: the EP word, Echo's
+    /// error word, and the receive side's routing and grouped GEMM words (a host read: a sync;
+    /// the words are sticky, clear them to see one step's bits).
+    pub fn read_flags(&self) -> Result<FlagReport> {
+        let words = FlagWords {
+            routing: Some(self.experts.maps.flags.as_view()),
+            grouped_gemm: Some(self.experts.gemm_flags.as_view()),
+            echo: self.echo.as_ref().map(|e| {
+                let at = e.plan.layout().error;
+                e.state.slice(at..at + 1)
+            }),
+            ep: Some(self.flags.as_view()),
+        };
+        FlagReport::read(self.group.stream(), words)
     }
 
     /// Routes dropped by the last forward, per destination rank (a host read: a sync).
