@@ -297,3 +297,103 @@ fn bad_configurations_are_typed_errors() {
     let err = layer.forward(&b.x, &b.ids, &b.probs, Tokens::Host(1), &other, &b.w2, &mut b.y).unwrap_err();
     assert!(err.to_string().contains("not the buffer bound"), "{err}");
 }
+
+/// R > 1 in one process, one thread and one GPU per rank (`EpGroup::single_process`): every
+/// rank's y, dx, dprobs and main grads against the fp64 reference over the whole group's
+/// experts, with Echo moving tokens between ranks. Skips with fewer than two GPUs (the lent
+/// H100 has one; the multi-GPU kinds run it, issue 18).
+#[test]
+fn every_rank_matches_the_reference_across_gpus() {
+    let stream = gpu_or_skip!();
+    let gpus = cudarc::driver::CudaContext::device_count().unwrap_or(1) as usize;
+    if gpus < 2 {
+        println!("skipping: {gpus} GPU visible; the multi-rank case needs 2 or more");
+        return;
+    }
+    drop(stream);
+    let streams: Vec<Arc<CudaStream>> = (0..gpus)
+        .map(|g| capturable_moe::device::open(g).unwrap().new_stream().unwrap())
+        .collect();
+    let Some(groups) = (match EpGroup::single_process(&streams) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            if std::env::var("CAPMOE_REQUIRE_GPU").as_deref() == Ok("1") {
+                panic!("CAPMOE_REQUIRE_GPU=1 but NCCL is unusable: {e}");
+            }
+            println!("skipping: {e}");
+            None
+        }
+    }) else {
+        return;
+    };
+    let ranks = groups.len();
+    let d = Dims { e: 4 * ranks, ..D };
+    let local = d.e / ranks;
+    let mut rng = StdRng::seed_from_u64(2024);
+    let global_w1: Vec<bf16> = bf(&(0..d.e * 2 * d.f * d.h).map(|_| rng.random_range(-0.1f32..0.1)).collect::<Vec<_>>());
+    let global_w2: Vec<bf16> = bf(&(0..d.e * d.h * d.f).map(|_| rng.random_range(-0.1f32..0.1)).collect::<Vec<_>>());
+    // Skewed routing: half the routes of every rank go to the first two experts, so Echo
+    // offloads rank 0's experts.
+    let steps: Vec<Step> = (0..ranks)
+        .map(|_| {
+            let mut s = random_step(&mut rng);
+            s.ids = (0..T_MAX)
+                .flat_map(|t| {
+                    let hot = (t % 2) as i32;
+                    let other = 2 + rng.random_range(0..(d.e - 2) as i32);
+                    [hot, other]
+                })
+                .collect();
+            s
+        })
+        .collect();
+    let (p1, p2) = (2 * d.f * d.h, d.h * d.f);
+    let results: Vec<(Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(r, group)| {
+                let (s, w1, w2) = (&steps[r], &global_w1[r * local * p1..(r + 1) * local * p1], &global_w2[r * local * p2..(r + 1) * local * p2]);
+                scope.spawn(move || {
+                    let stream = group.stream().clone();
+                    let mut cfg = config(T_MAX * D.k, true);
+                    cfg.num_experts = d.e;
+                    let mut layer = EpMoe::<bf16>::new(Arc::new(group), cfg).unwrap();
+                    let w = Weights { w1: w1.to_vec(), w2: w2.to_vec() };
+                    let mut b = Buffers::new(&stream, &w);
+                    // Buffers::new sized the grads for D.e experts; this layer has `local`.
+                    b.dw1 = stream.alloc_zeros(local * p1).unwrap();
+                    b.dw2 = stream.alloc_zeros(local * p2).unwrap();
+                    layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2).unwrap();
+                    b.load(&stream, s);
+                    step(&mut layer, &mut b, Tokens::Host(T_MAX)).unwrap();
+                    let report = layer.read_flags().unwrap();
+                    assert!(report.is_clean(), "rank {r}: {report}");
+                    let to64 = |v: Vec<f32>| v.into_iter().map(f64::from).collect::<Vec<_>>();
+                    (
+                        f64s(&stream.clone_dtoh(&b.y).unwrap()),
+                        f64s(&stream.clone_dtoh(&b.dx).unwrap()),
+                        to64(stream.clone_dtoh(&b.dprobs).unwrap()),
+                        to64(stream.clone_dtoh(&b.dw1).unwrap()),
+                        to64(stream.clone_dtoh(&b.dw2).unwrap()),
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut dw1 = vec![0.0; d.e * p1];
+    let mut dw2 = vec![0.0; d.e * p2];
+    for (r, s) in steps.iter().enumerate() {
+        let want = reference(d, T_MAX, &s.ids, &s.probs, &s.x, &s.dy, &global_w1, &global_w2);
+        assert_close(&format!("rank {r}: y"), &results[r].0, &want.y, 2e-2);
+        assert_close(&format!("rank {r}: dx"), &results[r].1, &want.dx, 2e-2);
+        assert_close(&format!("rank {r}: dprobs"), &results[r].2, &want.dprobs, 2e-2);
+        dw1.iter_mut().zip(&want.dw1).for_each(|(a, b)| *a += b);
+        dw2.iter_mut().zip(&want.dw2).for_each(|(a, b)| *a += b);
+    }
+    for r in 0..ranks {
+        assert_close(&format!("rank {r}: dw1 (home experts, spare-slot grads folded in)"), &results[r].3, &dw1[r * local * p1..(r + 1) * local * p1], 2e-2);
+        assert_close(&format!("rank {r}: dw2"), &results[r].4, &dw2[r * local * p2..(r + 1) * local * p2], 2e-2);
+    }
+}
