@@ -99,7 +99,7 @@ fn elements(op: &'static str, a: usize, b: usize) -> Result<usize> {
 ///
 /// Needed where one thread drives several ranks ([`EpGroup::single_process`]): each rank's
 /// collective waits for its peers, so enqueueing them one after the other outside a group
-/// would deadlock. Groups nest (each collective of [`EpGroup`] opens its own inside).
+/// would deadlock. Groups nest (the exchanges and `broadcast_block` open their own inside).
 /// The group is ended also when `body` fails; its error is returned first.
 ///
 /// NOTE: inside the group cudarc's event tracking records each buffer's "used here" event
