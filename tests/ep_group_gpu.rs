@@ -2,8 +2,9 @@
 //! (all_gather, exchange, exchange_many, broadcast_block) bit-exact against its reference, made
 //! by each constructor; the same step captured in one CUDA graph and replayed 100 times with
 //! new inputs; the refusals (short buffers, another stream, another group's part, two ranks on
-//! one GPU, construction while capturing). R > 1: `single_process` over every visible GPU
-//! (skipped, saying so, with fewer than two).
+//! one GPU, construction while capturing). R > 1, eager: `single_process` over every visible
+//! GPU, and one thread per GPU joining through the id file (both skipped, saying so, with
+//! fewer than two GPUs).
 //!
 //! Every receive buffer is poisoned before each run and has a poisoned tail past what the
 //! collective may write; every element is checked bit for bit (NaN payloads included: the
@@ -24,7 +25,7 @@ use capturable_moe::Error;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr};
 use half::bf16;
-use rand::{rngs::StdRng, Rng, SeedableRng};
+use rand::{rngs::StdRng, RngCore, SeedableRng};
 
 /// Whether NCCL can be used; prints `skipping: libnccl not found (...)` when not, and panics
 /// under `CAPMOE_REQUIRE_NCCL=1`.
@@ -69,8 +70,12 @@ struct Sizes {
 /// Odd sizes on purpose (no power-of-two block hides an offset error).
 const SIZES: Sizes = Sizes { experts: 256, cap: 333, hidden: 2048, grad: 4099 };
 
+/// Sizes of the threaded test, where every thread builds every rank's inputs.
+const SMALL: Sizes = Sizes { experts: 64, cap: 37, hidden: 256, grad: 129 };
+
 fn random_bits<T: Pod>(rng: &mut StdRng, n: usize) -> Vec<T> {
-    let bytes: Vec<u8> = (0..n * std::mem::size_of::<T>()).map(|_| rng.random()).collect();
+    let mut bytes = vec![0u8; n * std::mem::size_of::<T>()];
+    rng.fill_bytes(&mut bytes);
     bytemuck::pod_collect_to_vec(&bytes)
 }
 
@@ -84,16 +89,47 @@ fn assert_bits_then_poison<T: Pod>(what: &str, got: &[T], want: &[T]) {
     let (got_bytes, want_bytes) = (bytemuck::cast_slice::<T, u8>(got), bytemuck::cast_slice::<T, u8>(want));
     assert!(got.len() >= want.len(), "{what}: {} elements read back, want {}", got.len(), want.len());
     if let Some(i) = (0..want_bytes.len()).find(|&i| got_bytes[i] != want_bytes[i]) {
-        panic!("{what}: element {} of {} differs (byte {i}: got {:#04x}, want {:#04x})", i / size, want.len(), got_bytes[i], want_bytes[i]);
+        panic!(
+            "{what}: element {} of {} differs (byte {i}: got {:#04x}, want {:#04x})",
+            i / size,
+            want.len(),
+            got_bytes[i],
+            want_bytes[i]
+        );
     }
     if let Some(i) = (want_bytes.len()..got_bytes.len()).find(|&i| got_bytes[i] != POISON_BYTE) {
         panic!("{what}: element {} past the {} written was overwritten", i / size, want.len());
     }
 }
 
-/// A send buffer with its host copy, and a receive buffer of `recv_len + TAIL` elements.
+/// One rank's send buffers of a step, random bits from a seed (so any thread can rebuild any
+/// rank's inputs to make its references).
+struct Inputs {
+    counts: Vec<i64>,
+    rows: Vec<bf16>,
+    ids: Vec<i32>,
+    probs: Vec<f32>,
+    back: Vec<bf16>,
+    grads: Vec<f32>,
+}
+
+impl Inputs {
+    fn random(s: Sizes, ranks: usize, seed: u64) -> Inputs {
+        let rng = &mut StdRng::seed_from_u64(seed);
+        let rows = ranks * s.cap * s.hidden;
+        Inputs {
+            counts: random_bits(rng, s.experts),
+            rows: random_bits(rng, rows),
+            ids: random_bits(rng, ranks * s.cap),
+            probs: random_bits(rng, ranks * s.cap),
+            back: random_bits(rng, rows),
+            grads: random_bits(rng, s.grad),
+        }
+    }
+}
+
+/// A send buffer and a receive buffer of `recv_len + TAIL` elements.
 struct Pair<T: DeviceRepr> {
-    send_host: Vec<T>,
     send: CudaSlice<T>,
     recv: CudaSlice<T>,
 }
@@ -101,16 +137,15 @@ struct Pair<T: DeviceRepr> {
 impl<T: DeviceRepr + Pod> Pair<T> {
     fn new(stream: &Arc<CudaStream>, send_len: usize, recv_len: usize) -> Pair<T> {
         Pair {
-            send_host: vec![T::zeroed(); send_len],
             send: stream.clone_htod(&poison::<T>(send_len)).unwrap(),
             recv: stream.clone_htod(&poison::<T>(recv_len + TAIL)).unwrap(),
         }
     }
 
-    /// New random inputs and a poisoned receive buffer, enqueued on `stream`.
-    fn load(&mut self, stream: &Arc<CudaStream>, rng: &mut StdRng) {
-        self.send_host = random_bits(rng, self.send_host.len());
-        stream.memcpy_htod(&self.send_host, &mut self.send).unwrap();
+    /// `input` into the send buffer and poison into the receive buffer, enqueued on `stream`.
+    fn load(&mut self, stream: &Arc<CudaStream>, input: &[T]) {
+        assert_eq!(input.len(), self.send.len());
+        stream.memcpy_htod(input, &mut self.send).unwrap();
         stream.memcpy_htod(&poison::<T>(self.recv.len()), &mut self.recv).unwrap();
     }
 
@@ -149,14 +184,14 @@ impl RankIo {
         }
     }
 
-    fn load(&mut self, rng: &mut StdRng) {
+    fn load(&mut self, inputs: &Inputs) {
         let stream = self.stream.clone();
-        self.counts.load(&stream, rng);
-        self.rows.load(&stream, rng);
-        self.ids.load(&stream, rng);
-        self.probs.load(&stream, rng);
-        self.back.load(&stream, rng);
-        self.grads.load(&stream, rng);
+        self.counts.load(&stream, &inputs.counts);
+        self.rows.load(&stream, &inputs.rows);
+        self.ids.load(&stream, &inputs.ids);
+        self.probs.load(&stream, &inputs.probs);
+        self.back.load(&stream, &inputs.back);
+        self.grads.load(&stream, &inputs.grads);
     }
 
     /// Every collective of the step, on `group` (this rank's).
@@ -175,31 +210,35 @@ impl RankIo {
         group.exchange(&stream, &self.back.send, &mut self.back.recv, row_block)?;
         group.broadcast_block(&stream, &self.grads.send, &mut self.grads.recv, s.grad)
     }
-}
 
-/// Block q of rank p's receive buffer is block p of rank q's send buffer.
-fn blocks_for<T: Pod + DeviceRepr>(all: &[RankIo], p: usize, block: usize, pick: impl Fn(&RankIo) -> &Pair<T>) -> Vec<u8> {
-    let want: Vec<T> = all.iter().flat_map(|q| pick(q).send_host[p * block..(p + 1) * block].to_vec()).collect();
-    bytes(&want)
-}
-
-/// Every rank's receive buffers against the references built from every rank's inputs.
-fn check_step(what: &str, all: &[RankIo]) {
-    for (p, io) in all.iter().enumerate() {
-        assert_eq!(io.ranks, all.len());
-        let (s, stream) = (io.sizes, &io.stream);
+    /// This rank's (`p`) receive buffers against the references built from every rank's
+    /// inputs: all_gather concatenates, an exchange puts block p of rank q's send buffer into
+    /// block q, broadcast_block puts rank q's whole send buffer into block q.
+    fn check(&self, what: &str, p: usize, all: &[Inputs]) {
+        assert_eq!(self.ranks, all.len());
+        let (s, stream) = (self.sizes, &self.stream);
         let row_block = s.cap * s.hidden;
         let check = |name: &str, got: Vec<u8>, want: Vec<u8>| {
             assert_bits_then_poison(&format!("{what}: rank {p} {name}"), &got, &want)
         };
-        let counts: Vec<i64> = all.iter().flat_map(|q| q.counts.send_host.clone()).collect();
-        check("counts (all_gather)", bytes(&io.counts.received(stream)), bytes(&counts));
-        check("rows (exchange_many)", bytes(&io.rows.received(stream)), blocks_for(all, p, row_block, |q| &q.rows));
-        check("ids (exchange_many)", bytes(&io.ids.received(stream)), blocks_for(all, p, s.cap, |q| &q.ids));
-        check("probs (exchange_many)", bytes(&io.probs.received(stream)), blocks_for(all, p, s.cap, |q| &q.probs));
-        check("back rows (exchange)", bytes(&io.back.received(stream)), blocks_for(all, p, row_block, |q| &q.back));
-        let grads: Vec<f32> = all.iter().flat_map(|q| q.grads.send_host.clone()).collect();
-        check("grads (broadcast_block)", bytes(&io.grads.received(stream)), bytes(&grads));
+        let concat = |pick: &dyn Fn(&Inputs) -> Vec<u8>| -> Vec<u8> { all.iter().flat_map(pick).collect() };
+        let block = |pick: &dyn Fn(&Inputs) -> Vec<u8>, elems: usize, size: usize| -> Vec<u8> {
+            let bytes = elems * size;
+            all.iter().flat_map(|q| pick(q)[p * bytes..(p + 1) * bytes].to_vec()).collect()
+        };
+        check("counts (all_gather)", bytes(&self.counts.received(stream)), concat(&|q| bytes(&q.counts)));
+        check("rows (exchange_many)", bytes(&self.rows.received(stream)), block(&|q| bytes(&q.rows), row_block, 2));
+        check("ids (exchange_many)", bytes(&self.ids.received(stream)), block(&|q| bytes(&q.ids), s.cap, 4));
+        check("probs (exchange_many)", bytes(&self.probs.received(stream)), block(&|q| bytes(&q.probs), s.cap, 4));
+        check("back rows (exchange)", bytes(&self.back.received(stream)), block(&|q| bytes(&q.back), row_block, 2));
+        check("grads (broadcast_block)", bytes(&self.grads.received(stream)), concat(&|q| bytes(&q.grads)));
+    }
+}
+
+/// Every rank's receive buffers checked ([`RankIo::check`]).
+fn check_step(what: &str, ios: &[RankIo], inputs: &[Inputs]) {
+    for (p, io) in ios.iter().enumerate() {
+        io.check(what, p, inputs);
     }
 }
 
@@ -215,9 +254,10 @@ fn r1_group(stream: &Arc<CudaStream>) -> EpGroup {
 fn eager_step_r1(what: &str, group: &EpGroup, seed: u64) {
     let stream = group.stream().clone();
     let mut io = RankIo::new(&stream, 1, SIZES);
-    io.load(&mut StdRng::seed_from_u64(seed));
+    let inputs = [Inputs::random(SIZES, 1, seed)];
+    io.load(&inputs[0]);
     io.enqueue(group).unwrap();
-    check_step(what, &[io]);
+    check_step(what, &[io], &inputs);
 }
 
 // ---------------------------------------------------------------- R = 1, eager
@@ -268,7 +308,10 @@ fn r1_empty_blocks_write_nothing_gpu() {
     let mut ids = stream.clone_htod(&poison::<i32>(4)).unwrap();
     let ids_send = stream.clone_htod(&[3i32; 4]).unwrap();
     group
-        .exchange_many(&stream, &[group.blocks(&send, &mut recv, 0).unwrap(), group.blocks(&ids_send, &mut ids, 1).unwrap()])
+        .exchange_many(
+            &stream,
+            &[group.blocks(&send, &mut recv, 0).unwrap(), group.blocks(&ids_send, &mut ids, 1).unwrap()],
+        )
         .unwrap();
     assert_bits_then_poison("empty collectives", &stream.clone_dtoh(&recv).unwrap(), &[]);
     // The non-empty part of the same exchange_many still moved.
@@ -285,17 +328,18 @@ fn r1_captured_step_replays_with_new_inputs_gpu() {
     let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let group = r1_group(&stream);
     let mut io = RankIo::new(&stream, 1, SIZES);
-    let mut rng = StdRng::seed_from_u64(100);
-    io.load(&mut rng);
+    let inputs = [Inputs::random(SIZES, 1, 100)];
+    io.load(&inputs[0]);
     io.enqueue(&group).unwrap();
-    check_step("eager warm-up", std::slice::from_ref(&io));
+    check_step("eager warm-up", std::slice::from_ref(&io), &inputs);
     stream.synchronize().unwrap();
     let graph = capture(&stream, || io.enqueue(&group)).unwrap();
     let replays = if common::under_sanitizer() { 5 } else { 100 };
     for i in 0..replays {
-        io.load(&mut rng);
+        let inputs = [Inputs::random(SIZES, 1, 101 + i)];
+        io.load(&inputs[0]);
         graph.launch().unwrap();
-        check_step(&format!("replay {i}"), std::slice::from_ref(&io));
+        check_step(&format!("replay {i}"), std::slice::from_ref(&io), &inputs);
     }
 }
 
@@ -388,17 +432,17 @@ fn single_process_over_every_gpu_gpu() {
         return;
     }
     drop(stream);
-    let streams: Vec<Arc<CudaStream>> = (0..gpus)
-        .map(|i| capturable_moe::device::open(i).unwrap().new_stream().unwrap())
-        .collect();
+    let streams: Vec<Arc<CudaStream>> =
+        (0..gpus).map(|i| capturable_moe::device::open(i).unwrap().new_stream().unwrap()).collect();
     let groups = EpGroup::single_process(&streams).unwrap();
     for (i, g) in groups.iter().enumerate() {
         assert_eq!((g.rank(), g.ranks(), g.desc().device), (i, gpus, streams[i].context().ordinal()));
     }
     let mut ios: Vec<RankIo> = streams.iter().map(|s| RankIo::new(s, gpus, SIZES)).collect();
-    let mut rng = StdRng::seed_from_u64(200);
     for step in 0..3 {
-        ios.iter_mut().for_each(|io| io.load(&mut rng));
+        let inputs: Vec<Inputs> =
+            (0..gpus).map(|rank| Inputs::random(SIZES, gpus, 200 + 100 * step + rank as u64)).collect();
+        ios.iter_mut().zip(&inputs).for_each(|(io, input)| io.load(input));
         nccl_group(|| {
             for (io, group) in ios.iter_mut().zip(&groups) {
                 io.enqueue(group)?;
@@ -406,6 +450,55 @@ fn single_process_over_every_gpu_gpu() {
             Ok(())
         })
         .unwrap();
-        check_step(&format!("R = {gpus}, step {step}"), &ios);
+        check_step(&format!("R = {gpus}, step {step}"), &ios, &inputs);
     }
+}
+
+/// One thread per GPU, each joining through the id file as a separate process would
+/// (`from_id_file`: rank 0 writes, the others wait), then running steps eagerly on its own
+/// and checking its own receive buffers against every rank's inputs, rebuilt from the seeds.
+#[test]
+fn threads_over_every_gpu_join_through_the_id_file_gpu() {
+    let stream = nccl_gpu_or_skip!();
+    let gpus = CudaContext::device_count().unwrap() as usize;
+    if gpus < 2 {
+        println!("skipping: one thread per GPU needs 2 or more GPUs, this machine has {gpus}");
+        return;
+    }
+    drop(stream);
+    let path = std::env::temp_dir().join(format!("capmoe-ep-threads-{}.id", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let threads: Vec<_> = (0..gpus)
+        .map(|rank| {
+            let path = path.clone();
+            std::thread::spawn(move || {
+                let stream = capturable_moe::device::open(rank).unwrap().new_stream().unwrap();
+                let group = EpGroup::from_id_file(&stream, rank, gpus, &path, Duration::from_secs(60)).unwrap();
+                assert_eq!((group.rank(), group.ranks()), (rank, gpus));
+                let mut io = RankIo::new(&stream, gpus, SMALL);
+                // NOTE: a rank that stopped at a failed check would leave its peers waiting in
+                // the next step's transfers forever: every rank runs every step, then reports.
+                let mut first_failure = None;
+                for step in 0..3u64 {
+                    let inputs: Vec<Inputs> =
+                        (0..gpus).map(|q| Inputs::random(SMALL, gpus, 500 + 100 * step + q as u64)).collect();
+                    io.load(&inputs[rank]);
+                    io.enqueue(&group).unwrap();
+                    let checked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        io.check(&format!("thread R = {gpus}, step {step}"), rank, &inputs)
+                    }));
+                    if let Err(panic) = checked {
+                        first_failure.get_or_insert(panic);
+                    }
+                }
+                if let Some(panic) = first_failure {
+                    std::panic::resume_unwind(panic);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    assert!(!path.exists(), "rank 0 left the id file behind");
 }

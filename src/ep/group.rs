@@ -27,8 +27,8 @@ use cudarc::driver::{sys::CUdeviceptr, CudaStream, DevicePtr, DevicePtrMut, Devi
 use cudarc::nccl::{result, sys};
 
 pub use id::{EpEnv, EpGroupId, EP_GROUP_ID_BYTES};
-pub use library::nccl_version;
 use library::nccl_error;
+pub use library::nccl_version;
 
 use crate::device::ensure_buffer;
 use crate::graph::ensure_not_capturing;
@@ -99,7 +99,7 @@ fn elements(op: &'static str, a: usize, b: usize) -> Result<usize> {
 ///
 /// Needed where one thread drives several ranks ([`EpGroup::single_process`]): each rank's
 /// collective waits for its peers, so enqueueing them one after the other outside a group
-/// would deadlock. Groups nest (each collective of [`EpGroup`] opens its own inside).
+/// would deadlock. Groups nest (the exchanges and `broadcast_block` open their own inside).
 /// The group is ended also when `body` fails; its error is returned first.
 ///
 /// NOTE: inside the group cudarc's event tracking records each buffer's "used here" event
@@ -183,7 +183,10 @@ impl EpGroup {
     pub fn single_process(streams: &[Arc<CudaStream>]) -> Result<Vec<EpGroup>> {
         const OP: &str = "EpGroup::single_process";
         if streams.is_empty() || streams.len() > i32::MAX as usize {
-            return Err(Error::InvalidArgument { op: OP, why: format!("{} streams: need at least one", streams.len()) });
+            return Err(Error::InvalidArgument {
+                op: OP,
+                why: format!("{} streams: need at least one", streams.len()),
+            });
         }
         let ordinals: Vec<i32> = streams.iter().map(|s| s.context().ordinal() as i32).collect();
         for (i, a) in ordinals.iter().enumerate() {
@@ -238,7 +241,11 @@ impl EpGroup {
     /// `Ok` for the bound stream, else [`Error::WrongStream`].
     fn ensure_bound_stream(&self, op: &'static str, stream: &CudaStream) -> Result<()> {
         if *stream != *self.stream {
-            return Err(Error::WrongStream { op, bound: self.stream.cu_stream() as u64, got: stream.cu_stream() as u64 });
+            return Err(Error::WrongStream {
+                op,
+                bound: self.stream.cu_stream() as u64,
+                got: stream.cu_stream() as u64,
+            });
         }
         Ok(())
     }
@@ -290,7 +297,13 @@ impl EpGroup {
 
     /// # Safety
     /// As [`EpGroup::all_gather_raw`], in bytes.
-    unsafe fn enqueue_all_gather(&self, op: &'static str, send: CUdeviceptr, recv: CUdeviceptr, bytes: usize) -> Result<()> {
+    unsafe fn enqueue_all_gather(
+        &self,
+        op: &'static str,
+        send: CUdeviceptr,
+        recv: CUdeviceptr,
+        bytes: usize,
+    ) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }
@@ -358,7 +371,13 @@ impl EpGroup {
         const OP: &str = "EpGroup::blocks_raw";
         let block_bytes = elements(OP, block, std::mem::size_of::<T>())?;
         elements(OP, self.ranks, block_bytes)?;
-        Ok(EpBlocks { comm: self.comm, send, recv, block_bytes, _guards: [SyncOnDrop::Record(None), SyncOnDrop::Record(None)] })
+        Ok(EpBlocks {
+            comm: self.comm,
+            send,
+            recv,
+            block_bytes,
+            _guards: [SyncOnDrop::Record(None), SyncOnDrop::Record(None)],
+        })
     }
 
     /// Every pair of `parts` exchanged as [`EpGroup::exchange`] does, all in ONE NCCL group (one
@@ -429,7 +448,13 @@ impl EpGroup {
 
     /// # Safety
     /// As [`EpGroup::broadcast_block_raw`], in bytes.
-    unsafe fn enqueue_broadcast_block(&self, op: &'static str, send: CUdeviceptr, recv: CUdeviceptr, bytes: usize) -> Result<()> {
+    unsafe fn enqueue_broadcast_block(
+        &self,
+        op: &'static str,
+        send: CUdeviceptr,
+        recv: CUdeviceptr,
+        bytes: usize,
+    ) -> Result<()> {
         if bytes == 0 {
             return Ok(());
         }

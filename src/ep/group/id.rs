@@ -77,7 +77,8 @@ impl EpGroupId {
         let mut bytes = [0u8; EP_GROUP_ID_BYTES];
         for (i, byte) in bytes.iter_mut().enumerate() {
             let pair = &text[2 * i..2 * i + 2];
-            *byte = u8::from_str_radix(pair, 16).map_err(|_| bad(format!("'{pair}' at offset {} is not hex", 2 * i)))?;
+            *byte =
+                u8::from_str_radix(pair, 16).map_err(|_| bad(format!("'{pair}' at offset {} is not hex", 2 * i)))?;
         }
         Ok(EpGroupId { bytes })
     }
