@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytemuck::Pod;
-use capturable_moe::ep::{nccl_group, nccl_version, EpGroup, EpGroupId};
+use capturable_moe::ep::{nccl_group, EpGroup, EpGroupId};
 use capturable_moe::graph::capture;
 use capturable_moe::Error;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus};
@@ -27,26 +27,11 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr};
 use half::bf16;
 use rand::{rngs::StdRng, RngCore, SeedableRng};
 
-/// Whether NCCL can be used; prints `skipping: libnccl not found (...)` when not, and panics
-/// under `CAPMOE_REQUIRE_NCCL=1`.
-fn nccl_present() -> bool {
-    match nccl_version() {
-        Ok(_) => true,
-        Err(reason) => {
-            if std::env::var("CAPMOE_REQUIRE_NCCL").as_deref() == Ok("1") {
-                panic!("CAPMOE_REQUIRE_NCCL=1 but NCCL is unusable: {reason}");
-            }
-            println!("skipping: libnccl not found ({reason})");
-            false
-        }
-    }
-}
-
 /// The GPU stream, or returns from the test after printing why (no GPU, no libnccl).
 macro_rules! nccl_gpu_or_skip {
     () => {{
         let stream = gpu_or_skip!();
-        if !nccl_present() {
+        if !common::nccl::nccl_present() {
             return;
         }
         stream
