@@ -356,7 +356,8 @@ impl<T: MoeElement> EpMoe<T> {
     /// group: `x, y [T_max, H]`, `expert_ids [T_max, k]` (global home experts, -1 = no route),
     /// `probs [T_max, k]` f32, `w1`, `w2` the buffers given to [`bind_weights`]. Routes past a
     /// full peer block are dropped (counted in [`Self::dispatch_layout`]'s `dropped`, flag
-    /// `OVERFLOW`).
+    /// `OVERFLOW`). The three stages, [`dispatch`](Self::dispatch),
+    /// [`run_experts`](Self::run_experts) and [`combine`](Self::combine), in one call.
     #[allow(clippy::too_many_arguments)]
     pub fn forward(
         &mut self,
@@ -368,15 +369,33 @@ impl<T: MoeElement> EpMoe<T> {
         w2: &CudaSlice<T>,
         y: &mut impl DevicePtrMut<T>,
     ) -> Result<()> {
-        const OP: &str = "EpMoe::forward";
+        self.dispatch(x, expert_ids, probs, tokens, w1, w2)?;
+        self.run_experts(w1, w2)?;
+        self.combine(tokens, y)
+    }
+
+    /// Forward stage 1: (Echo: counts all-gather, plan + reroute, spare weights fetched from
+    /// their home ranks), the dispatch layout, and one grouped exchange of every peer block's
+    /// rows, local columns and probs. Leaves the received blocks in the layer.
+    pub fn dispatch(
+        &mut self,
+        x: &impl DevicePtr<T>,
+        expert_ids: &impl DevicePtr<i32>,
+        probs: &impl DevicePtr<f32>,
+        tokens: Tokens<'_>,
+        w1: &CudaSlice<T>,
+        w2: &CudaSlice<T>,
+    ) -> Result<()> {
+        const OP: &str = "EpMoe::dispatch";
         let stream = self.group.stream().clone();
-        let given = [address(&stream, w1), address(&stream, w2), 0, 0];
-        self.bound_weights(OP, given, [true, true, false, false])?;
+        self.bound_weights(OP, [address(&stream, w1), address(&stream, w2), 0, 0], [true, true, false, false])?;
         let routes = self.config.max_tokens * self.config.topk;
         ensure_len(OP, "x [T_max, H]", x.len(), self.config.max_tokens * self.config.hidden, "")?;
-        ensure_len(OP, "y [T_max, H]", y.len(), self.config.max_tokens * self.config.hidden, "")?;
         ensure_len(OP, "expert_ids [T_max, k]", expert_ids.len(), routes, "")?;
         ensure_len(OP, "probs [T_max, k]", probs.len(), routes, "")?;
+        ensure_same_context(OP, "x", &stream, x)?;
+        ensure_same_context(OP, "expert_ids", &stream, expert_ids)?;
+        ensure_same_context(OP, "probs", &stream, probs)?;
 
         let k = &self.kernels;
         let b = &mut self.bufs;
@@ -402,8 +421,7 @@ impl<T: MoeElement> EpMoe<T> {
             }
         }
         k.gather_rows(&stream, x, &b.layout.slot_of_route, tokens, &mut b.send_rows)?;
-        let block = self.config.capacity;
-        let h = self.config.hidden;
+        let (block, h) = (self.config.capacity, self.config.hidden);
         let g = &self.group;
         g.exchange_many(
             &stream,
@@ -412,21 +430,40 @@ impl<T: MoeElement> EpMoe<T> {
                 g.blocks(&b.layout.send_ids, &mut b.recv_ids, block)?,
                 g.blocks(&b.layout.send_probs, &mut b.recv_probs, block)?,
             ],
-        )?;
+        )
+    }
+
+    /// Forward stage 2: the receive side's expert path over the `R · capacity` received rows
+    /// (home columns on this rank's weights, spare columns on the fetched copies); its output
+    /// rows are already prob-weighted, unused rows 0.
+    pub fn run_experts(&mut self, w1: &CudaSlice<T>, w2: &CudaSlice<T>) -> Result<()> {
+        const OP: &str = "EpMoe::run_experts";
+        let stream = self.group.stream().clone();
+        self.bound_weights(OP, [address(&stream, w1), address(&stream, w2), 0, 0], [true, true, false, false])?;
         let bound = self.bound.as_ref().expect("checked above");
-        let rows = Tokens::Host(self.kernels.desc().block_rows());
+        let b = &mut self.bufs;
         self.experts.forward(
             &stream,
             &b.recv_rows,
             &b.recv_ids,
             &b.recv_probs,
-            rows,
+            Tokens::Host(self.kernels.desc().block_rows()),
             &bound.w1_ptrs,
             &bound.w2_ptrs,
             &mut b.out_rows,
-        )?;
-        self.group.exchange(&stream, &b.out_rows, &mut b.back_rows, block * h)?;
-        k.reduce_rows(&stream, &b.back_rows, &b.layout.slot_of_route, tokens, y)
+        )
+    }
+
+    /// Forward stage 3: the output rows go back to the ranks they came from, and
+    /// `y[t] = Σ_j` of the token's returned rows (fp32, ascending j, one rounding).
+    pub fn combine(&mut self, tokens: Tokens<'_>, y: &mut impl DevicePtrMut<T>) -> Result<()> {
+        const OP: &str = "EpMoe::combine";
+        let stream = self.group.stream().clone();
+        ensure_len(OP, "y [T_max, H]", y.len(), self.config.max_tokens * self.config.hidden, "")?;
+        ensure_same_context(OP, "y", &stream, y)?;
+        let b = &mut self.bufs;
+        self.group.exchange(&stream, &b.out_rows, &mut b.back_rows, self.config.capacity * self.config.hidden)?;
+        self.kernels.reduce_rows(&stream, &b.back_rows, &b.layout.slot_of_route, tokens, y)
     }
 
     /// Echo: every home rank packs the experts its peers' slots copy, one fixed-size grouped
@@ -478,6 +515,9 @@ impl<T: MoeElement> EpMoe<T> {
         ensure_len(OP, "dy [T_max, H]", dy.len(), t * hd, "")?;
         ensure_len(OP, "dx [T_max, H]", dx.len(), t * hd, "")?;
         ensure_len(OP, "dprobs [T_max, k]", dprobs.len(), t * self.config.topk, "")?;
+        ensure_same_context(OP, "dy", &stream, dy)?;
+        ensure_same_context(OP, "dx", &stream, dx)?;
+        ensure_same_context(OP, "dprobs", &stream, dprobs)?;
 
         let k = &self.kernels;
         let b = &mut self.bufs;
