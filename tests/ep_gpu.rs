@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::rc::Rc;
 use std::sync::Arc;
 
 use capturable_moe::dtype::DType;
@@ -23,12 +24,12 @@ const D: Dims = Dims { e: 8, h: 128, f: 64, k: 2 };
 const T_MAX: usize = 64;
 
 /// One rank's group on the test stream, or `None` (printing why) where NCCL cannot load.
-fn group_or_skip(stream: &Arc<CudaStream>) -> Option<Arc<EpGroup>> {
+fn group_or_skip(stream: &Arc<CudaStream>) -> Option<Rc<EpGroup>> {
     if !common::nccl::nccl_present() {
         return None;
     }
     let mut groups = EpGroup::single_process(std::slice::from_ref(stream)).expect("a one-rank NCCL group");
-    Some(Arc::new(groups.remove(0)))
+    Some(Rc::new(groups.remove(0)))
 }
 
 fn config(capacity: usize, echo: bool) -> EpMoeConfig {
@@ -39,7 +40,7 @@ fn config(capacity: usize, echo: bool) -> EpMoeConfig {
         topk: D.k,
         max_tokens: T_MAX,
         capacity,
-        echo: echo.then(|| EpEcho { spare_per_rank: 1, algorithm: Algorithm::Greedy, threshold_multiplier: 0.0 }),
+        echo: echo.then_some(EpEcho { spare_per_rank: 1, algorithm: Algorithm::Greedy, threshold_multiplier: 0.0 }),
         dtype: DType::Bf16,
     }
 }
@@ -293,6 +294,9 @@ fn bad_configurations_are_typed_errors() {
     assert!(err.to_string().contains("not the buffer bound"), "{err}");
 }
 
+/// One rank's y, dx, dprobs, dw1, dw2 as f64.
+type RankOutputs = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
+
 /// R > 1 in one process, one thread and one GPU per rank (`EpGroup::single_process`): every
 /// rank's y, dx, dprobs and main grads against the fp64 reference over the whole group's
 /// experts, with Echo moving tokens between ranks. Skips with fewer than two GPUs (the lent
@@ -306,9 +310,8 @@ fn every_rank_matches_the_reference_across_gpus() {
         return;
     }
     drop(stream);
-    let streams: Vec<Arc<CudaStream>> = (0..gpus)
-        .map(|g| capturable_moe::device::open(g).unwrap().new_stream().unwrap())
-        .collect();
+    let streams: Vec<Arc<CudaStream>> =
+        (0..gpus).map(|g| capturable_moe::device::open(g).unwrap().new_stream().unwrap()).collect();
     if !common::nccl::nccl_present() {
         return;
     }
@@ -317,7 +320,8 @@ fn every_rank_matches_the_reference_across_gpus() {
     let d = Dims { e: 4 * ranks, ..D };
     let local = d.e / ranks;
     let mut rng = StdRng::seed_from_u64(2024);
-    let global_w1: Vec<bf16> = bf(&(0..d.e * 2 * d.f * d.h).map(|_| rng.random_range(-0.1f32..0.1)).collect::<Vec<_>>());
+    let global_w1: Vec<bf16> =
+        bf(&(0..d.e * 2 * d.f * d.h).map(|_| rng.random_range(-0.1f32..0.1)).collect::<Vec<_>>());
     let global_w2: Vec<bf16> = bf(&(0..d.e * d.h * d.f).map(|_| rng.random_range(-0.1f32..0.1)).collect::<Vec<_>>());
     // Skewed routing: half the routes of every rank go to the first two experts, so Echo
     // offloads rank 0's experts.
@@ -335,17 +339,21 @@ fn every_rank_matches_the_reference_across_gpus() {
         })
         .collect();
     let (p1, p2) = (2 * d.f * d.h, d.h * d.f);
-    let results: Vec<(Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>)> = std::thread::scope(|scope| {
+    let results: Vec<RankOutputs> = std::thread::scope(|scope| {
         let handles: Vec<_> = groups
             .into_iter()
             .enumerate()
             .map(|(r, group)| {
-                let (s, w1, w2) = (&steps[r], &global_w1[r * local * p1..(r + 1) * local * p1], &global_w2[r * local * p2..(r + 1) * local * p2]);
+                let (s, w1, w2) = (
+                    &steps[r],
+                    &global_w1[r * local * p1..(r + 1) * local * p1],
+                    &global_w2[r * local * p2..(r + 1) * local * p2],
+                );
                 scope.spawn(move || {
                     let stream = group.stream().clone();
                     let mut cfg = config(T_MAX * D.k, true);
                     cfg.num_experts = d.e;
-                    let mut layer = EpMoe::<bf16>::new(Arc::new(group), cfg).unwrap();
+                    let mut layer = EpMoe::<bf16>::new(Rc::new(group), cfg).unwrap();
                     let w = Weights { w1: w1.to_vec(), w2: w2.to_vec() };
                     let mut b = Buffers::new(&stream, &w);
                     // Buffers::new sized the grads for D.e experts; this layer has `local`.
@@ -380,7 +388,12 @@ fn every_rank_matches_the_reference_across_gpus() {
         dw2.iter_mut().zip(&want.dw2).for_each(|(a, b)| *a += b);
     }
     for r in 0..ranks {
-        assert_close(&format!("rank {r}: dw1 (home experts, spare-slot grads folded in)"), &results[r].3, &dw1[r * local * p1..(r + 1) * local * p1], 2e-2);
+        assert_close(
+            &format!("rank {r}: dw1 (home experts, spare-slot grads folded in)"),
+            &results[r].3,
+            &dw1[r * local * p1..(r + 1) * local * p1],
+            2e-2,
+        );
         assert_close(&format!("rank {r}: dw2"), &results[r].4, &dw2[r * local * p2..(r + 1) * local * p2], 2e-2);
     }
 }

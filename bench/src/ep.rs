@@ -31,7 +31,7 @@ fn row(shape: &str, op: &str, us: f64, gbps: f64, note: String) -> Row {
 }
 
 /// One stream per GPU present, rank i on GPU i (`stream` is rank 0's).
-fn rank_streams(stream: &Arc<CudaStream>) -> capturable_moe::Result<Vec<Arc<CudaStream>>> {
+pub fn rank_streams(stream: &Arc<CudaStream>) -> capturable_moe::Result<Vec<Arc<CudaStream>>> {
     let gpus = CudaContext::device_count()?.max(1) as usize;
     let mut streams = vec![stream.clone()];
     for ordinal in 1..gpus {

@@ -16,6 +16,7 @@ mod baseline;
 mod data;
 mod echo_timing;
 mod ep;
+mod ep_layer;
 mod gemm;
 mod measure;
 mod path;
@@ -177,6 +178,7 @@ fn main() {
     if args.paths && !args.only_echo {
         rows.extend(path::expert_rows(&stream, args.reps));
         rows.extend(ep::ep_rows(&stream, args.reps));
+        rows.extend(ep_layer::ep_layer_rows(&stream, args.reps));
     }
     if args.paths || args.only_echo {
         rows.extend(path::echo_rows(&stream, args.reps));

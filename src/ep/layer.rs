@@ -2,6 +2,7 @@
 //! dispatch, the receive-side expert path, combine, and the backward, all enqueued on the
 //! group's stream with fixed sizes (docs/ep.md, "The step").
 
+use std::rc::Rc;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut};
@@ -122,12 +123,14 @@ struct StepBuffers<T> {
     back_dprobs: CudaSlice<f32>,
 }
 
-/// One rank's expert-parallel MoE layer. Every launch runs on the group's stream; nothing
+/// One rank's expert-parallel MoE layer. The layers of one model share the rank's group
+/// through an `Rc`: an NCCL communicator is driven from one thread, so neither the group nor a
+/// layer crosses threads. Every launch runs on the group's stream; nothing
 /// allocates or synchronises after [`EpMoe::new`] and [`EpMoe::bind_weights`], so forward
 /// and backward can be captured in one graph and replayed with new routing (every rank
 /// captures and replays its own graph; NCCL pairs them up).
 pub struct EpMoe<T> {
-    group: Arc<EpGroup>,
+    group: Rc<EpGroup>,
     config: EpMoeConfig,
     kernels: EpKernels,
     experts: MoeExperts<T>,
@@ -141,7 +144,7 @@ pub struct EpMoe<T> {
 impl<T: MoeElement> EpMoe<T> {
     /// Validates `config` against the group, plans the receive-side expert path and Echo, and
     /// allocates every buffer (the only allocation of the layer).
-    pub fn new(group: Arc<EpGroup>, config: EpMoeConfig) -> Result<EpMoe<T>> {
+    pub fn new(group: Rc<EpGroup>, config: EpMoeConfig) -> Result<EpMoe<T>> {
         const OP: &str = "EpMoe::new";
         let stream = group.stream().clone();
         ensure_not_capturing(&stream, OP)?;
@@ -260,7 +263,7 @@ impl<T: MoeElement> EpMoe<T> {
         }
     }
 
-    pub fn group(&self) -> &Arc<EpGroup> {
+    pub fn group(&self) -> &Rc<EpGroup> {
         &self.group
     }
 
@@ -485,7 +488,10 @@ impl<T: MoeElement> EpMoe<T> {
         k.pack_spare_weights(stream, &slot_expert, w2, p2, &mut e.send_w2, flags)?;
         group.exchange_many(
             stream,
-            &[group.blocks(&e.send_w1, &mut e.recv_w1, s_per * p1)?, group.blocks(&e.send_w2, &mut e.recv_w2, s_per * p2)?],
+            &[
+                group.blocks(&e.send_w1, &mut e.recv_w1, s_per * p1)?,
+                group.blocks(&e.send_w2, &mut e.recv_w2, s_per * p2)?,
+            ],
         )?;
         k.select_spare_weights(stream, &slot_expert, &e.recv_w1, p1, &mut e.spare_w1, flags)?;
         k.select_spare_weights(stream, &slot_expert, &e.recv_w2, p2, &mut e.spare_w2, flags)
@@ -547,7 +553,10 @@ impl<T: MoeElement> EpMoe<T> {
         let g = &self.group;
         g.exchange_many(
             &stream,
-            &[g.blocks(&b.out_rows, &mut b.back_rows, block * hd)?, g.blocks(&b.dprobs_rows, &mut b.back_dprobs, block)?],
+            &[
+                g.blocks(&b.out_rows, &mut b.back_rows, block * hd)?,
+                g.blocks(&b.dprobs_rows, &mut b.back_dprobs, block)?,
+            ],
         )?;
         k.reduce_rows(&stream, &b.back_rows, &b.layout.slot_of_route, tokens, dx)?;
         k.gather_route_values(&stream, &b.back_dprobs, &b.layout.slot_of_route, tokens, dprobs)?;

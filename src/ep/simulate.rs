@@ -24,7 +24,14 @@ pub struct DropCount {
 /// with weight `1 / (1 + perm(e))^exponent` (a fixed random permutation `perm`, so the hot
 /// experts spread over ranks), k distinct experts per token. `exponent = 0` is uniform.
 /// Deterministic in `seed`.
-pub fn zipf_routing(ranks: usize, tokens: usize, experts: usize, topk: usize, exponent: f64, seed: u64) -> Vec<Vec<i32>> {
+pub fn zipf_routing(
+    ranks: usize,
+    tokens: usize,
+    experts: usize,
+    topk: usize,
+    exponent: f64,
+    seed: u64,
+) -> Vec<Vec<i32>> {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut next = move || {
         state ^= state << 13;
@@ -113,7 +120,8 @@ pub fn count_drops(cfg: &EchoConfig, ids_per_rank: &[Vec<i32>], capacity: usize)
         echo_dest.push(reference::reroute_topk(&rank_cfg, &stages, &counts, ids, ids.len() / k)?);
     }
     let (dropped_plain, max_block_plain) = drops(&block_loads(ids_per_rank, cfg.local_experts()), capacity);
-    let (dropped_echo, max_block_echo) = drops(&block_loads(&echo_dest, cfg.local_experts() + cfg.spare_per_rank), capacity);
+    let (dropped_echo, max_block_echo) =
+        drops(&block_loads(&echo_dest, cfg.local_experts() + cfg.spare_per_rank), capacity);
     Ok(DropCount {
         routes: ids_per_rank.iter().flatten().filter(|&&e| e >= 0).count(),
         dropped_plain,

@@ -94,7 +94,11 @@ const EP_BITS: [(u32, &str, &str); 5] = [
     (sys::CAPMOE_EP_BAD_DEST, "CAPMOE_EP_BAD_DEST", "a route's final column was outside the group's columns (dropped)"),
     (sys::CAPMOE_EP_BAD_TOKENS, "CAPMOE_EP_BAD_TOKENS", "the device token count was outside [0, T_max] (clamped)"),
     (sys::CAPMOE_EP_BAD_EXPERT, "CAPMOE_EP_BAD_EXPERT", "an expert id outside [-1, E) was not counted"),
-    (sys::CAPMOE_EP_BAD_SLOT_EXPERT, "CAPMOE_EP_BAD_SLOT_EXPERT", "a spare slot's expert was outside [-1, E) (skipped)"),
+    (
+        sys::CAPMOE_EP_BAD_SLOT_EXPERT,
+        "CAPMOE_EP_BAD_SLOT_EXPERT",
+        "a spare slot's expert was outside [-1, E) (skipped)",
+    ),
 ];
 
 /// The words to read; any may be absent. Views of one element (e.g. `moe.maps.flags.as_view()`,
