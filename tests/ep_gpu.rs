@@ -241,6 +241,8 @@ fn one_graph_replays_with_fresh_routing_bit_equal_to_eager() {
     layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2).unwrap();
     let t_dev: CudaSlice<i32> = stream.clone_htod(&[T_MAX as i32]).unwrap();
     b.load(&stream, &random_step(&mut rng));
+    // NCCL connects peers on a collective's first use, which cannot happen inside a capture.
+    step(&mut layer, &mut b, Tokens::Device(&t_dev)).unwrap();
     let graph = capture(&stream, || step(&mut layer, &mut b, Tokens::Device(&t_dev))).unwrap();
     let replays = if common::under_sanitizer() {
         5
