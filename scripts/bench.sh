@@ -9,5 +9,7 @@ cargo build --release -p capmoe-bench
 for dir in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
   [[ -d "$dir" ]] && export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 done
+# libnccl for the EP rows (skipped, saying so, without it).
+source scripts/nccl-env.sh
 export CAPMOE_COMMIT="${CAPMOE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 exec target/release/capmoe-bench "$@"

@@ -7,6 +7,7 @@
 set -uo pipefail
 R=${R:-${OUT:?set OUT to a folder for the logs}}; BUNDLE=${BUNDLE:-gpu-bundle}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+source scripts/nccl-env.sh  # libnccl for the EP tests and rows
 mkdir -p /tmp/logs
 save() { tar -C /tmp -czf $R/logs.tgz logs 2>/dev/null; }
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader > /tmp/logs/gpu.txt

@@ -13,6 +13,8 @@ logs="${OUT:-$root/$bundle/logs}"
 mkdir -p "$logs" "$bundle/run"
 tar -C "$bundle/run" -xzf "$bundle/bundle.tar.gz"
 export CAPMOE_REQUIRE_GPU=1 CAPMOE_TESTDATA="$root/tests/data"
+# libnccl for the EP tests (a PyTorch venv's, linked where cudarc looks; see the script).
+source "$root/scripts/nccl-env.sh"
 summary=()
 failed=0
 for test in "$bundle"/run/tests/*; do

@@ -38,6 +38,10 @@ pub enum Error {
     /// The driver refused to update an executable graph ([`crate::graph::GraphTemplate::apply_to`]).
     #[error("graph update refused: {why}")]
     GraphUpdate { why: String },
+    /// The NCCL transport of an EP group ([`crate::ep`]): libnccl missing, an NCCL status
+    /// (named, with NCCL's own message), or the group's setup (id file, timeout).
+    #[error("{op}: NCCL: {why}")]
+    Nccl { op: &'static str, why: String },
     #[error("{op}: CUTLASS rejected the problem (can_implement / initialize / run)")]
     Cutlass { op: &'static str },
     #[error("{op}: CUDA runtime error {code} ({name})")]

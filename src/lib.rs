@@ -22,6 +22,7 @@
 pub mod device;
 pub mod dtype;
 pub mod echo;
+pub mod ep;
 mod error;
 pub mod fused;
 pub mod graph;

@@ -5,7 +5,7 @@
 //!
 //!   capmoe-bench [--shapes a,b] [--routing uniform,zipf,onehot] [--ops fprop,dgrad,wgrad]
 //!                [--streams 4] [--reps 30] [--anchors torch_anchor.json] [--out DIR] [--quick]
-//!                [--no-paths]   (skip the expert-path and Echo planner rows)
+//!                [--no-paths]   (skip the expert-path, EP all-to-all and Echo planner rows)
 //!                [--configs sm90-coop,sm90-pingpong128,...]  (also time these kernel configs)
 //!                [--weight-layout enk|ekn]  (weights [E, N, K], the default, or [E, K, N])
 //!                [--only echo]  (the Echo planner rows alone)
@@ -15,6 +15,8 @@
 mod baseline;
 mod data;
 mod echo_timing;
+mod ep;
+mod ep_layer;
 mod gemm;
 mod measure;
 mod path;
@@ -175,6 +177,8 @@ fn main() {
     }
     if args.paths && !args.only_echo {
         rows.extend(path::expert_rows(&stream, args.reps));
+        rows.extend(ep::ep_rows(&stream, args.reps));
+        rows.extend(ep_layer::ep_layer_rows(&stream, args.reps));
     }
     if args.paths || args.only_echo {
         rows.extend(path::echo_rows(&stream, args.reps));

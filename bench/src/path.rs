@@ -18,7 +18,7 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 use crate::measure::{median, random_bf16, time, Row};
 
 /// Expert-path configurations of the torch anchors: (E, T, k, H, F).
-const PATHS: &[(usize, usize, usize, usize, usize)] = &[(128, 4096, 8, 2048, 768), (64, 128, 8, 2048, 1408)];
+pub const PATHS: &[(usize, usize, usize, usize, usize)] = &[(128, 4096, 8, 2048, 768), (64, 128, 8, 2048, 1408)];
 
 /// The shape name of an expert-path row (also used to match the torch anchor rows).
 pub fn path_name(e: usize, t: usize, k: usize, h: usize, f: usize) -> String {

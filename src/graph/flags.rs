@@ -13,7 +13,7 @@ use cudarc::driver::{CudaStream, CudaView};
 use super::ensure_not_capturing;
 use crate::echo::DeviceErrors;
 use crate::moe::{MoeElement, MoeExperts};
-use crate::{grouped_gemm as gg, routing, Result};
+use crate::{grouped_gemm as gg, routing, sys, Result};
 
 /// Which word a bit was found in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -21,6 +21,8 @@ pub enum FlagSource {
     Routing,
     GroupedGemm,
     Echo,
+    /// An EP layer's word (`capturable_moe/ep.h`, [`crate::ep::flags`]).
+    Ep,
 }
 
 /// One named bit of a flag word.
@@ -87,6 +89,18 @@ const ECHO_BITS: [(u32, &str, &str); 8] = [
     ),
 ];
 
+const EP_BITS: [(u32, &str, &str); 5] = [
+    (sys::CAPMOE_EP_OVERFLOW, "CAPMOE_EP_OVERFLOW", "a peer block was full: routes dropped (counted per peer)"),
+    (sys::CAPMOE_EP_BAD_DEST, "CAPMOE_EP_BAD_DEST", "a route's final column was outside the group's columns (dropped)"),
+    (sys::CAPMOE_EP_BAD_TOKENS, "CAPMOE_EP_BAD_TOKENS", "the device token count was outside [0, T_max] (clamped)"),
+    (sys::CAPMOE_EP_BAD_EXPERT, "CAPMOE_EP_BAD_EXPERT", "an expert id outside [-1, E) was not counted"),
+    (
+        sys::CAPMOE_EP_BAD_SLOT_EXPERT,
+        "CAPMOE_EP_BAD_SLOT_EXPERT",
+        "a spare slot's expert was outside [-1, E) (skipped)",
+    ),
+];
+
 /// The words to read; any may be absent. Views of one element (e.g. `moe.maps.flags.as_view()`,
 /// or an Echo plan state's error word `state.slice(layout.error..layout.error + 1)`).
 #[derive(Default)]
@@ -94,6 +108,7 @@ pub struct FlagWords<'a> {
     pub routing: Option<CudaView<'a, i32>>,
     pub grouped_gemm: Option<CudaView<'a, i32>>,
     pub echo: Option<CudaView<'a, i64>>,
+    pub ep: Option<CudaView<'a, i32>>,
 }
 
 /// The flag words as read, each decoded ([`FlagReport::flags`]).
@@ -105,6 +120,8 @@ pub struct FlagReport {
     pub grouped_gemm: Option<i32>,
     /// Echo error word.
     pub echo: Option<i64>,
+    /// EP layer word.
+    pub ep: Option<i32>,
 }
 
 impl FlagReport {
@@ -126,6 +143,10 @@ impl FlagReport {
                 Some(w) => stream.clone_dtoh(w)?.first().copied(),
                 None => None,
             },
+            ep: match &words.ep {
+                Some(w) => first(stream.clone_dtoh(w)?),
+                None => None,
+            },
         })
     }
 
@@ -134,7 +155,7 @@ impl FlagReport {
         let words = FlagWords {
             routing: Some(moe.maps.flags.as_view()),
             grouped_gemm: Some(moe.gemm_flags.as_view()),
-            echo: None,
+            ..Default::default()
         };
         Self::read(moe.stream(), words)
     }
@@ -164,12 +185,18 @@ impl FlagReport {
                 out.push(Flag { source: FlagSource::Echo, bit: 0, name: "UNKNOWN", meaning: "bits above 31 are set" });
             }
         }
+        if let Some(word) = self.ep {
+            decode(&mut out, FlagSource::Ep, word as u32, &EP_BITS);
+        }
         out
     }
 
     /// No bit set in any word read.
     pub fn is_clean(&self) -> bool {
-        self.routing.unwrap_or(0) == 0 && self.grouped_gemm.unwrap_or(0) == 0 && self.echo.unwrap_or(0) == 0
+        self.routing.unwrap_or(0) == 0
+            && self.grouped_gemm.unwrap_or(0) == 0
+            && self.echo.unwrap_or(0) == 0
+            && self.ep.unwrap_or(0) == 0
     }
 
     /// Whether `source`'s word has the bit with the C ABI name `name`.
@@ -224,6 +251,11 @@ mod tests {
             let r = FlagReport { echo: Some(bit as i64), ..Default::default() };
             assert_eq!(r.flags().iter().map(|f| f.name).collect::<Vec<_>>(), vec![name]);
         }
+        for (bit, name, _) in EP_BITS {
+            let r = FlagReport { ep: Some(bit as i32), ..Default::default() };
+            assert_eq!(r.flags().iter().map(|f| f.name).collect::<Vec<_>>(), vec![name]);
+            assert!(r.has(FlagSource::Ep, name) && !r.has(FlagSource::Routing, name));
+        }
     }
 
     /// The bit values are the C headers' (read through bindgen), so they cannot drift.
@@ -254,7 +286,7 @@ mod tests {
     /// Several bits across words, unknown bits kept, and a clean report.
     #[test]
     fn mixed_words_and_unknown_bits_host() {
-        let r = FlagReport { routing: Some(1 | 16 | 2), grouped_gemm: Some(64), echo: Some(4 | (1 << 40)) };
+        let r = FlagReport { routing: Some(1 | 16 | 2), grouped_gemm: Some(64), echo: Some(4 | (1 << 40)), ep: None };
         let names: Vec<_> = r.flags().iter().map(|f| (f.source, f.name, f.bit)).collect();
         assert_eq!(
             names,
@@ -268,7 +300,7 @@ mod tests {
             ]
         );
         assert!(!r.is_clean());
-        let clean = FlagReport { routing: Some(0), grouped_gemm: Some(0), echo: None };
+        let clean = FlagReport { routing: Some(0), grouped_gemm: Some(0), echo: None, ep: Some(0) };
         assert!(clean.is_clean() && clean.flags().is_empty());
         assert_eq!(clean.to_string(), "no flags set");
         assert!(r.to_string().contains("CAPMOE_OVERFLOW_NULL_POINTER"));

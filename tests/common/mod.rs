@@ -4,6 +4,7 @@
 pub mod emulation;
 pub mod gemm;
 pub mod moe;
+pub mod nccl;
 pub mod routing;
 
 use std::sync::Arc;

@@ -1,0 +1,117 @@
+//! Expert-parallel rows: NCCL's own all-to-all (grouped send / recv of equal blocks, as
+//! nccl-tests' alltoall) over the bytes of the EP step's dispatch and combine for the expert
+//! path shapes ([`crate::path::PATHS`]), at R = every GPU present, one process. These are the
+//! yardstick the EP layer's dispatch + combine rows are measured against (target >= 80 %).
+//!
+//! Bytes per rank and direction (docs/ep.md), with `capacity` = ceil(T k / R) rows per peer
+//! block (capacity factor 1.0, uniform routing): dispatch R capacity (2H + 8) (bf16 rows, an
+//! i32 id and an f32 prob per row), combine R capacity 2H.
+
+use std::sync::Arc;
+
+use capturable_moe::device::open;
+use capturable_moe::ep::{nccl_group, EpGroup};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+
+use crate::measure::{time, Row};
+use crate::path::PATHS;
+
+fn row(shape: &str, op: &str, us: f64, gbps: f64, note: String) -> Row {
+    Row {
+        shape: shape.into(),
+        routing: "uniform".into(),
+        op: op.into(),
+        imp: "nccl-alltoall".into(),
+        us,
+        tflops: f64::NAN,
+        gbps,
+        host_us: None,
+        note: Some(note),
+    }
+}
+
+/// One stream per GPU present, rank i on GPU i (`stream` is rank 0's).
+pub fn rank_streams(stream: &Arc<CudaStream>) -> capturable_moe::Result<Vec<Arc<CudaStream>>> {
+    let gpus = CudaContext::device_count()?.max(1) as usize;
+    let mut streams = vec![stream.clone()];
+    for ordinal in 1..gpus {
+        streams.push(open(ordinal)?.new_stream()?);
+    }
+    Ok(streams)
+}
+
+pub fn ep_rows(stream: &Arc<CudaStream>, reps: usize) -> Vec<Row> {
+    match ep_cases(stream, reps) {
+        Ok(rows) => rows,
+        Err(e) => vec![row("ep_alltoall", "ep_dispatch", f64::NAN, f64::NAN, format!("unavailable: {e}"))],
+    }
+}
+
+fn ep_cases(stream: &Arc<CudaStream>, reps: usize) -> capturable_moe::Result<Vec<Row>> {
+    let streams = rank_streams(stream)?;
+    let groups = EpGroup::single_process(&streams)?;
+    let ranks = groups.len();
+    let mut rows = Vec::new();
+    for &(e, t, k, h, _f) in PATHS {
+        let capacity = (t * k).div_ceil(ranks);
+        let shape = format!("ep_E{e}_T{t}_k{k}_H{h}_R{ranks}");
+        for (op, row_bytes) in [("ep_dispatch", 2 * h + 8), ("ep_combine", 2 * h)] {
+            eprintln!("[ep] {shape} {op}");
+            let block = capacity * row_bytes;
+            let us = time_alltoall(&groups, block, reps)?;
+            rows.push(alltoall_row(&shape, op, ranks, block, us));
+        }
+    }
+    Ok(rows)
+}
+
+/// Median time of one all-to-all of `block` bytes per peer on every rank (CUDA events on rank
+/// 0's stream; every rank's transfers are enqueued together in one NCCL group).
+fn time_alltoall(groups: &[EpGroup], block: usize, reps: usize) -> capturable_moe::Result<f64> {
+    let ranks = groups.len();
+    let mut buffers: Vec<(CudaSlice<u8>, CudaSlice<u8>)> = groups
+        .iter()
+        .map(|g| Ok((g.stream().alloc_zeros::<u8>(ranks * block)?, g.stream().alloc_zeros::<u8>(ranks * block)?)))
+        .collect::<capturable_moe::Result<_>>()?;
+    let mut failure = None;
+    let (us, _host_us) = time(groups[0].stream(), reps, |_| {
+        let enqueued = nccl_group(|| {
+            for (g, (send, recv)) in groups.iter().zip(buffers.iter_mut()) {
+                g.exchange(g.stream(), send, recv, block)?;
+            }
+            Ok(())
+        });
+        if let Err(e) = enqueued {
+            failure.get_or_insert(e);
+        }
+    });
+    // Every rank's stream done before the buffers are freed.
+    for g in groups {
+        g.stream().synchronize()?;
+    }
+    match failure {
+        Some(e) => Err(e),
+        None => Ok(us),
+    }
+}
+
+/// nccl-tests' figures for alltoall: algbw = bytes sent per rank / time, busbw = algbw (R-1)/R
+/// (the share that crosses a link). R = 1 crosses none: busbw is 0 there, so the row shows
+/// algbw and says the time is NCCL's self-copy path only.
+fn alltoall_row(shape: &str, op: &str, ranks: usize, block: usize, us: f64) -> Row {
+    let bytes = (ranks * block) as f64;
+    let algbw = bytes / us * 1e-3;
+    if ranks == 1 {
+        let note = format!(
+            "R = 1 measures NCCL's self-copy path only (no link crossed, busbw 0); GB/s = algbw, {:.1} MB per rank",
+            bytes / 1e6
+        );
+        return row(shape, op, us, algbw, note);
+    }
+    let busbw = algbw * (ranks - 1) as f64 / ranks as f64;
+    let note = format!(
+        "GB/s = busbw (algbw {algbw:.0} x (R-1)/R), {:.1} MB per rank, R = {ranks} in one process",
+        bytes / 1e6
+    );
+    row(shape, op, us, busbw, note)
+}

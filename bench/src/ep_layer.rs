@@ -1,0 +1,279 @@
+//! Rows of the EP layer itself ([`EpMoe`]) at R = every GPU present (one process, a thread per
+//! rank, as `tests/ep_gpu.rs` runs it), and the drop table:
+//! - `ep_dispatch_combine`: the layer's dispatch + combine alone (layout, gather, the grouped
+//!   exchange of rows / ids / probs, the exchange back and the reduce; no expert GEMMs), at the
+//!   capacity and bytes of the `nccl-alltoall` rows (capacity factor 1.0), so the two compare
+//!   directly (target: bus bandwidth >= 80 % of NCCL's own all-to-all);
+//! - `ep_step`: forward + backward of the whole layer, plain and with Echo, under uniform and
+//!   zipf routing, capacity factor 1.25;
+//! - `ep_drops`: dropped routes at capacity factors 1.0 / 1.25 / 1.5, plain and with Echo,
+//!   worked out by `ep::simulate` (the CPU reference planner) for groups of 8 and 64 ranks.
+
+use std::rc::Rc;
+use std::sync::{Arc, Barrier};
+
+use capturable_moe::dtype::DType;
+use capturable_moe::echo::{Algorithm, EchoConfig};
+use capturable_moe::ep::simulate::{count_drops, zipf_routing};
+use capturable_moe::ep::{EpEcho, EpGroup, EpMoe, EpMoeConfig};
+use capturable_moe::routing::Tokens;
+use cudarc::driver::{CudaSlice, CudaStream};
+use half::bf16;
+
+use crate::ep::rank_streams;
+use crate::measure::{time, Row};
+use crate::path::PATHS;
+
+fn row(shape: &str, routing: &str, op: &str, imp: &str, us: f64, gbps: f64, note: String) -> Row {
+    Row {
+        shape: shape.into(),
+        routing: routing.into(),
+        op: op.into(),
+        imp: imp.into(),
+        us,
+        tflops: f64::NAN,
+        gbps,
+        host_us: None,
+        note: Some(note),
+    }
+}
+
+pub fn ep_layer_rows(stream: &Arc<CudaStream>, reps: usize) -> Vec<Row> {
+    let mut rows = match layer_cases(stream, reps) {
+        Ok(rows) => rows,
+        Err(e) => {
+            vec![row("ep_layer", "uniform", "ep_step", "capmoe-ep", f64::NAN, f64::NAN, format!("unavailable: {e}"))]
+        }
+    };
+    rows.extend(drop_rows());
+    rows
+}
+
+/// One case of the layer: shape, routing of every rank, Echo or not, block capacity.
+struct Case<'a> {
+    config: EpMoeConfig,
+    ids: &'a [Vec<i32>],
+}
+
+/// Median microseconds on rank 0 of (dispatch + combine, forward + backward).
+struct Timing {
+    dispatch_combine_us: f64,
+    step_us: f64,
+}
+
+fn layer_cases(stream: &Arc<CudaStream>, reps: usize) -> capturable_moe::Result<Vec<Row>> {
+    let streams = rank_streams(stream)?;
+    let mut groups = Some(EpGroup::single_process(&streams)?);
+    let ranks = streams.len();
+    let mut rows = Vec::new();
+    for &(e, t, k, h, f) in PATHS.iter().filter(|p| p.0 % ranks == 0) {
+        let shape = format!("ep_E{e}_T{t}_k{k}_H{h}_F{f}_R{ranks}");
+        for (routing, exponent) in [("uniform", 0.0), ("zipf", 1.0)] {
+            let ids = zipf_routing(ranks, t, e, k, exponent, 11);
+            for echo in [false, true] {
+                let factor = if routing == "uniform" && !echo { 1.0 } else { 1.25 };
+                let config = EpMoeConfig {
+                    num_experts: e,
+                    hidden: h,
+                    ffn: f,
+                    topk: k,
+                    max_tokens: t,
+                    capacity: EpMoeConfig::balanced_capacity(t, k, ranks, factor),
+                    echo: echo.then_some(EpEcho {
+                        spare_per_rank: if ranks > 1 { 2 } else { 1 },
+                        algorithm: Algorithm::Greedy,
+                        threshold_multiplier: 0.0,
+                    }),
+                    dtype: DType::Bf16,
+                };
+                eprintln!("[ep layer] {shape} {routing} echo={echo}");
+                let capacity = config.capacity;
+                let (back, timing) =
+                    time_case(groups.take().expect("groups returned"), &Case { config, ids: &ids }, reps)?;
+                groups = Some(back);
+                let timing = timing?;
+                let imp = if echo { "capmoe-ep-echo" } else { "capmoe-ep" };
+                let cap_note = format!("capacity {capacity} rows per peer block, R = {ranks} in one process");
+                if factor == 1.0 {
+                    let bytes = (ranks * capacity * (4 * h + 8)) as f64;
+                    let algbw = bytes / timing.dispatch_combine_us * 1e-3;
+                    let (gbps, what) = if ranks > 1 {
+                        (algbw * (ranks - 1) as f64 / ranks as f64, "busbw")
+                    } else {
+                        (algbw, "algbw (R = 1: NCCL's self-copy path only)")
+                    };
+                    rows.push(row(
+                        &format!("ep_E{e}_T{t}_k{k}_H{h}_R{ranks}"),
+                        routing,
+                        "ep_dispatch_combine",
+                        imp,
+                        timing.dispatch_combine_us,
+                        gbps,
+                        format!(
+                            "GB/s = {what} over dispatch + combine bytes ({:.1} MB per rank); {cap_note}",
+                            bytes / 1e6
+                        ),
+                    ));
+                }
+                rows.push(row(
+                    &shape,
+                    routing,
+                    "ep_step",
+                    imp,
+                    timing.step_us,
+                    f64::NAN,
+                    format!("forward + backward; {cap_note}"),
+                ));
+            }
+        }
+    }
+    Ok(rows)
+}
+
+/// Runs one case on every rank (a thread each) and gives the groups back with rank 0's
+/// timing. A rank's panic ends the EP rows (its group is gone with it).
+#[allow(clippy::type_complexity)]
+fn time_case(
+    groups: Vec<EpGroup>,
+    case: &Case<'_>,
+    reps: usize,
+) -> capturable_moe::Result<(Vec<EpGroup>, capturable_moe::Result<Timing>)> {
+    let barrier = Barrier::new(groups.len());
+    let results: Vec<std::thread::Result<(EpGroup, capturable_moe::Result<Timing>)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(rank, group)| {
+                let barrier = &barrier;
+                scope.spawn(move || {
+                    let group = Rc::new(group);
+                    let timing = time_rank(&group, case, rank, reps, barrier);
+                    let Ok(group) = Rc::try_unwrap(group) else {
+                        unreachable!("the layer holding the group is dropped")
+                    };
+                    (group, timing)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join()).collect()
+    });
+    let mut groups = Vec::with_capacity(results.len());
+    let mut timing = None;
+    for result in results {
+        let Ok((group, t)) = result else {
+            return Err(capturable_moe::Error::InvalidArgument {
+                op: "ep layer bench",
+                why: "a rank's thread panicked".into(),
+            });
+        };
+        groups.push(group);
+        timing.get_or_insert(t);
+    }
+    Ok((groups, timing.expect("rank 0")))
+}
+
+/// Buffers of one rank: its tokens, its home experts' weights and main grads.
+struct RankBuffers {
+    x: CudaSlice<bf16>,
+    ids: CudaSlice<i32>,
+    probs: CudaSlice<f32>,
+    w1: CudaSlice<bf16>,
+    w2: CudaSlice<bf16>,
+    dw1: CudaSlice<f32>,
+    dw2: CudaSlice<f32>,
+    y: CudaSlice<bf16>,
+    dx: CudaSlice<bf16>,
+    dprobs: CudaSlice<f32>,
+}
+
+fn rank_buffers(
+    stream: &Arc<CudaStream>,
+    c: &EpMoeConfig,
+    ranks: usize,
+    ids: &[i32],
+) -> capturable_moe::Result<RankBuffers> {
+    let local = c.num_experts / ranks;
+    let (p1, p2) = (2 * c.ffn * c.hidden, c.hidden * c.ffn);
+    let (t, h, k) = (c.max_tokens, c.hidden, c.topk);
+    let small = |n: usize, seed: usize| -> Vec<bf16> {
+        (0..n).map(|i| bf16::from_f32((((i * 7 + seed) % 17) as f32 - 8.0) / 256.0)).collect()
+    };
+    let probs: Vec<f32> = (0..t * k).map(|i| ((i % 7) + 1) as f32 / 8.0).collect();
+    Ok(RankBuffers {
+        x: stream.clone_htod(&small(t * h, 1))?,
+        ids: stream.clone_htod(ids)?,
+        probs: stream.clone_htod(&probs)?,
+        w1: stream.clone_htod(&small(local * p1, 2))?,
+        w2: stream.clone_htod(&small(local * p2, 3))?,
+        dw1: stream.alloc_zeros(local * p1)?,
+        dw2: stream.alloc_zeros(local * p2)?,
+        y: stream.alloc_zeros(t * h)?,
+        dx: stream.alloc_zeros(t * h)?,
+        dprobs: stream.alloc_zeros(t * k)?,
+    })
+}
+
+fn time_rank(
+    group: &Rc<EpGroup>,
+    case: &Case<'_>,
+    rank: usize,
+    reps: usize,
+    barrier: &Barrier,
+) -> capturable_moe::Result<Timing> {
+    let stream = group.stream().clone();
+    let c = &case.config;
+    let mut layer = EpMoe::<bf16>::new(group.clone(), c.clone())?;
+    let mut b = rank_buffers(&stream, c, group.ranks(), &case.ids[rank])?;
+    layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2)?;
+    let tokens = Tokens::Host(c.max_tokens);
+    barrier.wait();
+    let (dispatch_combine_us, _) = time(&stream, reps, |_| {
+        layer.dispatch(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2).unwrap();
+        layer.combine(tokens, &mut b.y).unwrap();
+    });
+    barrier.wait();
+    let (step_us, _) = time(&stream, reps, |_| {
+        layer.forward(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2, &mut b.y).unwrap();
+        layer.backward(&b.x, tokens, &b.w1, &b.w2, &mut b.dx, &mut b.dprobs, &mut b.dw1, &mut b.dw2).unwrap();
+    });
+    stream.synchronize()?;
+    Ok(Timing { dispatch_combine_us, step_us })
+}
+
+/// The drop table: routing arithmetic of the CPU reference planner, no GPU involved.
+fn drop_rows() -> Vec<Row> {
+    let mut rows = Vec::new();
+    for (ep, experts, spare, tokens) in [(8usize, 128usize, 2usize, 4096usize), (64, 256, 2, 1024)] {
+        let cfg = EchoConfig {
+            ep,
+            num_experts: experts,
+            spare_per_rank: spare,
+            ep_rank: 0,
+            topk: 8,
+            algorithm: Algorithm::Greedy,
+            threshold_multiplier: 0.0,
+        };
+        for (routing, exponent) in [("uniform", 0.0), ("zipf", 1.0), ("zipf1.2", 1.2)] {
+            let ids = zipf_routing(ep, tokens, experts, 8, exponent, 7);
+            for factor in [1.0, 1.25, 1.5] {
+                let capacity = EpMoeConfig::balanced_capacity(tokens, 8, ep, factor);
+                let shape = format!("ep_drops_E{experts}_T{tokens}_k8_EP{ep}_S{spare}");
+                let note = match count_drops(&cfg, &ids, capacity) {
+                    Ok(d) => format!(
+                        "simulated (CPU reference planner): capacity factor {factor} ({capacity} rows), {} routes; dropped plain {} ({:.2} %), Echo {} ({:.2} %); fullest block {} / {}",
+                        d.routes,
+                        d.dropped_plain,
+                        100.0 * d.dropped_plain as f64 / d.routes as f64,
+                        d.dropped_echo,
+                        100.0 * d.dropped_echo as f64 / d.routes as f64,
+                        d.max_block_plain,
+                        d.max_block_echo
+                    ),
+                    Err(e) => format!("unavailable: {e}"),
+                };
+                rows.push(row(&shape, routing, &format!("ep_drops_f{factor}"), "simulated", f64::NAN, f64::NAN, note));
+            }
+        }
+    }
+    rows
+}

@@ -1,0 +1,51 @@
+//! Issue 17's drop target, worked out on the host with the CPU reference planner
+//! (`ep::simulate`): under zipf routing, at a block capacity of 1.25x the balanced load, plain
+//! EP drops routes and Echo drops none, for groups of 8 and 16 ranks. The drop count is routing
+//! arithmetic, identical on any number of GPUs.
+
+use capturable_moe::echo::{Algorithm, EchoConfig};
+use capturable_moe::ep::simulate::{count_drops, zipf_routing};
+use capturable_moe::ep::EpMoeConfig;
+
+fn cfg(ep: usize, experts: usize, spare: usize, topk: usize) -> EchoConfig {
+    EchoConfig {
+        ep,
+        num_experts: experts,
+        spare_per_rank: spare,
+        ep_rank: 0,
+        topk,
+        algorithm: Algorithm::default_for(spare),
+        threshold_multiplier: 0.0,
+    }
+}
+
+#[test]
+fn echo_drops_nothing_where_plain_ep_drops_under_zipf() {
+    for (ep, experts, spare, tokens) in [(8, 64, 1, 4096), (8, 64, 2, 4096), (8, 128, 2, 4096), (16, 256, 2, 2048)] {
+        let c = cfg(ep, experts, spare, 8);
+        for exponent in [0.8, 1.0, 1.2] {
+            let ids = zipf_routing(ep, tokens, experts, 8, exponent, 7);
+            let capacity = EpMoeConfig::balanced_capacity(tokens, 8, ep, 1.25);
+            let d = count_drops(&c, &ids, capacity).unwrap();
+            let case = format!("EP{ep} E{experts} S_per{spare} T{tokens} zipf {exponent}: {d:?}");
+            assert!(d.dropped_plain > 0, "{case}: plain EP should drop at 1.25x");
+            assert_eq!(d.dropped_echo, 0, "{case}: Echo should drop nothing");
+            assert!(d.max_block_echo < d.max_block_plain, "{case}");
+        }
+    }
+}
+
+#[test]
+fn echo_cuts_drops_at_the_balanced_capacity() {
+    let c = cfg(8, 64, 2, 8);
+    let ids = zipf_routing(8, 4096, 64, 8, 1.0, 3);
+    let d = count_drops(&c, &ids, EpMoeConfig::balanced_capacity(4096, 8, 8, 1.0)).unwrap();
+    assert!(d.dropped_echo * 4 < d.dropped_plain, "{d:?}");
+}
+
+#[test]
+fn wrong_number_of_routings_is_an_error() {
+    let c = cfg(4, 16, 1, 2);
+    let ids = zipf_routing(3, 16, 16, 2, 1.0, 1);
+    assert!(count_drops(&c, &ids, 8).is_err());
+}

@@ -1,0 +1,401 @@
+//! The expert-parallel layer with real NCCL on one GPU (R = 1): forward and backward against
+//! the fp64 reference of the expert path, dropping past a full peer block, Echo switched on,
+//! and one captured graph (forward + backward) replayed with fresh routing, bit-equal to
+//! eager. R > 1 runs on the multi-GPU kinds (issue 18) with the same code.
+
+mod common;
+
+use std::rc::Rc;
+use std::sync::Arc;
+
+use capturable_moe::dtype::DType;
+use capturable_moe::echo::Algorithm;
+use capturable_moe::ep::{flags, EpEcho, EpGroup, EpMoe, EpMoeConfig};
+use capturable_moe::graph::{capture, FlagSource};
+use capturable_moe::routing::Tokens;
+use common::moe::{assert_bits, assert_close, bf, f64s, reference, Dims};
+use common::routing::topk_ids;
+use cudarc::driver::{CudaSlice, CudaStream};
+use half::bf16;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const D: Dims = Dims { e: 8, h: 128, f: 64, k: 2 };
+const T_MAX: usize = 64;
+
+/// One rank's group on the test stream, or `None` (printing why) where NCCL cannot load.
+fn group_or_skip(stream: &Arc<CudaStream>) -> Option<Rc<EpGroup>> {
+    if !common::nccl::nccl_present() {
+        return None;
+    }
+    let mut groups = EpGroup::single_process(std::slice::from_ref(stream)).expect("a one-rank NCCL group");
+    Some(Rc::new(groups.remove(0)))
+}
+
+fn config(capacity: usize, echo: bool) -> EpMoeConfig {
+    EpMoeConfig {
+        num_experts: D.e,
+        hidden: D.h,
+        ffn: D.f,
+        topk: D.k,
+        max_tokens: T_MAX,
+        capacity,
+        echo: echo.then_some(EpEcho { spare_per_rank: 1, algorithm: Algorithm::Greedy, threshold_multiplier: 0.0 }),
+        dtype: DType::Bf16,
+    }
+}
+
+/// Inputs of one step, on the host.
+struct Step {
+    x: Vec<bf16>,
+    dy: Vec<bf16>,
+    ids: Vec<i32>,
+    probs: Vec<f32>,
+}
+
+fn random_step(rng: &mut StdRng) -> Step {
+    let small = |rng: &mut StdRng, n: usize| bf(&(0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>());
+    let mut ids = topk_ids(rng, T_MAX, D.e, D.k);
+    // A few empty routes (-1) among the real ones.
+    for id in ids.iter_mut() {
+        if rng.random_range(0..16) == 0 {
+            *id = -1;
+        }
+    }
+    Step {
+        x: small(rng, T_MAX * D.h),
+        dy: small(rng, T_MAX * D.h),
+        probs: (0..T_MAX * D.k).map(|_| rng.random_range(0.05f32..1.0)).collect(),
+        ids,
+    }
+}
+
+/// The caller's buffers of one layer: inputs, weights, outputs, main grads.
+struct Buffers {
+    x: CudaSlice<bf16>,
+    dy: CudaSlice<bf16>,
+    ids: CudaSlice<i32>,
+    probs: CudaSlice<f32>,
+    w1: CudaSlice<bf16>,
+    w2: CudaSlice<bf16>,
+    y: CudaSlice<bf16>,
+    dx: CudaSlice<bf16>,
+    dprobs: CudaSlice<f32>,
+    dw1: CudaSlice<f32>,
+    dw2: CudaSlice<f32>,
+}
+
+struct Weights {
+    w1: Vec<bf16>,
+    w2: Vec<bf16>,
+}
+
+fn random_weights(rng: &mut StdRng) -> Weights {
+    let mut w = |n: usize, scale: f32| bf(&(0..n).map(|_| rng.random_range(-scale..scale)).collect::<Vec<_>>());
+    Weights { w1: w(D.e * 2 * D.f * D.h, 0.1), w2: w(D.e * D.h * D.f, 0.1) }
+}
+
+impl Buffers {
+    fn new(stream: &Arc<CudaStream>, w: &Weights) -> Buffers {
+        Buffers {
+            x: stream.alloc_zeros(T_MAX * D.h).unwrap(),
+            dy: stream.alloc_zeros(T_MAX * D.h).unwrap(),
+            ids: stream.alloc_zeros(T_MAX * D.k).unwrap(),
+            probs: stream.alloc_zeros(T_MAX * D.k).unwrap(),
+            w1: stream.clone_htod(&w.w1).unwrap(),
+            w2: stream.clone_htod(&w.w2).unwrap(),
+            y: stream.alloc_zeros(T_MAX * D.h).unwrap(),
+            dx: stream.alloc_zeros(T_MAX * D.h).unwrap(),
+            dprobs: stream.alloc_zeros(T_MAX * D.k).unwrap(),
+            dw1: stream.alloc_zeros(D.e * 2 * D.f * D.h).unwrap(),
+            dw2: stream.alloc_zeros(D.e * D.h * D.f).unwrap(),
+        }
+    }
+
+    fn load(&mut self, stream: &Arc<CudaStream>, s: &Step) {
+        stream.memcpy_htod(&s.x, &mut self.x).unwrap();
+        stream.memcpy_htod(&s.dy, &mut self.dy).unwrap();
+        stream.memcpy_htod(&s.ids, &mut self.ids).unwrap();
+        stream.memcpy_htod(&s.probs, &mut self.probs).unwrap();
+    }
+}
+
+/// Forward then backward of one step, main grads zeroed first (what the graph holds too).
+fn step(layer: &mut EpMoe<bf16>, b: &mut Buffers, tokens: Tokens<'_>) -> capturable_moe::Result<()> {
+    let stream = layer.group().stream().clone();
+    stream.memset_zeros(&mut b.dw1)?;
+    stream.memset_zeros(&mut b.dw2)?;
+    layer.forward(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2, &mut b.y)?;
+    layer.backward(&b.dy, tokens, &b.w1, &b.w2, &mut b.dx, &mut b.dprobs, &mut b.dw1, &mut b.dw2)
+}
+
+/// Every output of a step, as bits.
+#[derive(PartialEq, Debug)]
+struct Outputs {
+    y: Vec<u16>,
+    dx: Vec<u16>,
+    dprobs: Vec<u32>,
+    dw1: Vec<u32>,
+    dw2: Vec<u32>,
+}
+
+fn outputs(stream: &Arc<CudaStream>, b: &Buffers) -> Outputs {
+    let bits16 = |v: Vec<bf16>| v.into_iter().map(|x| x.to_bits()).collect();
+    let bits32 = |v: Vec<f32>| v.into_iter().map(|x| x.to_bits()).collect();
+    Outputs {
+        y: bits16(stream.clone_dtoh(&b.y).unwrap()),
+        dx: bits16(stream.clone_dtoh(&b.dx).unwrap()),
+        dprobs: bits32(stream.clone_dtoh(&b.dprobs).unwrap()),
+        dw1: bits32(stream.clone_dtoh(&b.dw1).unwrap()),
+        dw2: bits32(stream.clone_dtoh(&b.dw2).unwrap()),
+    }
+}
+
+/// The routes the layer keeps with one block of `capacity` rows: the first `capacity` real
+/// routes in (t, j) order; the rest become -1. Returns the kept ids and the drop count.
+fn kept_routes(ids: &[i32], t: usize, capacity: usize) -> (Vec<i32>, i32) {
+    let mut kept = vec![-1; ids.len()];
+    let (mut used, mut dropped) = (0, 0);
+    for (r, &id) in ids.iter().enumerate().take(t * D.k) {
+        if id < 0 {
+            continue;
+        }
+        if used < capacity {
+            kept[r] = id;
+            used += 1;
+        } else {
+            dropped += 1;
+        }
+    }
+    (kept, dropped)
+}
+
+fn check_against_reference(stream: &Arc<CudaStream>, b: &Buffers, w: &Weights, s: &Step, t: usize, capacity: usize) {
+    let (kept, _) = kept_routes(&s.ids, t, capacity);
+    let want = reference(D, t, &kept, &s.probs, &s.x, &s.dy, &w.w1, &w.w2);
+    let y = f64s(&stream.clone_dtoh(&b.y).unwrap());
+    let dx = f64s(&stream.clone_dtoh(&b.dx).unwrap());
+    let to64 = |v: Vec<f32>| v.into_iter().map(f64::from).collect::<Vec<_>>();
+    let dprobs = to64(stream.clone_dtoh(&b.dprobs).unwrap());
+    let dw1 = to64(stream.clone_dtoh(&b.dw1).unwrap());
+    let dw2 = to64(stream.clone_dtoh(&b.dw2).unwrap());
+    let rows = t * D.h;
+    assert_close("y", &y[..rows], &want.y[..rows], 2e-2);
+    assert_close("dx", &dx[..rows], &want.dx[..rows], 2e-2);
+    assert_close("dprobs", &dprobs[..t * D.k], &want.dprobs[..t * D.k], 2e-2);
+    for (r, &id) in kept.iter().enumerate().take(t * D.k) {
+        if id < 0 {
+            assert_eq!(dprobs[r], 0.0, "dprobs of dropped / empty route {r}");
+        }
+    }
+    assert_close("dw1", &dw1, &want.dw1, 2e-2);
+    assert_close("dw2", &dw2, &want.dw2, 2e-2);
+}
+
+fn run_against_reference(echo: bool, capacity: usize, t: usize) {
+    let stream = gpu_or_skip!();
+    let Some(group) = group_or_skip(&stream) else { return };
+    let mut rng = StdRng::seed_from_u64(17 + capacity as u64 + echo as u64);
+    let w = random_weights(&mut rng);
+    let mut b = Buffers::new(&stream, &w);
+    let mut layer = EpMoe::<bf16>::new(group, config(capacity, echo)).unwrap();
+    layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2).unwrap();
+    let s = random_step(&mut rng);
+    b.load(&stream, &s);
+    step(&mut layer, &mut b, Tokens::Host(t)).unwrap();
+    check_against_reference(&stream, &b, &w, &s, t, capacity);
+    let (_, dropped) = kept_routes(&s.ids, t, capacity);
+    assert_eq!(layer.read_dropped().unwrap(), vec![dropped], "dropped routes");
+    let flag_word = stream.clone_dtoh(&layer.flags).unwrap()[0];
+    assert_eq!(flag_word & flags::OVERFLOW != 0, dropped > 0, "OVERFLOW flag (word {flag_word:#x})");
+    let report = layer.read_flags().unwrap();
+    assert_eq!(report.has(FlagSource::Ep, "CAPMOE_EP_OVERFLOW"), dropped > 0, "{report}");
+    assert_eq!(report.flags().len(), usize::from(dropped > 0), "no other flag: {report}");
+}
+
+#[test]
+fn r1_matches_the_reference_with_ample_capacity() {
+    run_against_reference(false, T_MAX * D.k, 50);
+}
+
+#[test]
+fn r1_with_echo_matches_the_reference() {
+    // One rank never offloads to itself: Echo must leave every route at its home column.
+    run_against_reference(true, T_MAX * D.k, T_MAX);
+}
+
+#[test]
+fn r1_drops_routes_past_a_full_block() {
+    run_against_reference(false, 40, T_MAX);
+}
+
+#[test]
+fn one_graph_replays_with_fresh_routing_bit_equal_to_eager() {
+    let stream = gpu_or_skip!();
+    let Some(group) = group_or_skip(&stream) else { return };
+    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let mut rng = StdRng::seed_from_u64(99);
+    let w = random_weights(&mut rng);
+    let mut b = Buffers::new(&stream, &w);
+    let mut layer = EpMoe::<bf16>::new(group, config(96, true)).unwrap();
+    layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2).unwrap();
+    let t_dev: CudaSlice<i32> = stream.clone_htod(&[T_MAX as i32]).unwrap();
+    b.load(&stream, &random_step(&mut rng));
+    // NCCL connects peers on a collective's first use, which cannot happen inside a capture.
+    step(&mut layer, &mut b, Tokens::Device(&t_dev)).unwrap();
+    let graph = capture(&stream, || step(&mut layer, &mut b, Tokens::Device(&t_dev))).unwrap();
+    let replays = if common::under_sanitizer() {
+        5
+    } else {
+        std::env::var("CAPMOE_EP_REPLAYS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000)
+    };
+    let mut t_dev = t_dev;
+    for i in 0..replays {
+        let s = random_step(&mut rng);
+        let t = rng.random_range(0..=T_MAX);
+        stream.memcpy_htod(&[t as i32], &mut t_dev).unwrap();
+        b.load(&stream, &s);
+        step(&mut layer, &mut b, Tokens::Device(&t_dev)).unwrap();
+        let eager = outputs(&stream, &b);
+        b.load(&stream, &s);
+        graph.launch().unwrap();
+        let replayed = outputs(&stream, &b);
+        if eager != replayed {
+            assert_bits(&format!("replay {i}: y"), &replayed.y, &eager.y);
+            assert_bits(&format!("replay {i}: dx"), &replayed.dx, &eager.dx);
+            assert_bits(&format!("replay {i}: dprobs"), &replayed.dprobs, &eager.dprobs);
+            assert_bits(&format!("replay {i}: dw1"), &replayed.dw1, &eager.dw1);
+            assert_bits(&format!("replay {i}: dw2"), &replayed.dw2, &eager.dw2);
+        }
+        if i == 0 {
+            check_against_reference(&stream, &b, &w, &s, t, 96);
+        }
+    }
+}
+
+#[test]
+fn bad_configurations_are_typed_errors() {
+    let stream = gpu_or_skip!();
+    let Some(group) = group_or_skip(&stream) else { return };
+    let mut c = config(0, false);
+    assert!(EpMoe::<bf16>::new(group.clone(), c.clone()).is_err(), "capacity 0");
+    c.capacity = 8;
+    c.dtype = DType::F16;
+    assert!(EpMoe::<bf16>::new(group.clone(), c.clone()).is_err(), "dtype differs from the element type");
+    c.dtype = DType::Bf16;
+    c.num_experts = 7;
+    let _ = EpMoe::<bf16>::new(group.clone(), c).map(|_| ()); // E % R: R = 1 accepts any E
+    let mut layer = EpMoe::<bf16>::new(group, config(8, false)).unwrap();
+    let w = random_weights(&mut StdRng::seed_from_u64(1));
+    let mut b = Buffers::new(&stream, &w);
+    let err = layer.forward(&b.x, &b.ids, &b.probs, Tokens::Host(1), &b.w1, &b.w2, &mut b.y).unwrap_err();
+    assert!(err.to_string().contains("bind_weights"), "{err}");
+    layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2).unwrap();
+    let other: CudaSlice<bf16> = stream.alloc_zeros(b.w1.len()).unwrap();
+    let err = layer.forward(&b.x, &b.ids, &b.probs, Tokens::Host(1), &other, &b.w2, &mut b.y).unwrap_err();
+    assert!(err.to_string().contains("not the buffer bound"), "{err}");
+}
+
+/// One rank's y, dx, dprobs, dw1, dw2 as f64.
+type RankOutputs = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
+
+/// R > 1 in one process, one thread and one GPU per rank (`EpGroup::single_process`): every
+/// rank's y, dx, dprobs and main grads against the fp64 reference over the whole group's
+/// experts, with Echo moving tokens between ranks. Skips with fewer than two GPUs (the lent
+/// H100 has one; the multi-GPU kinds run it, issue 18).
+#[test]
+fn every_rank_matches_the_reference_across_gpus() {
+    let stream = gpu_or_skip!();
+    let gpus = cudarc::driver::CudaContext::device_count().unwrap_or(1) as usize;
+    if gpus < 2 {
+        println!("skipping: {gpus} GPU visible; the multi-rank case needs 2 or more");
+        return;
+    }
+    drop(stream);
+    let streams: Vec<Arc<CudaStream>> =
+        (0..gpus).map(|g| capturable_moe::device::open(g).unwrap().new_stream().unwrap()).collect();
+    if !common::nccl::nccl_present() {
+        return;
+    }
+    let groups = EpGroup::single_process(&streams).expect("an NCCL group over every GPU");
+    let ranks = groups.len();
+    let d = Dims { e: 4 * ranks, ..D };
+    let local = d.e / ranks;
+    let mut rng = StdRng::seed_from_u64(2024);
+    let global_w1: Vec<bf16> =
+        bf(&(0..d.e * 2 * d.f * d.h).map(|_| rng.random_range(-0.1f32..0.1)).collect::<Vec<_>>());
+    let global_w2: Vec<bf16> = bf(&(0..d.e * d.h * d.f).map(|_| rng.random_range(-0.1f32..0.1)).collect::<Vec<_>>());
+    // Skewed routing: half the routes of every rank go to the first two experts, so Echo
+    // offloads rank 0's experts.
+    let steps: Vec<Step> = (0..ranks)
+        .map(|_| {
+            let mut s = random_step(&mut rng);
+            s.ids = (0..T_MAX)
+                .flat_map(|t| {
+                    let hot = (t % 2) as i32;
+                    let other = 2 + rng.random_range(0..(d.e - 2) as i32);
+                    [hot, other]
+                })
+                .collect();
+            s
+        })
+        .collect();
+    let (p1, p2) = (2 * d.f * d.h, d.h * d.f);
+    let results: Vec<RankOutputs> = std::thread::scope(|scope| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(r, group)| {
+                let (s, w1, w2) = (
+                    &steps[r],
+                    &global_w1[r * local * p1..(r + 1) * local * p1],
+                    &global_w2[r * local * p2..(r + 1) * local * p2],
+                );
+                scope.spawn(move || {
+                    let stream = group.stream().clone();
+                    let mut cfg = config(T_MAX * D.k, true);
+                    cfg.num_experts = d.e;
+                    let mut layer = EpMoe::<bf16>::new(Rc::new(group), cfg).unwrap();
+                    let w = Weights { w1: w1.to_vec(), w2: w2.to_vec() };
+                    let mut b = Buffers::new(&stream, &w);
+                    // Buffers::new sized the grads for D.e experts; this layer has `local`.
+                    b.dw1 = stream.alloc_zeros(local * p1).unwrap();
+                    b.dw2 = stream.alloc_zeros(local * p2).unwrap();
+                    layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2).unwrap();
+                    b.load(&stream, s);
+                    step(&mut layer, &mut b, Tokens::Host(T_MAX)).unwrap();
+                    let report = layer.read_flags().unwrap();
+                    assert!(report.is_clean(), "rank {r}: {report}");
+                    let to64 = |v: Vec<f32>| v.into_iter().map(f64::from).collect::<Vec<_>>();
+                    (
+                        f64s(&stream.clone_dtoh(&b.y).unwrap()),
+                        f64s(&stream.clone_dtoh(&b.dx).unwrap()),
+                        to64(stream.clone_dtoh(&b.dprobs).unwrap()),
+                        to64(stream.clone_dtoh(&b.dw1).unwrap()),
+                        to64(stream.clone_dtoh(&b.dw2).unwrap()),
+                    )
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut dw1 = vec![0.0; d.e * p1];
+    let mut dw2 = vec![0.0; d.e * p2];
+    for (r, s) in steps.iter().enumerate() {
+        let want = reference(d, T_MAX, &s.ids, &s.probs, &s.x, &s.dy, &global_w1, &global_w2);
+        assert_close(&format!("rank {r}: y"), &results[r].0, &want.y, 2e-2);
+        assert_close(&format!("rank {r}: dx"), &results[r].1, &want.dx, 2e-2);
+        assert_close(&format!("rank {r}: dprobs"), &results[r].2, &want.dprobs, 2e-2);
+        dw1.iter_mut().zip(&want.dw1).for_each(|(a, b)| *a += b);
+        dw2.iter_mut().zip(&want.dw2).for_each(|(a, b)| *a += b);
+    }
+    for r in 0..ranks {
+        assert_close(
+            &format!("rank {r}: dw1 (home experts, spare-slot grads folded in)"),
+            &results[r].3,
+            &dw1[r * local * p1..(r + 1) * local * p1],
+            2e-2,
+        );
+        assert_close(&format!("rank {r}: dw2"), &results[r].4, &dw2[r * local * p2..(r + 1) * local * p2], 2e-2);
+    }
+}
