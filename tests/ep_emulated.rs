@@ -527,6 +527,12 @@ fn dispatch_kernels_match_the_reference() {
             }
         }
     }
+    // E past the shared-memory histogram of count_routes (global atomics).
+    let mut rt = random_routing(&mut rng, 1, 2, false, DType::Bf16);
+    rt.cfg.num_experts = 2 * 8192;
+    rt.expert_ids = rt.expert_ids.iter().map(|&e| if e >= 0 { rng.random_range(0..16384) } else { e }).collect();
+    rt.name = format!("E = 16384 {}", rt.name);
+    cases.push(count_case(&rt, true));
     // The generator must reach what the test claims to cover.
     assert!(dropping >= 5 && bad_dest >= 3 && bad_tokens >= 3, "coverage: {dropping} {bad_dest} {bad_tokens}");
     let count = run_and_check(cases);
@@ -857,4 +863,508 @@ fn entry_points_reject_bad_arguments() {
     }
     let count = run_and_check(cases);
     println!("{count} rejected calls return their status and write nothing");
+}
+
+// ------------------------------------------------------------------ the whole step
+
+/// Element `i` of a buffer of `n` elements of T as the driver returned it (guard dropped).
+fn typed<T: Pod>(bytes: &[u8], n: usize) -> Vec<T> {
+    bytemuck::pod_collect_to_vec(&bytes[..n * std::mem::size_of::<T>()])
+}
+
+/// Runs one stage: every call must succeed; returns the outcomes.
+fn stage(calls: Vec<Call>) -> Vec<Outcome> {
+    let outcomes = run(&calls);
+    for (c, o) in calls.iter().zip(&outcomes) {
+        assert_eq!(o.status, OK, "{}: status", c.name);
+    }
+    outcomes
+}
+
+/// One rank of the simulated EP group.
+struct Rank {
+    cfg: EpConfig,
+    tokens: Tok,
+    t: usize,
+    x: Vec<f16>,
+    ids: Vec<i32>,
+    probs: Vec<f32>,
+    dest: Vec<i32>,
+    dy: Vec<f16>,
+}
+
+/// A small integer in [-lim, lim] (as f16): every product and sum of the step is exact.
+fn small(rng: &mut StdRng, lim: i32) -> f16 {
+    f16::from_f32(rng.random_range(-lim..=lim) as f32)
+}
+
+/// `p * (W x)` of an [H, H] matrix, exact in f32 for the small integers used, rounded to f16.
+fn expert_forward(w: &[f16], x: &[f16], p: f32) -> Vec<f16> {
+    let h = x.len();
+    (0..h).map(|o| f16::from_f32(p * (0..h).map(|i| w[o * h + i].to_f32() * x[i].to_f32()).sum::<f32>())).collect()
+}
+
+/// `W x` in f32.
+fn matvec(w: &[f16], x: &[f16]) -> Vec<f32> {
+    let h = x.len();
+    (0..h).map(|o| (0..h).map(|i| w[o * h + i].to_f32() * x[i].to_f32()).sum()).collect()
+}
+
+/// The backward of `p * (W x)`: `dx = p W^T dy` (f16), `dp = <dy, W x>`, `dW += p dy x^T`.
+fn expert_backward(w: &[f16], x: &[f16], dy: &[f16], p: f32, dw: &mut [f32]) -> (Vec<f16>, f32) {
+    let h = x.len();
+    let dx = (0..h)
+        .map(|i| f16::from_f32(p * (0..h).map(|o| w[o * h + i].to_f32() * dy[o].to_f32()).sum::<f32>()))
+        .collect();
+    let dp = matvec(w, x).iter().zip(dy).map(|(a, g)| a * g.to_f32()).sum();
+    for o in 0..h {
+        for i in 0..h {
+            dw[o * h + i] += p * dy[o].to_f32() * x[i].to_f32();
+        }
+    }
+    (dx, dp)
+}
+
+/// Block q of every rank's `[R, block]` send buffer goes to rank q as its block p (the
+/// test double of the NCCL exchange: plain copies between the ranks' buffers).
+fn exchange<T: Clone>(send: &[Vec<T>], block: usize) -> Vec<Vec<T>> {
+    let ranks = send.len();
+    (0..ranks).map(|q| (0..ranks).flat_map(|p| send[p][q * block..(q + 1) * block].to_vec()).collect()).collect()
+}
+
+/// Which routes of a rank are kept: the first `capacity` to each peer in ascending (t, j).
+/// Written from the contract, independently of `reference::dispatch_layout`.
+fn kept_routes(c: &EpConfig, dest: &[i32], t: usize) -> Vec<bool> {
+    let mut used = vec![0usize; c.ranks];
+    (0..c.routes_len())
+        .map(|i| {
+            if i >= t * c.topk || dest[i] < 0 {
+                return false;
+            }
+            let peer = dest[i] as usize / c.cols_per_rank();
+            used[peer] += 1;
+            used[peer] <= c.capacity
+        })
+        .collect()
+}
+
+/// Forward and backward of the EP step for R ranks, all kernels emulated, the exchange a test
+/// double, the experts `y = p * (W_e x)` on the CPU, against the single-device step
+/// `y[t] = sum_j p * W_e x[t]` over the kept routes (and its backward: dx, dprobs, dW). With
+/// Echo, a random slot table places copies of home experts in spare slots and each route picks
+/// its home column or one of its expert's spare columns at random (the planner's choice does
+/// not change the result; the planner itself is not in the loop): the spare weights travel
+/// through pack -> exchange -> select, and their gradients back through exchange -> fold, so a
+/// wrong copy or fold changes y or dW. Small integers and dyadic probs make every sum exact, so
+/// the comparison is bitwise.
+fn whole_step(ranks: usize, echo: bool, tight: bool, seed: u64) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (local, h, k, t_max) = (2usize, 16usize, 3usize, 12usize);
+    let spare = if echo { 2 } else { 0 };
+    let capacity = if tight { 4 } else { t_max * k };
+    let base = EpConfig {
+        ranks,
+        rank: 0,
+        num_experts: ranks * local,
+        spare_per_rank: spare,
+        hidden: h,
+        topk: k,
+        max_tokens: t_max,
+        capacity,
+        dtype: DType::F16,
+    };
+    let (e_total, cols, ww) = (base.num_experts, base.cols_per_rank(), h * h);
+    let what = format!("step R = {ranks}, Echo {echo}, capacity {capacity}");
+    let weights: Vec<Vec<f16>> = (0..e_total).map(|_| (0..ww).map(|_| small(&mut rng, 1)).collect()).collect();
+    let slot_expert: Vec<i64> = (0..ranks * spare)
+        .map(|_| if rng.random_bool(0.2) { -1 } else { rng.random_range(0..e_total as i64) })
+        .collect();
+    let mut group: Vec<Rank> = (0..ranks)
+        .map(|rank| {
+            let cfg = EpConfig { rank, ..base.clone() };
+            let t = rng.random_range(t_max / 2..=t_max);
+            let tokens = if rank % 2 == 0 { Tok::Host(t) } else { Tok::Device(t as i32) };
+            let ids: Vec<i32> = (0..t_max)
+                .flat_map(|_| {
+                    let mut row: Vec<i32> = Vec::new();
+                    while row.len() < k {
+                        let e = rng.random_range(0..e_total as i32);
+                        if !row.contains(&e) {
+                            row.push(e);
+                        }
+                    }
+                    if rng.random_bool(0.2) {
+                        row[k - 1] = -1;
+                    }
+                    row
+                })
+                .collect();
+            let dest = ids
+                .iter()
+                .map(|&e| {
+                    if e < 0 {
+                        return -1;
+                    }
+                    let home = (e as usize / local * cols + e as usize % local) as i32;
+                    let spares: Vec<i32> = (0..slot_expert.len())
+                        .filter(|&j| slot_expert[j] == e as i64)
+                        .map(|j| ((j / spare) * cols + local + j % spare) as i32)
+                        .collect();
+                    if spares.is_empty() || rng.random_bool(0.4) {
+                        home
+                    } else {
+                        spares[rng.random_range(0..spares.len())]
+                    }
+                })
+                .collect();
+            Rank {
+                cfg,
+                tokens,
+                t,
+                x: (0..t_max * h).map(|_| small(&mut rng, 2)).collect(),
+                probs: (0..t_max * k).map(|_| [0.25f32, 0.5, 1.0, 2.0][rng.random_range(0..4)]).collect(),
+                ids,
+                dest,
+                dy: (0..t_max * h).map(|_| small(&mut rng, 2)).collect(),
+            }
+        })
+        .collect();
+    // Junk past T, which no kernel may read.
+    for r_ in group.iter_mut() {
+        for i in r_.t * k..t_max * k {
+            r_.dest[i] = 0;
+            r_.ids[i] = 0;
+        }
+    }
+    let rows = base.block_rows();
+
+    // 1. counts, all-gathered.
+    let outs = stage(
+        group
+            .iter()
+            .map(|g| {
+                Call::new(
+                    format!("{what}: count rank {}", g.cfg.rank),
+                    Op::Count,
+                    &g.cfg,
+                    g.tokens,
+                    vec![buf(&guarded(&g.ids)), buf(&poisoned::<i64>(e_total))],
+                )
+            })
+            .collect(),
+    );
+    let counts: Vec<i64> = outs.iter().flat_map(|o| typed::<i64>(&o.bufs[1], e_total)).collect();
+    for (p, g) in group.iter().enumerate() {
+        for e in 0..e_total {
+            let want = g.ids[..g.t * k].iter().filter(|&&x| x == e as i32).count() as i64;
+            assert_eq!(counts[p * e_total + e], want, "{what}: counts[{p}, {e}]");
+        }
+    }
+
+    // 2. dispatch layout.
+    let outs = stage(
+        group
+            .iter()
+            .map(|g| {
+                Call::new(
+                    format!("{what}: layout rank {}", g.cfg.rank),
+                    Op::Layout,
+                    &g.cfg,
+                    g.tokens,
+                    vec![
+                        buf(&guarded(&g.dest)),
+                        buf(&guarded(&g.probs)),
+                        buf(&poisoned::<i32>(t_max * k)),
+                        buf(&poisoned::<i32>(rows)),
+                        buf(&poisoned::<f32>(rows)),
+                        buf(&poisoned::<i32>(ranks)),
+                        buf(&poisoned::<i32>(ranks)),
+                    ],
+                )
+            })
+            .collect(),
+    );
+    let slot_of_route: Vec<Vec<i32>> = outs.iter().map(|o| typed(&o.bufs[2], t_max * k)).collect();
+    let send_ids: Vec<Vec<i32>> = outs.iter().map(|o| typed(&o.bufs[3], rows)).collect();
+    let send_probs: Vec<Vec<f32>> = outs.iter().map(|o| typed(&o.bufs[4], rows)).collect();
+    let kept: Vec<Vec<bool>> = group.iter().map(|g| kept_routes(&g.cfg, &g.dest, g.t)).collect();
+    let dropped_any = kept.iter().zip(&group).any(|(kk, g)| (0..g.t * k).any(|i| g.dest[i] >= 0 && !kk[i]));
+    assert_eq!(dropped_any, tight, "{what}: tight capacity drops routes, ample never does");
+    for (p, o) in outs.iter().enumerate() {
+        let overflow = (0..group[p].t * k).any(|i| group[p].dest[i] >= 0 && !kept[p][i]);
+        assert_eq!(o.flags, FLAGS_BEFORE | if overflow { flags::OVERFLOW } else { 0 }, "{what}: rank {p} flags");
+    }
+
+    // 3. Echo: spare weights, home rank -> slot rank.
+    let mut spares: Vec<Vec<f16>> = vec![Vec::new(); ranks];
+    if echo {
+        let outs = stage(
+            group
+                .iter()
+                .map(|g| {
+                    let home: Vec<f16> = weights[g.cfg.rank * local..(g.cfg.rank + 1) * local].concat();
+                    let mut c = Call::new(
+                        format!("{what}: pack rank {}", g.cfg.rank),
+                        Op::Pack,
+                        &g.cfg,
+                        Tok::Host(0),
+                        vec![
+                            buf(&guarded(&slot_expert)),
+                            buf(&guarded(&home)),
+                            buf(&poisoned::<f16>(ranks * spare * ww)),
+                        ],
+                    );
+                    c.size = (ww * 2) as i64;
+                    c
+                })
+                .collect(),
+        );
+        let sent: Vec<Vec<f16>> = outs.iter().map(|o| typed(&o.bufs[2], ranks * spare * ww)).collect();
+        let received = exchange(&sent, spare * ww);
+        let outs = stage(
+            group
+                .iter()
+                .map(|g| {
+                    let mut c = Call::new(
+                        format!("{what}: select rank {}", g.cfg.rank),
+                        Op::Select,
+                        &g.cfg,
+                        Tok::Host(0),
+                        vec![
+                            buf(&guarded(&slot_expert)),
+                            buf(&guarded(&received[g.cfg.rank])),
+                            buf(&poisoned::<f16>(spare * ww)),
+                        ],
+                    );
+                    c.size = (ww * 2) as i64;
+                    c
+                })
+                .collect(),
+        );
+        spares = outs.iter().map(|o| typed(&o.bufs[2], spare * ww)).collect();
+    }
+    // The weights of local column `col` on rank q: a home expert or a spare copy.
+    let column_weights = |q: usize, col: usize| -> &[f16] {
+        if col < local {
+            &weights[q * local + col]
+        } else {
+            &spares[q][(col - local) * ww..(col - local + 1) * ww]
+        }
+    };
+
+    // 4. gather x, exchange rows / ids / probs.
+    let gather = |inputs: Vec<&Vec<f16>>, name: &str| -> Vec<Vec<f16>> {
+        let outs = stage(
+            group
+                .iter()
+                .zip(&inputs)
+                .map(|(g, input)| {
+                    Call::new(
+                        format!("{what}: gather {name} rank {}", g.cfg.rank),
+                        Op::Gather,
+                        &g.cfg,
+                        g.tokens,
+                        vec![
+                            buf(&guarded(input)),
+                            buf(&guarded(&slot_of_route[g.cfg.rank])),
+                            buf(&vec![f16::ZERO; rows * h]),
+                        ],
+                    )
+                })
+                .collect(),
+        );
+        exchange(&outs.iter().map(|o| typed::<f16>(&o.bufs[2], rows * h)).collect::<Vec<_>>(), capacity * h)
+    };
+    let recv_x = gather(group.iter().map(|g| &g.x).collect(), "x");
+    let recv_ids = exchange(&send_ids, capacity);
+    let recv_probs = exchange(&send_probs, capacity);
+
+    // 5. the experts on every rank (CPU), exchange back, reduce.
+    let expert_out: Vec<Vec<f16>> = (0..ranks)
+        .map(|q| {
+            (0..rows)
+                .flat_map(|i| match recv_ids[q][i] {
+                    -1 => vec![f16::ZERO; h],
+                    col => expert_forward(
+                        column_weights(q, col as usize),
+                        &recv_x[q][i * h..(i + 1) * h],
+                        recv_probs[q][i],
+                    ),
+                })
+                .collect()
+        })
+        .collect();
+    let back = exchange(&expert_out, capacity * h);
+    let reduce = |inputs: &[Vec<f16>], name: &str| -> Vec<Vec<f16>> {
+        let outs = stage(
+            group
+                .iter()
+                .map(|g| {
+                    Call::new(
+                        format!("{what}: reduce {name} rank {}", g.cfg.rank),
+                        Op::Reduce,
+                        &g.cfg,
+                        g.tokens,
+                        vec![
+                            buf(&guarded(&inputs[g.cfg.rank])),
+                            buf(&guarded(&slot_of_route[g.cfg.rank])),
+                            buf(&poisoned::<f16>(t_max * h)),
+                        ],
+                    )
+                })
+                .collect(),
+        );
+        outs.iter().map(|o| typed(&o.bufs[2], t_max * h)).collect()
+    };
+    let y = reduce(&back, "y");
+
+    // The single-device reference: every kept route of every token, through its home expert.
+    for (p, g) in group.iter().enumerate() {
+        for t in 0..t_max {
+            let mut acc = vec![0f32; h];
+            for j in 0..k {
+                let i = t * k + j;
+                if t < g.t && kept[p][i] {
+                    let out = expert_forward(&weights[g.ids[i] as usize], &g.x[t * h..(t + 1) * h], g.probs[i]);
+                    acc.iter_mut().zip(&out).for_each(|(a, o)| *a += o.to_f32());
+                }
+            }
+            let want: Vec<f16> =
+                if t < g.t { acc.iter().map(|&a| f16::from_f32(a)).collect() } else { vec![poison(); h] };
+            assert_bits(&format!("{what}: y rank {p} token {t}"), &y[p][t * h..(t + 1) * h], &want);
+        }
+    }
+
+    // Backward: gather dy, exchange, expert backward, exchange back dx and dprobs.
+    let recv_dy = gather(group.iter().map(|g| &g.dy).collect(), "dy");
+    let mut dw_home: Vec<Vec<f32>> = vec![vec![0.0; local * ww]; ranks];
+    let mut dw_spare: Vec<Vec<f32>> = vec![vec![0.0; spare * ww]; ranks];
+    let mut dx_rows: Vec<Vec<f16>> = vec![vec![f16::ZERO; rows * h]; ranks];
+    let mut dp_rows: Vec<Vec<f32>> = vec![vec![0.0; rows]; ranks];
+    for q in 0..ranks {
+        for i in 0..rows {
+            let col = recv_ids[q][i];
+            if col < 0 {
+                continue;
+            }
+            let col = col as usize;
+            let grad = if col < local {
+                &mut dw_home[q][col * ww..(col + 1) * ww]
+            } else {
+                &mut dw_spare[q][(col - local) * ww..(col - local + 1) * ww]
+            };
+            let x_i = &recv_x[q][i * h..(i + 1) * h];
+            let (dx, dp) =
+                expert_backward(column_weights(q, col), x_i, &recv_dy[q][i * h..(i + 1) * h], recv_probs[q][i], grad);
+            dx_rows[q][i * h..(i + 1) * h].copy_from_slice(&dx);
+            dp_rows[q][i] = dp;
+        }
+    }
+    let dx = reduce(&exchange(&dx_rows, capacity * h), "dx");
+    let dp_back = exchange(&dp_rows, capacity);
+    let outs = stage(
+        group
+            .iter()
+            .map(|g| {
+                Call::new(
+                    format!("{what}: dprobs rank {}", g.cfg.rank),
+                    Op::Values,
+                    &g.cfg,
+                    g.tokens,
+                    vec![
+                        buf(&guarded(&dp_back[g.cfg.rank])),
+                        buf(&guarded(&slot_of_route[g.cfg.rank])),
+                        buf(&poisoned::<f32>(t_max * k)),
+                    ],
+                )
+            })
+            .collect(),
+    );
+    let dprobs: Vec<Vec<f32>> = outs.iter().map(|o| typed(&o.bufs[2], t_max * k)).collect();
+    if echo {
+        // Every rank sends its whole dw_spare to every peer; the home rank folds.
+        let outs = stage(
+            group
+                .iter()
+                .map(|g| {
+                    let recv: Vec<f32> = dw_spare.concat();
+                    let mut c = Call::new(
+                        format!("{what}: fold rank {}", g.cfg.rank),
+                        Op::Fold,
+                        &g.cfg,
+                        Tok::Host(0),
+                        vec![buf(&guarded(&slot_expert)), buf(&guarded(&recv)), buf(&guarded(&dw_home[g.cfg.rank]))],
+                    );
+                    c.size = ww as i64;
+                    c
+                })
+                .collect(),
+        );
+        dw_home = outs.iter().map(|o| typed(&o.bufs[2], local * ww)).collect();
+    }
+
+    // The single-device backward.
+    let mut dw_want = vec![vec![0f32; ww]; e_total];
+    for (p, g) in group.iter().enumerate() {
+        for t in 0..t_max {
+            let mut acc = vec![0f32; h];
+            for j in 0..k {
+                let i = t * k + j;
+                let want_dp = if t < g.t && kept[p][i] {
+                    let e = g.ids[i] as usize;
+                    let (dx_ij, dp) = expert_backward(
+                        &weights[e],
+                        &g.x[t * h..(t + 1) * h],
+                        &g.dy[t * h..(t + 1) * h],
+                        g.probs[i],
+                        &mut dw_want[e],
+                    );
+                    acc.iter_mut().zip(&dx_ij).for_each(|(a, d)| *a += d.to_f32());
+                    dp
+                } else if t < g.t {
+                    0.0
+                } else {
+                    poison()
+                };
+                assert_bits(&format!("{what}: dprobs rank {p} route ({t}, {j})"), &dprobs[p][i..i + 1], &[want_dp]);
+            }
+            let want: Vec<f16> =
+                if t < g.t { acc.iter().map(|&a| f16::from_f32(a)).collect() } else { vec![poison(); h] };
+            assert_bits(&format!("{what}: dx rank {p} token {t}"), &dx[p][t * h..(t + 1) * h], &want);
+        }
+    }
+    for q in 0..ranks {
+        for l in 0..local {
+            assert_bits(
+                &format!("{what}: dW of expert {} on rank {q}", q * local + l),
+                &dw_home[q][l * ww..(l + 1) * ww],
+                &dw_want[q * local + l],
+            );
+        }
+    }
+    if echo {
+        let spare_routes = (0..ranks).flat_map(|q| recv_ids[q].iter().filter(|&&c| c >= local as i32)).count();
+        assert!(spare_routes > 0, "{what}: no route went to a spare slot");
+    }
+}
+
+fn assert_bits<T: Pod + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) {
+    let b = |v: &[T]| bytemuck::cast_slice::<T, u8>(v).to_vec();
+    if b(got) != b(want) {
+        let i = (0..got.len()).find(|&i| b(&got[i..i + 1]) != b(&want[i..i + 1])).unwrap();
+        panic!("{what}: element {i} of {}: got {:?}, expected {:?}", got.len(), got[i], want[i]);
+    }
+}
+
+#[test]
+fn whole_step_matches_the_single_device_reference() {
+    let mut seed = 400;
+    for ranks in [2, 4] {
+        for echo in [false, true] {
+            for tight in [false, true] {
+                whole_step(ranks, echo, tight, seed);
+                seed += 1;
+            }
+        }
+    }
 }
