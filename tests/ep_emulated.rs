@@ -316,9 +316,16 @@ fn spread(rng: &mut StdRng) -> f32 {
     rng.random_range(-1.0f32..1.0) * 2f32.powi(rng.random_range(-10..10))
 }
 
-fn random_config(rng: &mut StdRng, ranks: usize, echo: bool, dtype: DType) -> EpConfig {
+/// `large`: more routes than one chunk of dispatch_layout's scan (4096).
+fn random_config(rng: &mut StdRng, ranks: usize, echo: bool, dtype: DType, large: bool) -> EpConfig {
     let local = rng.random_range(1..=4);
-    let topk = if rng.random_bool(0.1) { 32 } else { rng.random_range(1..=6) };
+    let topk = if large {
+        16
+    } else if rng.random_bool(0.1) {
+        32
+    } else {
+        rng.random_range(1..=6)
+    };
     EpConfig {
         ranks,
         rank: rng.random_range(0..ranks),
@@ -326,14 +333,14 @@ fn random_config(rng: &mut StdRng, ranks: usize, echo: bool, dtype: DType) -> Ep
         spare_per_rank: if echo { rng.random_range(1..=3) } else { 0 },
         hidden: 8 * rng.random_range(1..=5),
         topk,
-        max_tokens: rng.random_range(0..=24),
+        max_tokens: if large { rng.random_range(400..=700) } else { rng.random_range(0..=24) },
         capacity: 0,
         dtype,
     }
 }
 
 fn random_routing(rng: &mut StdRng, n: usize, ranks: usize, echo: bool, dtype: DType) -> Routing {
-    let mut cfg = random_config(rng, ranks, echo, dtype);
+    let mut cfg = random_config(rng, ranks, echo, dtype, n % 12 == 10);
     if n % 16 == 5 {
         cfg.max_tokens = 0; // nothing to route: every output still written in full
     }
@@ -504,7 +511,7 @@ fn dispatch_kernels_match_the_reference() {
     let mut rng = StdRng::seed_from_u64(17);
     let mut cases = Vec::new();
     let mut n = 0;
-    let (mut dropping, mut bad_dest, mut bad_tokens) = (0, 0, 0);
+    let (mut dropping, mut bad_dest, mut bad_tokens, mut chunks) = (0, 0, 0, 0);
     for ranks in [1, 2, 4, 8] {
         for echo in [false, true] {
             for _ in 0..6 {
@@ -516,6 +523,7 @@ fn dispatch_kernels_match_the_reference() {
                 dropping += (want.flags & flags::OVERFLOW != 0) as usize;
                 bad_dest += (want.flags & flags::BAD_DEST != 0) as usize;
                 bad_tokens += (want.flags & flags::BAD_TOKENS != 0) as usize;
+                chunks += (rt.cfg.routes_len() > 2 * 4096 && want.flags & flags::OVERFLOW != 0) as usize;
                 cases.push((call, want));
                 let map = row_map(&mut rng, &rt, &map, n % 3 == 0);
                 if dtype == DType::Bf16 {
@@ -534,7 +542,10 @@ fn dispatch_kernels_match_the_reference() {
     rt.name = format!("E = 16384 {}", rt.name);
     cases.push(count_case(&rt, true));
     // The generator must reach what the test claims to cover.
-    assert!(dropping >= 5 && bad_dest >= 3 && bad_tokens >= 3, "coverage: {dropping} {bad_dest} {bad_tokens}");
+    assert!(
+        dropping >= 5 && bad_dest >= 3 && bad_tokens >= 3 && chunks >= 2,
+        "coverage: {dropping} {bad_dest} {bad_tokens} {chunks}"
+    );
     let count = run_and_check(cases);
     println!("{count} calls match the reference in both thread orders");
 }
