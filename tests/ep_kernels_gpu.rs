@@ -23,6 +23,8 @@ use rand::{Rng, SeedableRng};
 
 const GUARD: usize = 32;
 
+/// The tests of this binary run one at a time: the graph test captures in global mode, which
+/// forbids allocations on other threads while it is open.
 fn serial() -> MutexGuard<'static, ()> {
     common::CAPTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -338,6 +340,7 @@ fn spare_weight_launchers_match_the_reference() {
 #[test]
 fn launchers_reject_bad_buffers_before_launching() {
     let s = gpu_or_skip!();
+    let _g = serial();
     let c = config(2, 2, 0, 64, 2, 16, 8);
     let plan = EpKernels::new(c.clone()).unwrap();
     let routes = upload(&s, &vec![0i32; c.routes_len()]);
