@@ -122,3 +122,46 @@ fn limits_are_accepted_and_sizes_derived_host() {
     let plan = EpKernels::new(c).unwrap();
     assert_eq!(plan.abi_desc().capacity, 96);
 }
+
+/// A 256-byte aligned address that is never dereferenced (the calls fail before any launch).
+fn fake<T>(offset: usize) -> *mut T {
+    (0x7f00_0000_0000usize + offset) as *mut T
+}
+
+/// The linked (nvcc-built) entry points return their documented status before touching the
+/// GPU for arguments the Rust wrappers never pass; `ep_emulated` covers every check in depth.
+#[test]
+fn c_entry_points_reject_before_launching_host() {
+    let plan = EpKernels::new(valid()).unwrap();
+    let d = plan.abi_desc();
+    let no_echo = EpKernels::new(with(|c| c.spare_per_rank = 0)).unwrap();
+    let stream = std::ptr::null_mut::<std::ffi::c_void>();
+    let (invalid, misaligned) = (sys::CAPMOE_ERR_INVALID_ARGUMENT as i32, sys::CAPMOE_ERR_MISALIGNED as i32);
+    unsafe {
+        // Host T past T_max; NULL counts; misaligned counts.
+        let ids = fake::<i32>(0);
+        assert_eq!(sys::capmoe_ep_count_routes(d, ids, 129, std::ptr::null(), fake(0), fake(0), stream), invalid);
+        assert_eq!(
+            sys::capmoe_ep_count_routes(d, ids, 1, std::ptr::null(), std::ptr::null_mut(), fake(0), stream),
+            invalid
+        );
+        assert_eq!(sys::capmoe_ep_count_routes(d, ids, 1, std::ptr::null(), fake(4), fake(0), stream), misaligned);
+        // dispatch_layout: flags may not be NULL.
+        let (i, f) = (fake::<i32>(0), fake::<f32>(0));
+        let status =
+            sys::capmoe_ep_dispatch_layout(d, i, f, 1, std::ptr::null(), i, i, f, i, i, std::ptr::null_mut(), stream);
+        assert_eq!(status, invalid);
+        // Rows 16-byte aligned.
+        assert_eq!(sys::capmoe_ep_gather_rows(d, fake(8), i, 1, std::ptr::null(), fake(0), stream), misaligned);
+        assert_eq!(sys::capmoe_ep_reduce_rows(d, fake(0), i, 1, std::ptr::null(), fake(8), stream), misaligned);
+        assert_eq!(sys::capmoe_ep_gather_route_values(d, f, i, 1, std::ptr::null(), f.byte_add(2), stream), misaligned);
+        // Echo weights: S_per >= 1, bytes a multiple of 16.
+        let slots = fake::<i64>(0);
+        let (w, flags) = (fake::<std::ffi::c_void>(0), fake::<i32>(0));
+        assert_eq!(sys::capmoe_ep_pack_spare_weights(no_echo.abi_desc(), slots, w, 16, w, flags, stream), invalid);
+        assert_eq!(sys::capmoe_ep_pack_spare_weights(d, slots, w, 24, w, flags, stream), misaligned);
+        assert_eq!(sys::capmoe_ep_select_spare_weights(d, slots, w, 16, w, std::ptr::null_mut(), stream), invalid);
+        assert_eq!(sys::capmoe_ep_fold_spare_grads(d, slots, f, -4, f, flags, stream), invalid);
+        assert_eq!(sys::capmoe_ep_fold_spare_grads(d, slots, f, 4, f.byte_add(4), flags, stream), misaligned);
+    }
+}
