@@ -5,7 +5,7 @@
 //! capability modules. Every launcher allocates nothing, never synchronises with the host and
 //! never reads device data on the host.
 //!
-//! Conventions shared by [`grouped_gemm`], [`routing`], [`echo`] and [`moe`]:
+//! Conventions shared by [`grouped_gemm`], [`routing`], [`echo`], [`ep`] and [`moe`]:
 //! - Safe launchers take the launch stream (`&CudaStream`) first and cudarc buffers
 //!   (`CudaSlice` or views) after it; each buffer must belong to the stream's CUDA context,
 //!   compared by driver handle ([`device::ensure_same_context`]), else

@@ -25,8 +25,8 @@ namespace {
 constexpr int kCountThreads = 256;
 constexpr int kCountBlocks = 1024;
 constexpr int kSmemBins = 48 * 1024 / 4;  // per-block histogram fits the default smem
-constexpr int kLayoutThreads = 256;
-constexpr int kLayoutItems = 4;  // consecutive routes per thread and chunk
+constexpr int kLayoutThreads = 512;
+constexpr int kLayoutItems = 8;  // consecutive routes per thread and chunk (4096 per chunk)
 constexpr int kValueThreads = 256;
 
 // ---------------------------------------------------------------- count_routes
