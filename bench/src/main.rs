@@ -5,10 +5,10 @@
 //!
 //!   capmoe-bench [--shapes a,b] [--routing uniform,zipf,onehot] [--ops fprop,dgrad,wgrad]
 //!                [--streams 4] [--reps 30] [--anchors torch_anchor.json] [--out DIR] [--quick]
-//!                [--no-paths]   (skip the expert-path, EP all-to-all and Echo planner rows)
+//!                [--no-paths]   (skip the expert-path, graph-module, EP and Echo planner rows)
 //!                [--configs sm90-coop,sm90-pingpong128,...]  (also time these kernel configs)
 //!                [--weight-layout enk|ekn]  (weights [E, N, K], the default, or [E, K, N])
-//!                [--only echo]  (the Echo planner rows alone)
+//!                [--only echo|graphs]  (the Echo planner rows, or the graph-module rows, alone)
 //!                [--sweep]  (a config sweep: graph rows, dense cuBLAS, floor and roofline only;
 //!                            no eager rows, no cuBLAS loops)
 
@@ -18,6 +18,7 @@ mod echo_timing;
 mod ep;
 mod ep_layer;
 mod gemm;
+mod graphs;
 mod measure;
 mod path;
 mod plot;
@@ -43,10 +44,19 @@ struct Args {
     pub configs: Vec<GemmConfig>,
     /// Weight layout of every GEMM row (`--weight-layout enk|ekn`).
     pub weight_layout: WeightLayout,
-    /// Only the Echo planner rows.
-    pub only_echo: bool,
+    /// Only one family of rows (`--only`).
+    pub only: Option<Only>,
     /// A config sweep: skip the eager rows and the cuBLAS loop baselines (`--sweep`).
     pub sweep: bool,
+}
+
+/// The row families `--only` selects.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Only {
+    /// The Echo planner rows.
+    Echo,
+    /// The graph-module rows (pool, one graph for every T, update, first replay).
+    Graphs,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -61,7 +71,7 @@ fn parse_args() -> Result<Args, String> {
         paths: true,
         configs: Vec::new(),
         weight_layout: WeightLayout::Enk,
-        only_echo: false,
+        only: None,
         sweep: false,
     };
     let mut it = std::env::args().skip(1);
@@ -102,8 +112,9 @@ fn parse_args() -> Result<Args, String> {
                     .collect::<Result<_, _>>()?
             }
             "--only" => match it.next().as_deref() {
-                Some("echo") => args.only_echo = true,
-                other => return Err(format!("--only takes `echo`, got {other:?}")),
+                Some("echo") => args.only = Some(Only::Echo),
+                Some("graphs") => args.only = Some(Only::Graphs),
+                other => return Err(format!("--only takes `echo` or `graphs`, got {other:?}")),
             },
             "--sweep" => {
                 args.sweep = true;
@@ -114,7 +125,10 @@ fn parse_args() -> Result<Args, String> {
                 args.routings = vec!["uniform".into()];
             }
             "-h" | "--help" => {
-                println!("{}", include_str!("main.rs").lines().take(10).collect::<Vec<_>>().join("\n"));
+                println!(
+                    "{}",
+                    include_str!("main.rs").lines().take_while(|l| l.starts_with("//!")).collect::<Vec<_>>().join("\n")
+                );
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other} (try --help)")),
@@ -166,7 +180,8 @@ fn main() {
     let shapes: Vec<&Shape> = SHAPES.iter().filter(|s| args.shapes.iter().any(|n| n == s.name)).collect();
     let total = shapes.len() * args.routings.len() * args.ops.len();
     let mut done = 0;
-    for shape in shapes.iter().filter(|_| !args.only_echo) {
+    let everything = args.only.is_none();
+    for shape in shapes.iter().filter(|_| everything) {
         for routing_kind in &args.routings {
             for &op in &args.ops {
                 done += 1;
@@ -175,12 +190,17 @@ fn main() {
             }
         }
     }
-    if args.paths && !args.only_echo {
+    if args.paths && everything {
         rows.extend(path::expert_rows(&stream, args.reps));
+    }
+    if (args.paths && everything) || args.only == Some(Only::Graphs) {
+        rows.extend(graphs::graph_rows(&stream, args.reps));
+    }
+    if args.paths && everything {
         rows.extend(ep::ep_rows(&stream, args.reps));
         rows.extend(ep_layer::ep_layer_rows(&stream, args.reps));
     }
-    if args.paths || args.only_echo {
+    if (args.paths && everything) || args.only == Some(Only::Echo) {
         rows.extend(path::echo_rows(&stream, args.reps));
     }
     if let Some(path) = &args.anchors {

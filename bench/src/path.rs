@@ -40,7 +40,7 @@ fn row(shape: &str, op: &str, imp: &str, us: f64, flops: f64, host_us: Option<f6
 }
 
 /// Uniform top-k routing with k distinct experts per token, and softmax-like probabilities.
-fn topk_routing(e: usize, t: usize, k: usize, seed: u64) -> (Vec<i32>, Vec<f32>) {
+pub fn topk_routing(e: usize, t: usize, k: usize, seed: u64) -> (Vec<i32>, Vec<f32>) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut ids = Vec::with_capacity(t * k);
     let mut probs = Vec::with_capacity(t * k);
