@@ -53,12 +53,14 @@ struct Step {
     probs: Vec<f32>,
 }
 
-fn random_step(rng: &mut StdRng) -> Step {
+/// Random inputs; `empty_routes` puts a few -1 ids (no route) among the real ones, which plain
+/// EP skips silently and Echo flags (`CAPMOE_ECHO_ERR_EXPERT_OUT_OF_RANGE`): Echo's top-k form
+/// expects k real routes per token, as Megatron's router gives.
+fn random_step(rng: &mut StdRng, empty_routes: bool) -> Step {
     let small = |rng: &mut StdRng, n: usize| bf(&(0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>());
     let mut ids = topk_ids(rng, T_MAX, D.e, D.k);
-    // A few empty routes (-1) among the real ones.
     for id in ids.iter_mut() {
-        if rng.random_range(0..16) == 0 {
+        if empty_routes && rng.random_range(0..16) == 0 {
             *id = -1;
         }
     }
@@ -200,7 +202,7 @@ fn run_against_reference(echo: bool, capacity: usize, t: usize) {
     let mut b = Buffers::new(&stream, &w);
     let mut layer = EpMoe::<bf16>::new(group, config(capacity, echo)).unwrap();
     layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2).unwrap();
-    let s = random_step(&mut rng);
+    let s = random_step(&mut rng, !echo);
     b.load(&stream, &s);
     step(&mut layer, &mut b, Tokens::Host(t)).unwrap();
     check_against_reference(&stream, &b, &w, &s, t, capacity);
@@ -240,7 +242,7 @@ fn one_graph_replays_with_fresh_routing_bit_equal_to_eager() {
     let mut layer = EpMoe::<bf16>::new(group, config(96, true)).unwrap();
     layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2).unwrap();
     let t_dev: CudaSlice<i32> = stream.clone_htod(&[T_MAX as i32]).unwrap();
-    b.load(&stream, &random_step(&mut rng));
+    b.load(&stream, &random_step(&mut rng, false));
     // NCCL connects peers on a collective's first use, which cannot happen inside a capture.
     step(&mut layer, &mut b, Tokens::Device(&t_dev)).unwrap();
     let graph = capture(&stream, || step(&mut layer, &mut b, Tokens::Device(&t_dev))).unwrap();
@@ -251,7 +253,7 @@ fn one_graph_replays_with_fresh_routing_bit_equal_to_eager() {
     };
     let mut t_dev = t_dev;
     for i in 0..replays {
-        let s = random_step(&mut rng);
+        let s = random_step(&mut rng, false);
         let t = rng.random_range(0..=T_MAX);
         stream.memcpy_htod(&[t as i32], &mut t_dev).unwrap();
         b.load(&stream, &s);
@@ -329,7 +331,7 @@ fn every_rank_matches_the_reference_across_gpus() {
     // offloads rank 0's experts.
     let steps: Vec<Step> = (0..ranks)
         .map(|_| {
-            let mut s = random_step(&mut rng);
+            let mut s = random_step(&mut rng, false);
             s.ids = (0..T_MAX)
                 .flat_map(|t| {
                     let hot = (t % 2) as i32;
@@ -450,7 +452,7 @@ fn every_rank_replays_its_graph_bit_equal_to_eager_across_gpus() {
                     layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2).unwrap();
                     let mut t_dev: CudaSlice<i32> = stream.clone_htod(&[T_MAX as i32]).unwrap();
                     let fresh = |rng: &mut StdRng| {
-                        let mut s = random_step(rng);
+                        let mut s = random_step(rng, false);
                         s.ids = topk_ids(rng, T_MAX, d.e, D.k);
                         s
                     };
