@@ -53,12 +53,14 @@ struct Step {
     probs: Vec<f32>,
 }
 
-fn random_step(rng: &mut StdRng) -> Step {
+/// Random inputs; `empty_routes` puts a few -1 ids (no route) among the real ones, which plain
+/// EP skips silently and Echo flags (`CAPMOE_ECHO_ERR_EXPERT_OUT_OF_RANGE`): Echo's top-k form
+/// expects k real routes per token, as Megatron's router gives.
+fn random_step(rng: &mut StdRng, empty_routes: bool) -> Step {
     let small = |rng: &mut StdRng, n: usize| bf(&(0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect::<Vec<_>>());
     let mut ids = topk_ids(rng, T_MAX, D.e, D.k);
-    // A few empty routes (-1) among the real ones.
     for id in ids.iter_mut() {
-        if rng.random_range(0..16) == 0 {
+        if empty_routes && rng.random_range(0..16) == 0 {
             *id = -1;
         }
     }
@@ -200,7 +202,7 @@ fn run_against_reference(echo: bool, capacity: usize, t: usize) {
     let mut b = Buffers::new(&stream, &w);
     let mut layer = EpMoe::<bf16>::new(group, config(capacity, echo)).unwrap();
     layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2).unwrap();
-    let s = random_step(&mut rng);
+    let s = random_step(&mut rng, !echo);
     b.load(&stream, &s);
     step(&mut layer, &mut b, Tokens::Host(t)).unwrap();
     check_against_reference(&stream, &b, &w, &s, t, capacity);
@@ -240,7 +242,7 @@ fn one_graph_replays_with_fresh_routing_bit_equal_to_eager() {
     let mut layer = EpMoe::<bf16>::new(group, config(96, true)).unwrap();
     layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2).unwrap();
     let t_dev: CudaSlice<i32> = stream.clone_htod(&[T_MAX as i32]).unwrap();
-    b.load(&stream, &random_step(&mut rng));
+    b.load(&stream, &random_step(&mut rng, false));
     // NCCL connects peers on a collective's first use, which cannot happen inside a capture.
     step(&mut layer, &mut b, Tokens::Device(&t_dev)).unwrap();
     let graph = capture(&stream, || step(&mut layer, &mut b, Tokens::Device(&t_dev))).unwrap();
@@ -251,7 +253,7 @@ fn one_graph_replays_with_fresh_routing_bit_equal_to_eager() {
     };
     let mut t_dev = t_dev;
     for i in 0..replays {
-        let s = random_step(&mut rng);
+        let s = random_step(&mut rng, false);
         let t = rng.random_range(0..=T_MAX);
         stream.memcpy_htod(&[t as i32], &mut t_dev).unwrap();
         b.load(&stream, &s);
@@ -329,7 +331,7 @@ fn every_rank_matches_the_reference_across_gpus() {
     // offloads rank 0's experts.
     let steps: Vec<Step> = (0..ranks)
         .map(|_| {
-            let mut s = random_step(&mut rng);
+            let mut s = random_step(&mut rng, false);
             s.ids = (0..T_MAX)
                 .flat_map(|t| {
                     let hot = (t % 2) as i32;
@@ -398,4 +400,87 @@ fn every_rank_matches_the_reference_across_gpus() {
         );
         assert_close(&format!("rank {r}: dw2"), &results[r].4, &dw2[r * local * p2..(r + 1) * local * p2], 2e-2);
     }
+}
+
+/// Issue 18's capture check on every rank: R = every visible GPU, a thread per rank, each
+/// rank's forward + backward captured once (one rank at a time: NCCL only records during a
+/// capture, so the ranks need not capture together) and replayed with fresh routing and T
+/// every step (`CAPMOE_EP_REPLAYS`, default 1000), bit-equal to the same step run eagerly.
+/// Skips with fewer than two GPUs.
+#[test]
+fn every_rank_replays_its_graph_bit_equal_to_eager_across_gpus() {
+    let stream = gpu_or_skip!();
+    let gpus = cudarc::driver::CudaContext::device_count().unwrap_or(1) as usize;
+    if gpus < 2 {
+        println!("skipping: {gpus} GPU visible; the multi-rank case needs 2 or more");
+        return;
+    }
+    drop(stream);
+    let streams: Vec<Arc<CudaStream>> =
+        (0..gpus).map(|g| capturable_moe::device::open(g).unwrap().new_stream().unwrap()).collect();
+    if !common::nccl::nccl_present() {
+        return;
+    }
+    let groups = EpGroup::single_process(&streams).expect("an NCCL group over every GPU");
+    let ranks = groups.len();
+    let d = Dims { e: 4 * ranks, ..D };
+    let local = d.e / ranks;
+    let replays: usize = if common::under_sanitizer() {
+        5
+    } else {
+        std::env::var("CAPMOE_EP_REPLAYS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000)
+    };
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = groups
+            .into_iter()
+            .enumerate()
+            .map(|(r, group)| {
+                scope.spawn(move || {
+                    let stream = group.stream().clone();
+                    // Same seed on every rank for the step sequence's T, its own for the data.
+                    let mut shared = StdRng::seed_from_u64(7);
+                    let mut rng = StdRng::seed_from_u64(100 + r as u64);
+                    let mut cfg = config(48, true);
+                    cfg.num_experts = d.e;
+                    let mut layer = EpMoe::<bf16>::new(Rc::new(group), cfg).unwrap();
+                    let mut w = random_weights(&mut rng);
+                    w.w1.truncate(local * 2 * d.f * d.h);
+                    w.w2.truncate(local * d.h * d.f);
+                    let mut b = Buffers::new(&stream, &w);
+                    b.dw1 = stream.alloc_zeros(w.w1.len()).unwrap();
+                    b.dw2 = stream.alloc_zeros(w.w2.len()).unwrap();
+                    layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2).unwrap();
+                    let mut t_dev: CudaSlice<i32> = stream.clone_htod(&[T_MAX as i32]).unwrap();
+                    let fresh = |rng: &mut StdRng| {
+                        let mut s = random_step(rng, false);
+                        s.ids = topk_ids(rng, T_MAX, d.e, D.k);
+                        s
+                    };
+                    b.load(&stream, &fresh(&mut rng));
+                    step(&mut layer, &mut b, Tokens::Device(&t_dev)).unwrap();
+                    let graph = {
+                        let _lock = common::CAPTURE_LOCK.lock().unwrap();
+                        capture(&stream, || step(&mut layer, &mut b, Tokens::Device(&t_dev))).unwrap()
+                    };
+                    for i in 0..replays {
+                        let s = fresh(&mut rng);
+                        let t = shared.random_range(0..=T_MAX) as i32;
+                        stream.memcpy_htod(&[t], &mut t_dev).unwrap();
+                        b.load(&stream, &s);
+                        step(&mut layer, &mut b, Tokens::Device(&t_dev)).unwrap();
+                        let eager = outputs(&stream, &b);
+                        b.load(&stream, &s);
+                        graph.launch().unwrap();
+                        let replayed = outputs(&stream, &b);
+                        assert!(eager == replayed, "rank {r}, replay {i}: the graph differs from eager");
+                    }
+                    let report = layer.read_flags().unwrap();
+                    assert!(!report.has(FlagSource::Ep, "CAPMOE_EP_BAD_DEST"), "rank {r}: {report}");
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    });
 }

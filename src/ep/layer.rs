@@ -356,8 +356,10 @@ impl<T: MoeElement> EpMoe<T> {
     }
 
     /// `y[t] = Σ_j probs[t, j] · expert_{ids[t, j]}(x[t])` with the experts spread over the
-    /// group: `x, y [T_max, H]`, `expert_ids [T_max, k]` (global home experts, -1 = no route),
-    /// `probs [T_max, k]` f32, `w1`, `w2` the buffers given to [`bind_weights`]. Routes past a
+    /// group: `x, y [T_max, H]`, `expert_ids [T_max, k]` (global home experts; -1 = no route
+    /// in plain EP, while Echo's top-k planner expects k real routes per token and flags a -1
+    /// as `CAPMOE_ECHO_ERR_EXPERT_OUT_OF_RANGE`, dropping that route), `probs [T_max, k]` f32,
+    /// `w1`, `w2` the buffers given to [`bind_weights`](Self::bind_weights). Routes past a
     /// full peer block are dropped (counted in [`Self::dispatch_layout`]'s `dropped`, flag
     /// `OVERFLOW`). The three stages, [`dispatch`](Self::dispatch),
     /// [`run_experts`](Self::run_experts) and [`combine`](Self::combine), in one call.
