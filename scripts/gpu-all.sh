@@ -2,7 +2,7 @@
 # One device call (run from the repo root on the GPU machine, after scripts/gpu-bundle.sh here):
 # the whole GPU suite, the C and candle examples, the ignored timing hooks (fused fc1, graphs) if built, a uniform-routing
 # config sweep with ncu off (scripts/gpu-sweep.sh does the full one), and a memcheck of the
-# Echo + expert path graph test and of the fused fc1 tests. Logs under $R (one tarball,
+# Echo + expert path graph test, the fused fc1 tests and the EP tests (R = 1). Logs under $R (one tarball,
 # refreshed after each step); a short summary is printed last.
 set -uo pipefail
 R=${R:-${OUT:?set OUT to a folder for the logs}}; BUNDLE=${BUNDLE:-gpu-bundle}
@@ -25,9 +25,9 @@ for hook in fused_gpu:fused_fc1_timing graph_gpu:timing; do
 done
 OUT=/tmp/logs/sweep BUNDLE=$BUNDLE NCU=0 SWEEP_ROUTING=uniform SWEEP_LAYOUTS=enk SWEEP_TIMEOUT=150 \
   bash scripts/gpu-sweep.sh > /tmp/logs/sweep.txt 2>&1; save
-for m in echo_moe_gpu fused_gpu; do
+for m in echo_moe_gpu fused_gpu ep_gpu ep_kernels_gpu; do
   [[ -x $T/$m ]] || continue
-  CAPMOE_REQUIRE_GPU=1 CAPMOE_ECHO_MOE_REPLAYS=2 timeout 60 /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
+  CAPMOE_REQUIRE_GPU=1 CAPMOE_SANITIZER=1 CAPMOE_ECHO_MOE_REPLAYS=2 timeout 60 /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
     $T/$m --test-threads=1 > /tmp/logs/memcheck_$m.txt 2>&1
   echo "memcheck $m rc=$?" >> /tmp/logs/memcheck_$m.txt; save
 done

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds every test and binary target of the workspace and the examples in release and gathers
-# them, with a runner, into the git-ignored folder gpu-bundle/ (compressed, to fit the GPU
-# machine's transfer limit).
+# them, with a runner, into the git-ignored folder gpu-bundle/ (xz-compressed, to fit the GPU
+# machine's transfer limit; scripts/unpack-bundle.sh unpacks it).
 # On the GPU machine, from the repo root:  bash scripts/gpu-run.sh   (needs no Rust toolchain).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,6 +33,9 @@ CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}" cargo build --release --man
 bash examples/c/build.sh
 cp "${CARGO_TARGET_DIR:-$root/target}/release/capmoe-c-example" gpu-bundle/stage/bin/
 strip gpu-bundle/stage/tests/* gpu-bundle/stage/bin/* 2>/dev/null || true
-tar -C gpu-bundle/stage -czf gpu-bundle/bundle.tar.gz .
+# xz with a 64 MiB dictionary: every binary carries the same kernel archive, so the
+# compressor finds one in the next (~280 MB of binaries pack into ~11 MB; gzip gave 71 MB,
+# past the device tool's 64 MiB transfer limit).
+tar -C gpu-bundle/stage -cf - . | xz -9 -T2 > gpu-bundle/bundle.tar.xz
 rm -rf gpu-bundle/stage
-du -h gpu-bundle/bundle.tar.gz
+du -h gpu-bundle/bundle.tar.xz

@@ -11,7 +11,7 @@ filter="${1:-}"
 bundle="${BUNDLE:-gpu-bundle}"
 logs="${OUT:-$root/$bundle/logs}"
 mkdir -p "$logs" "$bundle/run"
-tar -C "$bundle/run" -xzf "$bundle/bundle.tar.gz"
+bash "$root/scripts/unpack-bundle.sh" "$bundle" || exit 2
 export CAPMOE_REQUIRE_GPU=1 CAPMOE_TESTDATA="$root/tests/data"
 # libnccl for the EP tests (a PyTorch venv's, linked where cudarc looks; see the script).
 source "$root/scripts/nccl-env.sh"

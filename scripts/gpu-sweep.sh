@@ -8,7 +8,7 @@ set -uo pipefail
 R=${R:-${OUT:?set OUT to a folder for the logs}}; BUNDLE=${BUNDLE:-gpu-bundle}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 mkdir -p "$R" "$BUNDLE/run" /tmp/sweep
-[[ -x $BUNDLE/run/bin/capmoe-bench ]] || tar -C "$BUNDLE/run" -xzf "$BUNDLE/bundle.tar.gz"
+[[ -x $BUNDLE/run/bin/capmoe-bench ]] || bash scripts/unpack-bundle.sh "$BUNDLE"
 B=$BUNDLE/run/bin/capmoe-bench
 CONFIGS=${CONFIGS:-sm90-coop,sm90-pingpong,sm90-coop-nocluster,sm90-coop-m256,sm90-pingpong128,sm90-pingpong-wide}
 SHAPES=${SHAPES:-mixtral_fc1,dsv3_ep8_fc1,dsv3_ep8_fc2,qwen3moe_fc1,qwen3moe_fc2,decode_fc1}

@@ -60,12 +60,14 @@ cs="${SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}"
 [[ -n "$cs" ]] || { echo "no compute-sanitizer (set SANITIZER)" >&2; exit 2; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export CAPMOE_REQUIRE_GPU=1 CAPMOE_SANITIZER=1 CAPMOE_TESTDATA="$root/tests/data"
+# libnccl for the EP tests (a PyTorch venv's, linked where cudarc looks).
+source scripts/nccl-env.sh
 export CAPMOE_ECHO_MOE_REPLAYS="${CAPMOE_ECHO_MOE_REPLAYS:-2}" CAPMOE_GRAPH_STEPS="${CAPMOE_GRAPH_STEPS:-20}"
 
 start_all=$(date +%s)
 logs=/tmp/sanitize-logs
 rm -rf "$logs" && mkdir -p "$logs" "$out" "$bundle/run"
-tar -C "$bundle/run" -xzf "$bundle/bundle.tar.gz" || { echo "no bundle at $bundle/bundle.tar.gz" >&2; exit 2; }
+bash scripts/unpack-bundle.sh "$bundle" || exit 2
 save() { tar -C /tmp -czf "$out/sanitize-logs.tgz" sanitize-logs 2>/dev/null; }
 { "$cs" --version | tail -n 1; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } \
   >"$logs/versions.txt" 2>&1
