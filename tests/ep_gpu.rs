@@ -298,6 +298,23 @@ fn bad_configurations_are_typed_errors() {
     assert!(err.to_string().contains("not the buffer bound"), "{err}");
 }
 
+/// One group over every visible GPU (a stream each), or `None` after printing why: no GPU,
+/// fewer than two, or no libnccl.
+fn groups_over_every_gpu() -> Option<Vec<EpGroup>> {
+    common::gpu_stream()?;
+    let gpus = cudarc::driver::CudaContext::device_count().unwrap_or(1) as usize;
+    if gpus < 2 {
+        println!("skipping: {gpus} GPU visible; the multi-rank case needs 2 or more");
+        return None;
+    }
+    let streams: Vec<Arc<CudaStream>> =
+        (0..gpus).map(|g| capturable_moe::device::open(g).unwrap().new_stream().unwrap()).collect();
+    if !common::nccl::nccl_present() {
+        return None;
+    }
+    Some(EpGroup::single_process(&streams).expect("an NCCL group over every GPU"))
+}
+
 /// One rank's y, dx, dprobs, dw1, dw2 as f64.
 type RankOutputs = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
 
@@ -307,19 +324,7 @@ type RankOutputs = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
 /// H100 has one; the multi-GPU kinds run it, issue 18).
 #[test]
 fn every_rank_matches_the_reference_across_gpus() {
-    let stream = gpu_or_skip!();
-    let gpus = cudarc::driver::CudaContext::device_count().unwrap_or(1) as usize;
-    if gpus < 2 {
-        println!("skipping: {gpus} GPU visible; the multi-rank case needs 2 or more");
-        return;
-    }
-    drop(stream);
-    let streams: Vec<Arc<CudaStream>> =
-        (0..gpus).map(|g| capturable_moe::device::open(g).unwrap().new_stream().unwrap()).collect();
-    if !common::nccl::nccl_present() {
-        return;
-    }
-    let groups = EpGroup::single_process(&streams).expect("an NCCL group over every GPU");
+    let Some(groups) = groups_over_every_gpu() else { return };
     let ranks = groups.len();
     let d = Dims { e: 4 * ranks, ..D };
     let local = d.e / ranks;
@@ -409,19 +414,7 @@ fn every_rank_matches_the_reference_across_gpus() {
 /// Skips with fewer than two GPUs.
 #[test]
 fn every_rank_replays_its_graph_bit_equal_to_eager_across_gpus() {
-    let stream = gpu_or_skip!();
-    let gpus = cudarc::driver::CudaContext::device_count().unwrap_or(1) as usize;
-    if gpus < 2 {
-        println!("skipping: {gpus} GPU visible; the multi-rank case needs 2 or more");
-        return;
-    }
-    drop(stream);
-    let streams: Vec<Arc<CudaStream>> =
-        (0..gpus).map(|g| capturable_moe::device::open(g).unwrap().new_stream().unwrap()).collect();
-    if !common::nccl::nccl_present() {
-        return;
-    }
-    let groups = EpGroup::single_process(&streams).expect("an NCCL group over every GPU");
+    let Some(groups) = groups_over_every_gpu() else { return };
     let ranks = groups.len();
     let d = Dims { e: 4 * ranks, ..D };
     let local = d.e / ranks;

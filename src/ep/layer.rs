@@ -335,24 +335,36 @@ impl<T: MoeElement> EpMoe<T> {
         Ok(())
     }
 
-    fn bound_weights(&self, op: &'static str, given: [u64; 4], which: [bool; 4]) -> Result<&BoundWeights> {
+    /// `w1`, `w2` (and the main grads, when given) must be the buffers bound by
+    /// [`bind_weights`](Self::bind_weights): the receive side's pointer tables hold their
+    /// addresses.
+    fn ensure_bound(
+        &self,
+        op: &'static str,
+        w1: &CudaSlice<T>,
+        w2: &CudaSlice<T>,
+        grads: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
+    ) -> Result<()> {
         let bound = self.bound.as_ref().ok_or_else(|| Error::InvalidArgument {
             op,
             why: "no weights bound: call EpMoe::bind_weights first".into(),
         })?;
-        const NAMES: [&str; 4] = ["w1", "w2", "dw1", "dw2"];
-        for i in 0..4 {
-            if which[i] && given[i] != bound.addresses[i] {
+        let stream = self.group.stream();
+        let mut given = vec![("w1", address(stream, w1)), ("w2", address(stream, w2))];
+        if let Some((dw1, dw2)) = grads {
+            given.extend([("dw1", address(stream, dw1)), ("dw2", address(stream, dw2))]);
+        }
+        for ((name, got), want) in given.into_iter().zip(bound.addresses) {
+            if got != want {
                 return Err(Error::InvalidArgument {
                     op,
                     why: format!(
-                        "{} at {:#x} is not the buffer bound by bind_weights ({:#x}); bind it first",
-                        NAMES[i], given[i], bound.addresses[i]
+                        "{name} at {got:#x} is not the buffer bound by bind_weights ({want:#x}); bind it first"
                     ),
                 });
             }
         }
-        Ok(bound)
+        Ok(())
     }
 
     /// `y[t] = Σ_j probs[t, j] · expert_{ids[t, j]}(x[t])` with the experts spread over the
@@ -393,7 +405,7 @@ impl<T: MoeElement> EpMoe<T> {
     ) -> Result<()> {
         const OP: &str = "EpMoe::dispatch";
         let stream = self.group.stream().clone();
-        self.bound_weights(OP, [address(&stream, w1), address(&stream, w2), 0, 0], [true, true, false, false])?;
+        self.ensure_bound(OP, w1, w2, None)?;
         let routes = self.config.max_tokens * self.config.topk;
         ensure_len(OP, "x [T_max, H]", x.len(), self.config.max_tokens * self.config.hidden, "")?;
         ensure_len(OP, "expert_ids [T_max, k]", expert_ids.len(), routes, "")?;
@@ -444,7 +456,7 @@ impl<T: MoeElement> EpMoe<T> {
     pub fn run_experts(&mut self, w1: &CudaSlice<T>, w2: &CudaSlice<T>) -> Result<()> {
         const OP: &str = "EpMoe::run_experts";
         let stream = self.group.stream().clone();
-        self.bound_weights(OP, [address(&stream, w1), address(&stream, w2), 0, 0], [true, true, false, false])?;
+        self.ensure_bound(OP, w1, w2, None)?;
         let bound = self.bound.as_ref().expect("checked above");
         let b = &mut self.bufs;
         self.experts.forward(
@@ -517,8 +529,7 @@ impl<T: MoeElement> EpMoe<T> {
     ) -> Result<()> {
         const OP: &str = "EpMoe::backward";
         let stream = self.group.stream().clone();
-        let given = [address(&stream, w1), address(&stream, w2), address(&stream, dw1), address(&stream, dw2)];
-        self.bound_weights(OP, given, [true; 4])?;
+        self.ensure_bound(OP, w1, w2, Some((dw1, dw2)))?;
         let (t, hd) = (self.config.max_tokens, self.config.hidden);
         ensure_len(OP, "dy [T_max, H]", dy.len(), t * hd, "")?;
         ensure_len(OP, "dx [T_max, H]", dx.len(), t * hd, "")?;
