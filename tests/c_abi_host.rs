@@ -163,3 +163,45 @@ fn routing_build_refuses_a_null_workspace() {
     assert_eq!(build(null_mut(), 1 << 20), INVALID, "NULL workspace");
     assert_eq!(build(p(0), 0), sys::CAPMOE_ERR_WORKSPACE_TOO_SMALL as i32, "workspace of 0 bytes");
 }
+
+/// The status codes the header declares, `(name, value)`, read from the header itself so that
+/// a code added there without a name in `capmoe_status_string` fails the test below.
+fn declared_status_codes() -> Vec<(String, i32)> {
+    let header = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/csrc/include/capturable_moe/status.h"))
+        .expect("reading capturable_moe/status.h");
+    let mut codes = Vec::new();
+    for line in header.lines().map(str::trim) {
+        let Some((name, rest)) = line.split_once('=') else { continue };
+        let name = name.trim();
+        if name == "CAPMOE_OK" || name.starts_with("CAPMOE_ERR_") {
+            let value = rest.trim_start().split(|c: char| !c.is_ascii_digit()).next().unwrap();
+            codes.push((name.to_string(), value.parse().unwrap_or_else(|_| panic!("{name}: value in `{line}`"))));
+        }
+    }
+    codes
+}
+
+fn status_string(status: i32) -> String {
+    let text = unsafe { sys::capmoe_status_string(status) };
+    assert!(!text.is_null(), "capmoe_status_string({status}) returned NULL");
+    unsafe { std::ffi::CStr::from_ptr(text) }.to_str().expect("ASCII status string").to_owned()
+}
+
+/// Every declared status code maps to its own name as the header spells it (so all are
+/// distinct and non-empty); any other value, to "unknown status", never NULL.
+#[test]
+fn every_status_code_has_its_own_name() {
+    let codes = declared_status_codes();
+    assert!(codes.len() >= 8, "found only {codes:?} in status.h");
+    assert!(codes.contains(&("CAPMOE_ERR_CUTLASS".to_string(), sys::CAPMOE_ERR_CUTLASS as i32)));
+    let mut seen = std::collections::HashSet::new();
+    for (name, value) in &codes {
+        let text = status_string(*value);
+        assert_eq!(&text, name, "capmoe_status_string({value})");
+        assert!(seen.insert(text), "{name}: the same string as another code");
+    }
+    let largest = codes.iter().map(|c| c.1).max().unwrap();
+    for unknown in [-1, largest + 1, 1000, i32::MIN, i32::MAX] {
+        assert_eq!(status_string(unknown), "unknown status", "capmoe_status_string({unknown})");
+    }
+}

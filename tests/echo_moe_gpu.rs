@@ -28,13 +28,14 @@ mod common;
 use std::sync::Arc;
 
 use capturable_moe::device::{Arch, DeviceInfo};
-use capturable_moe::dtype::DType;
-use capturable_moe::echo::{self as echo, reference, Algorithm, EchoConfig, EchoPlan};
+use capturable_moe::echo::{reference, Algorithm, EchoConfig};
 use capturable_moe::graph::capture;
 use capturable_moe::grouped_gemm::GemmConfig;
-use capturable_moe::moe::{echo_slot_pointers, echo_slot_table, MoeConfig, MoeExperts, MoeOptions, WeightForm};
+use capturable_moe::moe::{echo_slot_table, MoeExperts, MoeOptions, WeightForm};
 use capturable_moe::routing::Tokens;
-use common::moe::{assert_bits, assert_close, bf, f64s, Dims};
+use common::echo_moe::{moe_config, EchoExpertPath};
+use common::expert_io::{bits16, bits32};
+use common::moe::{assert_bits, assert_close, f64s, random_bf16, Dims};
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -220,54 +221,13 @@ fn cases(arch: Arch) -> Vec<Case> {
     ]
 }
 
-fn random_bf16(rng: &mut StdRng, len: usize, scale: f32) -> Vec<bf16> {
-    bf(&(0..len).map(|_| rng.random_range(-scale..scale)).collect::<Vec<_>>())
-}
-
-fn bits16(stream: &Arc<CudaStream>, v: &CudaSlice<bf16>) -> Vec<u16> {
-    stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect()
-}
-
-fn bits32(stream: &Arc<CudaStream>, v: &CudaSlice<f32>) -> Vec<u32> {
-    stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect()
-}
-
 /// Every device buffer of one case; the graph keeps all their addresses.
 struct Rig {
-    plan: EchoPlan,
-    /// This replay's token count (host copy of `tokens`, for the plain path and the checks).
+    /// The captured Echo + expert path over the E + S final columns.
+    echo: EchoExpertPath,
+    /// This replay's token count (host copy of `echo.tokens`, for the plain path and the checks).
     t: usize,
-    // inputs, written between replays
-    /// `[1]` i32 token count T of the captured sequence.
-    tokens: CudaSlice<i32>,
-    counts: CudaSlice<i64>,
-    ids: CudaSlice<i32>,
-    probs: CudaSlice<f32>,
-    x: CudaSlice<bf16>,
-    dy: CudaSlice<bf16>,
-    w1: CudaSlice<bf16>, // [E, 2F, H] home experts, also the plain path's weights
-    w2: CudaSlice<bf16>, // [E, H, F]
-    // Echo
-    state: CudaSlice<i64>,
-    ws: CudaSlice<i32>,
-    dest: CudaSlice<i32>,
-    dest_probs: CudaSlice<f32>,
-    w1_spare: CudaSlice<bf16>, // [S, 2F, H]
-    w2_spare: CudaSlice<bf16>, // [S, H, F]
-    dw1: CudaSlice<f32>,       // [E, 2F, H] fp32 main grads of the home experts
-    dw2: CudaSlice<f32>,
-    dw1_spare: CudaSlice<f32>, // [S, 2F, H]
-    dw2_spare: CudaSlice<f32>,
-    w1_ptrs: CudaSlice<u64>, // [E + S] per final column
-    w2_ptrs: CudaSlice<u64>,
-    dw1_ptrs: CudaSlice<u64>,
-    dw2_ptrs: CudaSlice<u64>,
-    slot_errors: CudaSlice<i64>,
-    y: CudaSlice<bf16>,
-    dx: CudaSlice<bf16>,
-    dprobs: CudaSlice<f32>,
-    moe: MoeExperts<bf16>,
-    // plain path over the E home experts, same inputs
+    // plain path over the E home experts, same inputs (`echo.x`, `echo.ids`, `echo.w1`, ...)
     plain: MoeExperts<bf16>,
     plain_dw1: CudaSlice<f32>,
     plain_dw2: CudaSlice<f32>,
@@ -276,165 +236,44 @@ struct Rig {
     plain_dprobs: CudaSlice<f32>,
 }
 
-fn moe_config(num_experts: usize, t: usize) -> MoeConfig {
-    MoeConfig {
-        num_experts,
-        hidden: H,
-        ffn: F,
-        topk: K,
-        max_tokens: t,
-        capacity: None,
-        expert_capacity: None,
-        dtype: DType::Bf16,
-        prob_dtype: DType::F32,
-        wgrad_accumulate: true,
-    }
-}
-
 impl Rig {
     fn new(stream: &Arc<CudaStream>, case: &Case) -> Rig {
-        let (cfg, t) = (&case.cfg, case.t_max);
-        let s = cfg.num_spare();
-        let plan = EchoPlan::new(cfg.clone(), t).unwrap();
+        let t = case.t_max;
+        let echo = EchoExpertPath::new(stream, &case.cfg, DIMS, t, case.gemm);
         let z16 = |n: usize| stream.alloc_zeros::<bf16>(n).unwrap();
         let z32 = |n: usize| stream.alloc_zeros::<f32>(n).unwrap();
-        let w1 = z16(E * W1);
-        let w2 = z16(E * W2);
-        let w1_spare = z16(s * W1);
-        let w2_spare = z16(s * W2);
-        let dw1 = z32(E * W1);
-        let dw2 = z32(E * W2);
-        let dw1_spare = z32(s * W1);
-        let dw2_spare = z32(s * W2);
-        let table = |home: &CudaSlice<bf16>, spare: &CudaSlice<bf16>, per: usize| {
-            stream.clone_htod(&echo_slot_pointers(stream, cfg, home, spare, per).unwrap()).unwrap()
-        };
-        let table32 = |home: &CudaSlice<f32>, spare: &CudaSlice<f32>, per: usize| {
-            stream.clone_htod(&echo_slot_pointers(stream, cfg, home, spare, per).unwrap()).unwrap()
-        };
-        let opts = MoeOptions { weights: WeightForm::Pointers, gemm_config: case.gemm, ..MoeOptions::default() };
-        let moe = MoeExperts::<bf16>::with_options(moe_config(cfg.num_columns(), t), opts, stream).unwrap();
         let plain_opts = MoeOptions { weights: WeightForm::Tensor, gemm_config: case.gemm, ..MoeOptions::default() };
-        let plain = MoeExperts::<bf16>::with_options(moe_config(E, t), plain_opts, stream).unwrap();
-        assert_eq!(moe.gemm_configs(), plain.gemm_configs(), "{}: both paths must run the same kernels", case.name);
+        let plain = MoeExperts::<bf16>::with_options(moe_config(DIMS, E, t), plain_opts, stream).unwrap();
+        assert_eq!(
+            echo.moe.gemm_configs(),
+            plain.gemm_configs(),
+            "{}: both paths must run the same kernels",
+            case.name
+        );
         Rig {
+            echo,
             t,
-            tokens: stream.clone_htod(&[t as i32]).unwrap(),
-            counts: stream.alloc_zeros(EP * E).unwrap(),
-            ids: stream.alloc_zeros(t * K).unwrap(),
-            probs: z32(t * K),
-            x: z16(t * H),
-            dy: z16(t * H),
-            state: stream.alloc_zeros(plan.state_len()).unwrap(),
-            ws: stream.alloc_zeros(plan.workspace_len().max(1)).unwrap(),
-            dest: stream.alloc_zeros(t * K).unwrap(),
-            dest_probs: z32(t * K),
-            w1_ptrs: table(&w1, &w1_spare, W1),
-            w2_ptrs: table(&w2, &w2_spare, W2),
-            dw1_ptrs: table32(&dw1, &dw1_spare, W1),
-            dw2_ptrs: table32(&dw2, &dw2_spare, W2),
-            slot_errors: stream.alloc_zeros(1).unwrap(),
-            y: z16(t * H),
-            dx: z16(t * H),
-            dprobs: z32(t * K),
+            plain,
             plain_dw1: z32(E * W1),
             plain_dw2: z32(E * W2),
             plain_y: z16(t * H),
             plain_dx: z16(t * H),
             plain_dprobs: z32(t * K),
-            plan,
-            w1,
-            w2,
-            w1_spare,
-            w2_spare,
-            dw1,
-            dw2,
-            dw1_spare,
-            dw2_spare,
-            moe,
-            plain,
         }
-    }
-
-    /// The captured sequence: plan + reroute, slot weights, expert path over E + S slots, fold.
-    fn echo_step(&mut self, stream: &Arc<CudaStream>) -> capturable_moe::Result<()> {
-        let cfg = self.plan.config().clone();
-        let s = cfg.num_spare();
-        let tok = Tokens::Device(&self.tokens);
-        self.plan.plan_reroute_topk(
-            stream,
-            &self.counts,
-            &self.ids,
-            &self.probs,
-            tok,
-            &mut self.state,
-            &mut self.ws,
-            &mut self.dest,
-            &mut self.dest_probs,
-        )?;
-        let off = self.plan.layout().slot_expert;
-        let slot_expert = self.state.slice(off..off + s);
-        echo::fill_spare_weights(
-            stream,
-            &slot_expert,
-            E,
-            0,
-            s,
-            &self.w1,
-            &mut self.w1_spare,
-            W1,
-            &mut self.slot_errors,
-        )?;
-        echo::fill_spare_weights(
-            stream,
-            &slot_expert,
-            E,
-            0,
-            s,
-            &self.w2,
-            &mut self.w2_spare,
-            W2,
-            &mut self.slot_errors,
-        )?;
-        stream.memset_zeros(&mut self.dw1_spare)?;
-        stream.memset_zeros(&mut self.dw2_spare)?;
-        self.moe.forward(
-            stream,
-            &self.x,
-            &self.dest,
-            &self.dest_probs,
-            tok,
-            &self.w1_ptrs,
-            &self.w2_ptrs,
-            &mut self.y,
-        )?;
-        self.moe.backward(
-            stream,
-            &self.dy,
-            &self.dest_probs,
-            tok,
-            &self.w1_ptrs,
-            &self.w2_ptrs,
-            &mut self.dx,
-            &mut self.dprobs,
-            &mut self.dw1_ptrs,
-            &mut self.dw2_ptrs,
-        )?;
-        echo::fold_spare_grads(stream, &slot_expert, E, s, &self.dw1_spare, &mut self.dw1, W1, &mut self.slot_errors)?;
-        echo::fold_spare_grads(stream, &slot_expert, E, s, &self.dw2_spare, &mut self.dw2, W2, &mut self.slot_errors)
     }
 
     /// The plain expert path over the E home experts on the original routes.
     fn plain_step(&mut self, stream: &Arc<CudaStream>) -> capturable_moe::Result<()> {
         let tok = Tokens::Host(self.t);
-        self.plain.forward(stream, &self.x, &self.ids, &self.probs, tok, &self.w1, &self.w2, &mut self.plain_y)?;
+        let echo = &self.echo;
+        self.plain.forward(stream, &echo.x, &echo.ids, &echo.probs, tok, &echo.w1, &echo.w2, &mut self.plain_y)?;
         self.plain.backward(
             stream,
-            &self.dy,
-            &self.probs,
+            &echo.dy,
+            &echo.probs,
             tok,
-            &self.w1,
-            &self.w2,
+            &echo.w1,
+            &echo.w2,
             &mut self.plain_dx,
             &mut self.plain_dprobs,
             &mut self.plain_dw1,
@@ -484,19 +323,19 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
     let load_weights = |rig: &mut Rig, rng: &mut StdRng| {
         let w1 = random_bf16(rng, E * W1, 1.0 / (H as f32).sqrt());
         let w2 = random_bf16(rng, E * W2, 1.0 / (F as f32).sqrt());
-        stream.memcpy_htod(&w1, &mut rig.w1).unwrap();
-        stream.memcpy_htod(&w2, &mut rig.w2).unwrap();
+        stream.memcpy_htod(&w1, &mut rig.echo.w1).unwrap();
+        stream.memcpy_htod(&w2, &mut rig.echo.w2).unwrap();
         (w1, w2)
     };
     let mut weights = load_weights(&mut rig, &mut rng);
 
     // Capture once, on the first replay's inputs.
     let first = routing(&mut rng, cfg, t_max, Kind::Skewed);
-    stream.memcpy_htod(&first.counts, &mut rig.counts).unwrap();
-    stream.memcpy_htod(&first.ids, &mut rig.ids).unwrap();
-    stream.memcpy_htod(&first.probs, &mut rig.probs).unwrap();
+    stream.memcpy_htod(&first.counts, &mut rig.echo.counts).unwrap();
+    stream.memcpy_htod(&first.ids, &mut rig.echo.ids).unwrap();
+    stream.memcpy_htod(&first.probs, &mut rig.echo.probs).unwrap();
     stream.synchronize().unwrap();
-    let graph = capture(stream, || rig.echo_step(stream)).unwrap();
+    let graph = capture(stream, || rig.echo.run(stream)).unwrap();
 
     let (mut moved_replays, mut moved_routes, mut bitwise_experts, mut checked_reference) = (0, 0, 0, false);
     let mut kinds_seen = Vec::new();
@@ -513,47 +352,47 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
         let init1: Vec<f32> = (0..E * W1).map(|_| rng.random_range(-0.01f32..0.01)).collect();
         let init2: Vec<f32> = (0..E * W2).map(|_| rng.random_range(-0.01f32..0.01)).collect();
         // Rows at or past T keep the routes of earlier replays: the kernels must ignore them.
-        stream.memcpy_htod(&[t as i32], &mut rig.tokens).unwrap();
-        stream.memcpy_htod(&ro.counts, &mut rig.counts).unwrap();
+        stream.memcpy_htod(&[t as i32], &mut rig.echo.tokens).unwrap();
+        stream.memcpy_htod(&ro.counts, &mut rig.echo.counts).unwrap();
         if t > 0 {
-            stream.memcpy_htod(&ro.ids, &mut rig.ids.slice_mut(..t * K)).unwrap();
-            stream.memcpy_htod(&ro.probs, &mut rig.probs.slice_mut(..t * K)).unwrap();
+            stream.memcpy_htod(&ro.ids, &mut rig.echo.ids.slice_mut(..t * K)).unwrap();
+            stream.memcpy_htod(&ro.probs, &mut rig.echo.probs.slice_mut(..t * K)).unwrap();
         }
-        stream.memcpy_htod(&x, &mut rig.x).unwrap();
-        stream.memcpy_htod(&dy, &mut rig.dy).unwrap();
-        for (dst, src) in [(&mut rig.dw1, &init1), (&mut rig.plain_dw1, &init1)] {
+        stream.memcpy_htod(&x, &mut rig.echo.x).unwrap();
+        stream.memcpy_htod(&dy, &mut rig.echo.dy).unwrap();
+        for (dst, src) in [(&mut rig.echo.dw1, &init1), (&mut rig.plain_dw1, &init1)] {
             stream.memcpy_htod(src, dst).unwrap();
         }
-        for (dst, src) in [(&mut rig.dw2, &init2), (&mut rig.plain_dw2, &init2)] {
+        for (dst, src) in [(&mut rig.echo.dw2, &init2), (&mut rig.plain_dw2, &init2)] {
             stream.memcpy_htod(src, dst).unwrap();
         }
         // Poison every output and the spare weights, so nothing stale can pass.
-        for dst in [&mut rig.y, &mut rig.dx, &mut rig.plain_y, &mut rig.plain_dx] {
+        for dst in [&mut rig.echo.y, &mut rig.echo.dx, &mut rig.plain_y, &mut rig.plain_dx] {
             stream.memcpy_htod(&poison16[..t_max * H], dst).unwrap();
         }
-        stream.memcpy_htod(&poison16[..s * W1], &mut rig.w1_spare).unwrap();
-        stream.memcpy_htod(&poison16[..s * W2], &mut rig.w2_spare).unwrap();
-        for dst in [&mut rig.dprobs, &mut rig.plain_dprobs, &mut rig.dest_probs] {
+        stream.memcpy_htod(&poison16[..s * W1], &mut rig.echo.w1_spare).unwrap();
+        stream.memcpy_htod(&poison16[..s * W2], &mut rig.echo.w2_spare).unwrap();
+        for dst in [&mut rig.echo.dprobs, &mut rig.plain_dprobs, &mut rig.echo.dest_probs] {
             stream.memcpy_htod(&poison32, dst).unwrap();
         }
-        stream.memcpy_htod(&vec![-7777i32; t_max * K], &mut rig.dest).unwrap();
+        stream.memcpy_htod(&vec![-7777i32; t_max * K], &mut rig.echo.dest).unwrap();
 
         graph.launch().unwrap();
         rig.plain_step(stream).unwrap();
 
         let what = format!("{name}: replay {i} ({kind:?}, T = {t})");
         // Plan, reroute and slot weights.
-        assert!(rig.plan.read_errors(stream, &rig.state).unwrap().is_empty(), "{what}: planner error word");
+        assert!(rig.echo.plan.read_errors(stream, &rig.echo.state).unwrap().is_empty(), "{what}: planner error word");
         let want_plan = reference::plan(cfg, &ro.counts).unwrap();
-        let stages = rig.plan.read_stages(stream, &rig.state).unwrap();
+        let stages = rig.echo.plan.read_stages(stream, &rig.echo.state).unwrap();
         assert_eq!(stages.slot_expert, want_plan.slot_expert, "{what}: slot -> home expert table");
         assert_eq!(stages.tokens_to_slot, want_plan.tokens_to_slot, "{what}: Ftot");
         let want_dest = reference::reroute_topk(cfg, &want_plan, &ro.counts, &ro.ids, t).unwrap();
-        let dest_all = stream.clone_dtoh(&rig.dest).unwrap();
+        let dest_all = stream.clone_dtoh(&rig.echo.dest).unwrap();
         let (dest, dest_past) = dest_all.split_at(t * K);
         assert_bits(&format!("{what}: rerouted columns"), dest, &want_dest);
         assert!(dest_past.iter().all(|&c| c == -7777), "{what}: reroute wrote a route past T");
-        let dest_probs = bits32(stream, &rig.dest_probs);
+        let dest_probs = bits32(stream, &rig.echo.dest_probs);
         assert_bits(
             &format!("{what}: rerouted probs"),
             &dest_probs[..t * K],
@@ -570,8 +409,8 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
         }
         moved_replays += (moved > 0) as usize;
         moved_routes += moved;
-        let spare1 = bits16(stream, &rig.w1_spare);
-        let spare2 = bits16(stream, &rig.w2_spare);
+        let spare1 = bits16(stream, &rig.echo.w1_spare);
+        let spare2 = bits16(stream, &rig.echo.w2_spare);
         let home1: Vec<u16> = weights.0.iter().map(|b| b.to_bits()).collect();
         let home2: Vec<u16> = weights.1.iter().map(|b| b.to_bits()).collect();
         for (j, &e) in stages.slot_expert.iter().enumerate() {
@@ -593,9 +432,9 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
         // The expert path: Echo over E + S slots against the plain path over E experts (every
         // token has k routes, so every output element of the first T rows was written over its
         // poison; the rows past T keep it).
-        let mut y = stream.clone_dtoh(&rig.y).unwrap();
-        let mut dxv = stream.clone_dtoh(&rig.dx).unwrap();
-        let mut dpv = stream.clone_dtoh(&rig.dprobs).unwrap();
+        let mut y = stream.clone_dtoh(&rig.echo.y).unwrap();
+        let mut dxv = stream.clone_dtoh(&rig.echo.dx).unwrap();
+        let mut dpv = stream.clone_dtoh(&rig.echo.dprobs).unwrap();
         let untouched16 = |v: &[bf16]| v.iter().all(|b| b.to_bits() == 0xFFFF);
         assert!(untouched16(&y[t * H..]) && untouched16(&dxv[t * H..]), "{what}: y or dx written past T");
         assert!(dpv[t * K..].iter().all(|b| b.to_bits() == 0xFFFF_FFFF), "{what}: dprobs written past T");
@@ -606,9 +445,9 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
             y.iter().chain(&dxv).all(|v| v.is_finite()) && dpv.iter().all(|v| v.is_finite()),
             "{what}: unwritten or non-finite output"
         );
-        assert_bits(&format!("{what}: y"), &bits16(stream, &rig.y), &bits16(stream, &rig.plain_y));
-        assert_bits(&format!("{what}: dx"), &bits16(stream, &rig.dx), &bits16(stream, &rig.plain_dx));
-        assert_bits(&format!("{what}: dprobs"), &bits32(stream, &rig.dprobs), &bits32(stream, &rig.plain_dprobs));
+        assert_bits(&format!("{what}: y"), &bits16(stream, &rig.echo.y), &bits16(stream, &rig.plain_y));
+        assert_bits(&format!("{what}: dx"), &bits16(stream, &rig.echo.dx), &bits16(stream, &rig.plain_dx));
+        assert_bits(&format!("{what}: dprobs"), &bits32(stream, &rig.echo.dprobs), &bits32(stream, &rig.plain_dprobs));
         // Experts none of whose routes moved have the same rows, in the same order.
         let mut exact = vec![true; E];
         for (r, &c) in dest.iter().enumerate() {
@@ -616,22 +455,22 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
                 exact[ro.ids[r] as usize] = false;
             }
         }
-        let dw1 = stream.clone_dtoh(&rig.dw1).unwrap();
-        let dw2 = stream.clone_dtoh(&rig.dw2).unwrap();
+        let dw1 = stream.clone_dtoh(&rig.echo.dw1).unwrap();
+        let dw2 = stream.clone_dtoh(&rig.echo.dw2).unwrap();
         bitwise_experts +=
             check_grads(&format!("{what}: dW1"), &dw1, &stream.clone_dtoh(&rig.plain_dw1).unwrap(), &init1, W1, &exact);
         bitwise_experts +=
             check_grads(&format!("{what}: dW2"), &dw2, &stream.clone_dtoh(&rig.plain_dw2).unwrap(), &init2, W2, &exact);
 
         for (flag, word) in [
-            ("routing", stream.clone_dtoh(&rig.moe.maps.flags).unwrap()[0]),
-            ("gemm", stream.clone_dtoh(&rig.moe.gemm_flags).unwrap()[0]),
+            ("routing", stream.clone_dtoh(&rig.echo.moe.maps.flags).unwrap()[0]),
+            ("gemm", stream.clone_dtoh(&rig.echo.moe.gemm_flags).unwrap()[0]),
             ("plain routing", stream.clone_dtoh(&rig.plain.maps.flags).unwrap()[0]),
             ("plain gemm", stream.clone_dtoh(&rig.plain.gemm_flags).unwrap()[0]),
         ] {
             assert_eq!(word, 0, "{what}: {flag} flag word");
         }
-        assert_eq!(stream.clone_dtoh(&rig.slot_errors).unwrap()[0], 0, "{what}: fill / fold error word");
+        assert_eq!(stream.clone_dtoh(&rig.echo.slot_errors).unwrap()[0], 0, "{what}: fill / fold error word");
 
         // Once per case, with tokens moved: the fp64 CPU reference on the home routes.
         if !checked_reference && moved > 0 {
@@ -656,7 +495,7 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
          {bitwise_experts} of {} home-expert gradients bitwise equal to the plain path; kernels {:?}",
         replays(),
         2 * E * replays(),
-        rig.moe.gemm_configs()
+        rig.echo.moe.gemm_configs()
     );
     // Coverage checks, only with enough replays to cycle every kind twice (a memcheck run with
     // CAPMOE_ECHO_MOE_REPLAYS=2 skips them; each replay above was checked in full regardless).

@@ -12,11 +12,9 @@ use capturable_moe::graph::capture;
 use capturable_moe::moe::{Fc1Kernel, MoeConfig, MoeExperts, MoeOptions, WeightForm};
 use capturable_moe::routing::Tokens;
 use capturable_moe::Error;
-use common::moe::{
-    assert_bits, assert_close, assert_written_bf16, assert_written_f32, bf, f64s, poison_bf16, poison_f32, reference,
-    Dims,
-};
-use cudarc::driver::{CudaSlice, CudaStream};
+use common::expert_io::{layer_config, ExpertIo as Io, Step};
+use common::moe::{assert_bits, assert_close, assert_written_bf16, assert_written_f32, bf, f64s, reference, Dims};
+use cudarc::driver::CudaStream;
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -28,18 +26,7 @@ const T_MAX: usize = 160;
 const DIMS: Dims = Dims { e: E, h: H, f: F, k: K };
 
 fn config(capacity: Option<usize>) -> MoeConfig {
-    MoeConfig {
-        num_experts: E,
-        hidden: H,
-        ffn: F,
-        topk: K,
-        max_tokens: T_MAX,
-        capacity,
-        expert_capacity: None,
-        dtype: DType::Bf16,
-        prob_dtype: DType::F32,
-        wgrad_accumulate: false,
-    }
+    MoeConfig { capacity, ..layer_config(DIMS, T_MAX) }
 }
 
 fn plan(stream: &Arc<CudaStream>, capacity: Option<usize>, fc1: Fc1Kernel, forward_only: bool) -> MoeExperts<bf16> {
@@ -47,14 +34,6 @@ fn plan(stream: &Arc<CudaStream>, capacity: Option<usize>, fc1: Fc1Kernel, forwa
     let moe = MoeExperts::<bf16>::with_options(config(capacity), opts, stream).unwrap();
     assert_eq!(moe.fc1_is_fused(), fc1 == Fc1Kernel::Fused, "{fc1:?}");
     moe
-}
-
-struct Step {
-    t: usize,
-    ids: Vec<i32>,
-    probs: Vec<f32>,
-    x: Vec<bf16>,
-    dy: Vec<bf16>,
 }
 
 fn step(rng: &mut StdRng, i: usize) -> Step {
@@ -80,87 +59,9 @@ fn step(rng: &mut StdRng, i: usize) -> Step {
     Step { t, ids, probs, x, dy }
 }
 
-struct Io {
-    x: CudaSlice<bf16>,
-    ids: CudaSlice<i32>,
-    probs: CudaSlice<f32>,
-    tokens: CudaSlice<i32>,
-    w1: CudaSlice<bf16>,
-    w2: CudaSlice<bf16>,
-    y: CudaSlice<bf16>,
-    dy: CudaSlice<bf16>,
-    dx: CudaSlice<bf16>,
-    dprobs: CudaSlice<f32>,
-    dw1: CudaSlice<bf16>,
-    dw2: CudaSlice<bf16>,
-}
-
-impl Io {
-    fn new(stream: &Arc<CudaStream>, w1: &[bf16], w2: &[bf16]) -> Io {
-        Io {
-            x: stream.alloc_zeros(T_MAX * H).unwrap(),
-            ids: stream.alloc_zeros(T_MAX * K).unwrap(),
-            probs: stream.alloc_zeros(T_MAX * K).unwrap(),
-            tokens: stream.alloc_zeros(1).unwrap(),
-            w1: stream.clone_htod(w1).unwrap(),
-            w2: stream.clone_htod(w2).unwrap(),
-            y: stream.alloc_zeros(T_MAX * H).unwrap(),
-            dy: stream.alloc_zeros(T_MAX * H).unwrap(),
-            dx: stream.alloc_zeros(T_MAX * H).unwrap(),
-            dprobs: stream.alloc_zeros(T_MAX * K).unwrap(),
-            dw1: stream.alloc_zeros(E * 2 * F * H).unwrap(),
-            dw2: stream.alloc_zeros(E * H * F).unwrap(),
-        }
-    }
-
-    fn load(&mut self, stream: &Arc<CudaStream>, s: &Step) {
-        stream.memcpy_htod(&s.x, &mut self.x).unwrap();
-        stream.memcpy_htod(&s.ids, &mut self.ids).unwrap();
-        stream.memcpy_htod(&s.probs, &mut self.probs).unwrap();
-        stream.memcpy_htod(&s.dy, &mut self.dy).unwrap();
-        stream.memcpy_htod(&[s.t as i32], &mut self.tokens).unwrap();
-        stream.memcpy_htod(&poison_bf16(T_MAX * H), &mut self.y).unwrap();
-        stream.memcpy_htod(&poison_bf16(T_MAX * H), &mut self.dx).unwrap();
-        stream.memcpy_htod(&poison_f32(T_MAX * K), &mut self.dprobs).unwrap();
-        stream.memcpy_htod(&poison_bf16(E * 2 * F * H), &mut self.dw1).unwrap();
-        stream.memcpy_htod(&poison_bf16(E * H * F), &mut self.dw2).unwrap();
-    }
-
-    fn forward(&mut self, moe: &mut MoeExperts<bf16>, stream: &Arc<CudaStream>) -> capturable_moe::Result<()> {
-        let tokens = Tokens::Device(&self.tokens);
-        moe.forward(stream, &self.x, &self.ids, &self.probs, tokens, &self.w1, &self.w2, &mut self.y)
-    }
-
-    fn backward(&mut self, moe: &mut MoeExperts<bf16>, stream: &Arc<CudaStream>) -> capturable_moe::Result<()> {
-        let tokens = Tokens::Device(&self.tokens);
-        moe.backward(
-            stream,
-            &self.dy,
-            &self.probs,
-            tokens,
-            &self.w1,
-            &self.w2,
-            &mut self.dx,
-            &mut self.dprobs,
-            &mut self.dw1,
-            &mut self.dw2,
-        )
-    }
-
-    fn step(&mut self, moe: &mut MoeExperts<bf16>, stream: &Arc<CudaStream>) -> capturable_moe::Result<()> {
-        self.forward(moe, stream)?;
-        self.backward(moe, stream)
-    }
-
-    /// y, dx, dw1, dw2 and dprobs as raw bits (poison included).
-    fn bits(&self, stream: &Arc<CudaStream>) -> Vec<u32> {
-        let mut bits: Vec<u32> = Vec::new();
-        for v in [&self.y, &self.dx, &self.dw1, &self.dw2] {
-            bits.extend(stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits() as u32));
-        }
-        bits.extend(stream.clone_dtoh(&self.dprobs).unwrap().iter().map(|f| f.to_bits()));
-        bits
-    }
+/// The caller-owned buffers of one layer of [`DIMS`], holding the weights `w1`, `w2`.
+fn layer_io(stream: &Arc<CudaStream>, w1: &[bf16], w2: &[bf16]) -> Io {
+    Io::new(stream, DIMS, T_MAX, w1, w2)
 }
 
 fn weights(seed: u64) -> (Vec<bf16>, Vec<bf16>) {
@@ -179,7 +80,7 @@ fn fused_moe_equals_unfused_bitwise_and_the_fp64_reference() {
     for capacity in [None, Some(150)] {
         let mut fused = plan(&stream, capacity, Fc1Kernel::Fused, false);
         let mut unfused = plan(&stream, capacity, Fc1Kernel::Unfused, false);
-        let (mut fio, mut uio) = (Io::new(&stream, &w1, &w2), Io::new(&stream, &w1, &w2));
+        let (mut fio, mut uio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
         let mut rng = StdRng::seed_from_u64(2);
         for i in 0..12 {
             let s = step(&mut rng, i);
@@ -219,7 +120,7 @@ fn fused_moe_graph_replays_equal_eager_unfused() {
     let (w1, w2) = weights(3);
     let mut graph_moe = plan(&stream, None, Fc1Kernel::Fused, false);
     let mut eager_moe = plan(&stream, None, Fc1Kernel::Unfused, false);
-    let (mut gio, mut eio) = (Io::new(&stream, &w1, &w2), Io::new(&stream, &w1, &w2));
+    let (mut gio, mut eio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
     let mut rng = StdRng::seed_from_u64(4);
     gio.load(&stream, &step(&mut rng, 4));
     stream.synchronize().unwrap();
@@ -240,7 +141,7 @@ fn fused_moe_forward_only_skips_the_saves_and_refuses_backward() {
     let (w1, w2) = weights(5);
     let mut fwd = plan(&stream, None, Fc1Kernel::Fused, true);
     let mut unfused = plan(&stream, None, Fc1Kernel::Unfused, false);
-    let (mut fio, mut uio) = (Io::new(&stream, &w1, &w2), Io::new(&stream, &w1, &w2));
+    let (mut fio, mut uio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
     let mut rng = StdRng::seed_from_u64(6);
     for i in 0..6 {
         let s = step(&mut rng, i);

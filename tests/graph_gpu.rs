@@ -12,7 +12,6 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Instant;
 
-use capturable_moe::dtype::DType;
 use capturable_moe::echo::{Algorithm, EchoConfig, EchoPlan};
 use capturable_moe::graph::{
     capture, capture_with, round_up, update, CaptureOptions, FlagReport, FlagSource, FlagWords, GraphTemplate,
@@ -22,7 +21,8 @@ use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
 use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions};
 use capturable_moe::routing::{RoutingPlan, Tokens};
 use capturable_moe::Error;
-use common::moe::{assert_bits, assert_written_bf16, poison_bf16, poison_f32, POISON_BF16};
+use common::expert_io::{bits16, bits32, layer_config, ExpertIo as Io, Step};
+use common::moe::{assert_bits, assert_written_bf16, Dims, POISON_BF16};
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use half::bf16;
@@ -38,21 +38,16 @@ struct Shape {
     t_max: usize,
 }
 
+impl Shape {
+    fn dims(self) -> Dims {
+        Dims { e: self.e, h: self.h, f: self.f, k: self.k }
+    }
+}
+
 const SMALL: Shape = Shape { e: 8, h: 64, f: 32, k: 2, t_max: 64 };
 
 fn config(s: Shape) -> MoeConfig {
-    MoeConfig {
-        num_experts: s.e,
-        hidden: s.h,
-        ffn: s.f,
-        topk: s.k,
-        max_tokens: s.t_max,
-        capacity: None,
-        expert_capacity: None,
-        dtype: DType::Bf16,
-        prob_dtype: DType::F32,
-        wgrad_accumulate: false,
-    }
+    layer_config(s.dims(), s.t_max)
 }
 
 fn random_bf16(rng: &mut StdRng, n: usize, scale: f32) -> Vec<bf16> {
@@ -60,14 +55,6 @@ fn random_bf16(rng: &mut StdRng, n: usize, scale: f32) -> Vec<bf16> {
 }
 
 /// One step's inputs: T tokens, each with k distinct experts (some routes -1), probs, x, dy.
-struct Step {
-    t: usize,
-    ids: Vec<i32>,
-    probs: Vec<f32>,
-    x: Vec<bf16>,
-    dy: Vec<bf16>,
-}
-
 fn random_step(rng: &mut StdRng, s: Shape, t: usize) -> Step {
     let mut ids = vec![-1i32; s.t_max * s.k];
     let mut probs = vec![0f32; s.t_max * s.k];
@@ -84,93 +71,22 @@ fn random_step(rng: &mut StdRng, s: Shape, t: usize) -> Step {
     Step { t, ids, probs, x: random_bf16(rng, s.t_max * s.h, 1.0), dy: random_bf16(rng, s.t_max * s.h, 1.0) }
 }
 
-/// Caller-owned buffers of one layer (the addresses a graph keeps).
-struct Io {
-    shape: Shape,
-    x: CudaSlice<bf16>,
-    ids: CudaSlice<i32>,
-    probs: CudaSlice<f32>,
-    tokens: CudaSlice<i32>,
-    w1: CudaSlice<bf16>,
-    w2: CudaSlice<bf16>,
-    y: CudaSlice<bf16>,
-    dy: CudaSlice<bf16>,
-    dx: CudaSlice<bf16>,
-    dprobs: CudaSlice<f32>,
-    dw1: CudaSlice<bf16>,
-    dw2: CudaSlice<bf16>,
+/// Caller-owned buffers of one layer (the addresses a graph keeps), with weights drawn from
+/// `weight_seed`.
+fn layer_io(stream: &Arc<CudaStream>, s: Shape, weight_seed: u64) -> Io {
+    let mut rng = StdRng::seed_from_u64(weight_seed);
+    let (w1, w2) = (random_bf16(&mut rng, s.e * 2 * s.f * s.h, 0.125), random_bf16(&mut rng, s.e * s.h * s.f, 0.125));
+    Io::new(stream, s.dims(), s.t_max, &w1, &w2)
 }
 
-impl Io {
-    fn new(stream: &Arc<CudaStream>, s: Shape, weight_seed: u64) -> Io {
-        let mut rng = StdRng::seed_from_u64(weight_seed);
-        let (w1, w2) =
-            (random_bf16(&mut rng, s.e * 2 * s.f * s.h, 0.125), random_bf16(&mut rng, s.e * s.h * s.f, 0.125));
-        let zeros_bf16 = |n: usize| stream.alloc_zeros::<bf16>(n).unwrap();
-        Io {
-            shape: s,
-            x: zeros_bf16(s.t_max * s.h),
-            ids: stream.alloc_zeros(s.t_max * s.k).unwrap(),
-            probs: stream.alloc_zeros(s.t_max * s.k).unwrap(),
-            tokens: stream.alloc_zeros(1).unwrap(),
-            w1: stream.clone_htod(&w1).unwrap(),
-            w2: stream.clone_htod(&w2).unwrap(),
-            y: zeros_bf16(s.t_max * s.h),
-            dy: zeros_bf16(s.t_max * s.h),
-            dx: zeros_bf16(s.t_max * s.h),
-            dprobs: stream.alloc_zeros(s.t_max * s.k).unwrap(),
-            dw1: zeros_bf16(s.e * 2 * s.f * s.h),
-            dw2: zeros_bf16(s.e * s.h * s.f),
-        }
-    }
-
-    /// Writes the step's inputs and poisons every output.
-    fn load(&mut self, stream: &Arc<CudaStream>, step: &Step) {
-        stream.memcpy_htod(&step.x, &mut self.x).unwrap();
-        stream.memcpy_htod(&step.ids, &mut self.ids).unwrap();
-        stream.memcpy_htod(&step.probs, &mut self.probs).unwrap();
-        stream.memcpy_htod(&step.dy, &mut self.dy).unwrap();
-        stream.memcpy_htod(&[step.t as i32], &mut self.tokens).unwrap();
-        self.poison(stream);
-    }
-
-    fn poison(&mut self, stream: &Arc<CudaStream>) {
-        let s = self.shape;
-        stream.memcpy_htod(&poison_bf16(s.t_max * s.h), &mut self.y).unwrap();
-        stream.memcpy_htod(&poison_bf16(s.t_max * s.h), &mut self.dx).unwrap();
-        stream.memcpy_htod(&poison_f32(s.t_max * s.k), &mut self.dprobs).unwrap();
-        stream.memcpy_htod(&poison_bf16(s.e * 2 * s.f * s.h), &mut self.dw1).unwrap();
-        stream.memcpy_htod(&poison_bf16(s.e * s.h * s.f), &mut self.dw2).unwrap();
-    }
-
-    /// Forward + backward with the device token count.
-    fn run(&mut self, moe: &mut MoeExperts<bf16>, stream: &Arc<CudaStream>) -> capturable_moe::Result<()> {
-        self.run_with(moe, stream, None)
-    }
-
-    /// Forward + backward with a host token count (`Some`) or the device one.
-    fn run_with(
-        &mut self,
-        moe: &mut MoeExperts<bf16>,
-        stream: &Arc<CudaStream>,
-        host_t: Option<usize>,
-    ) -> capturable_moe::Result<()> {
-        let Io { x, ids, probs, tokens, w1, w2, y, dy, dx, dprobs, dw1, dw2, .. } = self;
-        let tokens = host_t.map_or(Tokens::Device(&*tokens), Tokens::Host);
-        moe.forward(stream, &*x, &*ids, &*probs, tokens, &*w1, &*w2, y)?;
-        moe.backward(stream, &*dy, &*probs, tokens, &*w1, &*w2, dx, dprobs, dw1, dw2)
-    }
-
-    /// Every output's bits: y, dx, dprobs, dw1, dw2.
-    fn bits(&self, stream: &Arc<CudaStream>) -> Outputs {
-        let b16 = |v: Vec<bf16>| v.into_iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
-        Outputs {
-            y: b16(stream.clone_dtoh(&self.y).unwrap()),
-            dx: b16(stream.clone_dtoh(&self.dx).unwrap()),
-            dprobs: stream.clone_dtoh(&self.dprobs).unwrap().into_iter().map(f32::to_bits).collect(),
-            dw1: b16(stream.clone_dtoh(&self.dw1).unwrap()),
-            dw2: b16(stream.clone_dtoh(&self.dw2).unwrap()),
-        }
+/// Every output's bits: y, dx, dprobs, dw1, dw2.
+fn outputs(io: &Io, stream: &Arc<CudaStream>) -> Outputs {
+    Outputs {
+        y: bits16(stream, &io.y),
+        dx: bits16(stream, &io.dx),
+        dprobs: bits32(stream, &io.dprobs),
+        dw1: bits16(stream, &io.dw1),
+        dw2: bits16(stream, &io.dw2),
     }
 }
 
@@ -303,11 +219,11 @@ fn pooled_bucket_graphs_equal_graphs_captured_alone_over_interleaved_replays_gpu
         let mut pooled_moe =
             MoeExperts::<bf16>::with_pool(config(shape), MoeOptions::default(), &stream, &range).unwrap();
         let mut alone_moe = MoeExperts::<bf16>::new(config(shape), &stream).unwrap();
-        let mut pooled_io = Io::new(&stream, shape, 10 + i as u64);
-        let mut alone_io = Io::new(&stream, shape, 10 + i as u64);
+        let mut pooled_io = layer_io(&stream, shape, 10 + i as u64);
+        let mut alone_io = layer_io(&stream, shape, 10 + i as u64);
         stream.synchronize().unwrap();
-        let pooled = capture(&stream, || pooled_io.run(&mut pooled_moe, &stream)).unwrap();
-        let alone = capture(&stream, || alone_io.run(&mut alone_moe, &stream)).unwrap();
+        let pooled = capture(&stream, || pooled_io.step(&mut pooled_moe, &stream)).unwrap();
+        let alone = capture(&stream, || alone_io.step(&mut alone_moe, &stream)).unwrap();
         all.push(Bucket { shape, pooled_io, alone_io, pooled, alone, pooled_moe, _alone_moe: alone_moe });
     }
     let mut rng = StdRng::seed_from_u64(16);
@@ -324,8 +240,8 @@ fn pooled_bucket_graphs_equal_graphs_captured_alone_over_interleaved_replays_gpu
         b.pooled.launch().unwrap();
         b.alone.launch().unwrap();
         let what = format!("step {step_index} (bucket {}, T={t})", b.shape.t_max);
-        let got = b.pooled_io.bits(&stream);
-        assert_outputs_equal(&what, &got, &b.alone_io.bits(&stream));
+        let got = outputs(&b.pooled_io, &stream);
+        assert_outputs_equal(&what, &got, &outputs(&b.alone_io, &stream));
         let y: Vec<bf16> = got.y.iter().map(|&v| bf16::from_bits(v)).collect();
         assert_written_bf16(&format!("{what}: y"), &y, t * b.shape.h);
     }
@@ -344,10 +260,10 @@ fn updated_graph_equals_a_freshly_captured_one_gpu() {
     let stream = gpu_or_skip!();
     let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let mut moe = MoeExperts::<bf16>::new(config(SMALL), &stream).unwrap();
-    let (mut layer_a, mut layer_b) = (Io::new(&stream, SMALL, 1), Io::new(&stream, SMALL, 2));
+    let (mut layer_a, mut layer_b) = (layer_io(&stream, SMALL, 1), layer_io(&stream, SMALL, 2));
     stream.synchronize().unwrap();
-    let mut graph = capture(&stream, || layer_a.run(&mut moe, &stream)).unwrap();
-    update(&mut graph, &stream, || layer_b.run(&mut moe, &stream)).unwrap();
+    let mut graph = capture(&stream, || layer_a.step(&mut moe, &stream)).unwrap();
+    update(&mut graph, &stream, || layer_b.step(&mut moe, &stream)).unwrap();
     let mut rng = StdRng::seed_from_u64(3);
     for i in 0..20 {
         let t = if i == 0 { SMALL.t_max } else { rng.random_range(1..=SMALL.t_max) };
@@ -355,17 +271,17 @@ fn updated_graph_equals_a_freshly_captured_one_gpu() {
         layer_a.load(&stream, &step);
         layer_b.load(&stream, &step);
         graph.launch().unwrap();
-        let updated = layer_b.bits(&stream);
-        let untouched = layer_a.bits(&stream);
+        let updated = outputs(&layer_b, &stream);
+        let untouched = outputs(&layer_a, &stream);
         assert!(untouched.y.iter().all(|&v| v == POISON_BF16), "step {i}: the updated graph still wrote layer A's y");
         assert!(
             untouched.dw1.iter().all(|&v| v == POISON_BF16),
             "step {i}: the updated graph still wrote layer A's dW1"
         );
-        layer_b.poison(&stream);
-        let fresh = capture(&stream, || layer_b.run(&mut moe, &stream)).unwrap();
+        layer_b.poison_outputs(&stream);
+        let fresh = capture(&stream, || layer_b.step(&mut moe, &stream)).unwrap();
         fresh.launch().unwrap();
-        assert_outputs_equal(&format!("step {i} (T={})", step.t), &updated, &layer_b.bits(&stream));
+        assert_outputs_equal(&format!("step {i} (T={})", step.t), &updated, &outputs(&layer_b, &stream));
     }
 }
 
@@ -376,9 +292,9 @@ fn update_to_another_topology_is_refused_gpu() {
     let stream = gpu_or_skip!();
     let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let mut moe = MoeExperts::<bf16>::new(config(SMALL), &stream).unwrap();
-    let mut io = Io::new(&stream, SMALL, 4);
+    let mut io = layer_io(&stream, SMALL, 4);
     stream.synchronize().unwrap();
-    let mut graph = capture(&stream, || io.run(&mut moe, &stream)).unwrap();
+    let mut graph = capture(&stream, || io.step(&mut moe, &stream)).unwrap();
     let forward_only = update(&mut graph, &stream, || {
         moe.forward(&stream, &io.x, &io.ids, &io.probs, Tokens::Device(&io.tokens), &io.w1, &io.w2, &mut io.y)
     });
@@ -569,9 +485,9 @@ fn flag_report_names_the_bits_a_replay_raised_gpu() {
     let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let cfg = MoeConfig { expert_capacity: Some(2), ..config(SMALL) };
     let mut moe = MoeExperts::<bf16>::new(cfg, &stream).unwrap();
-    let mut io = Io::new(&stream, SMALL, 7);
+    let mut io = layer_io(&stream, SMALL, 7);
     stream.synchronize().unwrap();
-    let graph = capture(&stream, || io.run(&mut moe, &stream)).unwrap();
+    let graph = capture(&stream, || io.step(&mut moe, &stream)).unwrap();
     let mut step = random_step(&mut StdRng::seed_from_u64(8), SMALL, SMALL.t_max);
     step.ids[0] = SMALL.e as i32 + 3; // out of range
     io.load(&stream, &step);
@@ -639,12 +555,12 @@ fn timing_one_graph_for_every_t_gpu() {
     let t_max = env_usize("CAPMOE_GRAPH_TMAX", 16384);
     let reps = env_usize("CAPMOE_GRAPH_REPS", 20);
     let shape = qwen(t_max);
-    let mut io = Io::new(&stream, shape, 21);
+    let mut io = layer_io(&stream, shape, 21);
     let step = random_step(&mut StdRng::seed_from_u64(22), shape, t_max);
     io.load(&stream, &step);
     let mut full = MoeExperts::<bf16>::new(config(shape), &stream).unwrap();
     stream.synchronize().unwrap();
-    let one_graph = capture(&stream, || io.run(&mut full, &stream)).unwrap();
+    let one_graph = capture(&stream, || io.step(&mut full, &stream)).unwrap();
     let pool = MemoryPool::new(&stream, 8 << 30).unwrap();
     println!(
         "one graph for every T: {} E={} H={} F={} k={} T_max={t_max}",
@@ -695,19 +611,19 @@ fn timing_update_vs_capture_and_instantiate_gpu() {
     let shape = qwen(env_usize("CAPMOE_GRAPH_TMAX", 4096));
     let reps = env_usize("CAPMOE_GRAPH_REPS", 20);
     let mut moe = MoeExperts::<bf16>::new(config(shape), &stream).unwrap();
-    let mut layers: Vec<Io> = (0..4).map(|i| Io::new(&stream, shape, 30 + i)).collect();
+    let mut layers: Vec<Io> = (0..4).map(|i| layer_io(&stream, shape, 30 + i)).collect();
     stream.synchronize().unwrap();
     let (first, rest) = layers.split_first_mut().unwrap();
-    let mut graph = capture(&stream, || first.run(&mut moe, &stream)).unwrap();
+    let mut graph = capture(&stream, || first.step(&mut moe, &stream)).unwrap();
     let (mut fresh, mut recapture, mut apply) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..reps {
         let layer = &mut rest[i % rest.len()];
         let start = Instant::now();
-        let g = capture_with(&stream, CaptureOptions { upload: false }, || layer.run(&mut moe, &stream)).unwrap();
+        let g = capture_with(&stream, CaptureOptions { upload: false }, || layer.step(&mut moe, &stream)).unwrap();
         fresh.push(start.elapsed().as_secs_f64() * 1e6);
         drop(g);
         let start = Instant::now();
-        let template = GraphTemplate::capture(&stream, || layer.run(&mut moe, &stream)).unwrap();
+        let template = GraphTemplate::capture(&stream, || layer.step(&mut moe, &stream)).unwrap();
         let captured = start.elapsed().as_secs_f64() * 1e6;
         template.apply_to(&mut graph).unwrap();
         let total = start.elapsed().as_secs_f64() * 1e6;
@@ -751,7 +667,7 @@ fn timing_first_replay_with_and_without_upload_gpu() {
     let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let shape = qwen(env_usize("CAPMOE_GRAPH_TMAX", 4096));
     let mut moe = MoeExperts::<bf16>::new(config(shape), &stream).unwrap();
-    let mut io = Io::new(&stream, shape, 40);
+    let mut io = layer_io(&stream, shape, 40);
     let step = random_step(&mut StdRng::seed_from_u64(41), shape, shape.t_max);
     io.load(&stream, &step);
     stream.synchronize().unwrap();
@@ -763,11 +679,11 @@ fn timing_first_replay_with_and_without_upload_gpu() {
     };
     let (mut cold, mut uploaded, mut steady) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..10 {
-        let g = capture_with(&stream, CaptureOptions { upload: false }, || io.run(&mut moe, &stream)).unwrap();
+        let g = capture_with(&stream, CaptureOptions { upload: false }, || io.step(&mut moe, &stream)).unwrap();
         stream.synchronize().unwrap();
         cold.push(timed(&g));
         steady.push(timed(&g));
-        let g = capture(&stream, || io.run(&mut moe, &stream)).unwrap();
+        let g = capture(&stream, || io.step(&mut moe, &stream)).unwrap();
         stream.synchronize().unwrap(); // the upload is done before the first launch
         uploaded.push(timed(&g));
     }

@@ -4,11 +4,11 @@
 
 mod common;
 
-use capturable_moe::dtype::DType;
 use capturable_moe::graph::capture;
 use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions, WeightForm};
 use capturable_moe::routing::{self, flags, Tokens};
 use capturable_moe::Error;
+use common::expert_io::{layer_config, ExpertIo as Io, Step};
 use common::moe::{
     assert_bits, assert_close, assert_written_bf16, assert_written_f32, bf, f64s, poison_bf16, poison_f32, reference,
     Dims, Reference,
@@ -26,28 +26,7 @@ const T_MAX: usize = 48;
 const DIMS: Dims = Dims { e: E, h: H, f: F, k: K };
 
 fn config() -> MoeConfig {
-    MoeConfig {
-        num_experts: E,
-        hidden: H,
-        ffn: F,
-        topk: K,
-        max_tokens: T_MAX,
-        capacity: None,
-        expert_capacity: None,
-        dtype: DType::Bf16,
-        prob_dtype: DType::F32,
-        wgrad_accumulate: false,
-    }
-}
-
-/// One step's inputs (host), already rounded to their device types.
-#[derive(Clone)]
-struct Step {
-    t: usize,
-    ids: Vec<i32>,
-    probs: Vec<f32>,
-    x: Vec<bf16>,
-    dy: Vec<bf16>,
+    layer_config(DIMS, T_MAX)
 }
 
 /// Routing patterns the replays cycle through.
@@ -97,80 +76,19 @@ fn weights(seed: u64) -> Weights {
     }
 }
 
-/// Device buffers whose addresses a captured graph keeps.
-struct Io {
-    x: CudaSlice<bf16>,
-    ids: CudaSlice<i32>,
-    probs: CudaSlice<f32>,
-    tokens: CudaSlice<i32>,
-    w1: CudaSlice<bf16>,
-    w2: CudaSlice<bf16>,
-    y: CudaSlice<bf16>,
-    dy: CudaSlice<bf16>,
-    dx: CudaSlice<bf16>,
-    dprobs: CudaSlice<f32>,
-    dw1: CudaSlice<bf16>,
-    dw2: CudaSlice<bf16>,
+/// The caller-owned buffers of one layer of [`DIMS`], holding the weights `w`.
+fn layer_io(stream: &Arc<CudaStream>, w: &Weights) -> Io {
+    Io::new(stream, DIMS, T_MAX, &w.w1, &w.w2)
 }
 
-impl Io {
-    fn new(stream: &Arc<CudaStream>, w: &Weights) -> Io {
-        Io {
-            x: stream.alloc_zeros(T_MAX * H).unwrap(),
-            ids: stream.alloc_zeros(T_MAX * K).unwrap(),
-            probs: stream.alloc_zeros(T_MAX * K).unwrap(),
-            tokens: stream.alloc_zeros(1).unwrap(),
-            w1: stream.clone_htod(&w.w1).unwrap(),
-            w2: stream.clone_htod(&w.w2).unwrap(),
-            y: stream.alloc_zeros(T_MAX * H).unwrap(),
-            dy: stream.alloc_zeros(T_MAX * H).unwrap(),
-            dx: stream.alloc_zeros(T_MAX * H).unwrap(),
-            dprobs: stream.alloc_zeros(T_MAX * K).unwrap(),
-            dw1: stream.alloc_zeros(E * 2 * F * H).unwrap(),
-            dw2: stream.alloc_zeros(E * H * F).unwrap(),
-        }
-    }
-
-    /// Writes a step's inputs and poisons every output (NaN, `common::moe::POISON_*`), so an
-    /// element the step should write but does not shows as a NaN, and one it must not write
-    /// (rows at or past T) must still hold the poison afterwards. The bf16 weight gradients are
-    /// written, not added into, so they are poisoned too.
-    fn load(&mut self, stream: &Arc<CudaStream>, s: &Step) {
-        stream.memcpy_htod(&s.x, &mut self.x).unwrap();
-        stream.memcpy_htod(&s.ids, &mut self.ids).unwrap();
-        stream.memcpy_htod(&s.probs, &mut self.probs).unwrap();
-        stream.memcpy_htod(&s.dy, &mut self.dy).unwrap();
-        stream.memcpy_htod(&[s.t as i32], &mut self.tokens).unwrap();
-        poison_outputs(stream, &mut self.y, &mut self.dx, &mut self.dprobs);
-        stream.memcpy_htod(&poison_bf16(E * 2 * F * H), &mut self.dw1).unwrap();
-        stream.memcpy_htod(&poison_bf16(E * H * F), &mut self.dw2).unwrap();
-    }
-
-    fn step(&mut self, moe: &mut MoeExperts<bf16>, stream: &Arc<CudaStream>) -> capturable_moe::Result<()> {
-        let tokens = Tokens::Device(&self.tokens);
-        moe.forward(stream, &self.x, &self.ids, &self.probs, tokens, &self.w1, &self.w2, &mut self.y)?;
-        moe.backward(
-            stream,
-            &self.dy,
-            &self.probs,
-            tokens,
-            &self.w1,
-            &self.w2,
-            &mut self.dx,
-            &mut self.dprobs,
-            &mut self.dw1,
-            &mut self.dw2,
-        )
-    }
-
-    fn read(&self, stream: &Arc<CudaStream>) -> Got {
-        Got {
-            y: stream.clone_dtoh(&self.y).unwrap(),
-            dx: stream.clone_dtoh(&self.dx).unwrap(),
-            dprobs: stream.clone_dtoh(&self.dprobs).unwrap(),
-            dw1: stream.clone_dtoh(&self.dw1).unwrap(),
-            dw2: stream.clone_dtoh(&self.dw2).unwrap(),
-        }
+/// A layer's outputs, copied to the host.
+fn read(io: &Io, stream: &Arc<CudaStream>) -> Got {
+    Got {
+        y: stream.clone_dtoh(&io.y).unwrap(),
+        dx: stream.clone_dtoh(&io.dx).unwrap(),
+        dprobs: stream.clone_dtoh(&io.dprobs).unwrap(),
+        dw1: stream.clone_dtoh(&io.dw1).unwrap(),
+        dw2: stream.clone_dtoh(&io.dw2).unwrap(),
     }
 }
 
@@ -249,13 +167,13 @@ fn forward_and_backward_match_the_fp64_reference() {
     let stream = gpu_or_skip!();
     let w = weights(1);
     let mut moe = MoeExperts::<bf16>::new(config(), &stream).unwrap();
-    let mut io = Io::new(&stream, &w);
+    let mut io = layer_io(&stream, &w);
     let mut rng = StdRng::seed_from_u64(2);
     for i in 0..10 {
         let s = step(&mut rng, i);
         io.load(&stream, &s);
         io.step(&mut moe, &stream).unwrap();
-        check_against_reference(&format!("step {i} (T={})", s.t), &io.read(&stream), &s, &w);
+        check_against_reference(&format!("step {i} (T={})", s.t), &read(&io, &stream), &s, &w);
     }
     assert_eq!(stream.clone_dtoh(&moe.maps.flags).unwrap()[0], 0);
     assert_eq!(stream.clone_dtoh(&moe.gemm_flags).unwrap()[0], 0);
@@ -271,8 +189,8 @@ fn one_graph_replayed_1000_times_with_new_routing() {
     let w = weights(3);
     let mut graph_moe = MoeExperts::<bf16>::new(config(), &stream).unwrap();
     let mut eager_moe = MoeExperts::<bf16>::new(config(), &stream).unwrap();
-    let mut graph_io = Io::new(&stream, &w);
-    let mut eager_io = Io::new(&stream, &w);
+    let mut graph_io = layer_io(&stream, &w);
+    let mut eager_io = layer_io(&stream, &w);
     let mut rng = StdRng::seed_from_u64(4);
     let first = step(&mut rng, 5);
     graph_io.load(&stream, &first);
@@ -287,8 +205,8 @@ fn one_graph_replayed_1000_times_with_new_routing() {
         eager_io.load(&stream, &s);
         graph.launch().unwrap();
         eager_io.step(&mut eager_moe, &stream).unwrap();
-        let got = graph_io.read(&stream);
-        assert!(got.bits() == eager_io.read(&stream).bits(), "replay {i} (T={}): graph and eager differ", s.t);
+        let got = read(&graph_io, &stream);
+        assert!(got.bits() == read(&eager_io, &stream).bits(), "replay {i} (T={}): graph and eager differ", s.t);
         check_against_reference(&format!("replay {i} (T={})", s.t), &got, &s, &w);
     }
     assert_eq!(stream.clone_dtoh(&graph_moe.maps.flags).unwrap()[0], 0);
@@ -308,7 +226,7 @@ fn smaller_capacity_drops_the_later_rows_and_matches_the_reference_on_the_kept_r
     let cfg = MoeConfig { capacity: Some(CAP), ..config() };
     let mut moe = MoeExperts::<bf16>::new(cfg, &stream).unwrap();
     assert_eq!(moe.capacity(), CAP);
-    let mut io = Io::new(&stream, &w);
+    let mut io = layer_io(&stream, &w);
     let mut rng = StdRng::seed_from_u64(6);
     let mut dropping_steps = 0;
     // i % 10 picks the pattern of `step`: 1 = T_max (96 routes into 20 rows), 2 = all on one
@@ -335,7 +253,7 @@ fn smaller_capacity_drops_the_later_rows_and_matches_the_reference_on_the_kept_r
         // The reference over the kept routes only: a dropped route becomes an empty slot (-1).
         let ids = s.ids.iter().zip(&want.row_of_route).map(|(&id, &row)| if row >= 0 { id } else { -1 }).collect();
         let kept = Step { ids, ..s.clone() };
-        check_against_reference(&what, &io.read(&stream), &kept, &w);
+        check_against_reference(&what, &read(&io, &stream), &kept, &w);
     }
     assert!(dropping_steps >= 1, "no step dropped anything");
 }
@@ -353,7 +271,7 @@ fn expert_capacity_drops_each_experts_later_routes_and_matches_the_reference_gpu
     let cfg = MoeConfig { expert_capacity: Some(ECAP), ..config() };
     let mut moe = MoeExperts::<bf16>::new(cfg.clone(), &stream).unwrap();
     assert_eq!(moe.desc().config, cfg);
-    let mut io = Io::new(&stream, &w);
+    let mut io = layer_io(&stream, &w);
     let mut rng = StdRng::seed_from_u64(8);
     let mut dropping_steps = 0;
     for (n, i) in [1usize, 2, 3, 4, 5, 11, 0, 7].into_iter().enumerate() {
@@ -375,7 +293,7 @@ fn expert_capacity_drops_each_experts_later_routes_and_matches_the_reference_gpu
         assert_bits(&format!("{what}: m_splits"), &stream.clone_dtoh(&moe.maps.m_splits_i32).unwrap(), &splits);
         let ids = s.ids.iter().zip(&want.row_of_route).map(|(&id, &row)| if row >= 0 { id } else { -1 }).collect();
         let kept = Step { ids, ..s.clone() };
-        check_against_reference(&what, &io.read(&stream), &kept, &w);
+        check_against_reference(&what, &read(&io, &stream), &kept, &w);
     }
     assert!(dropping_steps >= 2, "only {dropping_steps} steps dropped anything");
 }
@@ -447,8 +365,8 @@ fn megatron_map_form_matches_topk_form() {
     let w = weights(7);
     let mut map_moe = MoeExperts::<bf16>::new(config(), &stream).unwrap();
     let mut topk_moe = MoeExperts::<bf16>::new(config(), &stream).unwrap();
-    let mut map_io = Io::new(&stream, &w);
-    let mut topk_io = Io::new(&stream, &w);
+    let mut map_io = layer_io(&stream, &w);
+    let mut topk_io = layer_io(&stream, &w);
     let mut map_d: CudaSlice<u8> = stream.alloc_zeros(T_MAX * E).unwrap();
     let mut map_probs_d: CudaSlice<f32> = stream.alloc_zeros(T_MAX * E).unwrap();
     let mut rng = StdRng::seed_from_u64(8);
@@ -486,8 +404,8 @@ fn megatron_map_form_matches_topk_form() {
     topk_io.step(&mut topk_moe, &stream).unwrap();
     let map_flags = stream.clone_dtoh(&map_moe.maps.flags).unwrap()[0];
     assert_eq!(map_flags, flags::TOO_MANY, "TOO_MANY and nothing else");
-    let got = map_io.read(&stream);
-    assert_bits("too-many step: outputs", &got.bits(), &topk_io.read(&stream).bits());
+    let got = read(&map_io, &stream);
+    assert_bits("too-many step: outputs", &got.bits(), &read(&topk_io, &stream).bits());
     check_written("too-many step", &got, s.t);
     stream.memset_zeros(&mut map_moe.maps.flags).unwrap();
 
@@ -506,8 +424,8 @@ fn megatron_map_form_matches_topk_form() {
         let what = format!("replay {i} (T={})", s.t);
         let ids = stream.clone_dtoh(map_moe.map_expert_ids()).unwrap();
         assert_bits(&format!("{what}: converted ids"), &ids[..s.t * K], &s.ids[..s.t * K]);
-        let got = map_io.read(&stream);
-        assert_bits(&format!("{what}: y, dx, dw1, dw2, dprobs"), &got.bits(), &topk_io.read(&stream).bits());
+        let got = read(&map_io, &stream);
+        assert_bits(&format!("{what}: y, dx, dw1, dw2, dprobs"), &got.bits(), &read(&topk_io, &stream).bits());
         check_written(&what, &got, s.t);
         if i % 20 == 3 {
             check_against_reference(&what, &got, &s, &w);
@@ -532,7 +450,7 @@ fn pointer_weights_match_tensor_weights() {
         let opts = MoeOptions { weights: WeightForm::Pointers, ..MoeOptions::default() };
         let mut ptr_moe = MoeExperts::<bf16>::with_options(cfg, opts, &stream).unwrap();
         assert_eq!(tensor_moe.gemm_configs(), ptr_moe.gemm_configs());
-        let mut io = Io::new(&stream, &w);
+        let mut io = layer_io(&stream, &w);
         let mut rng = StdRng::seed_from_u64(10);
         let init: Vec<f32> = (0..E * 2 * F * H).map(|_| rng.random_range(-0.5f32..0.5)).collect();
         let mut dw1_t = stream.clone_htod(&init).unwrap();
@@ -616,7 +534,7 @@ fn pointer_weights_match_tensor_weights() {
             // The tensor form (equal to the pointer form, bit for bit) against the fp64
             // reference; with accumulation, what this step added into the fp32 gradients (an
             // expert with no rows is left unchanged, so T = 0 must add exactly nothing).
-            let got = io.read(&stream);
+            let got = read(&io, &stream);
             if accumulate {
                 let r = reference(DIMS, s.t, &s.ids, &s.probs, &s.x, &s.dy, &w.w1, &w.w2);
                 check_token_outputs(&what, &got, s.t, &r);
@@ -652,7 +570,7 @@ fn pointer_weights_match_tensor_weights() {
 fn mismatched_weight_forms_are_typed_errors() {
     let stream = gpu_or_skip!();
     let w = weights(11);
-    let mut io = Io::new(&stream, &w);
+    let mut io = layer_io(&stream, &w);
     let ptrs: CudaSlice<u64> = stream.alloc_zeros(E).unwrap();
     let short_ptrs: CudaSlice<u64> = stream.alloc_zeros(E - 1).unwrap();
     let tok = Tokens::Host(4);

@@ -23,12 +23,13 @@ mod common;
 use std::sync::Arc;
 use std::time::Instant;
 
-use capturable_moe::dtype::DType;
-use capturable_moe::echo::{self as echo, Algorithm, DeviceErrors, EchoConfig, EchoPlan};
+use capturable_moe::echo::{Algorithm, DeviceErrors, EchoConfig};
 use capturable_moe::graph::capture;
-use capturable_moe::moe::{echo_slot_pointers, MoeConfig, MoeExperts, MoeOptions, WeightForm};
-use capturable_moe::routing::{self, flags, Tokens};
-use common::moe::{assert_bits, bf, poison_bf16, poison_f32};
+use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions};
+use capturable_moe::routing::{self, flags};
+use common::echo_moe::EchoExpertPath;
+use common::expert_io::{bits16, bits32, layer_config, ExpertIo};
+use common::moe::{assert_bits, poison_bf16, poison_f32, random_bf16, Dims};
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -110,18 +111,6 @@ fn routes(rng: &mut StdRng, kind: Kind, e: usize, k: usize, t_max: usize) -> Rou
     Routes { device_t, t, ids, probs }
 }
 
-fn random_bf16(rng: &mut StdRng, n: usize, scale: f32) -> Vec<bf16> {
-    bf(&(0..n).map(|_| rng.random_range(-scale..scale)).collect::<Vec<_>>())
-}
-
-fn bits16(stream: &Arc<CudaStream>, v: &CudaSlice<bf16>) -> Vec<u16> {
-    stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect()
-}
-
-fn bits32(stream: &Arc<CudaStream>, v: &CudaSlice<f32>) -> Vec<u32> {
-    stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect()
-}
-
 fn word(stream: &Arc<CudaStream>, v: &CudaSlice<i32>) -> i32 {
     stream.clone_dtoh(v).unwrap()[0]
 }
@@ -186,97 +175,36 @@ const K: usize = 2;
 const T_MAX: usize = 48;
 /// Rows kept: below T_max * k, so a full batch overflows.
 const CAP: usize = 72;
+const EXPERT_DIMS: Dims = Dims { e: E, h: H, f: F, k: K };
 
 fn expert_config() -> MoeConfig {
-    MoeConfig {
-        num_experts: E,
-        hidden: H,
-        ffn: F,
-        topk: K,
-        max_tokens: T_MAX,
-        capacity: Some(CAP),
-        expert_capacity: None,
-        dtype: DType::Bf16,
-        prob_dtype: DType::F32,
-        wgrad_accumulate: false,
-    }
+    MoeConfig { capacity: Some(CAP), ..layer_config(EXPERT_DIMS, T_MAX) }
 }
 
-/// Buffers of one expert-path instance; the graph keeps their addresses.
-struct ExpertIo {
+/// One expert-path instance: its plan and buffers; the graph keeps their addresses.
+struct ExpertRun {
     moe: MoeExperts<bf16>,
-    tokens: CudaSlice<i32>,
-    x: CudaSlice<bf16>,
-    ids: CudaSlice<i32>,
-    probs: CudaSlice<f32>,
-    dy: CudaSlice<bf16>,
-    w1: CudaSlice<bf16>,
-    w2: CudaSlice<bf16>,
-    y: CudaSlice<bf16>,
-    dx: CudaSlice<bf16>,
-    dprobs: CudaSlice<f32>,
-    dw1: CudaSlice<bf16>,
-    dw2: CudaSlice<bf16>,
+    io: ExpertIo,
 }
 
-impl ExpertIo {
-    fn new(stream: &Arc<CudaStream>, w1: &[bf16], w2: &[bf16]) -> ExpertIo {
-        ExpertIo {
+impl ExpertRun {
+    fn new(stream: &Arc<CudaStream>, w1: &[bf16], w2: &[bf16]) -> ExpertRun {
+        ExpertRun {
             moe: MoeExperts::<bf16>::new(expert_config(), stream).unwrap(),
-            tokens: stream.alloc_zeros(1).unwrap(),
-            x: stream.alloc_zeros(T_MAX * H).unwrap(),
-            ids: stream.alloc_zeros(T_MAX * K).unwrap(),
-            probs: stream.alloc_zeros(T_MAX * K).unwrap(),
-            dy: stream.alloc_zeros(T_MAX * H).unwrap(),
-            w1: stream.clone_htod(w1).unwrap(),
-            w2: stream.clone_htod(w2).unwrap(),
-            y: stream.alloc_zeros(T_MAX * H).unwrap(),
-            dx: stream.alloc_zeros(T_MAX * H).unwrap(),
-            dprobs: stream.alloc_zeros(T_MAX * K).unwrap(),
-            dw1: stream.alloc_zeros(E * 2 * F * H).unwrap(),
-            dw2: stream.alloc_zeros(E * H * F).unwrap(),
+            io: ExpertIo::new(stream, EXPERT_DIMS, T_MAX, w1, w2),
         }
     }
 
     /// Inputs, poisoned token outputs (rows past T must keep the poison) and cleared flags.
     fn load(&mut self, stream: &Arc<CudaStream>, r: &Routes, x: &[bf16], dy: &[bf16]) {
-        stream.memcpy_htod(&[r.device_t], &mut self.tokens).unwrap();
-        stream.memcpy_htod(&r.ids, &mut self.ids).unwrap();
-        stream.memcpy_htod(&r.probs, &mut self.probs).unwrap();
-        stream.memcpy_htod(x, &mut self.x).unwrap();
-        stream.memcpy_htod(dy, &mut self.dy).unwrap();
-        stream.memcpy_htod(&poison_bf16(T_MAX * H), &mut self.y).unwrap();
-        stream.memcpy_htod(&poison_bf16(T_MAX * H), &mut self.dx).unwrap();
-        stream.memcpy_htod(&poison_f32(T_MAX * K), &mut self.dprobs).unwrap();
+        self.io.load_inputs(stream, r.device_t, &r.ids, &r.probs, x, dy);
+        self.io.poison_token_outputs(stream);
         stream.memset_zeros(&mut self.moe.maps.flags).unwrap();
         stream.memset_zeros(&mut self.moe.gemm_flags).unwrap();
     }
 
     fn run(&mut self, stream: &Arc<CudaStream>) -> capturable_moe::Result<()> {
-        let tokens = Tokens::Device(&self.tokens);
-        self.moe.forward(stream, &self.x, &self.ids, &self.probs, tokens, &self.w1, &self.w2, &mut self.y)?;
-        self.moe.backward(
-            stream,
-            &self.dy,
-            &self.probs,
-            tokens,
-            &self.w1,
-            &self.w2,
-            &mut self.dx,
-            &mut self.dprobs,
-            &mut self.dw1,
-            &mut self.dw2,
-        )
-    }
-
-    /// y, dx, dprobs, dw1, dw2 as raw bits.
-    fn bits(&self, stream: &Arc<CudaStream>) -> Vec<u32> {
-        let mut v: Vec<u32> = Vec::new();
-        for b in [&self.y, &self.dx, &self.dw1, &self.dw2] {
-            v.extend(bits16(stream, b).into_iter().map(u32::from));
-        }
-        v.extend(bits32(stream, &self.dprobs));
-        v
+        self.io.step(&mut self.moe, stream)
     }
 }
 
@@ -291,8 +219,8 @@ fn soak_expert_path_graph_gpu() {
     let mut rng = StdRng::seed_from_u64(19);
     let w1 = random_bf16(&mut rng, E * 2 * F * H, 1.0 / (H as f32).sqrt());
     let w2 = random_bf16(&mut rng, E * H * F, 1.0 / (F as f32).sqrt());
-    let mut graph_io = ExpertIo::new(&stream, &w1, &w2);
-    let mut eager_io = ExpertIo::new(&stream, &w1, &w2);
+    let mut graph_io = ExpertRun::new(&stream, &w1, &w2);
+    let mut eager_io = ExpertRun::new(&stream, &w1, &w2);
     let first = routes(&mut rng, Kind::Random, E, K, T_MAX);
     let (x, dy) = (random_bf16(&mut rng, T_MAX * H, 1.0), random_bf16(&mut rng, T_MAX * H, 1.0));
     graph_io.load(&stream, &first, &x, &dy);
@@ -320,8 +248,8 @@ fn soak_expert_path_graph_gpu() {
             eager_io.load(&stream, &r, &x, &dy);
             eager_io.run(&stream).unwrap();
             assert_eq!(word(&stream, &eager_io.moe.maps.flags), want, "{what}: eager routing flag word");
-            assert_bits(&format!("{what}: graph vs eager"), &graph_io.bits(&stream), &eager_io.bits(&stream));
-            let y = stream.clone_dtoh(&graph_io.y).unwrap();
+            assert_bits(&format!("{what}: graph vs eager"), &graph_io.io.bits(&stream), &eager_io.io.bits(&stream));
+            let y = stream.clone_dtoh(&graph_io.io.y).unwrap();
             assert!(y[..r.t * H].iter().all(|v| v.is_finite()), "{what}: y rows < T not all written");
             assert!(y[r.t * H..].iter().all(|v| v.to_bits() == 0xFFFF), "{what}: y written past T");
             compared += 1;
@@ -344,37 +272,7 @@ const ET_MAX: usize = 128;
 const W1: usize = 2 * EF * EH;
 const W2: usize = EH * EF;
 
-/// Buffers of one Echo + expert path instance (as tests/echo_moe_gpu.rs, smaller).
-struct EchoIo {
-    plan: EchoPlan,
-    moe: MoeExperts<bf16>,
-    tokens: CudaSlice<i32>,
-    counts: CudaSlice<i64>,
-    ids: CudaSlice<i32>,
-    probs: CudaSlice<f32>,
-    x: CudaSlice<bf16>,
-    dy: CudaSlice<bf16>,
-    w1: CudaSlice<bf16>,
-    w2: CudaSlice<bf16>,
-    state: CudaSlice<i64>,
-    ws: CudaSlice<i32>,
-    dest: CudaSlice<i32>,
-    dest_probs: CudaSlice<f32>,
-    w1_spare: CudaSlice<bf16>,
-    w2_spare: CudaSlice<bf16>,
-    dw1: CudaSlice<f32>,
-    dw2: CudaSlice<f32>,
-    dw1_spare: CudaSlice<f32>,
-    dw2_spare: CudaSlice<f32>,
-    w1_ptrs: CudaSlice<u64>,
-    w2_ptrs: CudaSlice<u64>,
-    dw1_ptrs: CudaSlice<u64>,
-    dw2_ptrs: CudaSlice<u64>,
-    slot_errors: CudaSlice<i64>,
-    y: CudaSlice<bf16>,
-    dx: CudaSlice<bf16>,
-    dprobs: CudaSlice<f32>,
-}
+const ECHO_DIMS: Dims = Dims { e: EE, h: EH, f: EF, k: EK };
 
 fn echo_config() -> EchoConfig {
     EchoConfig {
@@ -388,169 +286,45 @@ fn echo_config() -> EchoConfig {
     }
 }
 
-impl EchoIo {
-    fn new(stream: &Arc<CudaStream>, w1: &[bf16], w2: &[bf16]) -> EchoIo {
-        let cfg = echo_config();
-        let s = cfg.num_spare();
-        let plan = EchoPlan::new(cfg.clone(), ET_MAX).unwrap();
-        let moe_cfg = MoeConfig {
-            num_experts: cfg.num_columns(),
-            hidden: EH,
-            ffn: EF,
-            topk: EK,
-            max_tokens: ET_MAX,
-            capacity: None,
-            expert_capacity: None,
-            dtype: DType::Bf16,
-            prob_dtype: DType::F32,
-            wgrad_accumulate: true,
-        };
-        let opts = MoeOptions { weights: WeightForm::Pointers, ..MoeOptions::default() };
-        let moe = MoeExperts::<bf16>::with_options(moe_cfg, opts, stream).unwrap();
-        let w1 = stream.clone_htod(w1).unwrap();
-        let w2 = stream.clone_htod(w2).unwrap();
-        let w1_spare = stream.alloc_zeros::<bf16>(s * W1).unwrap();
-        let w2_spare = stream.alloc_zeros::<bf16>(s * W2).unwrap();
-        let dw1 = stream.alloc_zeros::<f32>(EE * W1).unwrap();
-        let dw2 = stream.alloc_zeros::<f32>(EE * W2).unwrap();
-        let dw1_spare = stream.alloc_zeros::<f32>(s * W1).unwrap();
-        let dw2_spare = stream.alloc_zeros::<f32>(s * W2).unwrap();
-        let ptrs16 = |home: &CudaSlice<bf16>, spare: &CudaSlice<bf16>, per: usize| {
-            stream.clone_htod(&echo_slot_pointers(stream, &cfg, home, spare, per).unwrap()).unwrap()
-        };
-        let ptrs32 = |home: &CudaSlice<f32>, spare: &CudaSlice<f32>, per: usize| {
-            stream.clone_htod(&echo_slot_pointers(stream, &cfg, home, spare, per).unwrap()).unwrap()
-        };
-        EchoIo {
-            tokens: stream.alloc_zeros(1).unwrap(),
-            counts: stream.alloc_zeros(EP * EE).unwrap(),
-            ids: stream.alloc_zeros(ET_MAX * EK).unwrap(),
-            probs: stream.alloc_zeros(ET_MAX * EK).unwrap(),
-            x: stream.alloc_zeros(ET_MAX * EH).unwrap(),
-            dy: stream.alloc_zeros(ET_MAX * EH).unwrap(),
-            state: stream.alloc_zeros(plan.state_len()).unwrap(),
-            ws: stream.alloc_zeros(plan.workspace_len().max(1)).unwrap(),
-            dest: stream.alloc_zeros(ET_MAX * EK).unwrap(),
-            dest_probs: stream.alloc_zeros(ET_MAX * EK).unwrap(),
-            w1_ptrs: ptrs16(&w1, &w1_spare, W1),
-            w2_ptrs: ptrs16(&w2, &w2_spare, W2),
-            dw1_ptrs: ptrs32(&dw1, &dw1_spare, W1),
-            dw2_ptrs: ptrs32(&dw2, &dw2_spare, W2),
-            slot_errors: stream.alloc_zeros(1).unwrap(),
-            y: stream.alloc_zeros(ET_MAX * EH).unwrap(),
-            dx: stream.alloc_zeros(ET_MAX * EH).unwrap(),
-            dprobs: stream.alloc_zeros(ET_MAX * EK).unwrap(),
-            plan,
-            moe,
-            w1,
-            w2,
-            w1_spare,
-            w2_spare,
-            dw1,
-            dw2,
-            dw1_spare,
-            dw2_spare,
-        }
-    }
+/// One Echo + expert path instance (as tests/echo_moe_gpu.rs, smaller, the GEMM kernels
+/// the plan picks) holding the home weights `w1`, `w2`.
+fn echo_path(stream: &Arc<CudaStream>, w1: &[bf16], w2: &[bf16]) -> EchoExpertPath {
+    let mut io = EchoExpertPath::new(stream, &echo_config(), ECHO_DIMS, ET_MAX, MoeOptions::default().gemm_config);
+    stream.memcpy_htod(w1, &mut io.w1).unwrap();
+    stream.memcpy_htod(w2, &mut io.w2).unwrap();
+    io
+}
 
-    /// Inputs, poisoned outputs, zeroed gradients and cleared flag words.
-    fn load(&mut self, stream: &Arc<CudaStream>, r: &Routes, counts: &[i64], x: &[bf16], dy: &[bf16]) {
-        stream.memcpy_htod(&[r.device_t], &mut self.tokens).unwrap();
-        stream.memcpy_htod(counts, &mut self.counts).unwrap();
-        stream.memcpy_htod(&r.ids, &mut self.ids).unwrap();
-        stream.memcpy_htod(&r.probs, &mut self.probs).unwrap();
-        stream.memcpy_htod(x, &mut self.x).unwrap();
-        stream.memcpy_htod(dy, &mut self.dy).unwrap();
-        stream.memcpy_htod(&poison_bf16(ET_MAX * EH), &mut self.y).unwrap();
-        stream.memcpy_htod(&poison_bf16(ET_MAX * EH), &mut self.dx).unwrap();
-        stream.memcpy_htod(&poison_f32(ET_MAX * EK), &mut self.dprobs).unwrap();
-        stream.memcpy_htod(&vec![-7777i32; ET_MAX * EK], &mut self.dest).unwrap();
-        stream.memset_zeros(&mut self.dw1).unwrap();
-        stream.memset_zeros(&mut self.dw2).unwrap();
-        stream.memset_zeros(&mut self.moe.maps.flags).unwrap();
-        stream.memset_zeros(&mut self.moe.gemm_flags).unwrap();
-        stream.memset_zeros(&mut self.slot_errors).unwrap();
-    }
+/// Inputs, poisoned outputs, zeroed gradients and cleared flag words.
+fn load_echo(io: &mut EchoExpertPath, stream: &Arc<CudaStream>, r: &Routes, counts: &[i64], x: &[bf16], dy: &[bf16]) {
+    stream.memcpy_htod(&[r.device_t], &mut io.tokens).unwrap();
+    stream.memcpy_htod(counts, &mut io.counts).unwrap();
+    stream.memcpy_htod(&r.ids, &mut io.ids).unwrap();
+    stream.memcpy_htod(&r.probs, &mut io.probs).unwrap();
+    stream.memcpy_htod(x, &mut io.x).unwrap();
+    stream.memcpy_htod(dy, &mut io.dy).unwrap();
+    stream.memcpy_htod(&poison_bf16(ET_MAX * EH), &mut io.y).unwrap();
+    stream.memcpy_htod(&poison_bf16(ET_MAX * EH), &mut io.dx).unwrap();
+    stream.memcpy_htod(&poison_f32(ET_MAX * EK), &mut io.dprobs).unwrap();
+    stream.memcpy_htod(&vec![-7777i32; ET_MAX * EK], &mut io.dest).unwrap();
+    stream.memset_zeros(&mut io.dw1).unwrap();
+    stream.memset_zeros(&mut io.dw2).unwrap();
+    stream.memset_zeros(&mut io.moe.maps.flags).unwrap();
+    stream.memset_zeros(&mut io.moe.gemm_flags).unwrap();
+    stream.memset_zeros(&mut io.slot_errors).unwrap();
+}
 
-    /// Plan + reroute, spare weights, expert path over E + S slots, fold.
-    fn run(&mut self, stream: &Arc<CudaStream>) -> capturable_moe::Result<()> {
-        let s = self.plan.config().num_spare();
-        let tok = Tokens::Device(&self.tokens);
-        self.plan.plan_reroute_topk(
-            stream,
-            &self.counts,
-            &self.ids,
-            &self.probs,
-            tok,
-            &mut self.state,
-            &mut self.ws,
-            &mut self.dest,
-            &mut self.dest_probs,
-        )?;
-        let off = self.plan.layout().slot_expert;
-        let slot_expert = self.state.slice(off..off + s);
-        echo::fill_spare_weights(
-            stream,
-            &slot_expert,
-            EE,
-            0,
-            s,
-            &self.w1,
-            &mut self.w1_spare,
-            W1,
-            &mut self.slot_errors,
-        )?;
-        echo::fill_spare_weights(
-            stream,
-            &slot_expert,
-            EE,
-            0,
-            s,
-            &self.w2,
-            &mut self.w2_spare,
-            W2,
-            &mut self.slot_errors,
-        )?;
-        stream.memset_zeros(&mut self.dw1_spare)?;
-        stream.memset_zeros(&mut self.dw2_spare)?;
-        self.moe.forward(
-            stream,
-            &self.x,
-            &self.dest,
-            &self.dest_probs,
-            tok,
-            &self.w1_ptrs,
-            &self.w2_ptrs,
-            &mut self.y,
-        )?;
-        self.moe.backward(
-            stream,
-            &self.dy,
-            &self.dest_probs,
-            tok,
-            &self.w1_ptrs,
-            &self.w2_ptrs,
-            &mut self.dx,
-            &mut self.dprobs,
-            &mut self.dw1_ptrs,
-            &mut self.dw2_ptrs,
-        )?;
-        echo::fold_spare_grads(stream, &slot_expert, EE, s, &self.dw1_spare, &mut self.dw1, W1, &mut self.slot_errors)?;
-        echo::fold_spare_grads(stream, &slot_expert, EE, s, &self.dw2_spare, &mut self.dw2, W2, &mut self.slot_errors)
+/// Reroute, outputs and folded gradients as raw bits.
+fn echo_bits(io: &EchoExpertPath, stream: &Arc<CudaStream>) -> Vec<u32> {
+    let mut v: Vec<u32> = stream.clone_dtoh(&io.dest).unwrap().iter().map(|&c| c as u32).collect();
+    v.extend(bits32(stream, &io.dest_probs));
+    for b in [&io.y, &io.dx] {
+        v.extend(bits16(stream, b).into_iter().map(u32::from));
     }
-
-    /// Reroute, outputs and folded gradients as raw bits.
-    fn bits(&self, stream: &Arc<CudaStream>) -> Vec<u32> {
-        let mut v: Vec<u32> = stream.clone_dtoh(&self.dest).unwrap().iter().map(|&c| c as u32).collect();
-        v.extend(bits32(stream, &self.dest_probs));
-        for b in [&self.y, &self.dx] {
-            v.extend(bits16(stream, b).into_iter().map(u32::from));
-        }
-        for b in [&self.dprobs, &self.dw1, &self.dw2] {
-            v.extend(bits32(stream, b));
-        }
-        v
+    for b in [&io.dprobs, &io.dw1, &io.dw2] {
+        v.extend(bits32(stream, b));
     }
+    v
 }
 
 /// The EP group's count matrix `[EP, E]`: this rank's row counts its valid routes; the other
@@ -587,12 +361,12 @@ fn soak_echo_plan_reroute_and_expert_path_graph_gpu() {
     let mut rng = StdRng::seed_from_u64(1919);
     let w1 = random_bf16(&mut rng, EE * W1, 1.0 / (EH as f32).sqrt());
     let w2 = random_bf16(&mut rng, EE * W2, 1.0 / (EF as f32).sqrt());
-    let mut graph_io = EchoIo::new(&stream, &w1, &w2);
-    let mut eager_io = EchoIo::new(&stream, &w1, &w2);
+    let mut graph_io = echo_path(&stream, &w1, &w2);
+    let mut eager_io = echo_path(&stream, &w1, &w2);
     let first = routes(&mut rng, Kind::Random, EE, EK, ET_MAX);
     let counts = echo_counts(&mut rng, &first, Kind::Random);
     let (x, dy) = (random_bf16(&mut rng, ET_MAX * EH, 1.0), random_bf16(&mut rng, ET_MAX * EH, 1.0));
-    graph_io.load(&stream, &first, &counts, &x, &dy);
+    load_echo(&mut graph_io, &stream, &first, &counts, &x, &dy);
     stream.synchronize().unwrap();
     let graph = capture(&stream, || graph_io.run(&stream)).unwrap();
 
@@ -605,7 +379,7 @@ fn soak_echo_plan_reroute_and_expert_path_graph_gpu() {
         let r = routes(&mut rng, kind, EE, EK, ET_MAX);
         let counts = echo_counts(&mut rng, &r, kind);
         let (x, dy) = (random_bf16(&mut rng, ET_MAX * EH, 1.0), random_bf16(&mut rng, ET_MAX * EH, 1.0));
-        graph_io.load(&stream, &r, &counts, &x, &dy);
+        load_echo(&mut graph_io, &stream, &r, &counts, &x, &dy);
         graph.launch().unwrap();
 
         let what = format!("echo replay {i} ({kind:?}, T = {})", r.device_t);
@@ -626,15 +400,15 @@ fn soak_echo_plan_reroute_and_expert_path_graph_gpu() {
         assert_eq!(word(&stream, &graph_io.moe.gemm_flags), 0, "{what}: GEMM flag word");
         assert_eq!(stream.clone_dtoh(&graph_io.slot_errors).unwrap()[0], 0, "{what}: fill / fold error word");
         if sampled(i) {
-            eager_io.load(&stream, &r, &counts, &x, &dy);
+            load_echo(&mut eager_io, &stream, &r, &counts, &x, &dy);
             eager_io.run(&stream).unwrap();
             assert_eq!(
                 eager_io.plan.read_errors(&stream, &eager_io.state).unwrap().0,
                 want_echo,
                 "{what}: eager Echo error word"
             );
-            let got = graph_io.bits(&stream);
-            assert_bits(&format!("{what}: graph vs eager"), &got, &eager_io.bits(&stream));
+            let got = echo_bits(&graph_io, &stream);
+            assert_bits(&format!("{what}: graph vs eager"), &got, &echo_bits(&eager_io, &stream));
             let dest = &got[..ET_MAX * EK];
             assert!(dest[r.t * EK..].iter().all(|&c| c as i32 == -7777), "{what}: reroute wrote past T");
             let slot_cols: Vec<u32> = (0..s).map(|j| echo_config().slot_column(j) as u32).collect();

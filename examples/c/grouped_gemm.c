@@ -20,27 +20,12 @@
 
 #include "capturable_moe.h"
 
-/* The ABI has status codes only; names for printing. */
-static const char* status_name(capmoe_status_t status) {
-  switch (status) {
-    case CAPMOE_OK: return "CAPMOE_OK";
-    case CAPMOE_ERR_INVALID_ARGUMENT: return "CAPMOE_ERR_INVALID_ARGUMENT";
-    case CAPMOE_ERR_MISALIGNED: return "CAPMOE_ERR_MISALIGNED";
-    case CAPMOE_ERR_UNSUPPORTED: return "CAPMOE_ERR_UNSUPPORTED";
-    case CAPMOE_ERR_WORKSPACE_TOO_SMALL: return "CAPMOE_ERR_WORKSPACE_TOO_SMALL";
-    case CAPMOE_ERR_CUTLASS: return "CAPMOE_ERR_CUTLASS";
-    case CAPMOE_ERR_CUDA: return "CAPMOE_ERR_CUDA";
-    case CAPMOE_ERR_INTERNAL: return "CAPMOE_ERR_INTERNAL";
-    default: return "(unknown status)";
-  }
-}
-
 static int failures = 0;
 
 static void expect(const char* what, capmoe_status_t got, capmoe_status_t want) {
   int ok = got == want;
-  printf("%-4s %-52s -> %s", ok ? "ok" : "FAIL", what, status_name(got));
-  if (!ok) printf(" (expected %s)", status_name(want));
+  printf("%-4s %-52s -> %s", ok ? "ok" : "FAIL", what, capmoe_status_string(got));
+  if (!ok) printf(" (expected %s)", capmoe_status_string(want));
   if (got == CAPMOE_ERR_CUDA) printf(" [cudaError_t %d]", (int)capmoe_last_cuda_error());
   printf("\n");
   failures += !ok;

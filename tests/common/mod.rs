@@ -1,7 +1,9 @@
 //! Shared helpers of the tests.
 #![allow(dead_code)]
 
+pub mod echo_moe;
 pub mod emulation;
+pub mod expert_io;
 pub mod gemm;
 pub mod moe;
 pub mod nccl;

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use half::bf16;
+use rand::{rngs::StdRng, Rng};
 
 /// Shapes of one layer: E experts, model width H, FFN width F, k routes per token.
 #[derive(Clone, Copy, Debug)]
@@ -25,6 +26,11 @@ pub struct Reference {
 
 pub fn bf(v: &[f32]) -> Vec<bf16> {
     v.iter().map(|&x| bf16::from_f32(x)).collect()
+}
+
+/// `n` values drawn uniformly from `[-scale, scale)`, rounded to bf16.
+pub fn random_bf16(rng: &mut StdRng, n: usize, scale: f32) -> Vec<bf16> {
+    bf(&(0..n).map(|_| rng.random_range(-scale..scale)).collect::<Vec<_>>())
 }
 
 pub fn f64s(v: &[bf16]) -> Vec<f64> {

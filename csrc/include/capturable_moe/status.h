@@ -34,6 +34,11 @@ enum {
 /* The cudaError_t behind the most recent CAPMOE_ERR_CUDA on the calling thread (0 if none). */
 int32_t capmoe_last_cuda_error(void);
 
+/* The name of a status code as this header spells it ("CAPMOE_ERR_MISALIGNED"), or
+ * "unknown status" for any other value. Never NULL: a static string the caller must not free.
+ * Needs no GPU, any thread may call it. */
+const char* capmoe_status_string(capmoe_status_t status);
+
 #ifdef __cplusplus
 }
 #endif
