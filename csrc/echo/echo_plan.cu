@@ -1229,8 +1229,8 @@ int64_t tiles_bound(const Dims& d, int64_t t_max) {
 // Raises a kernel's dynamic shared-memory limit before each launch that needs more than 48 KB.
 // NOTE: the attribute belongs to the kernel in the current context, so a cache keyed by
 // device would skip it in a second context or after a device reset; it is a host call (no
-// stream work, legal during graph capture, and CUTLASS's initialize() makes the same call on
-// every grouped GEMM run), so it is simply made every time.
+// stream work, legal during graph capture, and every grouped GEMM run makes the same call for
+// its kernel), so it is simply made every time.
 capmoe_status_t ensure_smem(const void* kernel, size_t bytes) {
   if (bytes <= 48 * 1024) return CAPMOE_OK;
   return cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));

@@ -142,8 +142,7 @@ struct Runner {
     arr.carve(launch.workspace, desc.num_experts);
     args = cutlass_arguments(launch, arr);
     // A host-side check (problem sizes live on the device): before anything is launched.
-    Gemm gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return CAPMOE_ERR_CUTLASS;
+    if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return CAPMOE_ERR_CUTLASS;
     ArgumentParams<Arrays> params{arr,
                                   launch.m_splits,
                                   desc.split_dtype == CAPMOE_DTYPE_I64,
@@ -160,10 +159,8 @@ struct Runner {
                                   launch.overflow_flags};
     CAPMOE_TRY(launch_write_arguments(params, launch.stream));
 
-    if (gemm.initialize(args, arr.cutlass_workspace, launch.stream) != cutlass::Status::kSuccess) {
-      return CAPMOE_ERR_CUTLASS;
-    }
-    CAPMOE_TRY(Traits::launch(gemm, launch.stream));
+    // CUTLASS's workspace and kernel parameters, then the kernel (each arch's own way).
+    CAPMOE_TRY(Traits::launch(args, arr.cutlass_workspace, launch.stream));
     CAPMOE_TRY(launch_status());
 
     if (desc.op == CAPMOE_GEMM_WGRAD && !desc.accumulate) {

@@ -58,11 +58,15 @@ struct Traits {
     return info;
   }
 
+  // CUTLASS's own sequence: initialize (workspace, params, the shared-memory attribute of the
+  // kernel it launches), then run.
   // NOTE: a plain launch, not a programmatic dependent one. CUTLASS 4.2's SM100 array kernel
   // (with CUTLASS_ENABLE_GDC_FOR_SM100) reads its first work tile and that group's problem
   // shape before it waits on the previous grid, and those are exactly what the argument
   // kernel writes, so an early start would race with it.
-  static capmoe_status_t launch(Gemm& gemm, cudaStream_t stream) {
+  static capmoe_status_t launch(const typename Gemm::Arguments& args, void* workspace, cudaStream_t stream) {
+    Gemm gemm;
+    if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return CAPMOE_ERR_CUTLASS;
     return gemm.run(stream) == cutlass::Status::kSuccess ? CAPMOE_OK : CAPMOE_ERR_CUTLASS;
   }
 };

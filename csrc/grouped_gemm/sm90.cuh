@@ -68,7 +68,7 @@ struct Traits {
     return info;
   }
 
-  static capmoe_status_t launch(const Gemm& gemm, cudaStream_t stream);
+  static capmoe_status_t launch(const typename Gemm::Arguments& args, void* workspace, cudaStream_t stream);
 };
 
 // CUTLASS's SM90 pointer-array kernels never wait on a programmatic dependency, so they cannot
@@ -84,13 +84,23 @@ __global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksP
   op(params, smem);
 }
 
-// Launches the initialized `gemm` as a programmatic dependent launch of the previous kernel on
-// `stream` (the argument kernel), with the config's static cluster shape.
+// Initializes CUTLASS's workspace and kernel parameters for `args` and launches the kernel as a
+// programmatic dependent launch of the previous kernel on `stream` (the argument kernel), with
+// the config's static cluster shape.
+// NOTE: GemmUniversalAdapter::initialize (CUTLASS 4.2, no CUDA host adapter) is exactly
+// Kernel::initialize_workspace + Kernel::to_underlying_arguments + a cudaFuncSetAttribute of the
+// dynamic shared memory of CUTLASS's own entry `device_kernel<Kernel>`. That entry is never
+// launched here (dependent_gemm_kernel is), so the first two are called directly and the third
+// is made for dependent_gemm_kernel instead; `device_kernel<Kernel>` is then not referenced, and
+// not compiled, at all.
 template <class ElementIn, class LayoutA, class LayoutB, class ElementC, class ElementD, class Config>
-capmoe_status_t Traits<ElementIn, LayoutA, LayoutB, ElementC, ElementD, Config>::launch(const Gemm& gemm,
-                                                                                        cudaStream_t stream) {
+capmoe_status_t Traits<ElementIn, LayoutA, LayoutB, ElementC, ElementD, Config>::launch(
+    const typename Gemm::Arguments& args, void* workspace, cudaStream_t stream) {
   using Kernel = typename Gemm::GemmKernel;
-  const auto& params = gemm.params();
+  if (Kernel::initialize_workspace(args, workspace, stream, nullptr) != cutlass::Status::kSuccess) {
+    return CAPMOE_ERR_CUTLASS;
+  }
+  const typename Kernel::Params params = Kernel::to_underlying_arguments(args, workspace);
   constexpr int kSmemBytes = Kernel::SharedStorageSize;
   auto* kernel = &dependent_gemm_kernel<Kernel>;
   // NOTE: set on every launch (a cheap host call, legal during capture) rather than cached, so
