@@ -4,8 +4,8 @@
 //! arithmetic, identical on any number of GPUs.
 
 use capturable_moe::echo::{Algorithm, EchoConfig};
+use capturable_moe::ep::balanced_capacity;
 use capturable_moe::ep::simulate::{count_drops, zipf_routing};
-use capturable_moe::ep::EpMoeConfig;
 
 fn cfg(ep: usize, experts: usize, spare: usize, topk: usize) -> EchoConfig {
     EchoConfig {
@@ -25,7 +25,7 @@ fn echo_drops_nothing_where_plain_ep_drops_under_zipf() {
         let c = cfg(ep, experts, spare, 8);
         for exponent in [0.8, 1.0, 1.2] {
             let ids = zipf_routing(ep, tokens, experts, 8, exponent, 7);
-            let capacity = EpMoeConfig::balanced_capacity(tokens, 8, ep, 1.25);
+            let capacity = balanced_capacity(tokens, 8, ep, 1.25);
             let d = count_drops(&c, &ids, capacity).unwrap();
             let case = format!("EP{ep} E{experts} S_per{spare} T{tokens} zipf {exponent}: {d:?}");
             assert!(d.dropped_plain > 0, "{case}: plain EP should drop at 1.25x");
@@ -39,7 +39,7 @@ fn echo_drops_nothing_where_plain_ep_drops_under_zipf() {
 fn echo_cuts_drops_at_the_balanced_capacity() {
     let c = cfg(8, 64, 2, 8);
     let ids = zipf_routing(8, 4096, 64, 8, 1.0, 3);
-    let d = count_drops(&c, &ids, EpMoeConfig::balanced_capacity(4096, 8, 8, 1.0)).unwrap();
+    let d = count_drops(&c, &ids, balanced_capacity(4096, 8, 8, 1.0)).unwrap();
     assert!(d.dropped_echo * 4 < d.dropped_plain, "{d:?}");
 }
 
@@ -48,4 +48,11 @@ fn wrong_number_of_routings_is_an_error() {
     let c = cfg(4, 16, 1, 2);
     let ids = zipf_routing(3, 16, 16, 2, 1.0, 1);
     assert!(count_drops(&c, &ids, 8).is_err());
+}
+
+#[test]
+fn balanced_capacity_rounds_up_and_is_never_zero() {
+    assert_eq!(balanced_capacity(100, 2, 8, 1.0), 25);
+    assert_eq!(balanced_capacity(100, 2, 8, 1.25), 32);
+    assert_eq!(balanced_capacity(0, 2, 8, 1.5), 1);
 }

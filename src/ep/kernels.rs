@@ -33,6 +33,12 @@ pub const MAX_RANKS: usize = sys::CAPMOE_EP_MAX_RANKS as usize;
 /// Largest `k` a plan accepts.
 pub const MAX_TOPK: usize = sys::CAPMOE_EP_MAX_TOPK as usize;
 
+/// `ceil(factor · T_max · k / R)` rows, at least 1: the peer block a perfectly balanced routing
+/// needs, times a capacity factor (1.0, 1.25, 1.5 in the benchmark).
+pub fn balanced_capacity(max_tokens: usize, topk: usize, ranks: usize, factor: f64) -> usize {
+    ((max_tokens * topk) as f64 * factor / ranks as f64).ceil().max(1.0) as usize
+}
+
 /// The facts an EP plan is made from (one rank's view of the group).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EpConfig {

@@ -41,20 +41,12 @@ pub struct EpMoeConfig {
     /// T_max, tokens per rank.
     pub max_tokens: usize,
     /// Rows of one (source rank, destination rank) block, `>= 1`: routes from this rank to
-    /// one peer beyond it are dropped and counted (see [`EpMoeConfig::balanced_capacity`]).
+    /// one peer beyond it are dropped and counted (see [`super::balanced_capacity`]).
     pub capacity: usize,
     /// Echo's spare slots; `None` = plain EP.
     pub echo: Option<EpEcho>,
     /// Activations and weights: `Bf16` or `F16`.
     pub dtype: DType,
-}
-
-impl EpMoeConfig {
-    /// `ceil(factor · T_max · k / R)`: the block rows that a perfectly balanced routing needs,
-    /// times a capacity factor (1.0, 1.25, 1.5 in the benchmark).
-    pub fn balanced_capacity(max_tokens: usize, topk: usize, ranks: usize, factor: f64) -> usize {
-        ((max_tokens * topk) as f64 * factor / ranks as f64).ceil().max(1.0) as usize
-    }
 }
 
 /// What an [`EpMoe`] was built for.
@@ -645,12 +637,5 @@ mod tests {
     fn slot_table_puts_home_columns_first() {
         let t = slot_table(3, 2, 1000, 5000, 16);
         assert_eq!(t, vec![1000, 1016, 1032, 5000, 5016]);
-    }
-
-    #[test]
-    fn balanced_capacity_rounds_up() {
-        assert_eq!(EpMoeConfig::balanced_capacity(100, 2, 8, 1.0), 25);
-        assert_eq!(EpMoeConfig::balanced_capacity(100, 2, 8, 1.25), 32);
-        assert_eq!(EpMoeConfig::balanced_capacity(0, 2, 8, 1.5), 1);
     }
 }

@@ -6,6 +6,7 @@ pub mod emulation;
 pub mod expert_io;
 pub mod gemm;
 pub mod moe;
+#[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod routing;
 
