@@ -15,7 +15,7 @@ use std::sync::{Arc, Barrier};
 use capturable_moe::dtype::DType;
 use capturable_moe::echo::{Algorithm, EchoConfig};
 use capturable_moe::ep::simulate::{count_drops, zipf_routing};
-use capturable_moe::ep::{EpEcho, EpGroup, EpMoe, EpMoeConfig};
+use capturable_moe::ep::{balanced_capacity, EpEcho, EpGroup, EpMoe, EpMoeConfig};
 use capturable_moe::routing::Tokens;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
@@ -78,7 +78,7 @@ fn layer_cases(stream: &Arc<CudaStream>, reps: usize) -> capturable_moe::Result<
                     ffn: f,
                     topk: k,
                     max_tokens: t,
-                    capacity: EpMoeConfig::balanced_capacity(t, k, ranks, factor),
+                    capacity: balanced_capacity(t, k, ranks, factor),
                     echo: echo.then_some(EpEcho {
                         spare_per_rank: if ranks > 1 { 2 } else { 1 },
                         algorithm: Algorithm::Greedy,
@@ -256,7 +256,7 @@ fn drop_rows() -> Vec<Row> {
         for (routing, exponent) in [("uniform", 0.0), ("zipf", 1.0), ("zipf1.2", 1.2)] {
             let ids = zipf_routing(ep, tokens, experts, 8, exponent, 7);
             for factor in [1.0, 1.25, 1.5] {
-                let capacity = EpMoeConfig::balanced_capacity(tokens, 8, ep, factor);
+                let capacity = balanced_capacity(tokens, 8, ep, factor);
                 let shape = format!("ep_drops_E{experts}_T{tokens}_k8_EP{ep}_S{spare}");
                 let note = match count_drops(&cfg, &ids, capacity) {
                     Ok(d) => format!(
