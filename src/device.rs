@@ -107,6 +107,15 @@ pub fn open(ordinal: usize) -> Result<Arc<CudaContext>> {
     Ok(ctx)
 }
 
+/// `Ok` when `got` is `bound`, the stream a plan owning reused buffers was made on (compared by
+/// driver handle and context), else [`Error::WrongStream`].
+pub fn ensure_bound_stream(op: &'static str, bound: &CudaStream, got: &CudaStream) -> Result<()> {
+    if got != bound {
+        return Err(Error::WrongStream { op, bound: bound.cu_stream() as u64, got: got.cu_stream() as u64 });
+    }
+    Ok(())
+}
+
 /// `Ok` when `buffer` was allocated in the CUDA context `stream` runs in, else
 /// [`Error::WrongContext`] naming `what`.
 ///

@@ -26,27 +26,9 @@ fn with(change: impl FnOnce(&mut EpConfig)) -> EpConfig {
     c
 }
 
-/// What the C ABI says of the configuration (fields cast as `EpKernels::new` does).
+/// What the C ABI says of the configuration (the descriptor `EpKernels::new` passes).
 fn c_status(c: &EpConfig) -> u32 {
-    let dtype = match c.dtype {
-        DType::Bf16 => sys::CAPMOE_DTYPE_BF16,
-        DType::F16 => sys::CAPMOE_DTYPE_F16,
-        DType::F32 => sys::CAPMOE_DTYPE_F32,
-        DType::I32 => sys::CAPMOE_DTYPE_I32,
-        DType::I64 => sys::CAPMOE_DTYPE_I64,
-    };
-    let d = sys::capmoe_ep_desc_t {
-        ranks: c.ranks as i64,
-        rank: c.rank as i64,
-        num_experts: c.num_experts as i64,
-        spare_per_rank: c.spare_per_rank as i64,
-        hidden: c.hidden as i64,
-        topk: c.topk as i64,
-        max_tokens: c.max_tokens as i64,
-        capacity: c.capacity as i64,
-        dtype: dtype as sys::capmoe_dtype_t,
-    };
-    (unsafe { sys::capmoe_ep_check_desc(&d) }) as u32
+    (unsafe { sys::capmoe_ep_check_desc(&c.abi_desc()) }) as u32
 }
 
 #[test]

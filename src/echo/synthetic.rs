@@ -5,16 +5,22 @@
 
 use super::EchoConfig;
 
-/// Deterministic inputs: skewed top-k routing on this rank, consistent `counts[ep_rank]`,
-/// skewed random counts on the other ranks.
-pub fn synthetic_inputs(cfg: &EchoConfig, t: usize, seed: u64) -> (Vec<i64>, Vec<i32>, Vec<f32>) {
+/// A xorshift64 stream from `seed` (never zero): the deterministic generator of the synthetic
+/// inputs here and of `ep::simulate`'s routings.
+pub(crate) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut next = move || {
+    move || {
         state ^= state << 13;
         state ^= state >> 7;
         state ^= state << 17;
         state
-    };
+    }
+}
+
+/// Deterministic inputs: skewed top-k routing on this rank, consistent `counts[ep_rank]`,
+/// skewed random counts on the other ranks.
+pub fn synthetic_inputs(cfg: &EchoConfig, t: usize, seed: u64) -> (Vec<i64>, Vec<i32>, Vec<f32>) {
+    let mut next = xorshift(seed);
     let (ne, k) = (cfg.num_experts, cfg.topk);
     // Popularity: a few hot experts.
     let weights: Vec<u64> = (0..ne).map(|_| 1 + (next() % 8).pow(3)).collect();

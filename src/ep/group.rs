@@ -30,7 +30,7 @@ pub use id::{EpEnv, EpGroupId, EP_GROUP_ID_BYTES};
 use library::nccl_error;
 pub use library::nccl_version;
 
-use crate::device::ensure_buffer;
+use crate::device::{ensure_bound_stream, ensure_buffer};
 use crate::graph::ensure_not_capturing;
 use crate::{Error, Result};
 
@@ -240,14 +240,7 @@ impl EpGroup {
 
     /// `Ok` for the bound stream, else [`Error::WrongStream`].
     fn ensure_bound_stream(&self, op: &'static str, stream: &CudaStream) -> Result<()> {
-        if *stream != *self.stream {
-            return Err(Error::WrongStream {
-                op,
-                bound: self.stream.cu_stream() as u64,
-                got: stream.cu_stream() as u64,
-            });
-        }
-        Ok(())
+        ensure_bound_stream(op, &self.stream, stream)
     }
 
     fn nccl_stream(&self) -> sys::cudaStream_t {
@@ -264,14 +257,7 @@ impl EpGroup {
         recv: &mut impl DevicePtrMut<T>,
         n: usize,
     ) -> Result<()> {
-        const OP: &str = "EpGroup::all_gather";
-        self.ensure_bound_stream(OP, stream)?;
-        ensure_buffer(OP, "send", stream, send, n)?;
-        ensure_buffer(OP, "recv", stream, recv, elements(OP, self.ranks, n)?)?;
-        let (s, _g0) = send.device_ptr(stream);
-        let (r, _g1) = recv.device_ptr_mut(stream);
-        // SAFETY: both buffers checked above to hold n and R * n elements of the stream's context.
-        unsafe { self.enqueue_all_gather(OP, s, r, n * std::mem::size_of::<T>()) }
+        self.one_to_every_rank("EpGroup::all_gather", stream, send, recv, n, Self::enqueue_all_gather)
     }
 
     /// [`EpGroup::all_gather`] on raw device pointers.
@@ -288,10 +274,7 @@ impl EpGroup {
         n: usize,
     ) -> Result<()> {
         const OP: &str = "EpGroup::all_gather_raw";
-        self.ensure_bound_stream(OP, stream)?;
-        let bytes = elements(OP, n, std::mem::size_of::<T>())?;
-        elements(OP, self.ranks, bytes)?;
-        stream.context().bind_to_thread()?;
+        let bytes = self.one_to_every_rank_bytes::<T>(OP, stream, n)?;
         self.enqueue_all_gather(OP, send, recv, bytes)
     }
 
@@ -416,14 +399,7 @@ impl EpGroup {
         recv: &mut impl DevicePtrMut<T>,
         block: usize,
     ) -> Result<()> {
-        const OP: &str = "EpGroup::broadcast_block";
-        self.ensure_bound_stream(OP, stream)?;
-        ensure_buffer(OP, "send", stream, send, block)?;
-        ensure_buffer(OP, "recv", stream, recv, elements(OP, self.ranks, block)?)?;
-        let (s, _g0) = send.device_ptr(stream);
-        let (r, _g1) = recv.device_ptr_mut(stream);
-        // SAFETY: sizes checked above.
-        unsafe { self.enqueue_broadcast_block(OP, s, r, block * std::mem::size_of::<T>()) }
+        self.one_to_every_rank("EpGroup::broadcast_block", stream, send, recv, block, Self::enqueue_broadcast_block)
     }
 
     /// [`EpGroup::broadcast_block`] on raw device pointers.
@@ -439,10 +415,7 @@ impl EpGroup {
         block: usize,
     ) -> Result<()> {
         const OP: &str = "EpGroup::broadcast_block_raw";
-        self.ensure_bound_stream(OP, stream)?;
-        let bytes = elements(OP, block, std::mem::size_of::<T>())?;
-        elements(OP, self.ranks, bytes)?;
-        stream.context().bind_to_thread()?;
+        let bytes = self.one_to_every_rank_bytes::<T>(OP, stream, block)?;
         self.enqueue_broadcast_block(OP, send, recv, bytes)
     }
 
@@ -465,6 +438,37 @@ impl EpGroup {
             }
             Ok(())
         })
+    }
+
+    /// The safe form of a collective that sends `[n]` and receives `[R * n]` (all_gather,
+    /// broadcast_block): the stream and both buffers checked, then `enqueue` on their
+    /// addresses, in bytes.
+    fn one_to_every_rank<T: DeviceRepr>(
+        &self,
+        op: &'static str,
+        stream: &CudaStream,
+        send: &impl DevicePtr<T>,
+        recv: &mut impl DevicePtrMut<T>,
+        n: usize,
+        enqueue: unsafe fn(&Self, &'static str, CUdeviceptr, CUdeviceptr, usize) -> Result<()>,
+    ) -> Result<()> {
+        self.ensure_bound_stream(op, stream)?;
+        ensure_buffer(op, "send", stream, send, n)?;
+        ensure_buffer(op, "recv", stream, recv, elements(op, self.ranks, n)?)?;
+        let (s, _g0) = send.device_ptr(stream);
+        let (r, _g1) = recv.device_ptr_mut(stream);
+        // SAFETY: both buffers checked above to hold n and R * n elements of the stream's context.
+        unsafe { enqueue(self, op, s, r, n * std::mem::size_of::<T>()) }
+    }
+
+    /// The raw form's part of [`EpGroup::one_to_every_rank`]: the stream checked and bound, and
+    /// the bytes of `[n]` (with `R` times them) checked against overflow.
+    fn one_to_every_rank_bytes<T: DeviceRepr>(&self, op: &'static str, stream: &CudaStream, n: usize) -> Result<usize> {
+        self.ensure_bound_stream(op, stream)?;
+        let bytes = elements(op, n, std::mem::size_of::<T>())?;
+        elements(op, self.ranks, bytes)?;
+        stream.context().bind_to_thread()?;
+        Ok(bytes)
     }
 
     /// `body`'s point-to-point calls in one NCCL group, which is ended also when one fails

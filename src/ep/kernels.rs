@@ -67,6 +67,22 @@ fn invalid(op: &'static str, why: String) -> Error {
 }
 
 impl EpConfig {
+    /// The C ABI descriptor of this configuration, fields as given (not validated: the C
+    /// check, `capmoe_ep_check_desc`, judges it on its own).
+    pub fn abi_desc(&self) -> sys::capmoe_ep_desc_t {
+        sys::capmoe_ep_desc_t {
+            ranks: self.ranks as i64,
+            rank: self.rank as i64,
+            num_experts: self.num_experts as i64,
+            spare_per_rank: self.spare_per_rank as i64,
+            hidden: self.hidden as i64,
+            topk: self.topk as i64,
+            max_tokens: self.max_tokens as i64,
+            capacity: self.capacity as i64,
+            dtype: self.dtype.abi(),
+        }
+    }
+
     /// Checks every field on the host (the limits of `capmoe_ep_check_desc`). No CUDA work.
     pub fn validate(&self) -> Result<()> {
         const OP: &str = "EpConfig::validate";
@@ -177,18 +193,7 @@ impl EpKernels {
     /// check). No CUDA work.
     pub fn new(config: EpConfig) -> Result<EpKernels> {
         config.validate()?;
-        let c = &config;
-        let desc = sys::capmoe_ep_desc_t {
-            ranks: c.ranks as i64,
-            rank: c.rank as i64,
-            num_experts: c.num_experts as i64,
-            spare_per_rank: c.spare_per_rank as i64,
-            hidden: c.hidden as i64,
-            topk: c.topk as i64,
-            max_tokens: c.max_tokens as i64,
-            capacity: c.capacity as i64,
-            dtype: c.dtype.abi(),
-        };
+        let desc = config.abi_desc();
         check(unsafe { sys::capmoe_ep_check_desc(&desc) }, "EpKernels::new")?;
         Ok(EpKernels { config, desc })
     }
@@ -491,32 +496,14 @@ impl EpKernels {
         send: &mut impl DevicePtrMut<T>,
         flags: &mut impl DevicePtrMut<i32>,
     ) -> Result<()> {
-        const OP: &str = "ep pack_spare_weights";
         let c = &self.config;
-        let bytes = self.check_spare(OP, per_expert, std::mem::size_of::<T>())?;
-        ensure_buffer(OP, "slot_expert", stream, slot_expert, c.global_slots())?;
-        ensure_buffer(OP, "home [L, per_expert]", stream, home, c.local_experts() * per_expert)?;
-        ensure_buffer(OP, "send [R, S_per, per_expert]", stream, send, c.global_slots() * per_expert)?;
-        ensure_buffer(OP, "flags", stream, flags, 1)?;
-        stream.context().bind_to_thread()?;
-        let (se, _g0) = slot_expert.device_ptr(stream);
-        let (hp, _g1) = home.device_ptr(stream);
-        let (sp, _g2) = send.device_ptr_mut(stream);
-        let (fl, _g3) = flags.device_ptr_mut(stream);
-        Self::aligned16(OP, "home", hp)?;
-        Self::aligned16(OP, "send", sp)?;
-        let status = unsafe {
-            sys::capmoe_ep_pack_spare_weights(
-                &self.desc,
-                se as *const i64,
-                hp as *const c_void,
-                bytes,
-                sp as *mut c_void,
-                fl as *mut i32,
-                raw_stream(stream),
-            )
+        let copy = WeightCopy {
+            op: "ep pack_spare_weights",
+            src: ("home [L, per_expert]", c.local_experts()),
+            dst: ("send [R, S_per, per_expert]", c.global_slots()),
+            entry: sys::capmoe_ep_pack_spare_weights,
         };
-        check(status, OP)
+        self.copy_spare_weights(copy, stream, slot_expert, home, per_expert, send, flags)
     }
 
     /// Echo, slot side: `spare [S_per, per_expert][s] = recv [R, S_per, per_expert][e / L, s]`
@@ -532,32 +519,54 @@ impl EpKernels {
         spare: &mut impl DevicePtrMut<T>,
         flags: &mut impl DevicePtrMut<i32>,
     ) -> Result<()> {
-        const OP: &str = "ep select_spare_weights";
         let c = &self.config;
-        let bytes = self.check_spare(OP, per_expert, std::mem::size_of::<T>())?;
-        ensure_buffer(OP, "slot_expert", stream, slot_expert, c.global_slots())?;
-        ensure_buffer(OP, "recv [R, S_per, per_expert]", stream, recv, c.global_slots() * per_expert)?;
-        ensure_buffer(OP, "spare [S_per, per_expert]", stream, spare, c.spare_per_rank * per_expert)?;
-        ensure_buffer(OP, "flags", stream, flags, 1)?;
+        let copy = WeightCopy {
+            op: "ep select_spare_weights",
+            src: ("recv [R, S_per, per_expert]", c.global_slots()),
+            dst: ("spare [S_per, per_expert]", c.spare_per_rank),
+            entry: sys::capmoe_ep_select_spare_weights,
+        };
+        self.copy_spare_weights(copy, stream, slot_expert, recv, per_expert, spare, flags)
+    }
+
+    /// The checks and the launch shared by the two Echo weight copies (one C signature).
+    #[allow(clippy::too_many_arguments)]
+    fn copy_spare_weights<T: DeviceRepr>(
+        &self,
+        copy: WeightCopy,
+        stream: &CudaStream,
+        slot_expert: &impl DevicePtr<i64>,
+        src: &impl DevicePtr<T>,
+        per_expert: usize,
+        dst: &mut impl DevicePtrMut<T>,
+        flags: &mut impl DevicePtrMut<i32>,
+    ) -> Result<()> {
+        let op = copy.op;
+        let bytes = self.check_spare(op, per_expert, std::mem::size_of::<T>())?;
+        ensure_buffer(op, "slot_expert", stream, slot_expert, self.config.global_slots())?;
+        ensure_buffer(op, copy.src.0, stream, src, copy.src.1 * per_expert)?;
+        ensure_buffer(op, copy.dst.0, stream, dst, copy.dst.1 * per_expert)?;
+        ensure_buffer(op, "flags", stream, flags, 1)?;
         stream.context().bind_to_thread()?;
         let (se, _g0) = slot_expert.device_ptr(stream);
-        let (rp, _g1) = recv.device_ptr(stream);
-        let (sp, _g2) = spare.device_ptr_mut(stream);
+        let (sp, _g1) = src.device_ptr(stream);
+        let (dp, _g2) = dst.device_ptr_mut(stream);
         let (fl, _g3) = flags.device_ptr_mut(stream);
-        Self::aligned16(OP, "recv", rp)?;
-        Self::aligned16(OP, "spare", sp)?;
+        Self::aligned16(op, copy.src.0, sp)?;
+        Self::aligned16(op, copy.dst.0, dp)?;
+        // SAFETY: every buffer checked above against the sizes the entry point reads / writes.
         let status = unsafe {
-            sys::capmoe_ep_select_spare_weights(
+            (copy.entry)(
                 &self.desc,
                 se as *const i64,
-                rp as *const c_void,
+                sp as *const c_void,
                 bytes,
-                sp as *mut c_void,
+                dp as *mut c_void,
                 fl as *mut i32,
                 raw_stream(stream),
             )
         };
-        check(status, OP)
+        check(status, op)
     }
 
     /// Echo gradients, home side: `dw_home [L, per_expert][e - rank * L] += recv [R, S_per,
@@ -600,6 +609,23 @@ impl EpKernels {
         };
         check(status, OP)
     }
+}
+
+/// One of the two Echo weight copies: its name, its source and destination (what, matrices),
+/// and its C entry point.
+struct WeightCopy {
+    op: &'static str,
+    src: (&'static str, usize),
+    dst: (&'static str, usize),
+    entry: unsafe extern "C" fn(
+        *const sys::capmoe_ep_desc_t,
+        *const i64,
+        *const c_void,
+        i64,
+        *mut c_void,
+        *mut i32,
+        *mut c_void,
+    ) -> sys::capmoe_status_t,
 }
 
 fn raw_stream(stream: &CudaStream) -> *mut c_void {

@@ -3,20 +3,17 @@
 //! the device results must equal it bit for bit. `tokens` is the resolved token count T
 //! ([`resolve_tokens`] for a device count).
 
-use crate::routing::reference::Scalar;
+use crate::routing::{self, reference::Scalar};
 
 use super::{flags, EpConfig};
 
 /// The token count a launch uses: a device value is clamped into `[0, t_max]`, flagging
 /// [`flags::BAD_TOKENS`] when it had to be.
+/// The same clamp as the routing kernels' (the EP kernels share their device code), with the
+/// EP word's bit.
 pub fn resolve_tokens(device_value: i32, t_max: usize) -> (usize, i32) {
-    if device_value < 0 {
-        (0, flags::BAD_TOKENS)
-    } else if device_value as usize > t_max {
-        (t_max, flags::BAD_TOKENS)
-    } else {
-        (device_value as usize, 0)
-    }
+    let (tokens, routing_bits) = routing::reference::resolve_tokens(device_value, t_max);
+    (tokens, if routing_bits != 0 { flags::BAD_TOKENS } else { 0 })
 }
 
 /// `counts [E]`: routes `t < tokens` per home expert; `-1` is no route, other ids outside

@@ -3,6 +3,7 @@
 //! each with its own routing. The benchmark's drop table and the tests use it: the drop count
 //! is routing arithmetic, the same on any number of GPUs, so it needs none.
 
+use crate::echo::synthetic::xorshift;
 use crate::echo::{reference, EchoConfig};
 use crate::{Error, Result};
 
@@ -32,13 +33,7 @@ pub fn zipf_routing(
     exponent: f64,
     seed: u64,
 ) -> Vec<Vec<i32>> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut next = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let mut next = xorshift(seed);
     let mut perm: Vec<usize> = (0..experts).collect();
     for i in (1..experts).rev() {
         perm.swap(i, (next() % (i as u64 + 1)) as usize);

@@ -50,7 +50,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, ValidAsZero
 pub use fused::Fc1Kernel;
 pub use slots::{echo_slot_pointers, echo_slot_table};
 
-use crate::device::ensure_same_context;
+use crate::device::{ensure_bound_stream, ensure_same_context};
 use crate::dtype::DType;
 use crate::error::ensure_len;
 use crate::graph::{ensure_not_capturing, DeviceBuffer, PoolRange, Scratch};
@@ -319,13 +319,7 @@ impl<T: MoeElement> MoeExperts<T> {
         stream: &Arc<CudaStream>,
         range: &PoolRange,
     ) -> Result<MoeExperts<T>> {
-        if **stream != **range.stream() {
-            return Err(Error::WrongStream {
-                op: "MoeExperts::with_pool",
-                bound: range.stream().cu_stream() as u64,
-                got: stream.cu_stream() as u64,
-            });
-        }
+        ensure_bound_stream("MoeExperts::with_pool", range.stream(), stream)?;
         Self::build("MoeExperts::with_pool", config, options, stream, Scratch::Pool(range))
     }
 
@@ -400,14 +394,7 @@ impl<T: MoeElement> MoeExperts<T> {
     /// `Ok` for the bound stream (compared by driver handle and context), else
     /// [`Error::WrongStream`].
     fn ensure_bound_stream(&self, op: &'static str, stream: &CudaStream) -> Result<()> {
-        if *stream != *self.stream {
-            return Err(Error::WrongStream {
-                op,
-                bound: self.stream.cu_stream() as u64,
-                got: stream.cu_stream() as u64,
-            });
-        }
-        Ok(())
+        ensure_bound_stream(op, &self.stream, stream)
     }
 
     pub fn config(&self) -> &MoeConfig {
