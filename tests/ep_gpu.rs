@@ -153,6 +153,17 @@ fn outputs(stream: &Arc<CudaStream>, b: &Buffers) -> Outputs {
     }
 }
 
+/// Every output of a replay bit-equal to the eager step's, naming the first that differs.
+fn assert_replay_is_eager(what: &str, replayed: &Outputs, eager: &Outputs) {
+    if replayed != eager {
+        assert_bits(&format!("{what}: y"), &replayed.y, &eager.y);
+        assert_bits(&format!("{what}: dx"), &replayed.dx, &eager.dx);
+        assert_bits(&format!("{what}: dprobs"), &replayed.dprobs, &eager.dprobs);
+        assert_bits(&format!("{what}: dw1"), &replayed.dw1, &eager.dw1);
+        assert_bits(&format!("{what}: dw2"), &replayed.dw2, &eager.dw2);
+    }
+}
+
 /// The routes the layer keeps with one block of `capacity` rows: the first `capacity` real
 /// routes in (t, j) order; the rest become -1. Returns the kept ids and the drop count.
 fn kept_routes(ids: &[i32], t: usize, capacity: usize) -> (Vec<i32>, i32) {
@@ -262,13 +273,7 @@ fn one_graph_replays_with_fresh_routing_bit_equal_to_eager() {
         b.load(&stream, &s);
         graph.launch().unwrap();
         let replayed = outputs(&stream, &b);
-        if eager != replayed {
-            assert_bits(&format!("replay {i}: y"), &replayed.y, &eager.y);
-            assert_bits(&format!("replay {i}: dx"), &replayed.dx, &eager.dx);
-            assert_bits(&format!("replay {i}: dprobs"), &replayed.dprobs, &eager.dprobs);
-            assert_bits(&format!("replay {i}: dw1"), &replayed.dw1, &eager.dw1);
-            assert_bits(&format!("replay {i}: dw2"), &replayed.dw2, &eager.dw2);
-        }
+        assert_replay_is_eager(&format!("replay {i}"), &replayed, &eager);
         if i == 0 {
             check_against_reference(&stream, &b, &w, &s, t, 96);
         }
@@ -465,7 +470,7 @@ fn every_rank_replays_its_graph_bit_equal_to_eager_across_gpus() {
                         b.load(&stream, &s);
                         graph.launch().unwrap();
                         let replayed = outputs(&stream, &b);
-                        assert!(eager == replayed, "rank {r}, replay {i}: the graph differs from eager");
+                        assert_replay_is_eager(&format!("rank {r}, replay {i}"), &replayed, &eager);
                     }
                     let report = layer.read_flags().unwrap();
                     assert!(!report.has(FlagSource::Ep, "CAPMOE_EP_BAD_DEST"), "rank {r}: {report}");
