@@ -9,7 +9,7 @@ use capturable_moe::dtype::DType;
 use capturable_moe::echo::{Algorithm, EchoConfig};
 use capturable_moe::graph::capture;
 use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
-use capturable_moe::moe::{MoeConfig, MoeExperts};
+use capturable_moe::moe::{Fc1Kernel, MoeConfig, MoeExperts, MoeOptions};
 use capturable_moe::routing::{RoutingConfig, RoutingPlan, Tokens};
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
@@ -17,8 +17,61 @@ use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use crate::measure::{median, random_bf16, time, Row};
 
-/// Expert-path configurations of the torch anchors: (E, T, k, H, F).
-pub const PATHS: &[(usize, usize, usize, usize, usize)] = &[(128, 4096, 8, 2048, 768), (64, 128, 8, 2048, 1408)];
+/// An expert-path configuration: (E, T, k, H, F).
+pub type PathShape = (usize, usize, usize, usize, usize);
+
+/// Expert-path configurations of the torch anchors and issue 14's targets (the EP and graph
+/// rows use them too).
+pub const PATHS: &[PathShape] = &[(128, 4096, 8, 2048, 768), (64, 128, 8, 2048, 1408)];
+
+/// A published H100 figure for a whole expert path, compared with in the report (never
+/// measured here). Every source counts 6·T·k·H·F FLOPs forward and twice that backward, as the
+/// rows here do, so TFLOP/s compare directly.
+pub struct Published {
+    pub shape: PathShape,
+    /// Short name, the row's `published-<name>` implementation.
+    pub name: &'static str,
+    pub source: &'static str,
+    /// (op, TFLOP/s) with op one of `expert_fwd`, `expert_bwd`, `expert_fwd_bwd`.
+    pub figures: &'static [(&'static str, f64)],
+}
+
+/// The published fused-MoE figures of issue 14 (H100).
+pub const PUBLISHED: &[Published] = &[
+    Published {
+        shape: (128, 24576, 8, 1536, 256),
+        name: "sonicmoe-7b",
+        source: "SonicMoE (arXiv 2512.14080) fig. 14, \"7B\"",
+        figures: &[("expert_fwd", 364.0), ("expert_bwd", 405.0)],
+    },
+    Published {
+        shape: (128, 32768, 8, 4096, 512),
+        name: "sonicmoe-30b",
+        source: "SonicMoE (arXiv 2512.14080) fig. 14, \"30B\"",
+        figures: &[("expert_fwd", 501.0), ("expert_bwd", 510.0)],
+    },
+    Published {
+        shape: (128, 32768, 8, 2048, 768),
+        name: "liger",
+        source: "Liger fused MoE (Triton)",
+        figures: &[("expert_fwd", 501.0), ("expert_fwd_bwd", 413.0)],
+    },
+];
+
+/// FLOPs of one forward of the expert path: fc1 (2F outputs) and fc2, 2 per multiply-add.
+pub fn forward_flops((_, t, k, h, f): PathShape) -> f64 {
+    6.0 * (t * k * h * f) as f64
+}
+
+/// FLOPs of `op` (`expert_fwd`, `expert_bwd` = 2x forward, `expert_fwd_bwd` = 3x).
+pub fn op_flops(shape: PathShape, op: &str) -> f64 {
+    let times = match op {
+        "expert_bwd" => 2.0,
+        "expert_fwd_bwd" => 3.0,
+        _ => 1.0,
+    };
+    times * forward_flops(shape)
+}
 
 /// The shape name of an expert-path row (also used to match the torch anchor rows).
 pub fn path_name(e: usize, t: usize, k: usize, h: usize, f: usize) -> String {
@@ -58,39 +111,97 @@ pub fn topk_routing(e: usize, t: usize, k: usize, seed: u64) -> (Vec<i32>, Vec<f
     (ids, probs)
 }
 
+/// The expert-path plans timed on every shape: the unfused path, and the fused kernels where
+/// the plan has them (a plan the fused kernels do not cover becomes an "unavailable" row).
+fn variants() -> [(&'static str, MoeOptions); 2] {
+    let fused = MoeOptions { fc1: Fc1Kernel::Fused, ..MoeOptions::default() };
+    let unfused = MoeOptions { fc1: Fc1Kernel::Unfused, ..MoeOptions::default() };
+    [("capmoe-graph", unfused), ("capmoe-fused-graph", fused)]
+}
+
+/// Every expert-path shape: the anchors' ([`PATHS`]) and the published ones ([`PUBLISHED`]).
+fn all_path_shapes() -> impl Iterator<Item = PathShape> {
+    PATHS.iter().copied().chain(PUBLISHED.iter().map(|p| p.shape))
+}
+
 pub fn expert_rows(stream: &Arc<CudaStream>, reps: usize) -> Vec<Row> {
     let mut rows = Vec::new();
-    for &(e, t, k, h, f) in PATHS {
+    for shape in all_path_shapes() {
+        let (e, t, k, h, f) = shape;
         let name = &path_name(e, t, k, h, f);
         eprintln!("[expert path] {name}");
-        match expert_case(stream, reps, name, e, t, k, h, f) {
-            Ok(r) => rows.extend(r),
-            Err(err) => rows.push(row(
-                name,
-                "expert_fwd",
-                "capmoe-graph",
-                f64::NAN,
-                0.0,
-                None,
-                Some(format!("unavailable: {err}")),
-            )),
+        let mut shape_rows = Vec::new();
+        for (imp, options) in variants() {
+            match expert_case(stream, reps, name, shape, options, imp) {
+                Ok(r) => shape_rows.extend(r),
+                Err(err) => shape_rows.push(unavailable(name, imp, &err)),
+            }
         }
+        if let Err(err) = gemms_and_stages(stream, reps, name, shape, &mut shape_rows) {
+            shape_rows.push(unavailable(name, "capmoe-gemms-graph", &err));
+        }
+        compare_with_published(shape, name, &mut shape_rows);
+        rows.extend(shape_rows);
     }
     rows
 }
 
-#[allow(clippy::too_many_arguments)]
-fn expert_case(
-    stream: &Arc<CudaStream>,
-    reps: usize,
-    name: &str,
-    e: usize,
-    t: usize,
-    k: usize,
-    h: usize,
-    f: usize,
-) -> capturable_moe::Result<Vec<Row>> {
-    let config = MoeConfig {
+fn unavailable(name: &str, imp: &str, err: &capturable_moe::Error) -> Row {
+    row(name, "expert_fwd", imp, f64::NAN, 0.0, None, Some(format!("unavailable: {err}")))
+}
+
+/// Adds a `published-<name>` row per published figure of `shape` (its time at that TFLOP/s)
+/// and, to each measured row of the same op, a note with its TFLOP/s over the published one.
+fn compare_with_published(shape: PathShape, name: &str, rows: &mut Vec<Row>) {
+    for published in PUBLISHED.iter().filter(|p| p.shape == shape) {
+        for &(op, tflops) in published.figures {
+            let measured = |r: &Row| r.op == op && variants().iter().any(|(imp, _)| *imp == r.imp);
+            for r in rows.iter_mut().filter(|r| measured(r)) {
+                if r.us.is_finite() {
+                    let ratio = r.tflops / tflops;
+                    let note = format!("{ratio:.2}x {} published TFLOP/s", published.name);
+                    r.note = Some(match r.note.take() {
+                        Some(old) => format!("{old}; {note}"),
+                        None => note,
+                    });
+                }
+            }
+            let flops = op_flops(shape, op);
+            let us = flops / (tflops * 1e6);
+            let note = format!("published figure, not measured here: {}", published.source);
+            rows.push(row(name, op, &format!("published-{}", published.name), us, flops, None, Some(note)));
+        }
+    }
+}
+
+/// The synthetic inputs of one expert-path case, on the device.
+struct PathInputs {
+    ids: CudaSlice<i32>,
+    probs: CudaSlice<f32>,
+    tokens: CudaSlice<i32>,
+    x: CudaSlice<bf16>,
+    dy: CudaSlice<bf16>,
+    w1: CudaSlice<bf16>,
+    w2: CudaSlice<bf16>,
+}
+
+impl PathInputs {
+    fn new(stream: &Arc<CudaStream>, (e, t, k, h, f): PathShape) -> capturable_moe::Result<PathInputs> {
+        let (ids_h, probs_h) = topk_routing(e, t, k, 11);
+        Ok(PathInputs {
+            ids: stream.clone_htod(&ids_h)?,
+            probs: stream.clone_htod(&probs_h)?,
+            tokens: stream.clone_htod(&[t as i32])?,
+            x: random_bf16(stream, t * h, 1),
+            dy: random_bf16(stream, t * h, 2),
+            w1: random_bf16(stream, e * 2 * f * h, 3),
+            w2: random_bf16(stream, e * h * f, 4),
+        })
+    }
+}
+
+fn path_config((e, t, k, h, f): PathShape) -> MoeConfig {
+    MoeConfig {
         num_experts: e,
         hidden: h,
         ffn: f,
@@ -101,22 +212,26 @@ fn expert_case(
         dtype: DType::Bf16,
         prob_dtype: DType::F32,
         wgrad_accumulate: false,
-    };
-    let mut moe = MoeExperts::<bf16>::new(config, stream)?;
-    let (ids_h, probs_h) = topk_routing(e, t, k, 11);
-    let ids = stream.clone_htod(&ids_h)?;
-    let probs = stream.clone_htod(&probs_h)?;
-    let tokens: CudaSlice<i32> = stream.clone_htod(&[t as i32])?;
-    let x = random_bf16(stream, t * h, 1);
-    let dy = random_bf16(stream, t * h, 2);
-    let w1 = random_bf16(stream, e * 2 * f * h, 3);
-    let w2 = random_bf16(stream, e * h * f, 4);
+    }
+}
+
+/// Forward, backward and forward + backward of one plan, each captured once and replayed.
+fn expert_case(
+    stream: &Arc<CudaStream>,
+    reps: usize,
+    name: &str,
+    shape: PathShape,
+    options: MoeOptions,
+    imp: &str,
+) -> capturable_moe::Result<Vec<Row>> {
+    let (e, t, k, h, f) = shape;
+    let mut moe = MoeExperts::<bf16>::with_options(path_config(shape), options, stream)?;
+    let PathInputs { ids, probs, tokens, x, dy, w1, w2 } = PathInputs::new(stream, shape)?;
     let mut y = stream.alloc_zeros::<bf16>(t * h)?;
     let mut dx = stream.alloc_zeros::<bf16>(t * h)?;
     let mut dprobs = stream.alloc_zeros::<f32>(t * k)?;
     let mut dw1 = stream.alloc_zeros::<bf16>(e * 2 * f * h)?;
     let mut dw2 = stream.alloc_zeros::<bf16>(e * h * f)?;
-    let fwd_flops = 6.0 * (t * k * h * f) as f64;
     let tok = Tokens::Device(&tokens);
 
     moe.forward(stream, &x, &ids, &probs, tok, &w1, &w2, &mut y)?;
@@ -131,9 +246,51 @@ fn expert_case(
     let (bwd_us, _) = time(stream, reps, |_| bwd.launch().unwrap());
     let (both_us, both_host) = time(stream, reps, |_| both.launch().unwrap());
 
-    // The grouped GEMMs alone, on the routing the forward produced, also as graphs.
-    let cap = moe.capacity();
-    let splits = &moe.maps.m_splits_i32;
+    // Host cost of one replay of forward + backward, without waiting for the GPU.
+    stream.synchronize()?;
+    let mut host = Vec::new();
+    for _ in 0..50 {
+        let start = Instant::now();
+        both.launch()?;
+        host.push(start.elapsed().as_secs_f64() * 1e6);
+        stream.synchronize()?;
+    }
+    let replay_host = median(&mut host);
+    let kernels = format!("fc1 {}", if moe.fc1_is_fused() { "fused" } else { "unfused" });
+    let timed = |op: &str, us: f64, host_us: Option<f64>, note: String| {
+        row(name, op, imp, us, op_flops(shape, op), host_us, Some(format!("{kernels}; {note}")))
+    };
+    Ok(vec![
+        timed("expert_fwd", fwd_us, None, "forward graph".into()),
+        timed("expert_bwd", bwd_us, None, "backward graph".into()),
+        timed(
+            "expert_fwd_bwd",
+            both_us,
+            Some(both_host),
+            format!("host time of one replay {replay_host:.1} us (launch only)"),
+        ),
+    ])
+}
+
+/// The grouped GEMMs alone (on the routing of the shape's inputs, as graphs) and the
+/// unfused forward's routing stages alone; the notes of the `capmoe-*graph` rows of the same
+/// shape get their time over the GEMMs'.
+fn gemms_and_stages(
+    stream: &Arc<CudaStream>,
+    reps: usize,
+    name: &str,
+    shape: PathShape,
+    rows: &mut Vec<Row>,
+) -> capturable_moe::Result<()> {
+    let (e, t, _k, h, f) = shape;
+    let config = path_config(shape);
+    let inputs = PathInputs::new(stream, shape)?;
+    let tok = Tokens::Device(&inputs.tokens);
+    let plan = RoutingPlan::new(config.routing_config())?;
+    let mut maps = plan.alloc_maps(stream)?;
+    plan.build(stream, &inputs.ids, tok, &mut maps)?;
+    let cap = plan.rows_len() / h;
+    let splits = &maps.m_splits_i32;
     let gemm = |op: GemmOp, n: usize, kk: usize| GroupedGemm::new(GroupedGemmSpec::new(op, e, n, kk, cap), stream);
     let plans = [
         gemm(GemmOp::Fprop, 2 * f, h)?,
@@ -149,88 +306,71 @@ fn expert_case(
     let mut big = random_bf16(stream, cap * 2 * f, 6);
     let mut mid = random_bf16(stream, cap * f, 7);
     let mut out = random_bf16(stream, cap * h, 8);
+    let mut dw1 = stream.alloc_zeros::<bf16>(e * 2 * f * h)?;
+    let mut dw2 = stream.alloc_zeros::<bf16>(e * h * f)?;
+    let (w1, w2) = (&inputs.w1, &inputs.w2);
     let fwd_gemms = capture(stream, || {
-        plans[0].run(stream, &rows_h, &w1, &mut big, splits, None, &mut ws)?;
-        plans[1].run(stream, &mid, &w2, &mut out, splits, None, &mut ws)
+        plans[0].run(stream, &rows_h, w1, &mut big, splits, None, &mut ws)?;
+        plans[1].run(stream, &mid, w2, &mut out, splits, None, &mut ws)
     })?;
     let bwd_gemms = capture(stream, || {
-        plans[2].run(stream, &out, &w2, &mut mid, splits, None, &mut ws)?;
+        plans[2].run(stream, &out, w2, &mut mid, splits, None, &mut ws)?;
         plans[3].run(stream, &out, &mid, &mut dw2, splits, None, &mut ws)?;
-        plans[4].run(stream, &big, &w1, &mut out, splits, None, &mut ws)?;
+        plans[4].run(stream, &big, w1, &mut out, splits, None, &mut ws)?;
         plans[5].run(stream, &big, &rows_h, &mut dw1, splits, None, &mut ws)
     })?;
     let (fwd_gemm_us, _) = time(stream, reps, |_| fwd_gemms.launch().unwrap());
     let (bwd_gemm_us, _) = time(stream, reps, |_| bwd_gemms.launch().unwrap());
+    drop((fwd_gemms, bwd_gemms, ws, rows_h, big, mid, out, dw1, dw2));
 
-    let stages = forward_stage_times(stream, reps, &moe.config().routing_config(), &ids, &probs, tok, &x, &mut y)?;
+    let mut y = stream.alloc_zeros::<bf16>(t * h)?;
+    let stages = forward_stage_times(
+        stream,
+        reps,
+        &config.routing_config(),
+        &inputs.ids,
+        &inputs.probs,
+        tok,
+        &inputs.x,
+        &mut y,
+    )?;
 
-    // Host cost of one replay of forward + backward, without waiting for the GPU.
-    stream.synchronize()?;
-    let mut host = Vec::new();
-    for _ in 0..50 {
-        let start = Instant::now();
-        both.launch()?;
-        host.push(start.elapsed().as_secs_f64() * 1e6);
-        stream.synchronize()?;
+    for r in rows.iter_mut().filter(|r| r.imp.starts_with("capmoe-") && r.us.is_finite()) {
+        let (gemms_us, what) = match r.op.as_str() {
+            "expert_fwd" => (fwd_gemm_us, "its two grouped GEMMs"),
+            "expert_bwd" => (bwd_gemm_us, "its four grouped GEMMs"),
+            _ => continue,
+        };
+        r.note = Some(format!("{:.2}x {what}; {}", r.us / gemms_us, r.note.take().unwrap_or_default()));
     }
-    let replay_host = median(&mut host);
-
-    Ok(vec![
-        row(
-            name,
-            "expert_fwd",
-            "capmoe-graph",
-            fwd_us,
-            fwd_flops,
-            None,
-            Some(format!("{:.2}x its two grouped GEMMs", fwd_us / fwd_gemm_us)),
-        ),
-        row(
-            name,
-            "expert_fwd",
-            "capmoe-gemms-graph",
-            fwd_gemm_us,
-            fwd_flops,
-            None,
-            Some("fc1 + fc2 grouped GEMMs alone".into()),
-        ),
-        row(
-            name,
-            "expert_fwd",
-            "capmoe-routing-graph",
-            stages.iter().map(|s| s.1).sum(),
-            0.0,
-            None,
-            Some(stages_note(&stages)),
-        ),
-        row(
-            name,
-            "expert_bwd",
-            "capmoe-graph",
-            bwd_us,
-            2.0 * fwd_flops,
-            None,
-            Some(format!("{:.2}x its four grouped GEMMs", bwd_us / bwd_gemm_us)),
-        ),
-        row(
-            name,
-            "expert_bwd",
-            "capmoe-gemms-graph",
-            bwd_gemm_us,
-            2.0 * fwd_flops,
-            None,
-            Some("dgrad + wgrad of fc2 and fc1 alone".into()),
-        ),
-        row(
-            name,
-            "expert_fwd_bwd",
-            "capmoe-graph",
-            both_us,
-            3.0 * fwd_flops,
-            Some(both_host),
-            Some(format!("host time of one replay {replay_host:.1} us (launch only)")),
-        ),
-    ])
+    rows.push(row(
+        name,
+        "expert_fwd",
+        "capmoe-gemms-graph",
+        fwd_gemm_us,
+        op_flops(shape, "expert_fwd"),
+        None,
+        Some("fc1 + fc2 grouped GEMMs alone".into()),
+    ));
+    rows.push(row(
+        name,
+        "expert_bwd",
+        "capmoe-gemms-graph",
+        bwd_gemm_us,
+        op_flops(shape, "expert_bwd"),
+        None,
+        Some("dgrad + wgrad of fc2 and fc1 alone".into()),
+    ));
+    rows.push(row(
+        name,
+        "expert_fwd",
+        "capmoe-routing-graph",
+        stages.iter().map(|s| s.1).sum(),
+        0.0,
+        None,
+        Some(stages_note(&stages)),
+    ));
+    Ok(())
 }
 
 /// GPU time of each non-GEMM stage of the forward, each captured alone in a graph and
@@ -307,4 +447,54 @@ pub fn echo_rows(stream: &Arc<CudaStream>, reps: usize) -> Vec<Row> {
         }
     }
     rows
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn measured(shape: PathShape, op: &str, imp: &str, us: f64) -> Row {
+        let name = path_name(shape.0, shape.1, shape.2, shape.3, shape.4);
+        row(&name, op, imp, us, op_flops(shape, op), None, None)
+    }
+
+    #[test]
+    fn flop_counts_follow_the_papers() {
+        let shape = (128, 32768, 8, 2048, 768);
+        let fwd = 6.0 * 32768.0 * 8.0 * 2048.0 * 768.0;
+        assert_eq!(op_flops(shape, "expert_fwd"), fwd);
+        assert_eq!(op_flops(shape, "expert_bwd"), 2.0 * fwd);
+        assert_eq!(op_flops(shape, "expert_fwd_bwd"), 3.0 * fwd);
+    }
+
+    #[test]
+    fn published_rows_carry_the_figure_and_measured_rows_the_ratio() {
+        let liger = PUBLISHED.iter().find(|p| p.name == "liger").unwrap();
+        let shape = liger.shape;
+        let name = path_name(shape.0, shape.1, shape.2, shape.3, shape.4);
+        // A measured forward exactly twice as fast as Liger's 501 TFLOP/s.
+        let fwd_us = op_flops(shape, "expert_fwd") / (2.0 * 501.0 * 1e6);
+        let mut rows = vec![
+            measured(shape, "expert_fwd", "capmoe-fused-graph", fwd_us),
+            measured(shape, "expert_fwd", "capmoe-gemms-graph", fwd_us),
+        ];
+        compare_with_published(shape, &name, &mut rows);
+
+        let published: Vec<&Row> = rows.iter().filter(|r| r.imp == "published-liger").collect();
+        assert_eq!(published.len(), liger.figures.len());
+        let fwd = published.iter().find(|r| r.op == "expert_fwd").unwrap();
+        assert!((fwd.tflops - 501.0).abs() < 1e-9, "{}", fwd.tflops);
+        assert!(fwd.note.as_deref().unwrap().contains("not measured here"));
+        assert_eq!(rows[0].note.as_deref(), Some("2.00x liger published TFLOP/s"));
+        // Only the expert-path variants are compared, not the GEMMs-alone row.
+        assert_eq!(rows[1].note, None);
+    }
+
+    #[test]
+    fn shapes_without_a_published_figure_get_no_rows() {
+        let mut rows = vec![measured(PATHS[0], "expert_fwd", "capmoe-graph", 100.0)];
+        compare_with_published(PATHS[0], "x", &mut rows);
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].note, None);
+    }
 }

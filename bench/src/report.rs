@@ -46,23 +46,27 @@ pub fn anchor_rows(path: &str) -> Result<Vec<Row>, String> {
             }
         }
     }
-    // The torch expert path (forward, CUDA-graph replay), matched by (E, T, k, H, F).
+    // The torch expert path (CUDA-graph replays of the forward and of forward + backward),
+    // matched by (E, T, k, H, F).
     for r in json["path"].as_array().into_iter().flatten() {
         let dim = |k: &str| r[k].as_u64().unwrap_or(0) as usize;
-        let (e, t, k, h, f) = (dim("E"), dim("T"), dim("topk"), dim("H"), dim("F"));
-        let Some(ms) = r["gpu_only_ms_graph"].as_f64() else { continue };
-        let us = ms * 1e3;
-        rows.push(Row {
-            shape: crate::path::path_name(e, t, k, h, f),
-            routing: "uniform".into(),
-            op: "expert_fwd".into(),
-            imp: "torch-graph".into(),
-            us,
-            tflops: 6.0 * (t * k * h * f) as f64 / us * 1e-6,
-            gbps: f64::NAN,
-            host_us: None,
-            note: Some("torch_anchor.py, same call".into()),
-        });
+        let shape = (dim("E"), dim("T"), dim("topk"), dim("H"), dim("F"));
+        let (e, t, k, h, f) = shape;
+        for (key, op) in [("gpu_only_ms_graph", "expert_fwd"), ("gpu_only_ms_graph_fwd_bwd", "expert_fwd_bwd")] {
+            let Some(ms) = r[key].as_f64() else { continue };
+            let us = ms * 1e3;
+            rows.push(Row {
+                shape: crate::path::path_name(e, t, k, h, f),
+                routing: "uniform".into(),
+                op: op.into(),
+                imp: "torch-graph".into(),
+                us,
+                tflops: crate::path::op_flops(shape, op) / us * 1e-6,
+                gbps: f64::NAN,
+                host_us: None,
+                note: Some("torch_anchor.py, same call".into()),
+            });
+        }
     }
     Ok(rows)
 }
@@ -162,4 +166,38 @@ pub fn write_json(path: &str, device: &DeviceInfo, max_clocks_khz: (i32, i32), r
         std::fs::create_dir_all(dir)?;
     }
     std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn torch_path_rows_take_forward_and_forward_backward() {
+        let dir = std::env::temp_dir().join(format!("capmoe-anchor-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("anchor.json");
+        let json = r#"{"gemm": [], "path": [
+            {"E": 128, "T": 4096, "topk": 8, "H": 2048, "F": 768,
+             "gpu_only_ms_graph": 2.0, "gpu_only_ms_graph_fwd_bwd": 6.0},
+            {"E": 64, "T": 128, "topk": 8, "H": 2048, "F": 1408, "gpu_only_ms_graph": 0.5,
+             "fwd_bwd_error": "RuntimeError('no backward')"},
+            {"cfg": [1, 2, 3], "error": "OOM"}]}"#;
+        std::fs::write(&file, json).unwrap();
+        let rows = anchor_rows(file.to_str().unwrap()).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+
+        let ops: Vec<(&str, &str, f64)> = rows.iter().map(|r| (r.shape.as_str(), r.op.as_str(), r.us)).collect();
+        assert_eq!(
+            ops,
+            [
+                ("expert_E128_T4096_k8_H2048_F768", "expert_fwd", 2000.0),
+                ("expert_E128_T4096_k8_H2048_F768", "expert_fwd_bwd", 6000.0),
+                ("expert_E64_T128_k8_H2048_F1408", "expert_fwd", 500.0),
+            ]
+        );
+        let fwd_bwd = &rows[1];
+        let flops = 3.0 * 6.0 * (4096.0 * 8.0 * 2048.0 * 768.0);
+        assert!((fwd_bwd.tflops - flops / 6000.0 * 1e-6).abs() < 1e-9);
+    }
 }
