@@ -150,6 +150,7 @@ mod dgrad_abi {
     const UNSUPPORTED: i32 = sys::CAPMOE_ERR_UNSUPPORTED as i32;
 
     type EditDesc = fn(&mut sys::capmoe_fused_swiglu_dgrad_desc_t);
+    type EditPtrs = fn(&mut Ptrs);
 
     fn fake(offset: usize) -> *mut c_void {
         (0x7f00_0000_0000usize + offset) as *mut c_void
@@ -223,7 +224,7 @@ mod dgrad_abi {
     #[test]
     fn fused_swiglu_dgrad_c_abi_checks_pointers_before_any_launch() {
         let d = desc();
-        let cases: [(&str, fn(&mut Ptrs), i32); 11] = [
+        let cases: [(&str, EditPtrs, i32); 11] = [
             ("NULL offsets", |p| p.offsets = null(), INVALID),
             ("offsets not 8-aligned", |p| p.offsets = fake(0x4_0004) as *const i64, MISALIGNED),
             ("NULL drows", |p| p.drows = null(), INVALID),

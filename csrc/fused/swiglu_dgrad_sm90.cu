@@ -22,7 +22,8 @@
 //
 // Epilogue, per pair of adjacent accumulator columns of a stored row: dact rounded to T, then
 // capmoe_routing_swiglu_backward's fp32 math on (rounded dact, g = h[r, f], u = h[r, F + f])
-// with 32-bit loads of h and 32-bit stores of dh (and of dact when requested).
+// with 32-bit loads of h (issued before the tile's mainloop, so they land behind it) and
+// 32-bit stores of dh (and of dact when requested).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -157,22 +158,17 @@ __device__ void produce(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
 
 __device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + __expf(-g)); }
 
-// dh of the tile's stored rows (< t.rows) from the fp32 accumulators of dact. Loads of h come
-// first, all of them, so they are in flight together; then the math and the stores.
-template <class T, class Accum, class Coords>
-__device__ void store_tile(const SwigluDgradParams& p, const Tile& t, const Accum& acc, const Coords& coords) {
-  constexpr int kPairs = decltype(size(acc))::value / 2;
+// The h pairs a thread's accumulators need: gate[j] = h[row, col .. col + 1] and up[j] the
+// same columns of the up half, for accumulator pair j = (2j, 2j + 1); 0 for rows past t.rows.
+// Loaded before the tile's mainloop, so their latency hides behind it.
+template <int kPairs, class Coords>
+__device__ __forceinline__ void load_gate_up(const SwigluDgradParams& p, const Tile& t, const Coords& coords,
+                                             uint32_t (&gate)[kPairs], uint32_t (&up)[kPairs]) {
   const auto* __restrict__ h = static_cast<const uint16_t*>(p.h);
-  auto* __restrict__ dh = static_cast<uint16_t*>(p.dh);
-  auto* __restrict__ dact = static_cast<uint16_t*>(p.dact);
   const int64_t ffn = p.ffn;
-  uint32_t gate[kPairs], up[kPairs];
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     const int m = get<0>(coords(2 * j)), n = get<1>(coords(2 * j));
-    // The accumulator layout pairs (2j, 2j + 1) as adjacent columns of one row; a layout that
-    // broke this would be a build of the wrong atom (folds away at compile time).
-    if (get<1>(coords(2 * j + 1)) != n + 1 || get<0>(coords(2 * j + 1)) != m) __trap();
     gate[j] = up[j] = 0;
     if (m < t.rows) {
       const int64_t at = int64_t(t.row0 + m) * 2 * ffn + t.n0 + n;
@@ -180,9 +176,22 @@ __device__ void store_tile(const SwigluDgradParams& p, const Tile& t, const Accu
       up[j] = __ldg(reinterpret_cast<const uint32_t*>(h + at + ffn));
     }
   }
+}
+
+// dh of the tile's stored rows (< t.rows) from the fp32 accumulators of dact and the h pairs
+// of load_gate_up.
+template <class T, int kPairs, class Accum, class Coords>
+__device__ void store_tile(const SwigluDgradParams& p, const Tile& t, const Accum& acc, const Coords& coords,
+                           const uint32_t (&gate)[kPairs], const uint32_t (&up)[kPairs]) {
+  auto* __restrict__ dh = static_cast<uint16_t*>(p.dh);
+  auto* __restrict__ dact = static_cast<uint16_t*>(p.dact);
+  const int64_t ffn = p.ffn;
 #pragma unroll
   for (int j = 0; j < kPairs; ++j) {
     const int m = get<0>(coords(2 * j)), n = get<1>(coords(2 * j));
+    // The accumulator layout pairs (2j, 2j + 1) as adjacent columns of one row; a layout that
+    // broke this would be a build of the wrong atom (folds away at compile time).
+    if (get<1>(coords(2 * j + 1)) != n + 1 || get<0>(coords(2 * j + 1)) != m) __trap();
     if (m >= t.rows) continue;
     const uint32_t dact_bits = Pair<T>::pack(acc(2 * j), acc(2 * j + 1));
     const float2 d = Pair<T>::unpack(dact_bits);
@@ -216,6 +225,7 @@ __device__ void consume(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
   Tensor acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<kTileN>>{});
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
+  constexpr int kPairs = decltype(size(acc))::value / 2;
 
   // This warpgroup's rows of a tile: [first_row, first_row + 64).
   const int first_row = (consumer_thread / 128) * (kTileM / 2);
@@ -236,6 +246,8 @@ __device__ void consume(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
       }
       continue;
     }
+    uint32_t gate[kPairs], up[kPairs];
+    load_gate_up(p, t, coords, gate, up);
     mma.accumulate_ = GMMA::ScaleOut::Zero;
     int previous = -1;
     for (int kb = 0; kb < k_blocks; ++kb) {
@@ -261,7 +273,7 @@ __device__ void consume(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc);
     if (previous >= 0 && warp_leader) Barrier::arrive(&s.empty[previous]);
-    store_tile<T>(p, t, acc, coords);
+    store_tile<T>(p, t, acc, coords, gate, up);
   }
 }
 
