@@ -115,8 +115,16 @@ struct Kernel {
   };
   static constexpr size_t kSmemBytes = sizeof(Shared) + 1024;  // + room to align the base
 
-  // The layouts the TMA boxes are written into, checked at compile time: a stage's B chunk c
-  // (columns [64c, 64c + 64)) starts at c * 64 * 64 elements, and stages are whole blocks.
+  // The layouts the TMA boxes are written into, checked at compile time (before the swizzle,
+  // which is a function of the address, as TMA's is): A rows are consecutive 128-byte rows;
+  // in B, K row k of a 64-column chunk is the chunk's 128-byte row k, and chunk c starts at
+  // c * 64 * 64 elements; stages are whole blocks.
+  using PlainA = decltype(get_nonswizzle_portion(SmemLayoutA{}));
+  using PlainB = decltype(get_nonswizzle_portion(SmemLayoutB{}));
+  static_assert(PlainA{}(_1{}, _0{}, _0{}) == kTileK && PlainA{}(_0{}, _0{}, _1{}) == kStageElemsA);
+  static_assert(PlainB{}(_1{}, _0{}, _0{}) == 1 && PlainB{}(_0{}, _1{}, _0{}) == kBoxN);
+  static_assert(PlainB{}(_0{}, Int<kTileK - 1>{}, _0{}) == (kTileK - 1) * kBoxN);
+  static_assert(PlainB{}(Int<kBoxN>{}, _0{}, _0{}) == kBoxElemsB && PlainB{}(_0{}, _0{}, _1{}) == kStageElemsB);
   static_assert(cosize_v<SmemLayoutA> == kStages * kStageElemsA);
   static_assert(cosize_v<SmemLayoutB> == kStages * kStageElemsB);
   static_assert(kTileN % kBoxN == 0);
