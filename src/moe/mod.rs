@@ -200,7 +200,7 @@ struct Buffers<T> {
     act: DeviceBuffer<T>,      // [cap, F]  SwiGLU output
     out_rows: DeviceBuffer<T>, // [cap, H]  fc2 output
     drows: DeviceBuffer<T>,    // [cap, H]  grad of out_rows
-    dact: DeviceBuffer<T>,     // [cap, F]
+    dact: DeviceBuffer<T>,     // [cap, F]  (one element when the fused backward skips it)
     dh: DeviceBuffer<T>,       // [cap, 2F]
     drows_in: DeviceBuffer<T>, // [cap, H]  grad of rows
 }
@@ -350,7 +350,10 @@ impl<T: MoeElement> MoeExperts<T> {
         let routing = RoutingPlan::new(config.routing_config())?;
         let cap = routing.capacity();
         let gemms = Gemms::new(&config, &options, cap, stream)?;
+        let fused = fused::FusedPlans::new(&options, &routing, stream)?;
         let (h, f) = (config.hidden, config.ffn);
+        // The fused fc2 dgrad + SwiGLU backward never writes dact: no [cap, F] buffer for it.
+        let dact_len = if fused.swiglu_dgrad.is_some() { 0 } else { cap * f };
         let zeros = |len: usize| scratch.alloc::<T>(len);
         let buffers = Buffers {
             rows: zeros(cap * h)?,
@@ -358,7 +361,7 @@ impl<T: MoeElement> MoeExperts<T> {
             act: zeros(cap * f)?,
             out_rows: zeros(cap * h)?,
             drows: zeros(cap * h)?,
-            dact: zeros(cap * f)?,
+            dact: zeros(dact_len)?,
             dh: zeros(cap * 2 * f)?,
             drows_in: zeros(cap * h)?,
         };
@@ -370,7 +373,7 @@ impl<T: MoeElement> MoeExperts<T> {
             map_routes: MapRoutes { ids: stream.alloc_zeros(routes)?, probs: stream.alloc_zeros(routes)? },
             path: Path {
                 workspace: stream.alloc_zeros(workspace_bytes.max(1))?,
-                fused: fused::FusedPlans::new(&options, &routing, stream)?,
+                fused,
                 forward_only: options.forward_only,
                 routing,
                 gemms,
