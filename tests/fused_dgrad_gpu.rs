@@ -169,7 +169,8 @@ impl<T: Act> Runner<T> {
         let plan = RoutingPlan::new(shape.routing(<T as routing::Element>::DTYPE)).unwrap();
         let cap = plan.capacity();
         let fused = FusedSwigluDgrad::new(&plan, stream).unwrap();
-        let spec = GroupedGemmSpec::new(GemmOp::Dgrad, shape.e, shape.h, shape.f, cap).with_dtype(<T as routing::Element>::DTYPE);
+        let spec = GroupedGemmSpec::new(GemmOp::Dgrad, shape.e, shape.h, shape.f, cap)
+            .with_dtype(<T as routing::Element>::DTYPE);
         let fc2_dgrad = GroupedGemm::new(spec, stream).unwrap();
         let zeros = |n: usize| stream.alloc_zeros::<T>(n.max(1)).unwrap();
         Runner {

@@ -6,6 +6,7 @@
 // (S = column slices of kTileN), and within an expert the M tiles of one slice are consecutive,
 // so the CTAs running together read the same weight slice (once from HBM, then from L2).
 // An expert's rows are [offsets[e], offsets[e + 1]), each end clamped into [0, capacity].
+// Runs under the CPU emulation too (tests/fused_tiles_emulated.rs): no inline PTX here.
 #pragma once
 
 #include <cstdint>
