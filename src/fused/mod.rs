@@ -16,7 +16,9 @@
 //! hold it to the fp64 reference and report the bitwise comparison).
 //!
 //! Invariants of every launch: rows at or past the device-side total `offsets[E]` (clamped to
-//! `capacity`) are neither read nor written; no allocation, no host sync, no host read of
+//! `capacity`) are never written, and read only by [`FusedSwigluDgrad`] (an expert's last tile
+//! loads whole 128-row blocks of `drows`, never past `capacity`, and discards the rows beyond
+//! the expert's end); no allocation, no host sync, no host read of
 //! device data, so a launch can be captured in a CUDA graph and replayed with new routing.
 //!
 //! Where they apply (`new` says why not otherwise, before any launch): an sm_90a build on a
