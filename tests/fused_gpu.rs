@@ -281,7 +281,7 @@ fn check_case(
 }
 
 /// The gather forms every test runs: both (they must give the same bits), or the one named by
-/// `CAPMOE_FUSED_GATHERS` (`tma_rows` or `cp_async`), so that `scripts/gpu-all.sh` can run
+/// `CAPMOE_FUSED_GATHERS` (`tma_rows` or `cp_async`), so that `scripts/gpu-run.sh` can run
 /// each form in a process of its own: a fault in one (e.g. the per-row TMA boxes, whose
 /// 128-byte destinations are finer than the 128B swizzle's 1024-byte pattern) then cannot hide
 /// the other's results.
@@ -289,8 +289,8 @@ fn gathers() -> Vec<Gather> {
     match std::env::var("CAPMOE_FUSED_GATHERS").as_deref() {
         Ok("tma_rows") => vec![Gather::TmaRows],
         Ok("cp_async") => vec![Gather::CpAsync],
+        Ok("") | Err(_) => vec![Gather::TmaRows, Gather::CpAsync],
         Ok(other) => panic!("CAPMOE_FUSED_GATHERS={other}: expected tma_rows or cp_async"),
-        Err(_) => vec![Gather::TmaRows, Gather::CpAsync],
     }
 }
 

@@ -9,7 +9,7 @@ use capturable_moe::dtype::DType;
 use capturable_moe::echo::{Algorithm, EchoConfig};
 use capturable_moe::graph::capture;
 use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
-use capturable_moe::moe::{Fc1Kernel, MoeConfig, MoeExperts, MoeOptions};
+use capturable_moe::moe::{FusedKernel, MoeConfig, MoeExperts, MoeOptions};
 use capturable_moe::routing::{RoutingConfig, RoutingPlan, Tokens};
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
@@ -114,8 +114,8 @@ pub fn topk_routing(e: usize, t: usize, k: usize, seed: u64) -> (Vec<i32>, Vec<f
 /// The expert-path plans timed on every shape: the unfused path, and the fused kernels where
 /// the plan has them (a plan the fused kernels do not cover becomes an "unavailable" row).
 fn variants() -> [(&'static str, MoeOptions); 2] {
-    let fused = MoeOptions { fc1: Fc1Kernel::Fused, ..MoeOptions::default() };
-    let unfused = MoeOptions { fc1: Fc1Kernel::Unfused, ..MoeOptions::default() };
+    let fused = MoeOptions { fc1: FusedKernel::Fused, swiglu_dgrad: FusedKernel::Fused, ..MoeOptions::default() };
+    let unfused = MoeOptions { fc1: FusedKernel::Unfused, swiglu_dgrad: FusedKernel::Unfused, ..MoeOptions::default() };
     [("capmoe-graph", unfused), ("capmoe-fused-graph", fused)]
 }
 
@@ -256,7 +256,12 @@ fn expert_case(
         stream.synchronize()?;
     }
     let replay_host = median(&mut host);
-    let kernels = format!("fc1 {}", if moe.fc1_is_fused() { "fused" } else { "unfused" });
+    let fused_or_not = |fused: bool| if fused { "fused" } else { "unfused" };
+    let kernels = format!(
+        "fc1 {}, fc2 dgrad + SwiGLU backward {}",
+        fused_or_not(moe.fc1_is_fused()),
+        fused_or_not(moe.swiglu_dgrad_is_fused())
+    );
     let timed = |op: &str, us: f64, host_us: Option<f64>, note: String| {
         row(name, op, imp, us, op_flops(shape, op), host_us, Some(format!("{kernels}; {note}")))
     };

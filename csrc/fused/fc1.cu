@@ -100,7 +100,8 @@ extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc,
     p.capacity = int32_t(d.capacity);
     const int64_t tiles = fc1_max_tiles(d.num_experts, d.capacity, d.ffn);
     const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
-    const capmoe_fused_gather_t gather = d.gather == CAPMOE_FUSED_GATHER_AUTO ? CAPMOE_FUSED_GATHER_TMA_ROWS : d.gather;
+    // AUTO: the form within the documented TMA rules until measured (capturable_moe/fused.h).
+    const capmoe_fused_gather_t gather = d.gather == CAPMOE_FUSED_GATHER_AUTO ? CAPMOE_FUSED_GATHER_CP_ASYNC : d.gather;
     return launch_fc1_sm90(p, d.dtype, gather, grid, static_cast<cudaStream_t>(stream));
 #else
     return CAPMOE_ERR_UNSUPPORTED;

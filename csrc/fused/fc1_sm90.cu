@@ -42,6 +42,7 @@
 #include <cutlass/half.h>
 
 #include "common/launch.cuh"
+#include "common/swiglu_math.cuh"
 #include "fused/fc1_launch.h"
 #include "fused/tile_list.cuh"
 
@@ -205,8 +206,6 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return uint32_t(T(lo).raw()) | (uint32_t(T(hi).raw()) << 16);
 }
 
-__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + __expf(-g)); }
-
 // Rounds the accumulators to T, then act = silu(g) * u in fp32 (capmoe_routing_swiglu's math),
 // and h = [g | u] when requested. Only rows < t.rows are stored.
 template <class T, class Accum, class Coords>
@@ -228,7 +227,7 @@ __device__ void store_tile(const Fc1Params& p, const Tile& t, const Accum& acc, 
     const int64_t row = t.row0 + m;
     const int64_t col = t.n0 + n;
     *reinterpret_cast<uint32_t*>(act + row * p.ffn + col) =
-        pack2<T>(g0 * sigmoid(g0) * u0, g1 * sigmoid(g1) * u1);
+        pack2<T>(swiglu_forward(g0, u0), swiglu_forward(g1, u1));
     if (h != nullptr) {
       *reinterpret_cast<uint32_t*>(h + row * 2 * p.ffn + col) = pack2<T>(g0, g1);
       *reinterpret_cast<uint32_t*>(h + row * 2 * p.ffn + p.ffn + col) = pack2<T>(u0, u1);

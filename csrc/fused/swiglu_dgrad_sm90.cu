@@ -38,6 +38,7 @@
 #include <cutlass/half.h>
 
 #include "common/launch.cuh"
+#include "common/swiglu_math.cuh"
 #include "fused/swiglu_dgrad_launch.h"
 #include "fused/tile_list.cuh"
 
@@ -164,8 +165,6 @@ __device__ void produce(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
   }
 }
 
-__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + __expf(-g)); }
-
 // The h pairs a thread's accumulators need: gate[j] = h[row, col .. col + 1] and up[j] the
 // same columns of the up half, for accumulator pair j = (2j, 2j + 1); 0 for rows past t.rows.
 // Loaded before the tile's mainloop, so their latency hides behind it.
@@ -205,11 +204,10 @@ __device__ void store_tile(const SwigluDgradParams& p, const Tile& t, const Accu
     const float2 d = Pair<T>::unpack(dact_bits);
     const float2 g = Pair<T>::unpack(gate[j]);
     const float2 u = Pair<T>::unpack(up[j]);
-    // capmoe_routing_swiglu_backward's expressions, term for term.
-    const float s0 = sigmoid(g.x), s1 = sigmoid(g.y);
-    const float dg0 = d.x * u.x * s0 * (1.0f + g.x * (1.0f - s0));
-    const float dg1 = d.y * u.y * s1 * (1.0f + g.y * (1.0f - s1));
-    const float du0 = d.x * g.x * s0, du1 = d.y * g.y * s1;
+    // capmoe_routing_swiglu_backward's formula (common/swiglu_math.cuh, the same bits).
+    float dg0, du0, dg1, du1;
+    swiglu_backward(d.x, g.x, u.x, dg0, du0);
+    swiglu_backward(d.y, g.y, u.y, dg1, du1);
     const int64_t row = int64_t(t.row0) + m, col = t.n0 + n;
     *reinterpret_cast<uint32_t*>(dh + row * 2 * ffn + col) = Pair<T>::pack(dg0, dg1);
     *reinterpret_cast<uint32_t*>(dh + row * 2 * ffn + ffn + col) = Pair<T>::pack(du0, du1);

@@ -47,7 +47,9 @@ pub const MAX_EXPERTS: usize = sys::CAPMOE_FUSED_MAX_EXPERTS as usize;
 /// How the fused fc1 gathers a tile's x rows into shared memory (both give the same bits).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Gather {
-    /// The faster of the two on the H100.
+    /// `CpAsync` until the H100 has timed both (`TmaRows` puts 128-byte boxes at 128-byte
+    /// aligned, 128B-swizzled destinations, finer than the 1024-byte alignment TMA emitters
+    /// keep for swizzled stages: see `capturable_moe/fused.h`).
     #[default]
     Auto,
     /// One TMA per row (a `1 x 64` box of x), issued by one producer warp.

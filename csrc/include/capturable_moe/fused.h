@@ -46,7 +46,11 @@ enum { CAPMOE_FUSED_FC1_TILE_N = 128, CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N = 128, CA
  *  TMA_ROWS: one TMA per row (a 1 x 64 box of x), issued by one producer warp;
  *  CP_ASYNC: 16-byte cp.async copies by a producer warpgroup, one row per thread, swizzled by
  *            hand;
- *  AUTO:     the faster on the H100 (TMA_ROWS until measured otherwise). */
+ *  AUTO:     CP_ASYNC until the H100 has measured both. TMA_ROWS lands each 128-byte row box
+ *            at a 128-byte aligned destination inside a 128B-swizzled stage, while compilers
+ *            that emit TMA (NVIDIA Fuser, TileLang) align swizzled destinations to the 1024-byte
+ *            pattern, citing the PTX ISA; TMA_ROWS relies on the swizzle being a function of
+ *            the address alone, which only the GPU test can confirm. */
 typedef int32_t capmoe_fused_gather_t;
 enum { CAPMOE_FUSED_GATHER_AUTO = 0, CAPMOE_FUSED_GATHER_TMA_ROWS = 1, CAPMOE_FUSED_GATHER_CP_ASYNC = 2 };
 
