@@ -280,8 +280,19 @@ fn check_case(
     assert_close(&format!("{what}: h vs fp64"), &pick(&out.h_fused, 2 * s.f), &h_ref, 1e-2);
 }
 
-/// Both gather forms are tested everywhere: they must give the same bits.
-const GATHERS: [Gather; 2] = [Gather::TmaRows, Gather::CpAsync];
+/// The gather forms every test runs: both (they must give the same bits), or the one named by
+/// `CAPMOE_FUSED_GATHERS` (`tma_rows` or `cp_async`), so that `scripts/gpu-all.sh` can run
+/// each form in a process of its own: a fault in one (e.g. the per-row TMA boxes, whose
+/// 128-byte destinations are finer than the 128B swizzle's 1024-byte pattern) then cannot hide
+/// the other's results.
+fn gathers() -> Vec<Gather> {
+    match std::env::var("CAPMOE_FUSED_GATHERS").as_deref() {
+        Ok("tma_rows") => vec![Gather::TmaRows],
+        Ok("cp_async") => vec![Gather::CpAsync],
+        Ok(other) => panic!("CAPMOE_FUSED_GATHERS={other}: expected tma_rows or cp_async"),
+        Err(_) => vec![Gather::TmaRows, Gather::CpAsync],
+    }
+}
 
 fn weights(shape: Shape, seed: u64) -> Vec<bf16> {
     let mut rng = StdRng::seed_from_u64(seed);
@@ -317,7 +328,7 @@ fn fused_fc1_matches_unfused_on_messy_routing() {
     // H = 200: the last K block is partial (TMA zero-fills columns past H in x and W1).
     let shape = Shape { e: 8, h: 200, f: 256, k: 3, t_max: 300, capacity: None };
     let w1 = weights(shape, 1);
-    for gather in GATHERS {
+    for gather in gathers() {
         let mut runner = Runner::new(&stream, shape, &w1, gather);
         let mut rng = StdRng::seed_from_u64(2);
         for (i, t) in [300usize, 0, 1, 137, 299].into_iter().enumerate() {
@@ -333,7 +344,7 @@ fn fused_fc1_one_expert_takes_every_route() {
     let stream = gpu_or_skip!();
     let shape = Shape { e: 16, h: 256, f: 128, k: 4, t_max: 200, capacity: None };
     let w1 = weights(shape, 3);
-    for gather in GATHERS {
+    for gather in gathers() {
         let mut runner = Runner::new(&stream, shape, &w1, gather);
         let mut rng = StdRng::seed_from_u64(4);
         for expert in [0i32, 15] {
@@ -349,7 +360,7 @@ fn fused_fc1_capacity_overflow_drops_like_the_unfused_path() {
     let stream = gpu_or_skip!();
     let shape = Shape { e: 4, h: 128, f: 128, k: 2, t_max: 256, capacity: Some(300) };
     let w1 = weights(shape, 5);
-    for gather in GATHERS {
+    for gather in gathers() {
         let mut runner = Runner::new(&stream, shape, &w1, gather);
         let mut rng = StdRng::seed_from_u64(6);
         let ids = topk_ids(&mut rng, 256, 4, 2);
@@ -377,7 +388,7 @@ fn fused_fc1_model_shapes() {
         let mut rng = StdRng::seed_from_u64(8);
         let ids = topk_ids(&mut rng, shape.t_max, shape.e, shape.k);
         let inputs = inputs(shape, &mut rng, t, ids);
-        for gather in GATHERS {
+        for gather in gathers() {
             let start = Instant::now();
             let mut runner = Runner::new(&stream, shape, &w1, gather);
             check_case(&format!("{gather:?}: {name}"), &stream, &mut runner, &inputs, &w1, Some(48));
@@ -395,7 +406,7 @@ fn fused_fc1_graph_replays_match_eager() {
     let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let shape = Shape { e: 8, h: 192, f: 256, k: 2, t_max: 160, capacity: None };
     let w1 = weights(shape, 9);
-    for gather in GATHERS {
+    for gather in gathers() {
         let mut graph_runner = Runner::new(&stream, shape, &w1, gather);
         let mut eager = Runner::new(&stream, shape, &w1, gather);
         let mut rng = StdRng::seed_from_u64(10);

@@ -1,8 +1,9 @@
-//! Host-only checks of the fused kernels' plan-time shape rules (no GPU needed): the shapes the
-//! fused fc1 refuses are the ones whose callers must take the unfused path.
+//! Host-only checks of the fused kernels' plan-time shape rules and C ABI validation (no GPU
+//! needed): the shapes the fused fc1 and the fused fc2 dgrad + SwiGLU backward refuse are the
+//! ones whose callers must take the unfused path.
 
 use capturable_moe::dtype::DType;
-use capturable_moe::fused::{FusedFc1, FC1_TILE_N};
+use capturable_moe::fused::{FusedFc1, FusedSwigluDgrad, FC1_TILE_N, SWIGLU_DGRAD_TILE_N};
 use capturable_moe::routing::RoutingConfig;
 use capturable_moe::Error;
 
@@ -35,6 +36,21 @@ fn fused_fc1_takes_ffn_multiples_of_its_tile() {
 fn fused_fc1_refuses_fp32_activations() {
     let c = RoutingConfig { dtype: DType::F32, ..config(768) };
     assert!(matches!(FusedFc1::check_shapes(&c), Err(Error::Unsupported { .. })));
+}
+
+#[test]
+fn fused_swiglu_dgrad_takes_ffn_multiples_of_its_tile() {
+    for f in [128, 256, 512, 768, 1408] {
+        FusedSwigluDgrad::check_shapes(&config(f)).unwrap_or_else(|e| panic!("F = {f}: {e}"));
+    }
+    for f in [8, 96, 200, 1400, SWIGLU_DGRAD_TILE_N + 64] {
+        let r = FusedSwigluDgrad::check_shapes(&config(f));
+        assert!(matches!(r, Err(Error::Unsupported { .. })), "F = {f}: {r:?}");
+    }
+    let many = RoutingConfig { num_experts: 1025, ..config(768) };
+    assert!(matches!(FusedSwigluDgrad::check_shapes(&many), Err(Error::Unsupported { .. })), "E = 1025");
+    let fp32 = RoutingConfig { dtype: DType::F32, ..config(768) };
+    assert!(matches!(FusedSwigluDgrad::check_shapes(&fp32), Err(Error::Unsupported { .. })), "fp32");
 }
 
 // ---- the C ABI's host-side checks, called with fake device addresses (never dereferenced:
@@ -116,5 +132,121 @@ mod abi {
         // Capacity 0: no row can be written; OK without a launch (and without other pointers).
         let empty = sys::capmoe_fused_fc1_desc_t { capacity: 0, ..d };
         assert_eq!(call(&empty, null(), offsets, null_mut()), OK, "capacity 0");
+    }
+}
+
+// ---- the fused fc2 dgrad + SwiGLU backward's C ABI checks, as above: fake device addresses,
+// never dereferenced (every call below returns before any CUDA call) ----
+
+mod dgrad_abi {
+    use std::ffi::c_void;
+    use std::ptr::{null, null_mut};
+
+    use capturable_moe::sys;
+
+    const OK: i32 = sys::CAPMOE_OK as i32;
+    const INVALID: i32 = sys::CAPMOE_ERR_INVALID_ARGUMENT as i32;
+    const MISALIGNED: i32 = sys::CAPMOE_ERR_MISALIGNED as i32;
+    const UNSUPPORTED: i32 = sys::CAPMOE_ERR_UNSUPPORTED as i32;
+
+    type EditDesc = fn(&mut sys::capmoe_fused_swiglu_dgrad_desc_t);
+    type EditPtrs = fn(&mut Ptrs);
+
+    fn fake(offset: usize) -> *mut c_void {
+        (0x7f00_0000_0000usize + offset) as *mut c_void
+    }
+
+    fn desc() -> sys::capmoe_fused_swiglu_dgrad_desc_t {
+        sys::capmoe_fused_swiglu_dgrad_desc_t {
+            num_experts: 8,
+            hidden: 256,
+            ffn: 256,
+            capacity: 128,
+            sm_count: 132,
+            dtype: sys::CAPMOE_DTYPE_BF16 as i32,
+        }
+    }
+
+    /// The pointers of one call, all valid (16-byte aligned fakes) unless edited.
+    struct Ptrs {
+        drows: *const c_void,
+        w2: *const c_void,
+        h: *const c_void,
+        offsets: *const i64,
+        dh: *mut c_void,
+        dact: *mut c_void,
+    }
+
+    fn ptrs() -> Ptrs {
+        Ptrs {
+            drows: fake(0x1_0000),
+            w2: fake(0x2_0000),
+            h: fake(0x3_0000),
+            offsets: fake(0x4_0000) as *const i64,
+            dh: fake(0x5_0000),
+            dact: null_mut(),
+        }
+    }
+
+    fn call(d: &sys::capmoe_fused_swiglu_dgrad_desc_t, p: &Ptrs) -> i32 {
+        unsafe { sys::capmoe_fused_swiglu_dgrad(d, p.drows, p.w2, p.h, p.offsets, p.dh, p.dact, null_mut()) }
+    }
+
+    #[test]
+    fn fused_swiglu_dgrad_c_abi_refuses_bad_descriptors() {
+        let p = ptrs();
+        assert_eq!(
+            unsafe { sys::capmoe_fused_swiglu_dgrad(null(), p.drows, p.w2, p.h, p.offsets, p.dh, p.dact, null_mut()) },
+            INVALID,
+            "NULL descriptor"
+        );
+        assert_eq!(unsafe { sys::capmoe_fused_swiglu_dgrad_supported(null()) }, INVALID, "NULL descriptor (supported)");
+        let cases: [(&str, EditDesc, i32); 10] = [
+            ("E = 0", |d| d.num_experts = 0, INVALID),
+            ("E = 1025", |d| d.num_experts = 1025, INVALID),
+            ("H = 0", |d| d.hidden = 0, INVALID),
+            ("H = 260 (not a multiple of 8)", |d| d.hidden = 260, MISALIGNED),
+            ("F = 200 (not a multiple of 128)", |d| d.ffn = 200, UNSUPPORTED),
+            ("F = 192 (a multiple of 64, not of 128)", |d| d.ffn = 192, UNSUPPORTED),
+            ("fp32 activations", |d| d.dtype = sys::CAPMOE_DTYPE_F32 as i32, UNSUPPORTED),
+            ("sm_count 0", |d| d.sm_count = 0, INVALID),
+            ("negative capacity", |d| d.capacity = -1, INVALID),
+            ("capacity 2^31", |d| d.capacity = 1 << 31, INVALID),
+        ];
+        for (what, edit, want) in cases {
+            let mut d = desc();
+            edit(&mut d);
+            assert_eq!(call(&d, &p), want, "{what}");
+            assert_eq!(unsafe { sys::capmoe_fused_swiglu_dgrad_supported(&d) }, want, "{what} (supported)");
+        }
+    }
+
+    #[test]
+    fn fused_swiglu_dgrad_c_abi_checks_pointers_before_any_launch() {
+        let d = desc();
+        let cases: [(&str, EditPtrs, i32); 11] = [
+            ("NULL offsets", |p| p.offsets = null(), INVALID),
+            ("offsets not 8-aligned", |p| p.offsets = fake(0x4_0004) as *const i64, MISALIGNED),
+            ("NULL drows", |p| p.drows = null(), INVALID),
+            ("NULL w2", |p| p.w2 = null(), INVALID),
+            ("NULL h", |p| p.h = null(), INVALID),
+            ("NULL dh", |p| p.dh = null_mut(), INVALID),
+            ("drows not 16-aligned", |p| p.drows = fake(0x1_0008), MISALIGNED),
+            ("w2 not 16-aligned", |p| p.w2 = fake(0x2_0002), MISALIGNED),
+            ("h not 16-aligned", |p| p.h = fake(0x3_0004), MISALIGNED),
+            ("dh not 16-aligned", |p| p.dh = fake(0x5_0008), MISALIGNED),
+            ("dact not 16-aligned", |p| p.dact = fake(0x6_0008), MISALIGNED),
+        ];
+        for (what, edit, want) in cases {
+            let mut p = ptrs();
+            edit(&mut p);
+            assert_eq!(call(&d, &p), want, "{what}");
+        }
+        // Capacity 0: no row can be written; OK without a launch (and without other pointers),
+        // but the offsets are still checked.
+        let empty = sys::capmoe_fused_swiglu_dgrad_desc_t { capacity: 0, ..d };
+        let bare = Ptrs { drows: null(), w2: null(), h: null(), dh: null_mut(), ..ptrs() };
+        assert_eq!(call(&empty, &bare), OK, "capacity 0");
+        assert_eq!(call(&empty, &Ptrs { offsets: null(), ..bare }), INVALID, "capacity 0, NULL offsets");
     }
 }

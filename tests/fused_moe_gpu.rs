@@ -1,7 +1,13 @@
-//! The expert path with the fused fc1 (`MoeOptions::fc1 = Fc1Kernel::Fused`) against the same
+//! The expert path with the fused fc1 (`MoeOptions::fc1 = FusedKernel::Fused`) against the same
 //! path unfused: forward and backward bit for bit (the fused kernel writes the unfused act and
 //! h bits, and nothing downstream changes), against the fp64 reference, and one captured graph
 //! replayed with fresh routing against eager unfused runs.
+//!
+//! With the fused fc2 dgrad + SwiGLU backward (`MoeOptions::swiglu_dgrad`): the forward is
+//! unchanged (y bit for bit); dx, dprobs, dw1, dw2 within tolerance of the unfused backward and
+//! of the fp64 reference, their bitwise agreement reported (not asserted: the fused GEMM's sum
+//! order need not be CUTLASS's); a captured graph replayed with fresh routing bit-equal to eager
+//! runs of the same plan.
 
 mod common;
 
@@ -9,7 +15,7 @@ use std::sync::Arc;
 
 use capturable_moe::dtype::DType;
 use capturable_moe::graph::capture;
-use capturable_moe::moe::{Fc1Kernel, MoeConfig, MoeExperts, MoeOptions, WeightForm};
+use capturable_moe::moe::{FusedKernel, MoeConfig, MoeExperts, MoeOptions, WeightForm};
 use capturable_moe::routing::Tokens;
 use capturable_moe::Error;
 use common::expert_io::{layer_config, ExpertIo as Io, Step};
@@ -29,10 +35,10 @@ fn config(capacity: Option<usize>) -> MoeConfig {
     MoeConfig { capacity, ..layer_config(DIMS, T_MAX) }
 }
 
-fn plan(stream: &Arc<CudaStream>, capacity: Option<usize>, fc1: Fc1Kernel, forward_only: bool) -> MoeExperts<bf16> {
+fn plan(stream: &Arc<CudaStream>, capacity: Option<usize>, fc1: FusedKernel, forward_only: bool) -> MoeExperts<bf16> {
     let opts = MoeOptions { fc1, forward_only, ..MoeOptions::default() };
     let moe = MoeExperts::<bf16>::with_options(config(capacity), opts, stream).unwrap();
-    assert_eq!(moe.fc1_is_fused(), fc1 == Fc1Kernel::Fused, "{fc1:?}");
+    assert_eq!(moe.fc1_is_fused(), fc1 == FusedKernel::Fused, "{fc1:?}");
     moe
 }
 
@@ -78,8 +84,8 @@ fn fused_moe_equals_unfused_bitwise_and_the_fp64_reference() {
     let stream = gpu_or_skip!();
     let (w1, w2) = weights(1);
     for capacity in [None, Some(150)] {
-        let mut fused = plan(&stream, capacity, Fc1Kernel::Fused, false);
-        let mut unfused = plan(&stream, capacity, Fc1Kernel::Unfused, false);
+        let mut fused = plan(&stream, capacity, FusedKernel::Fused, false);
+        let mut unfused = plan(&stream, capacity, FusedKernel::Unfused, false);
         let (mut fio, mut uio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
         let mut rng = StdRng::seed_from_u64(2);
         for i in 0..12 {
@@ -118,8 +124,8 @@ fn fused_moe_graph_replays_equal_eager_unfused() {
     let stream = gpu_or_skip!();
     let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let (w1, w2) = weights(3);
-    let mut graph_moe = plan(&stream, None, Fc1Kernel::Fused, false);
-    let mut eager_moe = plan(&stream, None, Fc1Kernel::Unfused, false);
+    let mut graph_moe = plan(&stream, None, FusedKernel::Fused, false);
+    let mut eager_moe = plan(&stream, None, FusedKernel::Unfused, false);
     let (mut gio, mut eio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
     let mut rng = StdRng::seed_from_u64(4);
     gio.load(&stream, &step(&mut rng, 4));
@@ -139,8 +145,8 @@ fn fused_moe_graph_replays_equal_eager_unfused() {
 fn fused_moe_forward_only_skips_the_saves_and_refuses_backward() {
     let stream = gpu_or_skip!();
     let (w1, w2) = weights(5);
-    let mut fwd = plan(&stream, None, Fc1Kernel::Fused, true);
-    let mut unfused = plan(&stream, None, Fc1Kernel::Unfused, false);
+    let mut fwd = plan(&stream, None, FusedKernel::Fused, true);
+    let mut unfused = plan(&stream, None, FusedKernel::Unfused, false);
     let (mut fio, mut uio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
     let mut rng = StdRng::seed_from_u64(6);
     for i in 0..6 {
@@ -158,21 +164,21 @@ fn fused_moe_forward_only_skips_the_saves_and_refuses_backward() {
 #[test]
 fn fused_moe_plan_choices() {
     let stream = gpu_or_skip!();
-    // Auto stays on the unfused path until the fused kernel's GPU suite has passed (Fc1Kernel);
+    // Auto stays on the unfused path until the fused kernel's GPU suite has passed (FusedKernel);
     // a forced Fused plan takes it on the H100 (sm_90a) for tensor weights and F % 128 == 0.
     let auto = MoeExperts::<bf16>::new(config(None), &stream).unwrap();
     assert!(!auto.fc1_is_fused(), "Auto must keep the unfused fc1 for now");
-    let fused = MoeOptions { fc1: Fc1Kernel::Fused, ..MoeOptions::default() };
+    let fused = MoeOptions { fc1: FusedKernel::Fused, ..MoeOptions::default() };
     assert!(MoeExperts::<bf16>::with_options(config(None), fused, &stream).unwrap().fc1_is_fused());
     // Pointer weights: Auto falls back, a forced Fused is an error.
     let ptrs = MoeOptions { weights: WeightForm::Pointers, ..MoeOptions::default() };
     assert!(!MoeExperts::<bf16>::with_options(config(None), ptrs, &stream).unwrap().fc1_is_fused());
-    let forced = MoeOptions { fc1: Fc1Kernel::Fused, ..ptrs };
+    let forced = MoeOptions { fc1: FusedKernel::Fused, ..ptrs };
     assert!(matches!(MoeExperts::<bf16>::with_options(config(None), forced, &stream), Err(Error::Unsupported { .. })));
     // F = 96: not a multiple of the fused tile.
     let odd = MoeConfig { ffn: 96, ..config(None) };
     assert!(!MoeExperts::<bf16>::new(odd.clone(), &stream).unwrap().fc1_is_fused());
-    let forced = MoeOptions { fc1: Fc1Kernel::Fused, ..MoeOptions::default() };
+    let forced = MoeOptions { fc1: FusedKernel::Fused, ..MoeOptions::default() };
     assert!(matches!(MoeExperts::<bf16>::with_options(odd, forced, &stream), Err(Error::Unsupported { .. })));
 }
 
@@ -186,7 +192,7 @@ fn fused_moe_f16_equals_unfused() {
     let mk = |fc1| {
         MoeExperts::<f16>::with_options(cfg.clone(), MoeOptions { fc1, ..MoeOptions::default() }, &stream).unwrap()
     };
-    let (mut fused, mut unfused) = (mk(Fc1Kernel::Fused), mk(Fc1Kernel::Unfused));
+    let (mut fused, mut unfused) = (mk(FusedKernel::Fused), mk(FusedKernel::Unfused));
     assert!(fused.fc1_is_fused() && !unfused.fc1_is_fused());
     let mut rng = StdRng::seed_from_u64(7);
     let h16 = |n: usize, s: f32, rng: &mut StdRng| -> Vec<f16> {
@@ -222,5 +228,192 @@ fn fused_moe_f16_equals_unfused() {
         }
         assert_bits(&format!("f16 step {i} (T={}): y, dx, dw1, dw2", s.t), &outs[0].0, &outs[1].0);
         assert_bits(&format!("f16 step {i} (T={}): dprobs", s.t), &outs[0].1, &outs[1].1);
+    }
+}
+
+// ---- the fused fc2 dgrad + SwiGLU backward ----
+
+fn plan_with(
+    stream: &Arc<CudaStream>,
+    capacity: Option<usize>,
+    fc1: FusedKernel,
+    dgrad: FusedKernel,
+) -> MoeExperts<bf16> {
+    let opts = MoeOptions { fc1, swiglu_dgrad: dgrad, ..MoeOptions::default() };
+    let moe = MoeExperts::<bf16>::with_options(config(capacity), opts, stream).unwrap();
+    assert_eq!(moe.fc1_is_fused(), fc1 == FusedKernel::Fused, "fc1 {fc1:?}");
+    assert_eq!(moe.swiglu_dgrad_is_fused(), dgrad == FusedKernel::Fused, "swiglu_dgrad {dgrad:?}");
+    moe
+}
+
+/// Counts the differing bits of two outputs and prints it (the bitwise claim is reported).
+fn report_bits(what: &str, got: &[u32], want: &[u32]) {
+    let n = got.iter().zip(want).filter(|(a, b)| a != b).count();
+    println!("{what}: bitwise vs unfused: {n} of {} elements differ", got.len());
+}
+
+/// The backward outputs of one step as f64, rows < T of dx and dprobs (the rest must hold the
+/// poison, checked here) and all of dw1, dw2 (written in full, checked here).
+fn backward_outputs(what: &str, stream: &Arc<CudaStream>, io: &Io, t: usize) -> [Vec<f64>; 4] {
+    let dx = stream.clone_dtoh(&io.dx).unwrap();
+    let dprobs = stream.clone_dtoh(&io.dprobs).unwrap();
+    let dw1 = stream.clone_dtoh(&io.dw1).unwrap();
+    let dw2 = stream.clone_dtoh(&io.dw2).unwrap();
+    assert_written_bf16(&format!("{what}: dx"), &dx, t * H);
+    assert_written_f32(&format!("{what}: dprobs"), &dprobs, t * K);
+    assert_written_bf16(&format!("{what}: dw1"), &dw1, dw1.len());
+    assert_written_bf16(&format!("{what}: dw2"), &dw2, dw2.len());
+    [f64s(&dx[..t * H]), dprobs[..t * K].iter().map(|&v| v as f64).collect(), f64s(&dw1), f64s(&dw2)]
+}
+
+#[test]
+fn fused_moe_swiglu_dgrad_matches_unfused_and_the_fp64_reference() {
+    let stream = gpu_or_skip!();
+    let (w1, w2) = weights(11);
+    for (fc1, capacity) in [
+        (FusedKernel::Unfused, None),
+        (FusedKernel::Unfused, Some(150)),
+        (FusedKernel::Fused, None),
+        (FusedKernel::Fused, Some(150)),
+    ] {
+        let mut fused = plan_with(&stream, capacity, fc1, FusedKernel::Fused);
+        let mut unfused = plan_with(&stream, capacity, FusedKernel::Unfused, FusedKernel::Unfused);
+        let (mut fio, mut uio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
+        let mut rng = StdRng::seed_from_u64(12);
+        for i in 0..12 {
+            let s = step(&mut rng, i);
+            let what = format!("fc1 {fc1:?}, capacity {capacity:?}, step {i} (T={})", s.t);
+            fio.load(&stream, &s);
+            uio.load(&stream, &s);
+            fio.step(&mut fused, &stream).unwrap();
+            uio.step(&mut unfused, &stream).unwrap();
+            // The forward does not change.
+            let (fy, uy) = (stream.clone_dtoh(&fio.y).unwrap(), stream.clone_dtoh(&uio.y).unwrap());
+            let bits = |v: &[bf16]| v.iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+            assert_bits(&format!("{what}: y fused-backward plan vs unfused"), &bits(&fy), &bits(&uy));
+            let got = backward_outputs(&format!("{what}: fused"), &stream, &fio, s.t);
+            let want = backward_outputs(&format!("{what}: unfused"), &stream, &uio, s.t);
+            for (name, g, w) in [
+                ("dx", &got[0], &want[0]),
+                ("dprobs", &got[1], &want[1]),
+                ("dw1", &got[2], &want[2]),
+                ("dw2", &got[3], &want[3]),
+            ] {
+                assert_close(&format!("{what}: {name} vs the unfused backward"), g, w, 1e-2);
+            }
+            report_bits(&what, &fio.bits(&stream), &uio.bits(&stream));
+            if capacity.is_none() {
+                let ids: Vec<i32> = s.ids.iter().map(|&e| if (0..E as i32).contains(&e) { e } else { -1 }).collect();
+                let r = reference(DIMS, s.t, &ids, &s.probs, &s.x, &s.dy, &w1, &w2);
+                assert_close(&format!("{what}: dx vs fp64"), &got[0], &r.dx[..s.t * H], 2e-2);
+                assert_close(&format!("{what}: dprobs vs fp64"), &got[1], &r.dprobs[..s.t * K], 2e-2);
+                assert_close(&format!("{what}: dw1 vs fp64"), &got[2], &r.dw1, 2e-2);
+                assert_close(&format!("{what}: dw2 vs fp64"), &got[3], &r.dw2, 2e-2);
+            }
+        }
+    }
+}
+
+/// One captured forward + backward of a plan with both fused kernels, replayed 200 times with
+/// fresh routing, x, dy and T; every replay bit-equal to an eager run of an identical plan.
+#[test]
+fn fused_moe_swiglu_dgrad_graph_replays_equal_eager() {
+    let stream = gpu_or_skip!();
+    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let (w1, w2) = weights(13);
+    let mut graph_moe = plan_with(&stream, None, FusedKernel::Fused, FusedKernel::Fused);
+    let mut eager_moe = plan_with(&stream, None, FusedKernel::Fused, FusedKernel::Fused);
+    let (mut gio, mut eio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
+    let mut rng = StdRng::seed_from_u64(14);
+    gio.load(&stream, &step(&mut rng, 4));
+    stream.synchronize().unwrap();
+    let graph = capture(&stream, || gio.step(&mut graph_moe, &stream)).unwrap();
+    let replays = if common::under_sanitizer() { 10 } else { 200 };
+    for i in 0..replays {
+        let s = step(&mut rng, i);
+        gio.load(&stream, &s);
+        eio.load(&stream, &s);
+        graph.launch().unwrap();
+        eio.step(&mut eager_moe, &stream).unwrap();
+        assert_bits(&format!("replay {i} (T={})", s.t), &gio.bits(&stream), &eio.bits(&stream));
+        let dx = stream.clone_dtoh(&gio.dx).unwrap();
+        assert_written_bf16(&format!("replay {i}: dx"), &dx, s.t * H);
+    }
+}
+
+#[test]
+fn fused_moe_swiglu_dgrad_plan_choices() {
+    let stream = gpu_or_skip!();
+    // Auto stays on the unfused path until the fused kernels' GPU suites have passed.
+    let auto = MoeExperts::<bf16>::new(config(None), &stream).unwrap();
+    assert!(!auto.swiglu_dgrad_is_fused(), "Auto must keep the unfused backward for now");
+    // Pointer weights: a forced Fused is an error; forward-only plans plan no backward.
+    let forced =
+        MoeOptions { weights: WeightForm::Pointers, swiglu_dgrad: FusedKernel::Fused, ..MoeOptions::default() };
+    assert!(matches!(MoeExperts::<bf16>::with_options(config(None), forced, &stream), Err(Error::Unsupported { .. })));
+    let fwd_only = MoeOptions { swiglu_dgrad: FusedKernel::Fused, forward_only: true, ..MoeOptions::default() };
+    assert!(!MoeExperts::<bf16>::with_options(config(None), fwd_only, &stream).unwrap().swiglu_dgrad_is_fused());
+    // F = 96: not a multiple of the fused tile.
+    let odd = MoeConfig { ffn: 96, ..config(None) };
+    let forced = MoeOptions { swiglu_dgrad: FusedKernel::Fused, ..MoeOptions::default() };
+    assert!(matches!(MoeExperts::<bf16>::with_options(odd, forced, &stream), Err(Error::Unsupported { .. })));
+}
+
+/// The f16 kernel inside the expert path: a plan with the fused backward against the unfused
+/// f16 plan, within tolerance (y bit for bit; rows past T keep their poison).
+#[test]
+fn fused_moe_swiglu_dgrad_f16_matches_unfused() {
+    use half::f16;
+    let stream = gpu_or_skip!();
+    let cfg = MoeConfig { dtype: DType::F16, ..config(None) };
+    let mk = |dgrad| {
+        let opts = MoeOptions { swiglu_dgrad: dgrad, ..MoeOptions::default() };
+        MoeExperts::<f16>::with_options(cfg.clone(), opts, &stream).unwrap()
+    };
+    let (mut fused, mut unfused) = (mk(FusedKernel::Fused), mk(FusedKernel::Unfused));
+    assert!(fused.swiglu_dgrad_is_fused() && !unfused.swiglu_dgrad_is_fused());
+    let mut rng = StdRng::seed_from_u64(15);
+    let h16 = |n: usize, s: f32, rng: &mut StdRng| -> Vec<f16> {
+        (0..n).map(|_| f16::from_f32(rng.random_range(-s..s))).collect()
+    };
+    let w1 = stream.clone_htod(&h16(E * 2 * F * H, 1.0 / (H as f32).sqrt(), &mut rng)).unwrap();
+    let w2 = stream.clone_htod(&h16(E * H * F, 1.0 / (F as f32).sqrt(), &mut rng)).unwrap();
+    let poison = vec![f16::from_bits(0x7E01); T_MAX * H];
+    let to_f64 = |v: &[f16]| v.iter().map(|x| x.to_f64()).collect::<Vec<f64>>();
+    for i in 0..6 {
+        let s = step(&mut rng, i);
+        let x = stream.clone_htod(&h16(T_MAX * H, 1.0, &mut rng)).unwrap();
+        let dy = stream.clone_htod(&h16(T_MAX * H, 1.0, &mut rng)).unwrap();
+        let ids = stream.clone_htod(&s.ids).unwrap();
+        let probs = stream.clone_htod(&s.probs).unwrap();
+        let tokens = Tokens::Host(s.t);
+        let mut outs = Vec::new();
+        for moe in [&mut fused, &mut unfused] {
+            let mut y = stream.clone_htod(&poison).unwrap();
+            let mut dx = stream.clone_htod(&poison).unwrap();
+            let mut dprobs = stream.alloc_zeros::<f32>(T_MAX * K).unwrap();
+            let mut dw1 = stream.alloc_zeros::<f16>(E * 2 * F * H).unwrap();
+            let mut dw2 = stream.alloc_zeros::<f16>(E * H * F).unwrap();
+            moe.forward(&stream, &x, &ids, &probs, tokens, &w1, &w2, &mut y).unwrap();
+            moe.backward(&stream, &dy, &probs, tokens, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2).unwrap();
+            let (y, dx) = (stream.clone_dtoh(&y).unwrap(), stream.clone_dtoh(&dx).unwrap());
+            assert!(dx[..s.t * H].iter().all(|v| v.is_finite()), "step {i}: dx rows < T written and finite");
+            assert!(dx[s.t * H..].iter().all(|v| v.to_bits() == 0x7E01), "step {i}: dx rows >= T untouched");
+            let dprobs = stream.clone_dtoh(&dprobs).unwrap();
+            outs.push((
+                y.iter().map(|v| v.to_bits()).collect::<Vec<u16>>(),
+                [
+                    to_f64(&dx[..s.t * H]),
+                    dprobs[..s.t * K].iter().map(|&v| v as f64).collect(),
+                    to_f64(&stream.clone_dtoh(&dw1).unwrap()),
+                    to_f64(&stream.clone_dtoh(&dw2).unwrap()),
+                ],
+            ));
+        }
+        let what = format!("f16 step {i} (T={})", s.t);
+        assert_bits(&format!("{what}: y"), &outs[0].0, &outs[1].0);
+        for (j, name) in ["dx", "dprobs", "dw1", "dw2"].iter().enumerate() {
+            assert_close(&format!("{what}: {name} vs the unfused backward"), &outs[0].1[j], &outs[1].1[j], 1e-2);
+        }
     }
 }

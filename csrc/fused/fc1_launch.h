@@ -27,7 +27,4 @@ struct Fc1Params {
 capmoe_status_t launch_fc1_sm90(const Fc1Params& params, capmoe_dtype_t dtype, capmoe_fused_gather_t gather,
                                 int grid, cudaStream_t stream);
 
-// Largest grid worth launching: one CTA per tile when there are fewer tiles than SMs.
-int64_t fc1_max_tiles(int64_t experts, int64_t capacity, int64_t ffn);
-
 }  // namespace capmoe::fused

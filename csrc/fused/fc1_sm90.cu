@@ -24,11 +24,9 @@
 // Rows past the expert's count are not loaded in either form (their accumulators are never
 // stored).
 //
-// Scheduling: the tile list comes from the device-side offsets: every CTA computes, per expert,
-// m_tiles(e) = ceil(rows(e) / 128) and its prefix in shared memory; linear tile i belongs to
-// the expert whose [prefix(e) * S, prefix(e + 1) * S) holds it (S = F / 128 column slices),
-// and within an expert the M tiles of one slice are consecutive, so the CTAs running together
-// read the same weight slice (once from HBM, then from L2). CTAs stride over the tiles.
+// Scheduling: the tile list comes from the device-side offsets (fused/tile_list.cuh): the M
+// tiles of one expert's column slice are consecutive, so the CTAs running together read the
+// same weight slice (once from HBM, then from L2). CTAs stride over the tiles.
 //
 // The epilogue rounds gate and up to the output type first and computes SwiGLU in fp32 on the
 // rounded values, exactly as capmoe_routing_swiglu does on h, so act equals the unfused path's.
@@ -45,6 +43,7 @@
 
 #include "common/launch.cuh"
 #include "fused/fc1_launch.h"
+#include "fused/tile_list.cuh"
 
 namespace capmoe::fused {
 namespace {
@@ -98,62 +97,9 @@ struct Kernel {
   static constexpr size_t kSmemBytes = sizeof(Shared) + 1024;  // + room to align the base
 };
 
-// Where a linear tile index lands.
-struct Tile {
-  int expert, row0, rows, n0;
-};
-
-__device__ __forceinline__ int64_t clamp_row(int64_t r, int capacity) {
-  return r < 0 ? 0 : (r > capacity ? capacity : r);
-}
-
-// Warp 0 writes tile_prefix[0..E] and row_start[0..E]; returns nothing (the caller syncs).
-__device__ void build_tile_prefix(const Fc1Params& p, int32_t* tile_prefix, int32_t* row_start) {
-  const int lane = threadIdx.x & 31;
-  const int per_lane = (p.experts + 31) / 32;
-  const int first = lane * per_lane, last = min(p.experts, first + per_lane);
-  int local = 0;
-  for (int e = first; e < last; ++e) {
-    const int64_t start = clamp_row(p.offsets[e], p.capacity);
-    const int64_t end = clamp_row(p.offsets[e + 1], p.capacity);
-    const int rows = end > start ? int(end - start) : 0;
-    row_start[e] = int(start);
-    local += (rows + kTileM - 1) / kTileM;
-  }
-  int inclusive = local;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int v = __shfl_up_sync(0xffffffffu, inclusive, d);
-    if (lane >= d) inclusive += v;
-  }
-  int running = inclusive - local;
-  for (int e = first; e < last; ++e) {
-    tile_prefix[e] = running;
-    const int rows = int(clamp_row(p.offsets[e + 1], p.capacity)) - row_start[e];
-    running += rows > 0 ? (rows + kTileM - 1) / kTileM : 0;
-  }
-  if (lane == 31) {
-    tile_prefix[p.experts] = inclusive;
-    row_start[p.experts] = int(clamp_row(p.offsets[p.experts], p.capacity));
-  }
-}
-
-__device__ __forceinline__ Tile locate(int tile, int slices, const int32_t* tile_prefix,
-                                       const int32_t* row_start, int experts) {
-  // Largest e with tile_prefix[e] * slices <= tile; it owns at least one tile.
-  int lo = 0, hi = experts - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (tile_prefix[mid] * slices <= tile) lo = mid;
-    else hi = mid - 1;
-  }
-  const int e = lo;
-  const int m_tiles = tile_prefix[e + 1] - tile_prefix[e];
-  const int local = tile - tile_prefix[e] * slices;
-  const int slice = local / m_tiles, m_tile = local - slice * m_tiles;
-  const int row_end = max(row_start[e + 1], row_start[e]);
-  const int row0 = row_start[e] + m_tile * kTileM;
-  return Tile{e, row0, min(kTileM, row_end - row0), slice * kTileN};
+__device__ __forceinline__ Tile locate_tile(int tile, int slices, const int32_t* tile_prefix, const int32_t* row_start,
+                                            int experts) {
+  return locate<kTileM, kTileN>(tile, slices, tile_prefix, row_start, experts);
 }
 
 // The B tile of a stage: gate rows [n0, n0 + 128) and up rows [F + n0, ...) of W1_e.
@@ -182,7 +128,7 @@ __device__ void produce_tma_rows(const Fc1Params& p, typename Kernel<T>::Shared&
   int stage = 0;
   uint32_t phase = 0;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const Tile t = locate(tile, slices, s.tile_prefix, s.row_start, p.experts);
+    const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
     int token[kTileM / 32];
     int loaded = 0;
 #pragma unroll
@@ -224,7 +170,7 @@ __device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared&
   int stage = 0;
   uint32_t phase = 0;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const Tile t = locate(tile, slices, s.tile_prefix, s.row_start, p.experts);
+    const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
     const int token = row_token(p, t, r);
     const T* src_row = static_cast<const T*>(p.x) + int64_t(token < 0 ? 0 : token) * p.hidden;
     for (int kb = 0; kb < k_blocks; ++kb) {
@@ -313,7 +259,7 @@ __device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int t
   int stage = 0;
   uint32_t phase = 0;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const Tile t = locate(tile, slices, s.tile_prefix, s.row_start, p.experts);
+    const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
     if (t.rows <= first_row) {
       // An expert's last tile with at most 64 rows: this warpgroup has none, so it leaves the
       // tensor cores to the other one (which then runs up to twice as fast) and only keeps
@@ -366,7 +312,7 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_swiglu_kernel(const __grid_co
   auto& s = *reinterpret_cast<typename K::Shared*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
   const int warp = threadIdx.x / 32;
 
-  if (warp == 0) build_tile_prefix(p, s.tile_prefix, s.row_start);
+  if (warp == 0) build_tile_prefix<kTileM>(p.offsets, p.experts, p.capacity, s.tile_prefix, s.row_start);
   if (threadIdx.x == 32) {
     for (int i = 0; i < kStages; ++i) {
       // TMA rows: the producer's expect_tx arrival; cp.async: that plus one per copying thread.

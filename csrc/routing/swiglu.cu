@@ -5,7 +5,9 @@
 // written; rows past it and past `capacity` are never touched.
 //   forward   act = silu(g) * u                        silu(g) = g * sigmoid(g)
 //   backward  dg = dact * u * s * (1 + g * (1 - s)),  du = dact * silu(g),  s = sigmoid(g)
-// Math in fp32, each output rounded once.
+// Math in fp32 (common/swiglu_math.cuh, shared with the fused kernels), each output rounded
+// once.
+#include "common/swiglu_math.cuh"
 #include "routing/common.cuh"
 
 namespace capmoe {
@@ -13,8 +15,6 @@ namespace routing {
 namespace {
 
 constexpr int kThreads = 256;
-
-__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + __expf(-g)); }
 
 // Rows of this launch: offsets[E] clamped into [0, capacity].
 __device__ __forceinline__ unsigned active_vectors(const int64_t* offsets, int E, int capacity,
@@ -36,7 +36,7 @@ __global__ void __launch_bounds__(kThreads)
   Vec8<T>::load(__ldg(h_row + col), g);
   Vec8<T>::load(__ldg(h_row + f_vec + col), u);
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) g[j] = g[j] * sigmoid(g[j]) * u[j];
+  for (int j = 0; j < kVec; ++j) g[j] = swiglu_forward(g[j], u[j]);
   act[i] = Vec8<T>::store(g);
 }
 
@@ -54,12 +54,7 @@ __global__ void __launch_bounds__(kThreads)
   Vec8<T>::load(__ldg(h + h_off + f_vec), u);
   Vec8<T>::load(__ldg(dact + i), d);
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) {
-    const float s = sigmoid(g[j]);
-    const float dg = d[j] * u[j] * s * (1.0f + g[j] * (1.0f - s));
-    u[j] = d[j] * g[j] * s;  // du
-    g[j] = dg;
-  }
+  for (int j = 0; j < kVec; ++j) swiglu_backward(d[j], g[j], u[j], g[j], u[j]);  // g <- dg, u <- du
   dh[h_off] = Vec8<T>::store(g);
   dh[h_off + f_vec] = Vec8<T>::store(u);
 }

@@ -8,13 +8,23 @@
 //! order, exactly where the unfused permute -> fc1 -> SwiGLU path puts them, and equal to it
 //! (gate and up are rounded to the activation type before SwiGLU, as the unfused path does).
 //!
+//! [`FusedSwigluDgrad`]: the backward's fc2 dgrad with the SwiGLU backward in its epilogue:
+//! `dh [capacity, 2F]` from `drows [capacity, H]`, the fc2 weight and the forward's `h`, in one
+//! persistent sm_90a kernel; the `[capacity, F]` dact never goes through memory (written only
+//! on request). Same fp32 math as the unfused SwiGLU backward on the rounded dact; bitwise equal
+//! to the unfused path only where both GEMMs sum in the same order (not guaranteed: its tests
+//! hold it to the fp64 reference and report the bitwise comparison).
+//!
 //! Invariants of every launch: rows at or past the device-side total `offsets[E]` (clamped to
-//! `capacity`) are neither read nor written; no allocation, no host sync, no host read of
+//! `capacity`) are never written, and read only by [`FusedSwigluDgrad`] (an expert's last tile
+//! loads whole 128-row blocks of `drows`, never past `capacity`, and discards the rows beyond
+//! the expert's end); no allocation, no host sync, no host read of
 //! device data, so a launch can be captured in a CUDA graph and replayed with new routing.
 //!
-//! Where it applies ([`FusedFc1::new`] says why not otherwise, before any launch): an sm_90a
-//! build on a compute capability 9.0 device, weights as one `[E, 2F, H]` tensor, `F` a
-//! multiple of [`FC1_TILE_N`], `E <=` [`MAX_EXPERTS`]. Elsewhere use the unfused path.
+//! Where they apply (`new` says why not otherwise, before any launch): an sm_90a build on a
+//! compute capability 9.0 device, weights as one tensor (`[E, 2F, H]` / `[E, H, F]`), `F` a
+//! multiple of [`FC1_TILE_N`] / [`SWIGLU_DGRAD_TILE_N`], `E <=` [`MAX_EXPERTS`], a 16-bit
+//! activation type. Elsewhere use the unfused path.
 
 use std::ffi::c_void;
 
@@ -33,6 +43,8 @@ pub use wgrad::{GatherWgrad, GatherWgradConfig, RowSource, WgradOutput, WGRAD_TI
 
 /// act columns per tile: `F` must be a multiple of it.
 pub const FC1_TILE_N: usize = sys::CAPMOE_FUSED_FC1_TILE_N as usize;
+/// dh columns per tile of [`FusedSwigluDgrad`] (per half): `F` must be a multiple of it.
+pub const SWIGLU_DGRAD_TILE_N: usize = sys::CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N as usize;
 /// Largest `E` the fused kernels take.
 pub const MAX_EXPERTS: usize = sys::CAPMOE_FUSED_MAX_EXPERTS as usize;
 
@@ -46,6 +58,52 @@ pub enum Gather {
     TmaRows,
     /// 16-byte `cp.async` copies by a producer warpgroup, one row per thread.
     CpAsync,
+}
+
+/// The sm_90a device of `stream`, or why the kernel cannot run there (`need`: the arch it
+/// needs, for the message; `kernel`: its name when the binary lacks it).
+fn sm90_device(stream: &CudaStream, need: &'static str, kernel: &'static str) -> Result<DeviceInfo> {
+    let device = DeviceInfo::of_stream(stream)?;
+    if device.arch != Arch::Sm90 {
+        return Err(Error::UnsupportedArch { need, got: format!("{:?}", device.arch) });
+    }
+    if !cfg!(has_sm90) {
+        return Err(Error::NotBuilt { kernel });
+    }
+    Ok(device)
+}
+
+/// The plan-time shape rules the fused kernels share: `F` a multiple of their column tile,
+/// `E <=` [`MAX_EXPERTS`], a 16-bit activation type.
+fn check_shapes(op: &'static str, c: &RoutingConfig, tile_n: usize) -> Result<()> {
+    if !c.ffn.is_multiple_of(tile_n) {
+        return Err(Error::Unsupported { op, why: format!("F = {} is not a multiple of {tile_n}", c.ffn) });
+    }
+    if c.num_experts > MAX_EXPERTS {
+        return Err(Error::Unsupported { op, why: format!("E = {} exceeds {MAX_EXPERTS}", c.num_experts) });
+    }
+    if !matches!(c.dtype, DType::Bf16 | DType::F16) {
+        return Err(Error::Unsupported { op, why: format!("activation dtype {:?}; need Bf16 or F16", c.dtype) });
+    }
+    Ok(())
+}
+
+/// The TMA and vector accesses need 16-byte aligned buffers (0 = absent passes).
+fn ensure_aligned16<const N: usize>(op: &'static str, ptrs: [(&str, CUdeviceptr); N]) -> Result<()> {
+    for (what, p) in ptrs {
+        if !p.is_multiple_of(16) {
+            return Err(Error::InvalidArgument { op, why: format!("{what} at {p:#x} is not 16-byte aligned") });
+        }
+    }
+    Ok(())
+}
+
+/// The element type of a launch's buffers is the plan's.
+fn ensure_dtype<T: Element>(op: &'static str, plan: DType) -> Result<()> {
+    if T::DTYPE != plan {
+        return Err(Error::Unsupported { op, why: format!("element type {:?} but the plan says {plan:?}", T::DTYPE) });
+    }
+    Ok(())
 }
 
 impl Gather {
@@ -83,16 +141,7 @@ impl FusedFc1 {
         const OP: &str = "FusedFc1::new";
         let c = routing.config();
         Self::check_shapes(c)?;
-        let device = DeviceInfo::of_stream(stream)?;
-        if device.arch != Arch::Sm90 {
-            return Err(Error::UnsupportedArch {
-                need: "9.0 (sm_90a) for the fused fc1",
-                got: format!("{:?}", device.arch),
-            });
-        }
-        if !cfg!(has_sm90) {
-            return Err(Error::NotBuilt { kernel: "fused fc1 (sm_90a)" });
-        }
+        let device = sm90_device(stream, "9.0 (sm_90a) for the fused fc1", "fused fc1 (sm_90a)")?;
         let desc = sys::capmoe_fused_fc1_desc_t {
             num_experts: c.num_experts as i64,
             hidden: c.hidden as i64,
@@ -120,20 +169,7 @@ impl FusedFc1 {
     /// [`FC1_TILE_N`], `E <=` [`MAX_EXPERTS`], a 16-bit activation type. An `Err` means the
     /// fused kernel does not take this layer (use the unfused path).
     pub fn check_shapes(c: &RoutingConfig) -> Result<()> {
-        const OP: &str = "FusedFc1::new";
-        if !c.ffn.is_multiple_of(FC1_TILE_N) {
-            return Err(Error::Unsupported { op: OP, why: format!("F = {} is not a multiple of {FC1_TILE_N}", c.ffn) });
-        }
-        if c.num_experts > MAX_EXPERTS {
-            return Err(Error::Unsupported { op: OP, why: format!("E = {} exceeds {MAX_EXPERTS}", c.num_experts) });
-        }
-        if !matches!(c.dtype, DType::Bf16 | DType::F16) {
-            return Err(Error::Unsupported {
-                op: OP,
-                why: format!("activation dtype {:?}; need Bf16 or F16", c.dtype),
-            });
-        }
-        Ok(())
+        check_shapes("FusedFc1::new", c, FC1_TILE_N)
     }
 
     /// The C ABI descriptor.
@@ -157,12 +193,7 @@ impl FusedFc1 {
         h: Option<&mut H>,
     ) -> Result<()> {
         const OP: &str = "fused fc1";
-        if T::DTYPE != self.dtype {
-            return Err(Error::Unsupported {
-                op: OP,
-                why: format!("element type {:?} but the plan says {:?}", T::DTYPE, self.dtype),
-            });
-        }
+        ensure_dtype::<T>(OP, self.dtype)?;
         let (e, hd, f, cap) = (self.experts, self.hidden, self.ffn, self.capacity);
         ensure_buffer(OP, "x [T_max, H]", stream, x, self.max_tokens * hd)?;
         ensure_buffer(OP, "w1 [E, 2F, H]", stream, w1, e * 2 * f * hd)?;
@@ -183,11 +214,7 @@ impl FusedFc1 {
             }
             None => (0, None),
         };
-        for (what, p) in [("x", xp), ("w1", wp), ("act", ap), ("h", hp)] {
-            if !p.is_multiple_of(16) {
-                return Err(Error::InvalidArgument { op: OP, why: format!("{what} at {p:#x} is not 16-byte aligned") });
-            }
-        }
+        ensure_aligned16(OP, [("x", xp), ("w1", wp), ("act", ap), ("h", hp)])?;
         unsafe { self.run_raw(stream, xp, wp, op, tp, ap, hp) }
     }
 
@@ -227,6 +254,141 @@ impl FusedFc1 {
                 s,
             ),
             "fused fc1",
+        )
+    }
+}
+
+/// A validated fused fc2 dgrad + SwiGLU backward launch plan for one routing plan's shapes on
+/// one device.
+#[derive(Clone, Debug)]
+pub struct FusedSwigluDgrad {
+    desc: sys::capmoe_fused_swiglu_dgrad_desc_t,
+    experts: usize,
+    hidden: usize,
+    ffn: usize,
+    capacity: usize,
+    dtype: DType,
+}
+
+impl FusedSwigluDgrad {
+    /// Checks on the host that the fused kernel exists for `routing`'s shapes on the device of
+    /// `stream`; an [`Error::Unsupported`] / [`Error::UnsupportedArch`] / [`Error::NotBuilt`]
+    /// means: use the unfused path. No launch.
+    pub fn new(routing: &RoutingPlan, stream: &CudaStream) -> Result<FusedSwigluDgrad> {
+        const OP: &str = "FusedSwigluDgrad::new";
+        let c = routing.config();
+        Self::check_shapes(c)?;
+        let device =
+            sm90_device(stream, "9.0 (sm_90a) for the fused fc2 dgrad", "fused fc2 dgrad + SwiGLU backward (sm_90a)")?;
+        let desc = sys::capmoe_fused_swiglu_dgrad_desc_t {
+            num_experts: c.num_experts as i64,
+            hidden: c.hidden as i64,
+            ffn: c.ffn as i64,
+            capacity: routing.capacity() as i64,
+            sm_count: device.sm_count,
+            dtype: c.dtype.abi(),
+        };
+        stream.context().bind_to_thread()?;
+        check(unsafe { sys::capmoe_fused_swiglu_dgrad_supported(&desc) }, OP)?;
+        Ok(FusedSwigluDgrad {
+            desc,
+            experts: c.num_experts,
+            hidden: c.hidden,
+            ffn: c.ffn,
+            capacity: routing.capacity(),
+            dtype: c.dtype,
+        })
+    }
+
+    /// The shape checks of [`FusedSwigluDgrad::new`] that need no GPU: `F` a multiple of
+    /// [`SWIGLU_DGRAD_TILE_N`], `E <=` [`MAX_EXPERTS`], a 16-bit activation type. An `Err`
+    /// means the fused kernel does not take this layer (use the unfused path).
+    pub fn check_shapes(c: &RoutingConfig) -> Result<()> {
+        check_shapes("FusedSwigluDgrad::new", c, SWIGLU_DGRAD_TILE_N)
+    }
+
+    /// The C ABI descriptor.
+    pub fn desc(&self) -> &sys::capmoe_fused_swiglu_dgrad_desc_t {
+        &self.desc
+    }
+
+    /// For every row `r < offsets[E]` of expert `e`: `dact = round(drows[r] · W2_e)` and
+    /// `dh[r] = [dgate | dup]`, the SwiGLU backward of `h[r] = [g | u]` at `dact`; `dact` itself
+    /// is written when given (`None::<&mut CudaSlice<T>>` otherwise). `drows [capacity, H]`,
+    /// `w2 [E, H, F]`, `h [capacity, 2F]` (the forward's), `offsets [E + 1]` as the routing
+    /// build wrote them, `dh [capacity, 2F]`, `dact [capacity, F]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run<T: Element, D: DevicePtrMut<T>>(
+        &self,
+        stream: &CudaStream,
+        drows: &impl DevicePtr<T>,
+        w2: &impl DevicePtr<T>,
+        h: &impl DevicePtr<T>,
+        offsets: &impl DevicePtr<i64>,
+        dh: &mut impl DevicePtrMut<T>,
+        dact: Option<&mut D>,
+    ) -> Result<()> {
+        const OP: &str = "fused fc2 dgrad + SwiGLU backward";
+        ensure_dtype::<T>(OP, self.dtype)?;
+        let (e, hd, f, cap) = (self.experts, self.hidden, self.ffn, self.capacity);
+        ensure_buffer(OP, "drows [capacity, H]", stream, drows, cap * hd)?;
+        ensure_buffer(OP, "w2 [E, H, F]", stream, w2, e * hd * f)?;
+        ensure_buffer(OP, "h [capacity, 2F]", stream, h, cap * 2 * f)?;
+        ensure_buffer(OP, "offsets [E + 1]", stream, offsets, e + 1)?;
+        ensure_buffer(OP, "dh [capacity, 2F]", stream, dh, cap * 2 * f)?;
+        stream.context().bind_to_thread()?;
+        let (rp, _g0) = drows.device_ptr(stream);
+        let (wp, _g1) = w2.device_ptr(stream);
+        let (hp, _g2) = h.device_ptr(stream);
+        let (op, _g3) = offsets.device_ptr(stream);
+        let (dhp, _g4) = dh.device_ptr_mut(stream);
+        let (dap, _g5) = match dact {
+            Some(dact) => {
+                ensure_buffer(OP, "dact [capacity, F]", stream, dact, cap * f)?;
+                let (p, g) = dact.device_ptr_mut(stream);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
+        ensure_aligned16(OP, [("drows", rp), ("w2", wp), ("h", hp), ("dh", dhp), ("dact", dap)])?;
+        unsafe { self.run_raw(stream, rp, wp, hp, op, dhp, dap) }
+    }
+
+    /// Raw [`FusedSwigluDgrad::run`], in the crate's raw-pointer convention
+    /// (docs/CONVENTIONS.md): the stream first, then device pointers as `CUdeviceptr` in the
+    /// order of the safe form, 0 for an absent `dact`.
+    ///
+    /// # Safety
+    /// Device memory of `stream`'s context, live until the launch completes: `drows`
+    /// `capacity * H`, `w2` `E * H * F`, `h` and `dh` `capacity * 2F`, and (unless 0) `dact`
+    /// `capacity * F` elements of the plan's dtype, 16-byte aligned; `offsets` `E + 1` int64 as
+    /// the routing build wrote them. `dh` and `dact` may not overlap each other or the inputs.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run_raw(
+        &self,
+        stream: &CudaStream,
+        drows: CUdeviceptr,
+        w2: CUdeviceptr,
+        h: CUdeviceptr,
+        offsets: CUdeviceptr,
+        dh: CUdeviceptr,
+        dact: CUdeviceptr,
+    ) -> Result<()> {
+        stream.context().bind_to_thread()?;
+        let s = stream.cu_stream() as *mut c_void;
+        let ptr = |p: CUdeviceptr| p as usize as *mut c_void;
+        check(
+            sys::capmoe_fused_swiglu_dgrad(
+                &self.desc,
+                ptr(drows),
+                ptr(w2),
+                ptr(h),
+                offsets as usize as *const i64,
+                ptr(dh),
+                ptr(dact),
+                s,
+            ),
+            "fused fc2 dgrad + SwiGLU backward",
         )
     }
 }

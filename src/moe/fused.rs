@@ -1,55 +1,93 @@
-//! The expert path's choice between the fused fc1 ([`crate::fused::FusedFc1`]: x rows gathered
-//! in the GEMM's operand load, SwiGLU in its epilogue) and the unfused permute -> fc1 -> SwiGLU.
+//! The expert path's choices between fused kernels ([`crate::fused`]) and the unfused chains
+//! they replace ([`MoeOptions::fc1`], [`MoeOptions::swiglu_dgrad`]).
 //!
-//! The fused kernel writes the same `act` and `h` bits as the unfused path (its tests assert
-//! it), so the rest of the forward and the whole backward are unchanged. What the backward
-//! still needs from the forward: `h` (SwiGLU backward) and the permuted rows (fc1 wgrad reads
-//! them; the backward takes no `x` to gather from), so a training forward still permutes x
-//! into the rows, and only [`super::MoeOptions::forward_only`] plans skip both.
+//! Forward, [`crate::fused::FusedFc1`] (x rows gathered in the GEMM's operand load, SwiGLU in
+//! its epilogue) for permute -> fc1 -> SwiGLU. It writes the same `act` and `h` bits as the
+//! unfused path (its tests assert it), so the rest of the forward is unchanged. What the
+//! backward still needs from the forward: `h` (SwiGLU backward) and the permuted rows (fc1
+//! wgrad reads them; the backward takes no `x` to gather from), so a training forward still
+//! permutes x into the rows, and only [`super::MoeOptions::forward_only`] plans skip both.
+//!
+//! Backward, [`crate::fused::FusedSwigluDgrad`] (SwiGLU backward in the fc2 dgrad's epilogue)
+//! for fc2 dgrad -> SwiGLU backward: `dh` straight from `drows`, no `dact` round trip. fc2
+//! wgrad still reads `drows` and `act`, everything else in the backward is unchanged.
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
 use super::{MoeOptions, WeightForm};
-use crate::fused::FusedFc1;
+use crate::fused::{FusedFc1, FusedSwigluDgrad};
 use crate::grouped_gemm::GemmOperand;
 use crate::routing::{self, RouteMaps, RoutingPlan};
 use crate::{Error, Result};
 
-/// Which fc1 the expert path's forward runs.
+/// Whether a step of the expert path runs its fused kernel.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Fc1Kernel {
-    /// The unfused path for now. NOTE: the fused kernel has not run on a GPU yet (no device
-    /// was available when it was written); once `tests/fused_gpu.rs` and
-    /// `tests/fused_moe_gpu.rs` pass on an H100, Auto takes it where it applies (sm_90a device
-    /// and build, [`WeightForm::Tensor`], `F` a multiple of [`crate::fused::FC1_TILE_N`]).
+pub enum FusedKernel {
+    /// The unfused path for now. NOTE: the fused kernels have not run on a GPU yet (no device
+    /// was available when they were written); once `tests/fused_gpu.rs`,
+    /// `tests/fused_dgrad_gpu.rs` and `tests/fused_moe_gpu.rs` pass on an H100, Auto takes a
+    /// fused kernel where it applies (sm_90a device and build, [`WeightForm::Tensor`], `F` a
+    /// multiple of the kernel's column tile, 128).
     #[default]
     Auto,
     /// The fused kernel; a plan where it does not apply is an error.
     Fused,
-    /// permute -> grouped GEMM -> SwiGLU.
+    /// The unfused chain of kernels.
     Unfused,
 }
 
-/// The fused fc1 this plan runs, if any.
-pub(super) fn plan(options: &MoeOptions, routing: &RoutingPlan, stream: &CudaStream) -> Result<Option<FusedFc1>> {
-    const OP: &str = "MoeExperts::new (fused fc1)";
-    if options.fc1 != Fc1Kernel::Fused {
-        return Ok(None);
+/// The fused kernels one plan runs.
+#[derive(Clone, Debug, Default)]
+pub(super) struct FusedPlans {
+    pub(super) fc1: Option<FusedFc1>,
+    pub(super) swiglu_dgrad: Option<FusedSwigluDgrad>,
+}
+
+impl FusedPlans {
+    pub(super) fn new(options: &MoeOptions, routing: &RoutingPlan, stream: &CudaStream) -> Result<FusedPlans> {
+        let fc1 = match options.fc1 {
+            FusedKernel::Fused => {
+                ensure_tensor_weights(options, "MoeExperts::new (fused fc1)", "fc1 [E, 2F, H]")?;
+                Some(FusedFc1::new(routing, stream)?)
+            }
+            FusedKernel::Auto | FusedKernel::Unfused => None,
+        };
+        // A forward-only plan never runs the backward: nothing to plan (or refuse) for it.
+        let swiglu_dgrad = match options.swiglu_dgrad {
+            FusedKernel::Fused if !options.forward_only => {
+                ensure_tensor_weights(options, "MoeExperts::new (fused fc2 dgrad)", "fc2 [E, H, F]")?;
+                Some(FusedSwigluDgrad::new(routing, stream)?)
+            }
+            _ => None,
+        };
+        Ok(FusedPlans { fc1, swiglu_dgrad })
     }
-    let planned = if options.weights != WeightForm::Tensor {
-        Err(Error::Unsupported {
-            op: OP,
-            why: "the fused fc1 takes weights as one [E, 2F, H] tensor (WeightForm::Tensor)".into(),
-        })
-    } else {
-        FusedFc1::new(routing, stream)
-    };
-    planned.map(Some)
+}
+
+fn ensure_tensor_weights(options: &MoeOptions, op: &'static str, weight: &str) -> Result<()> {
+    if options.weights != WeightForm::Tensor {
+        return Err(Error::Unsupported {
+            op,
+            why: format!("the fused kernel takes the {weight} weight as one tensor (WeightForm::Tensor)"),
+        });
+    }
+    Ok(())
+}
+
+/// The fused kernels take the weights as tensors of the activation type; the plan's `W` is that
+/// type whenever a fused plan exists (`WeightForm::Tensor`), which this checks again.
+fn ensure_weight_type<T: routing::Element, W: GemmOperand>(op: &'static str) -> Result<()> {
+    if W::DTYPE != Some(T::DTYPE) {
+        return Err(Error::Unsupported {
+            op,
+            why: "the fused kernel takes the weight as a tensor of the activation type".into(),
+        });
+    }
+    Ok(())
 }
 
 /// `act` (and `h` when given) for the rows the routing build just mapped, from `x` and the
-/// fc1 weight tensor. `fc1_weight` is the plan's `W`, which the fused plan only exists for in
-/// the tensor form (`W = T`); its length was checked by the caller.
+/// fc1 weight tensor, whose length was checked by the caller.
 pub(super) fn fc1<T: routing::Element, W: GemmOperand>(
     fused: &FusedFc1,
     stream: &CudaStream,
@@ -59,12 +97,7 @@ pub(super) fn fc1<T: routing::Element, W: GemmOperand>(
     act: &mut impl DevicePtrMut<T>,
     h: Option<&mut impl DevicePtrMut<T>>,
 ) -> Result<()> {
-    if W::DTYPE != Some(T::DTYPE) {
-        return Err(Error::Unsupported {
-            op: "fused fc1",
-            why: "the fused fc1 takes the fc1 weight as a tensor of the activation type".into(),
-        });
-    }
+    ensure_weight_type::<T, W>("fused fc1")?;
     let (xp, _g0) = x.device_ptr(stream);
     let (wp, _g1) = fc1_weight.device_ptr(stream);
     let (op, _g2) = maps.offsets.device_ptr(stream);
@@ -81,4 +114,27 @@ pub(super) fn fc1<T: routing::Element, W: GemmOperand>(
     // by MoeExperts::check_forward; offsets, token_of_row, act [cap, F] and h [cap, 2F] are the
     // plan's own buffers, sized at plan time; the C ABI checks the alignments.
     unsafe { fused.run_raw(stream, xp, wp, op, tp, ap, hp) }
+}
+
+/// `dh` of the backward from `drows`, the fc2 weight tensor (length checked by the caller) and
+/// the forward's `h`.
+pub(super) fn swiglu_dgrad<T: routing::Element, W: GemmOperand>(
+    fused: &FusedSwigluDgrad,
+    stream: &CudaStream,
+    drows: &impl DevicePtr<T>,
+    fc2_weight: &impl DevicePtr<W>,
+    h: &impl DevicePtr<T>,
+    maps: &RouteMaps,
+    dh: &mut impl DevicePtrMut<T>,
+) -> Result<()> {
+    ensure_weight_type::<T, W>("fused fc2 dgrad + SwiGLU backward")?;
+    let (rp, _g0) = drows.device_ptr(stream);
+    let (wp, _g1) = fc2_weight.device_ptr(stream);
+    let (hp, _g2) = h.device_ptr(stream);
+    let (op, _g3) = maps.offsets.device_ptr(stream);
+    let (dhp, _g4) = dh.device_ptr_mut(stream);
+    // SAFETY: the fc2 weight [E, H, F] of element type T was length-checked by
+    // MoeExperts::check_backward; drows [cap, H], h and dh [cap, 2F] and offsets are the plan's
+    // own buffers, sized at plan time; the C ABI checks the alignments.
+    unsafe { fused.run_raw(stream, rp, wp, hp, op, dhp, 0) }
 }

@@ -7,7 +7,10 @@
 //!           fc1 -> SwiGLU is one fused kernel reading x directly (same bits; the permute then
 //!           only runs to keep the rows fc1's wgrad reads, not at all with `forward_only`).
 //! Backward: unpermute backward (drows, dprobs) -> fc2 dgrad + wgrad -> SwiGLU backward ->
-//!           fc1 dgrad + wgrad -> permute backward into dx.
+//!           fc1 dgrad + wgrad -> permute backward into dx. Where it applies
+//!           ([`MoeOptions::swiglu_dgrad`]), fc2 dgrad -> SwiGLU backward is one fused kernel
+//!           (dh straight from drows, within the fp64 reference's tolerance of the unfused
+//!           path, not necessarily bit-equal to it).
 //!
 //! Layouts: `x, y, dx [T_max, H]`; `expert_ids, probs, dprobs [T_max, k]`; fc1 weight
 //! `[E, 2F, H]` whose first F output rows are the gate and the next F the up projection
@@ -47,7 +50,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, ValidAsZeroBits};
 
-pub use fused::Fc1Kernel;
+pub use fused::FusedKernel;
 pub use slots::{echo_slot_pointers, echo_slot_table};
 
 use crate::device::{ensure_bound_stream, ensure_same_context};
@@ -124,8 +127,12 @@ pub struct MoeOptions {
     /// `Auto`: one wgrad kernel exists per arch.
     pub gemm_config: GemmConfig,
     /// fc1 of the forward: fused (gather + GEMM + SwiGLU in one kernel) or not; see
-    /// [`Fc1Kernel`]. Both give the same bits.
-    pub fc1: Fc1Kernel,
+    /// [`FusedKernel`]. Both give the same bits.
+    pub fc1: FusedKernel,
+    /// fc2 dgrad + SwiGLU backward of the backward: fused (the SwiGLU backward in the GEMM's
+    /// epilogue) or not; see [`FusedKernel`]. Ignored by `forward_only` plans. Both agree
+    /// within rounding (the same bits where the two GEMMs sum in the same order).
+    pub swiglu_dgrad: FusedKernel,
     /// The plan never runs backward: a fused forward then writes neither the permuted rows nor
     /// the pre-activation h (the backward would need them), and `backward` is an error.
     pub forward_only: bool,
@@ -136,7 +143,8 @@ impl Default for MoeOptions {
         MoeOptions {
             weights: WeightForm::Tensor,
             gemm_config: GemmConfig::Auto,
-            fc1: Fc1Kernel::Auto,
+            fc1: FusedKernel::Auto,
+            swiglu_dgrad: FusedKernel::Auto,
             forward_only: false,
         }
     }
@@ -192,7 +200,7 @@ struct Buffers<T> {
     act: DeviceBuffer<T>,      // [cap, F]  SwiGLU output
     out_rows: DeviceBuffer<T>, // [cap, H]  fc2 output
     drows: DeviceBuffer<T>,    // [cap, H]  grad of out_rows
-    dact: DeviceBuffer<T>,     // [cap, F]
+    dact: DeviceBuffer<T>,     // [cap, F]  (one element when the fused backward skips it)
     dh: DeviceBuffer<T>,       // [cap, 2F]
     drows_in: DeviceBuffer<T>, // [cap, H]  grad of rows
 }
@@ -201,8 +209,8 @@ struct Buffers<T> {
 /// need besides the route maps and flag words (public fields of [`MoeExperts`]).
 struct Path<T> {
     routing: RoutingPlan,
-    /// The fused fc1, where the plan runs it (module `fused`).
-    fused: Option<crate::fused::FusedFc1>,
+    /// The fused kernels the plan runs (module `fused`).
+    fused: fused::FusedPlans,
     forward_only: bool,
     gemms: Gemms,
     buffers: Buffers<T>,
@@ -342,7 +350,10 @@ impl<T: MoeElement> MoeExperts<T> {
         let routing = RoutingPlan::new(config.routing_config())?;
         let cap = routing.capacity();
         let gemms = Gemms::new(&config, &options, cap, stream)?;
+        let fused = fused::FusedPlans::new(&options, &routing, stream)?;
         let (h, f) = (config.hidden, config.ffn);
+        // The fused fc2 dgrad + SwiGLU backward never writes dact: no [cap, F] buffer for it.
+        let dact_len = if fused.swiglu_dgrad.is_some() { 0 } else { cap * f };
         let zeros = |len: usize| scratch.alloc::<T>(len);
         let buffers = Buffers {
             rows: zeros(cap * h)?,
@@ -350,7 +361,7 @@ impl<T: MoeElement> MoeExperts<T> {
             act: zeros(cap * f)?,
             out_rows: zeros(cap * h)?,
             drows: zeros(cap * h)?,
-            dact: zeros(cap * f)?,
+            dact: zeros(dact_len)?,
             dh: zeros(cap * 2 * f)?,
             drows_in: zeros(cap * h)?,
         };
@@ -362,7 +373,7 @@ impl<T: MoeElement> MoeExperts<T> {
             map_routes: MapRoutes { ids: stream.alloc_zeros(routes)?, probs: stream.alloc_zeros(routes)? },
             path: Path {
                 workspace: stream.alloc_zeros(workspace_bytes.max(1))?,
-                fused: fused::plan(&options, &routing, stream)?,
+                fused,
                 forward_only: options.forward_only,
                 routing,
                 gemms,
@@ -637,7 +648,13 @@ impl<T: MoeElement> MoeExperts<T> {
 
     /// Whether the forward runs the fused fc1 ([`MoeOptions::fc1`]).
     pub fn fc1_is_fused(&self) -> bool {
-        self.path.fused.is_some()
+        self.path.fused.fc1.is_some()
+    }
+
+    /// Whether the backward runs the fused fc2 dgrad + SwiGLU backward
+    /// ([`MoeOptions::swiglu_dgrad`]).
+    pub fn swiglu_dgrad_is_fused(&self) -> bool {
+        self.path.fused.swiglu_dgrad.is_some()
     }
 
     fn check_routes(&self, op: &'static str, what: &'static str, len: usize) -> Result<()> {
@@ -743,7 +760,7 @@ impl<T: MoeElement> Path<T> {
         let (r, g, b, ws) = (&self.routing, &self.gemms, &mut self.buffers, &mut self.workspace);
         r.build(stream, expert_ids, tokens, maps)?;
         let splits = &maps.m_splits_i32;
-        if let Some(f) = &self.fused {
+        if let Some(f) = &self.fused.fc1 {
             let keep = !self.forward_only;
             fused::fc1(f, stream, x, fc1_weight, maps, &mut b.act, keep.then_some(&mut b.h))?;
             if keep {
@@ -777,9 +794,14 @@ impl<T: MoeElement> Path<T> {
         let (r, g, b, ws) = (&self.routing, &self.gemms, &mut self.buffers, &mut self.workspace);
         let splits = &maps.m_splits_i32;
         r.unpermute_backward(stream, dy, &b.out_rows, &maps.row_of_route, probs, tokens, &mut b.drows, dprobs)?;
-        g.fc2_dgrad.run(stream, &b.drows, fc2_weight, &mut b.dact, splits, Some(&mut *flags), ws)?;
-        g.fc2_wgrad.run(stream, &b.drows, &b.act, dw2, splits, Some(&mut *flags), ws)?;
-        r.swiglu_backward(stream, &b.dact, &b.h, &maps.offsets, &mut b.dh)?;
+        if let Some(f) = &self.fused.swiglu_dgrad {
+            fused::swiglu_dgrad(f, stream, &b.drows, fc2_weight, &b.h, maps, &mut b.dh)?;
+            g.fc2_wgrad.run(stream, &b.drows, &b.act, dw2, splits, Some(&mut *flags), ws)?;
+        } else {
+            g.fc2_dgrad.run(stream, &b.drows, fc2_weight, &mut b.dact, splits, Some(&mut *flags), ws)?;
+            g.fc2_wgrad.run(stream, &b.drows, &b.act, dw2, splits, Some(&mut *flags), ws)?;
+            r.swiglu_backward(stream, &b.dact, &b.h, &maps.offsets, &mut b.dh)?;
+        }
         g.fc1_dgrad.run(stream, &b.dh, fc1_weight, &mut b.drows_in, splits, Some(&mut *flags), ws)?;
         g.fc1_wgrad.run(stream, &b.dh, &b.rows, dw1, splits, Some(&mut *flags), ws)?;
         r.permute_backward(stream, &b.drows_in, &maps.row_of_route, tokens, dx)

@@ -2,7 +2,8 @@
 // testing their logic bit for bit on a machine without a GPU (tests/echo_emulated.rs compiles
 // csrc/echo/echo_plan.cu against it, tests/echo_weights_emulated.rs csrc/echo/echo_weights.cu,
 // tests/routing_emulated.rs the csrc/routing/*.cu kernels, tests/grouped_gemm_emulated.rs
-// csrc/grouped_gemm/arguments.cuh; tests/emulation/cub/ stands in for the CUB they use).
+// csrc/grouped_gemm/arguments.cuh, tests/fused_tiles_emulated.rs csrc/fused/tile_list.cuh;
+// tests/emulation/cub/ stands in for the CUB they use).
 //
 // Model: a launch runs its blocks one after another; the CUDA threads of a block are
 // coroutines on one OS thread, so __syncthreads, the warp shuffles / ballots / reductions and

@@ -1,7 +1,10 @@
-/* Fused expert-path kernels: fc1 that gathers its A rows straight from x and applies SwiGLU in
- * its epilogue (no permuted copy of x is written or read, no separate SwiGLU pass).
+/* Fused expert-path kernels:
+ *  - fc1 that gathers its A rows straight from x and applies SwiGLU in its epilogue (no
+ *    permuted copy of x is written or read, no separate SwiGLU pass);
+ *  - fc2 dgrad that applies the SwiGLU backward in its epilogue (no dact round trip), below
+ *    capmoe_fused_swiglu_dgrad.
  *
- * Shapes (fixed at plan time; routing lives on the device and changes every launch):
+ * fc1 shapes (fixed at plan time; routing lives on the device and changes every launch):
  *   x             [T_max, H]      BF16 or F16 (desc.dtype), row-major, contiguous
  *   w1            [E, 2F, H]      same dtype; rows [0, F) of each expert are the gate, [F, 2F)
  *                                 the up projection (the unfused path's layout)
@@ -37,7 +40,7 @@
 extern "C" {
 #endif
 
-enum { CAPMOE_FUSED_FC1_TILE_N = 128, CAPMOE_FUSED_MAX_EXPERTS = 1024 };
+enum { CAPMOE_FUSED_FC1_TILE_N = 128, CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N = 128, CAPMOE_FUSED_MAX_EXPERTS = 1024 };
 
 /* How the kernel gathers the x rows of a tile into shared memory. Both give the same bits.
  *  TMA_ROWS: one TMA per row (a 1 x 64 box of x), issued by one producer warp;
@@ -67,6 +70,55 @@ capmoe_status_t capmoe_fused_fc1_supported(const capmoe_fused_fc1_desc_t* desc);
 capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc, const void* x,
                                  const void* w1, const int64_t* offsets,
                                  const int32_t* token_of_row, void* act, void* h, void* stream);
+
+/* Fused fc2 dgrad + SwiGLU backward: the expert path's backward from drows (the gradient of
+ * fc2's output rows) to dh (the gradient of fc1's output h), in one persistent sm_90a kernel.
+ *
+ * Shapes (fixed at plan time; routing lives on the device and changes every launch):
+ *   drows    [capacity, H]   BF16 or F16 (desc.dtype), row-major, routing row order
+ *   w2       [E, H, F]       same dtype, row-major (the fc2 weight: out_rows = act . w2[e]^T)
+ *   h        [capacity, 2F]  the forward's fc1 output [gate | up], as fc1 wrote it
+ *   offsets  [E + 1] int64   routing build's row offsets: expert e owns rows
+ *                            [offsets[e], offsets[e+1]) (each clamped into [0, capacity])
+ *   dh       [capacity, 2F]  output [dgate | dup]
+ *   dact (optional) [capacity, F]  output, the rounded fc2 dgrad; NULL: not written
+ * For every row r < offsets[E] (clamped to capacity) of expert e and every f < F:
+ *   d = round(sum_h drows[r, h] * w2[e, h, f])        (fp32 accumulate)
+ *   g = h[r, f], u = h[r, F + f], s = sigmoid(g)      (fp32)
+ *   dh[r, f]     = round(d * u * s * (1 + g * (1 - s)))
+ *   dh[r, F + f] = round(d * g * s)
+ *   dact[r, f]   = d
+ * i.e. the unfused fc2 dgrad grouped GEMM followed by capmoe_routing_swiglu_backward, with the
+ * same fp32 math in the epilogue. The bits equal the unfused path's only if both GEMMs sum in
+ * the same order (not guaranteed). Rows at or past offsets[E], and past capacity, are never
+ * written; drows rows of the last tiles may be read up to capacity (never past it).
+ *
+ * Limits: F a multiple of CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N, H a multiple of 8, E <=
+ * CAPMOE_FUSED_MAX_EXPERTS; other shapes are CAPMOE_ERR_UNSUPPORTED (use the unfused path).
+ * Only sm_90a has a kernel: elsewhere (or in a binary built without 90a) the launch returns
+ * CAPMOE_ERR_UNSUPPORTED before anything is launched.
+ * Alignment: drows, w2, h, dh, dact 16-byte aligned; offsets 8 (else MISALIGNED).
+ * No workspace, no allocation, no synchronisation, no host read of device data: capturable
+ * (the TMA descriptors of drows and w2 are encoded on the host at every call). */
+typedef struct capmoe_fused_swiglu_dgrad_desc {
+  int64_t num_experts;  /* E, 1 ..= CAPMOE_FUSED_MAX_EXPERTS */
+  int64_t hidden;       /* H, a positive multiple of 8 */
+  int64_t ffn;          /* F, a positive multiple of CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N */
+  int64_t capacity;     /* rows of drows / h / dh, 0 ..= 2^31 - 1 */
+  int32_t sm_count;     /* SMs of the device (the persistent grid), >= 1 */
+  capmoe_dtype_t dtype; /* BF16 or F16 */
+} capmoe_fused_swiglu_dgrad_desc_t;
+
+/* CAPMOE_OK when the fused fc2 dgrad + SwiGLU backward exists for this descriptor on the
+ * current device; otherwise the status the launch would return. No CUDA work beyond device
+ * attribute queries. */
+capmoe_status_t capmoe_fused_swiglu_dgrad_supported(const capmoe_fused_swiglu_dgrad_desc_t* desc);
+
+/* dh (and dact when not NULL) as described above, on `stream` (a cudaStream_t). */
+capmoe_status_t capmoe_fused_swiglu_dgrad(const capmoe_fused_swiglu_dgrad_desc_t* desc,
+                                          const void* drows, const void* w2, const void* h,
+                                          const int64_t* offsets, void* dh, void* dact,
+                                          void* stream);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,115 @@
+// capmoe-archs: 90a 100a
+// The fused fc2 dgrad + SwiGLU backward C ABI (capturable_moe/fused.h): host checks, TMA
+// descriptor encoding and the dispatch to the sm_90a kernel (csrc/fused/swiglu_dgrad_sm90.cu).
+// Built for every arch so the entry points always exist; a device or binary without the kernel
+// gets CAPMOE_ERR_UNSUPPORTED. Only kernels of archs compiled into this binary are referenced
+// (CAPMOE_HAS_SM90).
+#include <cstdint>
+
+#include "common/alignment.h"
+#include "common/boundary.cuh"
+#include "fused/entry.h"
+#include "fused/swiglu_dgrad_launch.h"
+#include "fused/tile_list.cuh"
+
+namespace capmoe::fused {
+namespace {
+
+int64_t dgrad_max_tiles(int64_t experts, int64_t capacity, int64_t ffn) {
+  return max_tiles(experts, capacity, ffn, kSwigluDgradTileM, CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N);
+}
+
+capmoe_status_t check_desc(const capmoe_fused_swiglu_dgrad_desc_t* d) {
+  if (d == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
+  if (d->num_experts < 1 || d->num_experts > CAPMOE_FUSED_MAX_EXPERTS) return CAPMOE_ERR_INVALID_ARGUMENT;
+  if (d->hidden < 8 || d->hidden > INT32_MAX || d->ffn < 8 || d->ffn > INT32_MAX / 2)
+    return CAPMOE_ERR_INVALID_ARGUMENT;
+  if (d->capacity < 0 || d->capacity > INT32_MAX) return CAPMOE_ERR_INVALID_ARGUMENT;
+  if (d->sm_count < 1) return CAPMOE_ERR_INVALID_ARGUMENT;
+  // The TMA row stride of drows (H * 2 bytes) must be a multiple of 16 bytes.
+  if (d->hidden % 8 != 0) return CAPMOE_ERR_MISALIGNED;
+  if (d->dtype != CAPMOE_DTYPE_BF16 && d->dtype != CAPMOE_DTYPE_F16) return CAPMOE_ERR_UNSUPPORTED;
+  if (d->ffn % CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N != 0) return CAPMOE_ERR_UNSUPPORTED;
+  // The kernel indexes tiles with int32.
+  if (dgrad_max_tiles(d->num_experts, d->capacity, d->ffn) > INT32_MAX) return CAPMOE_ERR_UNSUPPORTED;
+  return CAPMOE_OK;
+}
+
+// The kernel exists for the current device: an sm_90a build running on compute capability 9.0.
+capmoe_status_t check_device() {
+#if defined(CAPMOE_HAS_SM90)
+  return check_sm90_device();
+#else
+  return CAPMOE_ERR_UNSUPPORTED;
+#endif
+}
+
+#if defined(CAPMOE_HAS_SM90)
+// The kernel's parameters: both TMA maps and the plain pointers and sizes.
+capmoe_status_t make_params(const capmoe_fused_swiglu_dgrad_desc_t& d, const void* drows, const void* w2,
+                            const void* h, const int64_t* offsets, void* dh, void* dact, SwigluDgradParams* p) {
+  const cuuint64_t elem = 2;
+  const cuuint64_t hidden = cuuint64_t(d.hidden), ffn = cuuint64_t(d.ffn);
+  // drows: the row extent is capacity, so rows of a last tile past it are zero-filled.
+  const cuuint64_t a_dims[2] = {hidden, cuuint64_t(d.capacity)};
+  const cuuint64_t a_strides[1] = {hidden * elem};
+  const cuuint32_t a_box[2] = {64, cuuint32_t(kSwigluDgradTileM)};
+  CAPMOE_TRY(tma_encode(&p->drows_map, d.dtype, drows, 2, a_dims, a_strides, a_box));
+  // w2 [E, H, F] read as (F, H, E): F contiguous, the MN-major B operand of this GEMM.
+  const cuuint64_t b_dims[3] = {ffn, hidden, cuuint64_t(d.num_experts)};
+  const cuuint64_t b_strides[2] = {ffn * elem, hidden * ffn * elem};
+  const cuuint32_t b_box[3] = {64, 64, 1};
+  CAPMOE_TRY(tma_encode(&p->w2_map, d.dtype, w2, 3, b_dims, b_strides, b_box));
+  p->offsets = offsets;
+  p->h = h;
+  p->dh = dh;
+  p->dact = dact;
+  p->experts = int32_t(d.num_experts);
+  p->hidden = int32_t(d.hidden);
+  p->ffn = int32_t(d.ffn);
+  p->capacity = int32_t(d.capacity);
+  return CAPMOE_OK;
+}
+#endif
+
+}  // namespace
+}  // namespace capmoe::fused
+
+using namespace capmoe::fused;
+
+extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad_supported(const capmoe_fused_swiglu_dgrad_desc_t* desc) {
+  return capmoe::guarded([&]() -> capmoe_status_t {
+    CAPMOE_TRY(check_desc(desc));
+    CAPMOE_TRY(check_device());
+#if defined(CAPMOE_HAS_SM90)
+    // Resolve the driver's encoder now (plan time), not inside a first launch under capture.
+    if (tma_encode_fn() == nullptr) return CAPMOE_ERR_UNSUPPORTED;
+#endif
+    return CAPMOE_OK;
+  });
+}
+
+extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad(const capmoe_fused_swiglu_dgrad_desc_t* desc,
+                                                     const void* drows, const void* w2, const void* h,
+                                                     const int64_t* offsets, void* dh, void* dact,
+                                                     void* stream) {
+  return capmoe::guarded([&]() -> capmoe_status_t {
+    CAPMOE_TRY(check_desc(desc));
+    const capmoe_fused_swiglu_dgrad_desc_t& d = *desc;
+    if (offsets == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
+    CAPMOE_TRY(capmoe::check_aligned(8, {offsets}));
+    if (d.capacity == 0) return CAPMOE_OK;  // no row can be written
+    if (drows == nullptr || w2 == nullptr || h == nullptr || dh == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
+    CAPMOE_TRY(capmoe::check_aligned(16, {drows, w2, h, dh, dact}));
+    CAPMOE_TRY(check_device());
+#if defined(CAPMOE_HAS_SM90)
+    SwigluDgradParams p{};
+    CAPMOE_TRY(make_params(d, drows, w2, h, offsets, dh, dact, &p));
+    const int64_t tiles = dgrad_max_tiles(d.num_experts, d.capacity, d.ffn);
+    const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
+    return launch_swiglu_dgrad_sm90(p, d.dtype, grid, static_cast<cudaStream_t>(stream));
+#else
+    return CAPMOE_ERR_UNSUPPORTED;
+#endif
+  });
+}

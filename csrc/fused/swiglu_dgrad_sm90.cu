@@ -1,0 +1,337 @@
+// capmoe-archs: 90a
+// Fused fc2 dgrad + SwiGLU backward of the expert path on Hopper: dact = drows @ W2_e per
+// expert, and in the epilogue dh = SwiGLU'(h) * dact, one persistent warp-specialized kernel
+// (contract: capturable_moe/fused.h). The [capacity, F] dact never goes through memory.
+//
+// Tiles: 128 rows (routing rows of one expert) x 128 columns of F, K = H in blocks of 64.
+//  - A = drows [capacity, H] (K-major): one 64 x 128 TMA box per stage at (k0, row0). The rows
+//    of the tile are the expert's own, so no gather; rows past the expert's end are loaded
+//    (another expert's rows, or zero fill past capacity: the map's row extent is capacity)
+//    but their accumulators are never stored.
+//  - B = W2_e [H, F] is MN-major here (F contiguous): a 3D map over dims (F, H, E), two
+//    64-column x 64-row boxes per stage. The shared layout tiles GMMA's MN-major 128B-swizzle
+//    atom (64 columns x 8 rows) along K first, as CUTLASS's sm90 collective does for MN-major
+//    operands, so each 64-column chunk's 64 K rows are one contiguous 8 KB block: exactly what
+//    one box writes.
+//  Columns past H are zero-filled by TMA in both operands (H need not be a multiple of 64).
+//
+// Roles (384 threads): warpgroup 0 is the producer (one thread issues the TMAs; the others
+// exit after giving back registers); warpgroups 1 and 2 are the consumers, 64 tile rows each,
+// one 64x128x16 wgmma per k16 step. Tile list: fused/tile_list.cuh (M tiles of one expert's
+// column slice consecutive); CTAs stride over the tiles.
+//
+// Epilogue, per pair of adjacent accumulator columns of a stored row: dact rounded to T, then
+// capmoe_routing_swiglu_backward's fp32 math on (rounded dact, g = h[r, f], u = h[r, F + f])
+// with 32-bit loads of h (issued before the tile's mainloop, so they land behind it) and
+// 32-bit stores of dh (and of dact when requested).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cute/arch/cluster_sm90.hpp>
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/bfloat16.h>
+#include <cutlass/half.h>
+
+#include "common/launch.cuh"
+#include "fused/swiglu_dgrad_launch.h"
+#include "fused/tile_list.cuh"
+
+namespace capmoe::fused {
+namespace {
+
+using namespace cute;
+
+constexpr int kTileM = kSwigluDgradTileM;
+constexpr int kTileN = CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N;
+constexpr int kTileK = 64;  // 64 16-bit elements = one 128-byte row
+constexpr int kBoxN = 64;   // W2 columns per TMA box (128 bytes, the swizzle's width)
+constexpr int kStages = 6;
+constexpr int kThreads = 384;
+constexpr int kConsumerWarps = 8;
+constexpr uint64_t kEvictNormal = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
+
+template <class T>
+struct MmaAtom;
+template <>
+struct MmaAtom<cutlass::bfloat16_t> {
+  using type = SM90_64x128x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>;
+};
+template <>
+struct MmaAtom<cutlass::half_t> {
+  using type = SM90_64x128x16_F32F16F16_SS<GMMA::Major::K, GMMA::Major::MN>;
+};
+
+// Two 16-bit values packed in 32 bits <-> two floats, with the conversions the routing
+// kernels' SwiGLU backward uses (so the same inputs give the same bits).
+template <class T>
+struct Pair;
+template <>
+struct Pair<cutlass::bfloat16_t> {
+  __device__ __forceinline__ static float2 unpack(uint32_t v) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+  }
+  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+};
+template <>
+struct Pair<cutlass::half_t> {
+  __device__ __forceinline__ static float2 unpack(uint32_t v) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&v));
+  }
+  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+};
+
+template <class T>
+struct Kernel {
+  using TiledMma = decltype(make_tiled_mma(typename MmaAtom<T>::type{}, Layout<Shape<_2, _1, _1>>{}));
+  using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
+                                             Shape<Int<kTileM>, Int<kTileK>, Int<kStages>>{}));
+  // K first (Step<_2, _1, _3>): a 64-column chunk's K rows are contiguous (see the file's top).
+  using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
+                                             Shape<Int<kTileN>, Int<kTileK>, Int<kStages>>{},
+                                             Step<_2, _1, _3>{}));
+  static constexpr int kStageElemsA = kTileM * kTileK;
+  static constexpr int kStageElemsB = kTileN * kTileK;
+  static constexpr int kBoxElemsB = kBoxN * kTileK;
+  static constexpr uint32_t kStageBytes = (kStageElemsA + kStageElemsB) * sizeof(T);
+
+  struct Shared {
+    alignas(1024) T a[cosize_v<SmemLayoutA>];
+    alignas(1024) T b[cosize_v<SmemLayoutB>];
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
+    int32_t tile_prefix[CAPMOE_FUSED_MAX_EXPERTS + 1];  // M tiles of the experts before e
+    int32_t row_start[CAPMOE_FUSED_MAX_EXPERTS + 1];    // first row of expert e (clamped)
+  };
+  static constexpr size_t kSmemBytes = sizeof(Shared) + 1024;  // + room to align the base
+
+  // The layouts the TMA boxes are written into, checked at compile time (before the swizzle,
+  // which is a function of the address, as TMA's is): A rows are consecutive 128-byte rows;
+  // in B, K row k of a 64-column chunk is the chunk's 128-byte row k, and chunk c starts at
+  // c * 64 * 64 elements; stages are whole blocks.
+  using PlainA = decltype(get_nonswizzle_portion(SmemLayoutA{}));
+  using PlainB = decltype(get_nonswizzle_portion(SmemLayoutB{}));
+  static_assert(PlainA{}(_1{}, _0{}, _0{}) == kTileK && PlainA{}(_0{}, _0{}, _1{}) == kStageElemsA);
+  static_assert(PlainB{}(_1{}, _0{}, _0{}) == 1 && PlainB{}(_0{}, _1{}, _0{}) == kBoxN);
+  static_assert(PlainB{}(_0{}, Int<kTileK - 1>{}, _0{}) == (kTileK - 1) * kBoxN);
+  static_assert(PlainB{}(Int<kBoxN>{}, _0{}, _0{}) == kBoxElemsB && PlainB{}(_0{}, _0{}, _1{}) == kStageElemsB);
+  static_assert(cosize_v<SmemLayoutA> == kStages * kStageElemsA);
+  static_assert(cosize_v<SmemLayoutB> == kStages * kStageElemsB);
+  static_assert(kTileN % kBoxN == 0);
+};
+
+__device__ __forceinline__ Tile locate_tile(int tile, int slices, const int32_t* tile_prefix, const int32_t* row_start,
+                                            int experts) {
+  return locate<kTileM, kTileN>(tile, slices, tile_prefix, row_start, experts);
+}
+
+// One thread: per tile and K block, wait for a free stage, then the A box and the B boxes.
+template <class T>
+__device__ void produce(const SwigluDgradParams& p, typename Kernel<T>::Shared& s, int total_tiles, int slices) {
+  using K = Kernel<T>;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      Barrier::wait(&s.empty[stage], phase ^ 1);
+      // TMA counts every byte of a box, zero-filled ones included: the stage is always full.
+      Barrier::arrive_and_expect_tx(&s.full[stage], K::kStageBytes);
+      const int k0 = kb * kTileK;
+      SM90_TMA_LOAD_2D::copy(&p.drows_map, &s.full[stage], kEvictNormal, s.a + stage * K::kStageElemsA, k0, t.row0);
+      T* b = s.b + stage * K::kStageElemsB;
+#pragma unroll
+      for (int c = 0; c < kTileN / kBoxN; ++c)
+        SM90_TMA_LOAD_3D::copy(&p.w2_map, &s.full[stage], kEvictNormal, b + c * K::kBoxElemsB, t.n0 + c * kBoxN, k0,
+                               t.expert);
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ float sigmoid(float g) { return 1.0f / (1.0f + __expf(-g)); }
+
+// The h pairs a thread's accumulators need: gate[j] = h[row, col .. col + 1] and up[j] the
+// same columns of the up half, for accumulator pair j = (2j, 2j + 1); 0 for rows past t.rows.
+// Loaded before the tile's mainloop, so their latency hides behind it.
+template <int kPairs, class Coords>
+__device__ __forceinline__ void load_gate_up(const SwigluDgradParams& p, const Tile& t, const Coords& coords,
+                                             uint32_t (&gate)[kPairs], uint32_t (&up)[kPairs]) {
+  const auto* __restrict__ h = static_cast<const uint16_t*>(p.h);
+  const int64_t ffn = p.ffn;
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    const int m = get<0>(coords(2 * j)), n = get<1>(coords(2 * j));
+    gate[j] = up[j] = 0;
+    if (m < t.rows) {
+      const int64_t at = int64_t(t.row0 + m) * 2 * ffn + t.n0 + n;
+      gate[j] = __ldg(reinterpret_cast<const uint32_t*>(h + at));
+      up[j] = __ldg(reinterpret_cast<const uint32_t*>(h + at + ffn));
+    }
+  }
+}
+
+// dh of the tile's stored rows (< t.rows) from the fp32 accumulators of dact and the h pairs
+// of load_gate_up.
+template <class T, int kPairs, class Accum, class Coords>
+__device__ void store_tile(const SwigluDgradParams& p, const Tile& t, const Accum& acc, const Coords& coords,
+                           const uint32_t (&gate)[kPairs], const uint32_t (&up)[kPairs]) {
+  auto* __restrict__ dh = static_cast<uint16_t*>(p.dh);
+  auto* __restrict__ dact = static_cast<uint16_t*>(p.dact);
+  const int64_t ffn = p.ffn;
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    const int m = get<0>(coords(2 * j)), n = get<1>(coords(2 * j));
+    // The accumulator layout pairs (2j, 2j + 1) as adjacent columns of one row; a layout that
+    // broke this would be a build of the wrong atom (folds away at compile time).
+    if (get<1>(coords(2 * j + 1)) != n + 1 || get<0>(coords(2 * j + 1)) != m) __trap();
+    if (m >= t.rows) continue;
+    const uint32_t dact_bits = Pair<T>::pack(acc(2 * j), acc(2 * j + 1));
+    const float2 d = Pair<T>::unpack(dact_bits);
+    const float2 g = Pair<T>::unpack(gate[j]);
+    const float2 u = Pair<T>::unpack(up[j]);
+    // capmoe_routing_swiglu_backward's expressions, term for term.
+    const float s0 = sigmoid(g.x), s1 = sigmoid(g.y);
+    const float dg0 = d.x * u.x * s0 * (1.0f + g.x * (1.0f - s0));
+    const float dg1 = d.y * u.y * s1 * (1.0f + g.y * (1.0f - s1));
+    const float du0 = d.x * g.x * s0, du1 = d.y * g.y * s1;
+    const int64_t row = int64_t(t.row0) + m, col = t.n0 + n;
+    *reinterpret_cast<uint32_t*>(dh + row * 2 * ffn + col) = Pair<T>::pack(dg0, dg1);
+    *reinterpret_cast<uint32_t*>(dh + row * 2 * ffn + ffn + col) = Pair<T>::pack(du0, du1);
+    if (dact != nullptr) *reinterpret_cast<uint32_t*>(dact + row * ffn + col) = dact_bits;
+  }
+}
+
+template <class T>
+__device__ void consume(const SwigluDgradParams& p, typename Kernel<T>::Shared& s, int total_tiles, int slices) {
+  using K = Kernel<T>;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  const int consumer_thread = threadIdx.x - 128;
+  const bool warp_leader = (threadIdx.x & 31) == 0;
+  const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
+
+  typename K::TiledMma mma;
+  Tensor sA = make_tensor(make_smem_ptr(s.a), typename K::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(s.b), typename K::SmemLayoutB{});
+  auto thr = mma.get_thread_slice(consumer_thread);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stage)
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  Tensor acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<kTileN>>{});
+  Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
+  constexpr int kPairs = decltype(size(acc))::value / 2;
+
+  // This warpgroup's rows of a tile: [first_row, first_row + 64).
+  const int first_row = (consumer_thread / 128) * (kTileM / 2);
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
+    if (t.rows <= first_row) {
+      // An expert's last tile with at most 64 rows: this warpgroup has none of them, so it
+      // leaves the tensor cores to the other one and only keeps the pipeline's arrival count.
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        Barrier::wait(&s.full[stage], phase);
+        if (warp_leader) Barrier::arrive(&s.empty[stage]);
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      continue;
+    }
+    uint32_t gate[kPairs], up[kPairs];
+    load_gate_up(p, t, coords, gate, up);
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    int previous = -1;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      Barrier::wait(&s.full[stage], phase);
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+#pragma unroll
+      for (int k = 0; k < size<2>(tCrA); ++k) {
+        cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), acc);
+        mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      // Keep one batch in flight: the previous stage's wgmmas are done once this returns.
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc);
+      if (previous >= 0 && warp_leader) Barrier::arrive(&s.empty[previous]);
+      previous = stage;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+    if (previous >= 0 && warp_leader) Barrier::arrive(&s.empty[previous]);
+    store_tile<T>(p, t, acc, coords, gate, up);
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads, 1) swiglu_dgrad_kernel(const __grid_constant__ SwigluDgradParams p) {
+  using K = Kernel<T>;
+  extern __shared__ uint8_t raw[];
+  auto& s = *reinterpret_cast<typename K::Shared*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  const int warp = threadIdx.x / 32;
+
+  if (warp == 0) build_tile_prefix<kTileM>(p.offsets, p.experts, p.capacity, s.tile_prefix, s.row_start);
+  if (threadIdx.x == 32) {
+    for (int i = 0; i < kStages; ++i) {
+      cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], 1);  // the producer's expect_tx
+      cutlass::arch::ClusterBarrier::init(&s.empty[i], kConsumerWarps);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  if (threadIdx.x == 64) {
+    cute::prefetch_tma_descriptor(&p.drows_map);
+    cute::prefetch_tma_descriptor(&p.w2_map);
+  }
+  __syncthreads();
+
+  const int slices = p.ffn / kTileN;
+  const int total_tiles = s.tile_prefix[p.experts] * slices;
+  if (warp < 4) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 0) produce<T>(p, s, total_tiles, slices);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<232>();
+    consume<T>(p, s, total_tiles, slices);
+  }
+}
+
+template <class T>
+capmoe_status_t launch_typed(const SwigluDgradParams& params, int grid, cudaStream_t stream) {
+  auto kernel = swiglu_dgrad_kernel<T>;
+  constexpr size_t smem = Kernel<T>::kSmemBytes;
+  CAPMOE_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem))));
+  return launch(kernel, dim3(grid), kThreads, smem, stream, params);
+}
+
+}  // namespace
+
+capmoe_status_t launch_swiglu_dgrad_sm90(const SwigluDgradParams& params, capmoe_dtype_t dtype, int grid,
+                                         cudaStream_t stream) {
+  if (dtype == CAPMOE_DTYPE_BF16) return launch_typed<cutlass::bfloat16_t>(params, grid, stream);
+  if (dtype == CAPMOE_DTYPE_F16) return launch_typed<cutlass::half_t>(params, grid, stream);
+  return CAPMOE_ERR_UNSUPPORTED;
+}
+
+}  // namespace capmoe::fused
