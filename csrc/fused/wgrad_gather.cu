@@ -7,6 +7,7 @@
 
 #include "common/alignment.h"
 #include "common/boundary.cuh"
+#include "fused/entry.h"
 #include "fused/wgrad_gather_launch.h"
 
 namespace capmoe::fused {
@@ -42,11 +43,7 @@ capmoe_status_t check_desc(const capmoe_wgrad_gather_desc_t* d) {
 // The kernel exists for the current device: an sm_90a build running on compute capability 9.0.
 capmoe_status_t check_device() {
 #if defined(CAPMOE_HAS_SM90)
-  int device = 0, major = 0, minor = 0;
-  CAPMOE_TRY(cuda_status(cudaGetDevice(&device)));
-  CAPMOE_TRY(cuda_status(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)));
-  CAPMOE_TRY(cuda_status(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device)));
-  return major == 9 && minor == 0 ? CAPMOE_OK : CAPMOE_ERR_UNSUPPORTED;
+  return check_sm90_device();
 #else
   return CAPMOE_ERR_UNSUPPORTED;
 #endif

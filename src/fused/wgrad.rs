@@ -32,7 +32,8 @@ use std::ffi::c_void;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
-use crate::device::{ensure_buffer, Arch, DeviceInfo};
+use super::{ensure_aligned16, ensure_dtype, sm90_device};
+use crate::device::ensure_buffer;
 use crate::dtype::DType;
 use crate::error::check;
 use crate::routing::{Element, RoutingPlan};
@@ -151,16 +152,7 @@ impl GatherWgrad {
     pub fn new(config: GatherWgradConfig, stream: &CudaStream) -> Result<GatherWgrad> {
         const OP: &str = "GatherWgrad::new";
         Self::check_shapes(&config)?;
-        let device = DeviceInfo::of_stream(stream)?;
-        if device.arch != Arch::Sm90 {
-            return Err(Error::UnsupportedArch {
-                need: "9.0 (sm_90a) for the gathered wgrad",
-                got: format!("{:?}", device.arch),
-            });
-        }
-        if !cfg!(has_sm90) {
-            return Err(Error::NotBuilt { kernel: "gathered wgrad (sm_90a)" });
-        }
+        let device = sm90_device(stream, "9.0 (sm_90a) for the gathered wgrad", "gathered wgrad (sm_90a)")?;
         let desc = Self::abi_desc(&config, device.sm_count);
         stream.context().bind_to_thread()?;
         check(unsafe { sys::capmoe_wgrad_gather_supported(&desc) }, OP)?;
@@ -241,14 +233,8 @@ impl GatherWgrad {
     ) -> Result<()> {
         const OP: &str = "gathered wgrad";
         let c = &self.config;
-        for (what, got, want) in [("a and b", T::DTYPE, c.dtype), ("dw", O::DTYPE, c.out_dtype())] {
-            if got != want {
-                return Err(Error::Unsupported {
-                    op: OP,
-                    why: format!("{what}: element type {got:?} but the plan says {want:?}"),
-                });
-            }
-        }
+        ensure_dtype::<T>(OP, c.dtype)?;
+        ensure_dtype::<O>(OP, c.out_dtype())?;
         let (a_len, b_len, dw_len) = c.operand_lens();
         ensure_buffer(OP, "a", stream, a, a_len)?;
         ensure_buffer(OP, "b", stream, b, b_len)?;
@@ -261,11 +247,7 @@ impl GatherWgrad {
         let (op, _g2) = offsets.device_ptr(stream);
         let (tp, _g3) = token_of_row.device_ptr(stream);
         let (dp, _g4) = dw.device_ptr_mut(stream);
-        for (what, p) in [("a", ap), ("b", bp), ("dw", dp)] {
-            if !p.is_multiple_of(16) {
-                return Err(Error::InvalidArgument { op: OP, why: format!("{what} at {p:#x} is not 16-byte aligned") });
-            }
-        }
+        ensure_aligned16(OP, [("a", ap), ("b", bp), ("dw", dp)])?;
         unsafe { self.run_raw(stream, ap, bp, op, tp, dp) }
     }
 
