@@ -202,6 +202,12 @@ mod abi {
 #[test]
 fn fused_wgrad_smem_layout_matches_cute() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let source = root.join("tests/layout/wgrad_smem_layout.cu");
+    if !source.is_file() {
+        // A test binary carried to another machine (gpu-bundle) without the checkout.
+        println!("skipping: {} is not here", source.display());
+        return;
+    }
     let env = |k: &str| std::env::var(k).ok();
     let (toolkit, cutlass) = match (
         toolchain::find_toolkit(&env, root, Path::new("/usr/local/cuda")),
@@ -221,7 +227,7 @@ fn fused_wgrad_smem_layout_matches_cute() {
     for dir in &cutlass {
         nvcc.arg(format!("-I{}", dir.display()));
     }
-    let built = nvcc.arg(root.join("tests/layout/wgrad_smem_layout.cu")).arg("-o").arg(&exe).output().unwrap();
+    let built = nvcc.arg(&source).arg("-o").arg(&exe).output().unwrap();
     assert!(built.status.success(), "nvcc failed:\n{}", String::from_utf8_lossy(&built.stderr));
     let ran = Command::new(&exe).output().unwrap();
     let _ = std::fs::remove_file(&exe);

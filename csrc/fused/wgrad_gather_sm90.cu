@@ -36,6 +36,11 @@
 // warpgroups store the same tile (stores straight from registers). A ping-pong schedule (one
 // warpgroup per tile, 64 x 256) or a TMA-store epilogue through shared memory would hide it;
 // the smem budget (4 x 48 KB stages) leaves no room for an fp32 staging tile as it stands.
+// The other limit is L2 -> SM traffic: with K this short every tile brings 192 KB of operands
+// for 4 MFLOP per 64 rows, and each x row is re-read by all M / 128 m tiles (E128 F768 H2048:
+// ~2.4 GB in all, about what the tensor cores take to do the math); TMA multicast across a
+// cluster (as CUTLASS's 2x1 cooperative WGRAD does for one operand) would halve one of the
+// two, but a gathered row cannot be multicast by cp.async.
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
