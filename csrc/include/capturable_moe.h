@@ -17,5 +17,6 @@
 #include "capturable_moe/echo.h"
 #include "capturable_moe/ep.h"
 #include "capturable_moe/fused.h"
+#include "capturable_moe/wgrad_gather.h"
 
 #endif

@@ -37,6 +37,10 @@ use crate::error::check;
 use crate::routing::{Element, RoutingConfig, RoutingPlan};
 use crate::{sys, Error, Result};
 
+// The gathered grouped wgrad (fc1's weight gradient without a permuted x).
+mod wgrad;
+pub use wgrad::{GatherWgrad, GatherWgradConfig, RowSource, WgradOutput, WGRAD_TILE_M, WGRAD_TILE_N};
+
 /// act columns per tile: `F` must be a multiple of it.
 pub const FC1_TILE_N: usize = sys::CAPMOE_FUSED_FC1_TILE_N as usize;
 /// dh columns per tile of [`FusedSwigluDgrad`] (per half): `F` must be a multiple of it.

@@ -1,0 +1,29 @@
+// The seam between the gathered wgrad's C ABI entry (csrc/fused/wgrad_gather.cu, built for
+// every arch) and its sm_90a kernel TU (csrc/fused/wgrad_gather_sm90.cu).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "capturable_moe/wgrad_gather.h"
+
+namespace capmoe::fused {
+
+struct WgradGatherParams {
+  const void* a;  // [capacity or max_tokens, M]
+  const void* b;  // [capacity or max_tokens, N]
+  const int64_t* offsets;
+  const int32_t* token_of_row;  // may be null when neither operand is gathered
+  void* dw;                     // [E, M, N]
+  int32_t experts, m, n, capacity, max_tokens;
+  int32_t a_gathered, b_gathered;  // 1: row r reads token_of_row[r]
+  int32_t accumulate;              // F32 output only
+  int32_t m_tiles, n_tiles;        // tiles of one expert's dW
+};
+
+// Launches the sm_90a kernel on `grid` persistent CTAs (wgrad_gather_sm90.cu).
+capmoe_status_t launch_wgrad_gather_sm90(const WgradGatherParams& params, capmoe_dtype_t dtype,
+                                         capmoe_dtype_t out_dtype, int grid, cudaStream_t stream);
+
+}  // namespace capmoe::fused
