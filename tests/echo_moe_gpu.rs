@@ -269,6 +269,7 @@ impl Rig {
         self.plain.forward(stream, &echo.x, &echo.ids, &echo.probs, tok, &echo.w1, &echo.w2, &mut self.plain_y)?;
         self.plain.backward(
             stream,
+            &echo.x,
             &echo.dy,
             &echo.probs,
             tok,

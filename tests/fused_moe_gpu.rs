@@ -20,7 +20,7 @@ use capturable_moe::routing::Tokens;
 use capturable_moe::Error;
 use common::expert_io::{layer_config, ExpertIo as Io, Step};
 use common::moe::{assert_bits, assert_close, assert_written_bf16, assert_written_f32, bf, f64s, reference, Dims};
-use cudarc::driver::CudaStream;
+use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
@@ -216,7 +216,7 @@ fn fused_moe_f16_equals_unfused() {
             let mut dw1 = stream.alloc_zeros::<f16>(E * 2 * F * H).unwrap();
             let mut dw2 = stream.alloc_zeros::<f16>(E * H * F).unwrap();
             moe.forward(&stream, &x, &ids, &probs, tokens, &w1, &w2, &mut y).unwrap();
-            moe.backward(&stream, &dy, &probs, tokens, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2).unwrap();
+            moe.backward(&stream, &x, &dy, &probs, tokens, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2).unwrap();
             let mut bits: Vec<u16> = Vec::new();
             for v in [&y, &dx, &dw1, &dw2] {
                 bits.extend(stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()));
@@ -395,7 +395,7 @@ fn fused_moe_swiglu_dgrad_f16_matches_unfused() {
             let mut dw1 = stream.alloc_zeros::<f16>(E * 2 * F * H).unwrap();
             let mut dw2 = stream.alloc_zeros::<f16>(E * H * F).unwrap();
             moe.forward(&stream, &x, &ids, &probs, tokens, &w1, &w2, &mut y).unwrap();
-            moe.backward(&stream, &dy, &probs, tokens, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2).unwrap();
+            moe.backward(&stream, &x, &dy, &probs, tokens, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2).unwrap();
             let (y, dx) = (stream.clone_dtoh(&y).unwrap(), stream.clone_dtoh(&dx).unwrap());
             assert!(dx[..s.t * H].iter().all(|v| v.is_finite()), "step {i}: dx rows < T written and finite");
             assert!(dx[s.t * H..].iter().all(|v| v.to_bits() == 0x7E01), "step {i}: dx rows >= T untouched");
@@ -416,4 +416,122 @@ fn fused_moe_swiglu_dgrad_f16_matches_unfused() {
             assert_close(&format!("{what}: {name} vs the unfused backward"), &outs[0].1[j], &outs[1].1[j], 1e-2);
         }
     }
+}
+
+// ---- fc1's wgrad gathered from x ----
+
+fn plan_gathered(stream: &Arc<CudaStream>, capacity: Option<usize>, fc1: FusedKernel) -> MoeExperts<bf16> {
+    let opts = MoeOptions { fc1, fc1_wgrad: FusedKernel::Fused, ..MoeOptions::default() };
+    let moe = MoeExperts::<bf16>::with_options(config(capacity), opts, stream).unwrap();
+    assert!(moe.fc1_wgrad_is_gathered());
+    assert_eq!(moe.fc1_is_fused(), fc1 == FusedKernel::Fused, "fc1 {fc1:?}");
+    moe
+}
+
+/// Only dW1 comes from another kernel: y, dx, dprobs and dW2 must keep the unfused plan's bits
+/// (with the fused fc1 too, which then writes no permuted copy of x at all); dW1 is compared
+/// with the unfused plan's and with the fp64 reference.
+#[test]
+fn fused_moe_gathered_fc1_wgrad_matches_unfused_and_the_fp64_reference() {
+    let stream = gpu_or_skip!();
+    let (w1, w2) = weights(15);
+    for (fc1, capacity) in [(FusedKernel::Unfused, None), (FusedKernel::Fused, None), (FusedKernel::Fused, Some(150))] {
+        let mut gathered = plan_gathered(&stream, capacity, fc1);
+        let mut unfused = plan_with(&stream, capacity, FusedKernel::Unfused, FusedKernel::Unfused);
+        let (mut gio, mut uio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
+        let mut rng = StdRng::seed_from_u64(16);
+        for i in 0..12 {
+            let s = step(&mut rng, i);
+            let what = format!("fc1 {fc1:?}, capacity {capacity:?}, step {i} (T={})", s.t);
+            gio.load(&stream, &s);
+            uio.load(&stream, &s);
+            gio.step(&mut gathered, &stream).unwrap();
+            uio.step(&mut unfused, &stream).unwrap();
+            let bits16 =
+                |v: &CudaSlice<bf16>| stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+            let bits32 =
+                |v: &CudaSlice<f32>| stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+            assert_bits(&format!("{what}: y"), &bits16(&gio.y), &bits16(&uio.y));
+            assert_bits(&format!("{what}: dx"), &bits16(&gio.dx), &bits16(&uio.dx));
+            assert_bits(&format!("{what}: dprobs"), &bits32(&gio.dprobs), &bits32(&uio.dprobs));
+            assert_bits(&format!("{what}: dw2"), &bits16(&gio.dw2), &bits16(&uio.dw2));
+            let got = backward_outputs(&format!("{what}: gathered"), &stream, &gio, s.t);
+            let want = backward_outputs(&format!("{what}: unfused"), &stream, &uio, s.t);
+            assert_close(&format!("{what}: dw1 vs the unfused backward"), &got[2], &want[2], 1e-2);
+            let dw1_bits = (bits16(&gio.dw1), bits16(&uio.dw1));
+            let differ = dw1_bits.0.iter().zip(&dw1_bits.1).filter(|(a, b)| a != b).count();
+            println!(
+                "{what}: dw1 bitwise vs the grouped GEMM's WGRAD: {differ} of {} elements differ",
+                dw1_bits.0.len()
+            );
+            if capacity.is_none() {
+                let ids: Vec<i32> = s.ids.iter().map(|&e| if (0..E as i32).contains(&e) { e } else { -1 }).collect();
+                let r = reference(DIMS, s.t, &ids, &s.probs, &s.x, &s.dy, &w1, &w2);
+                assert_close(&format!("{what}: dw1 vs fp64"), &got[2], &r.dw1, 2e-2);
+            }
+        }
+    }
+}
+
+/// Every fused kernel at once (fc1, fc2 dgrad + SwiGLU backward, gathered fc1 wgrad), captured
+/// once and replayed 200 times with fresh routing, x, dy and T: bit-equal to eager each time.
+#[test]
+fn fused_moe_every_fused_kernel_graph_replays_equal_eager() {
+    let stream = gpu_or_skip!();
+    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let (w1, w2) = weights(17);
+    let opts = MoeOptions {
+        fc1: FusedKernel::Fused,
+        swiglu_dgrad: FusedKernel::Fused,
+        fc1_wgrad: FusedKernel::Fused,
+        ..MoeOptions::default()
+    };
+    let mut graph_moe = MoeExperts::<bf16>::with_options(config(None), opts, &stream).unwrap();
+    let mut eager_moe = MoeExperts::<bf16>::with_options(config(None), opts, &stream).unwrap();
+    let (mut gio, mut eio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
+    let mut rng = StdRng::seed_from_u64(18);
+    gio.load(&stream, &step(&mut rng, 4));
+    stream.synchronize().unwrap();
+    let graph = capture(&stream, || gio.step(&mut graph_moe, &stream)).unwrap();
+    let replays = if common::under_sanitizer() { 10 } else { 200 };
+    for i in 0..replays {
+        let s = step(&mut rng, i);
+        gio.load(&stream, &s);
+        eio.load(&stream, &s);
+        graph.launch().unwrap();
+        eio.step(&mut eager_moe, &stream).unwrap();
+        assert_bits(&format!("replay {i} (T={})", s.t), &gio.bits(&stream), &eio.bits(&stream));
+    }
+}
+
+#[test]
+fn fused_moe_gathered_fc1_wgrad_plan_choices() {
+    let stream = gpu_or_skip!();
+    // Auto keeps the grouped GEMM's WGRAD until the gathered kernel's GPU suite has passed.
+    assert!(!MoeExperts::<bf16>::new(config(None), &stream).unwrap().fc1_wgrad_is_gathered());
+    // Pointer weights (dW1 a pointer table): a forced gather is an error before anything runs.
+    let forced = MoeOptions { weights: WeightForm::Pointers, fc1_wgrad: FusedKernel::Fused, ..MoeOptions::default() };
+    assert!(matches!(MoeExperts::<bf16>::with_options(config(None), forced, &stream), Err(Error::Unsupported { .. })));
+    // A forward-only plan has no backward to plan.
+    let fwd_only = MoeOptions { fc1_wgrad: FusedKernel::Fused, forward_only: true, ..MoeOptions::default() };
+    assert!(!MoeExperts::<bf16>::with_options(config(None), fwd_only, &stream).unwrap().fc1_wgrad_is_gathered());
+    // A gathered plan still checks x's length before any launch.
+    let mut moe = plan_gathered(&stream, None, FusedKernel::Fused);
+    let (w1, w2) = weights(19);
+    let mut io = layer_io(&stream, &w1, &w2);
+    let short_x: CudaSlice<bf16> = stream.alloc_zeros(T_MAX * H - 1).unwrap();
+    let r = moe.backward(
+        &stream,
+        &short_x,
+        &io.dy,
+        &io.probs,
+        Tokens::Host(4),
+        &io.w1,
+        &io.w2,
+        &mut io.dx,
+        &mut io.dprobs,
+        &mut io.dw1,
+        &mut io.dw2,
+    );
+    assert!(matches!(r, Err(Error::Shape { .. })), "short x: {r:?}");
 }

@@ -376,6 +376,7 @@ fn megatron_map_form_matches_topk_form() {
         moe.forward_from_map(&stream, &io.x, map, mp, tokens, &io.w1, &io.w2, &mut io.y)?;
         moe.backward_from_map(
             &stream,
+            &io.x,
             &io.dy,
             tokens,
             &io.w1,
@@ -486,6 +487,7 @@ fn pointer_weights_match_tensor_weights() {
                 tensor_moe
                     .backward(
                         &stream,
+                        &io.x,
                         &io.dy,
                         &io.probs,
                         tok,
@@ -501,6 +503,7 @@ fn pointer_weights_match_tensor_weights() {
                 tensor_moe
                     .backward(
                         &stream,
+                        &io.x,
                         &io.dy,
                         &io.probs,
                         tok,
@@ -514,7 +517,19 @@ fn pointer_weights_match_tensor_weights() {
                     .unwrap();
             }
             ptr_moe
-                .backward(&stream, &io.dy, &io.probs, tok, &w1p, &w2p, &mut dx_p, &mut dprobs_p, &mut dw1pp, &mut dw2pp)
+                .backward(
+                    &stream,
+                    &io.x,
+                    &io.dy,
+                    &io.probs,
+                    tok,
+                    &w1p,
+                    &w2p,
+                    &mut dx_p,
+                    &mut dprobs_p,
+                    &mut dw1pp,
+                    &mut dw2pp,
+                )
                 .unwrap();
             let what = format!("accumulate={accumulate} step {i} (T={})", s.t);
             let bits16 =
@@ -592,6 +607,7 @@ fn mismatched_weight_forms_are_typed_errors() {
     let mut acc_moe = MoeExperts::<bf16>::new(acc.clone(), &stream).unwrap();
     let r = acc_moe.backward(
         &stream,
+        &io.x,
         &io.dy,
         &io.probs,
         tok,
@@ -613,6 +629,7 @@ fn mismatched_weight_forms_are_typed_errors() {
     let mut dw_t2: CudaSlice<f32> = stream.alloc_zeros(E * 2 * F * H).unwrap();
     let r = ptr_moe.backward(
         &stream,
+        &io.x,
         &io.dy,
         &io.probs,
         tok,

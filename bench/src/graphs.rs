@@ -167,7 +167,7 @@ impl Layer {
         let Layer { x, ids, probs, tokens, w1, w2, y, dy, dx, dprobs, dw1, dw2 } = self;
         let tokens = host_t.map_or(Tokens::Device(&*tokens), Tokens::Host);
         moe.forward(stream, &*x, &*ids, &*probs, tokens, &*w1, &*w2, y)?;
-        moe.backward(stream, &*dy, &*probs, tokens, &*w1, &*w2, dx, dprobs, dw1, dw2)
+        moe.backward(stream, &*x, &*dy, &*probs, tokens, &*w1, &*w2, dx, dprobs, dw1, dw2)
     }
 }
 

@@ -236,11 +236,12 @@ fn expert_case(
 
     moe.forward(stream, &x, &ids, &probs, tok, &w1, &w2, &mut y)?;
     let fwd = capture(stream, || moe.forward(stream, &x, &ids, &probs, tok, &w1, &w2, &mut y))?;
-    let bwd =
-        capture(stream, || moe.backward(stream, &dy, &probs, tok, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2))?;
+    let bwd = capture(stream, || {
+        moe.backward(stream, &x, &dy, &probs, tok, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2)
+    })?;
     let both = capture(stream, || {
         moe.forward(stream, &x, &ids, &probs, tok, &w1, &w2, &mut y)?;
-        moe.backward(stream, &dy, &probs, tok, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2)
+        moe.backward(stream, &x, &dy, &probs, tok, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2)
     })?;
     let (fwd_us, _) = time(stream, reps, |_| fwd.launch().unwrap());
     let (bwd_us, _) = time(stream, reps, |_| bwd.launch().unwrap());

@@ -534,7 +534,9 @@ impl<T: MoeElement> EpMoe<T> {
         let b = &mut self.bufs;
         let block = self.config.capacity;
         k.gather_rows(&stream, dy, &b.layout.slot_of_route, tokens, &mut b.send_rows)?;
-        self.group.exchange(&stream, &b.send_rows, &mut b.recv_rows, block * hd)?;
+        // The received dy lands in back_rows (free until the dx rows come back below), so
+        // recv_rows still holds the forward's received x, which the experts' backward takes.
+        self.group.exchange(&stream, &b.send_rows, &mut b.back_rows, block * hd)?;
         if let Some(e) = &mut self.echo {
             stream.memset_zeros(&mut e.dw_spare1)?;
             stream.memset_zeros(&mut e.dw_spare2)?;
@@ -546,6 +548,7 @@ impl<T: MoeElement> EpMoe<T> {
         self.experts.backward(
             &stream,
             &b.recv_rows,
+            &b.back_rows,
             &b.recv_probs,
             rows,
             &bound.w1_ptrs,

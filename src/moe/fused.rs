@@ -1,21 +1,24 @@
 //! The expert path's choices between fused kernels ([`crate::fused`]) and the unfused chains
-//! they replace ([`MoeOptions::fc1`], [`MoeOptions::swiglu_dgrad`]).
+//! they replace ([`MoeOptions::fc1`], [`MoeOptions::swiglu_dgrad`], [`MoeOptions::fc1_wgrad`]).
 //!
 //! Forward, [`crate::fused::FusedFc1`] (x rows gathered in the GEMM's operand load, SwiGLU in
 //! its epilogue) for permute -> fc1 -> SwiGLU. It writes the same `act` and `h` bits as the
 //! unfused path (its tests assert it), so the rest of the forward is unchanged. What the
-//! backward still needs from the forward: `h` (SwiGLU backward) and the permuted rows (fc1
-//! wgrad reads them; the backward takes no `x` to gather from), so a training forward still
-//! permutes x into the rows, and only [`super::MoeOptions::forward_only`] plans skip both.
+//! backward still needs from the forward: `h` (SwiGLU backward) and, unless fc1's wgrad
+//! gathers from `x` itself ([`crate::fused::GatherWgrad`]), the permuted rows it reads; only
+//! then does a training forward with the fused fc1 still permute x.
 //!
 //! Backward, [`crate::fused::FusedSwigluDgrad`] (SwiGLU backward in the fc2 dgrad's epilogue)
 //! for fc2 dgrad -> SwiGLU backward: `dh` straight from `drows`, no `dact` round trip. fc2
 //! wgrad still reads `drows` and `act`, everything else in the backward is unchanged.
+//!
+//! Backward, [`crate::fused::GatherWgrad`] for fc1's wgrad over the permuted rows:
+//! `dW1 = dhᵀ · x[token_of_row]`, the rows read through the routing map.
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
-use super::{MoeOptions, WeightForm};
-use crate::fused::{FusedFc1, FusedSwigluDgrad};
+use super::{MoeConfig, MoeOptions, WeightForm};
+use crate::fused::{FusedFc1, FusedSwigluDgrad, GatherWgrad, GatherWgradConfig, WgradOutput};
 use crate::grouped_gemm::GemmOperand;
 use crate::routing::{self, RouteMaps, RoutingPlan};
 use crate::{Error, Result};
@@ -41,10 +44,16 @@ pub enum FusedKernel {
 pub(super) struct FusedPlans {
     pub(super) fc1: Option<FusedFc1>,
     pub(super) swiglu_dgrad: Option<FusedSwigluDgrad>,
+    pub(super) fc1_wgrad: Option<GatherWgrad>,
 }
 
 impl FusedPlans {
-    pub(super) fn new(options: &MoeOptions, routing: &RoutingPlan, stream: &CudaStream) -> Result<FusedPlans> {
+    pub(super) fn new(
+        options: &MoeOptions,
+        config: &MoeConfig,
+        routing: &RoutingPlan,
+        stream: &CudaStream,
+    ) -> Result<FusedPlans> {
         let fc1 = match options.fc1 {
             FusedKernel::Fused => {
                 ensure_tensor_weights(options, "MoeExperts::new (fused fc1)", "fc1 [E, 2F, H]")?;
@@ -60,7 +69,21 @@ impl FusedPlans {
             }
             _ => None,
         };
-        Ok(FusedPlans { fc1, swiglu_dgrad })
+        let fc1_wgrad = match options.fc1_wgrad {
+            FusedKernel::Fused if !options.forward_only => {
+                ensure_tensor_weights(options, "MoeExperts::new (gathered fc1 wgrad)", "dW1 [E, 2F, H]")?;
+                let output = if config.wgrad_accumulate { WgradOutput::F32Accumulate } else { WgradOutput::Same };
+                Some(GatherWgrad::new(GatherWgradConfig::fc1(routing, output), stream)?)
+            }
+            _ => None,
+        };
+        Ok(FusedPlans { fc1, swiglu_dgrad, fc1_wgrad })
+    }
+
+    /// Whether the forward writes the permuted rows: the unfused fc1 reads them, and so does
+    /// the backward's fc1 wgrad unless it gathers from x (a forward-only plan has no backward).
+    pub(super) fn permutes(&self, forward_only: bool) -> bool {
+        self.fc1.is_none() || (!forward_only && self.fc1_wgrad.is_none())
     }
 }
 
@@ -137,4 +160,33 @@ pub(super) fn swiglu_dgrad<T: routing::Element, W: GemmOperand>(
     // MoeExperts::check_backward; drows [cap, H], h and dh [cap, 2F] and offsets are the plan's
     // own buffers, sized at plan time; the C ABI checks the alignments.
     unsafe { fused.run_raw(stream, rp, wp, hp, op, dhp, 0) }
+}
+
+/// fc1's weight gradient `dw1` from `dh` and the forward's `x`, read through the routing map
+/// (`dw1` is the plan's `G`: a tensor of `T`, or of f32 with `wgrad_accumulate`, whenever this
+/// plan exists, which the gathered wgrad's own checks confirm).
+pub(super) fn fc1_wgrad<T: routing::Element, G: GemmOperand>(
+    wgrad: &GatherWgrad,
+    stream: &CudaStream,
+    dh: &impl DevicePtr<T>,
+    x: &impl DevicePtr<T>,
+    maps: &RouteMaps,
+    dw1: &mut impl DevicePtrMut<G>,
+) -> Result<()> {
+    const OP: &str = "gathered fc1 wgrad";
+    if G::DTYPE != Some(wgrad.config().out_dtype()) {
+        return Err(Error::Unsupported {
+            op: OP,
+            why: format!("dW1 must be a {:?} tensor for this plan", wgrad.config().out_dtype()),
+        });
+    }
+    let (hp, _g0) = dh.device_ptr(stream);
+    let (xp, _g1) = x.device_ptr(stream);
+    let (op, _g2) = maps.offsets.device_ptr(stream);
+    let (tp, _g3) = maps.token_of_row.device_ptr(stream);
+    let (dp, _g4) = dw1.device_ptr_mut(stream);
+    // SAFETY: x [T_max, H] and dw1 [E, 2F, H] (of the checked element type) were
+    // length-checked by MoeExperts::check_backward; dh [cap, 2F], offsets and token_of_row are
+    // the plan's own buffers, sized at plan time; the C ABI checks the alignments.
+    unsafe { wgrad.run_raw(stream, hp, xp, op, tp, dp) }
 }

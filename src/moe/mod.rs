@@ -5,12 +5,14 @@
 //! Forward:  build maps -> permute x -> fc1 grouped GEMM -> SwiGLU -> fc2 grouped GEMM ->
 //!           prob-weighted unpermute into y. Where it applies ([`MoeOptions::fc1`]), permute ->
 //!           fc1 -> SwiGLU is one fused kernel reading x directly (same bits; the permute then
-//!           only runs to keep the rows fc1's wgrad reads, not at all with `forward_only`).
+//!           only runs to keep the rows fc1's wgrad reads: not at all with `forward_only`, or
+//!           when fc1's wgrad gathers its rows from x itself, [`MoeOptions::fc1_wgrad`]).
 //! Backward: unpermute backward (drows, dprobs) -> fc2 dgrad + wgrad -> SwiGLU backward ->
 //!           fc1 dgrad + wgrad -> permute backward into dx. Where it applies
 //!           ([`MoeOptions::swiglu_dgrad`]), fc2 dgrad -> SwiGLU backward is one fused kernel
 //!           (dh straight from drows, within the fp64 reference's tolerance of the unfused
-//!           path, not necessarily bit-equal to it).
+//!           path, not necessarily bit-equal to it), and ([`MoeOptions::fc1_wgrad`]) fc1's
+//!           wgrad reads x's rows through the routing map instead of a permuted copy.
 //!
 //! Layouts: `x, y, dx [T_max, H]`; `expert_ids, probs, dprobs [T_max, k]`; fc1 weight
 //! `[E, 2F, H]` whose first F output rows are the gate and the next F the up projection
@@ -133,6 +135,12 @@ pub struct MoeOptions {
     /// epilogue) or not; see [`FusedKernel`]. Ignored by `forward_only` plans. Both agree
     /// within rounding (the same bits where the two GEMMs sum in the same order).
     pub swiglu_dgrad: FusedKernel,
+    /// fc1's weight gradient of the backward: gathered (dW1 = dhᵀ · x[token of each row], one
+    /// kernel reading x through the routing map) or the grouped GEMM's WGRAD over the permuted
+    /// rows the forward kept. Gathered needs [`WeightForm::Tensor`]; together with a fused fc1
+    /// the forward then writes no permuted copy of x at all (and the plan allocates none).
+    /// Ignored by `forward_only` plans. Within rounding of the unfused path.
+    pub fc1_wgrad: FusedKernel,
     /// The plan never runs backward: a fused forward then writes neither the permuted rows nor
     /// the pre-activation h (the backward would need them), and `backward` is an error.
     pub forward_only: bool,
@@ -145,6 +153,7 @@ impl Default for MoeOptions {
             gemm_config: GemmConfig::Auto,
             fc1: FusedKernel::Auto,
             swiglu_dgrad: FusedKernel::Auto,
+            fc1_wgrad: FusedKernel::Auto,
             forward_only: false,
         }
     }
@@ -195,7 +204,7 @@ impl Gemms {
 /// Every byte a launch reads of them was written earlier in the same forward + backward, so
 /// they may live in a [`MemoryPool`](crate::graph::MemoryPool) range ([`MoeExperts::with_pool`]).
 struct Buffers<T> {
-    rows: DeviceBuffer<T>,     // [cap, H]  permuted x
+    rows: DeviceBuffer<T>,     // [cap, H]  permuted x (empty when no kernel reads it)
     h: DeviceBuffer<T>,        // [cap, 2F] fc1 output (gate | up)
     act: DeviceBuffer<T>,      // [cap, F]  SwiGLU output
     out_rows: DeviceBuffer<T>, // [cap, H]  fc2 output
@@ -350,13 +359,14 @@ impl<T: MoeElement> MoeExperts<T> {
         let routing = RoutingPlan::new(config.routing_config())?;
         let cap = routing.capacity();
         let gemms = Gemms::new(&config, &options, cap, stream)?;
-        let fused = fused::FusedPlans::new(&options, &routing, stream)?;
+        let fused = fused::FusedPlans::new(&options, &config, &routing, stream)?;
         let (h, f) = (config.hidden, config.ffn);
         // The fused fc2 dgrad + SwiGLU backward never writes dact: no [cap, F] buffer for it.
         let dact_len = if fused.swiglu_dgrad.is_some() { 0 } else { cap * f };
+        let rows_len = if fused.permutes(options.forward_only) { cap * h } else { 0 };
         let zeros = |len: usize| scratch.alloc::<T>(len);
         let buffers = Buffers {
-            rows: zeros(cap * h)?,
+            rows: zeros(rows_len)?,
             h: zeros(cap * 2 * f)?,
             act: zeros(cap * f)?,
             out_rows: zeros(cap * h)?,
@@ -469,14 +479,18 @@ impl<T: MoeElement> MoeExperts<T> {
         )
     }
 
-    /// Gradients of [`forward`](Self::forward) (which must have run with the same inputs):
-    /// `dx`, `dprobs`, and the weight gradients `dw1 [E, 2F, H]`, `dw2 [E, H, F]` (element
-    /// type `T`, or `f32` with `wgrad_accumulate`, which adds into them), as tensors or u64
-    /// pointer arrays per the plan's [`WeightForm`], like the weights.
+    /// Gradients of [`forward`](Self::forward) (which must have run with the same inputs, `x`
+    /// among them, unchanged since): `dx`, `dprobs`, and the weight gradients `dw1 [E, 2F, H]`,
+    /// `dw2 [E, H, F]` (element type `T`, or `f32` with `wgrad_accumulate`, which adds into
+    /// them), as tensors or u64 pointer arrays per the plan's [`WeightForm`], like the weights.
+    /// `x` is read where fc1's wgrad gathers its rows from it ([`MoeOptions::fc1_wgrad`]);
+    /// other plans read the permuted copy the forward kept, but take `x` all the same, so that
+    /// a plan's options never change its call.
     #[allow(clippy::too_many_arguments)]
     pub fn backward<P: routing::Element, W: GemmOperand, G: GemmOperand>(
         &mut self,
         stream: &CudaStream,
+        x: &impl DevicePtr<T>,
         dy: &impl DevicePtr<T>,
         probs: &impl DevicePtr<P>,
         tokens: Tokens<'_>,
@@ -493,6 +507,7 @@ impl<T: MoeElement> MoeExperts<T> {
         self.check_routes(OP, "dprobs", dprobs.len())?;
         self.check_backward::<P, W, G>(
             OP,
+            x.len(),
             dy.len(),
             probs.len(),
             fc1_weight.len(),
@@ -502,11 +517,13 @@ impl<T: MoeElement> MoeExperts<T> {
             dw2.len(),
         )?;
         ensure_same_context(OP, "probs", stream, probs)?;
+        ensure_same_context(OP, "x", stream, x)?;
         ensure_backward_contexts(OP, stream, dy, tokens, fc1_weight, fc2_weight, dx, dprobs, dw1, dw2)?;
         self.path.backward(
             stream,
             &self.maps,
             &mut self.gemm_flags,
+            x,
             dy,
             probs,
             tokens,
@@ -589,6 +606,7 @@ impl<T: MoeElement> MoeExperts<T> {
     pub fn backward_from_map<P: routing::Element, W: GemmOperand, G: GemmOperand>(
         &mut self,
         stream: &CudaStream,
+        x: &impl DevicePtr<T>,
         dy: &impl DevicePtr<T>,
         tokens: Tokens<'_>,
         fc1_weight: &impl DevicePtr<W>,
@@ -605,6 +623,7 @@ impl<T: MoeElement> MoeExperts<T> {
         self.check_routes(OP, "dprobs", dprobs.len())?;
         self.check_backward::<P, W, G>(
             OP,
+            x.len(),
             dy.len(),
             routes,
             fc1_weight.len(),
@@ -613,6 +632,7 @@ impl<T: MoeElement> MoeExperts<T> {
             dw1.len(),
             dw2.len(),
         )?;
+        ensure_same_context(OP, "x", stream, x)?;
         ensure_backward_contexts(OP, stream, dy, tokens, fc1_weight, fc2_weight, dx, dprobs, dw1, dw2)?;
         // SAFETY: as in forward_from_map (any bits are a valid prob of at most 4 bytes).
         let probs = unsafe { self.map_routes.probs.transmute::<P>(routes) }.expect("map probs storage holds T_max * k");
@@ -620,6 +640,7 @@ impl<T: MoeElement> MoeExperts<T> {
             stream,
             &self.maps,
             &mut self.gemm_flags,
+            x,
             dy,
             &probs,
             tokens,
@@ -655,6 +676,11 @@ impl<T: MoeElement> MoeExperts<T> {
     /// ([`MoeOptions::swiglu_dgrad`]).
     pub fn swiglu_dgrad_is_fused(&self) -> bool {
         self.path.fused.swiglu_dgrad.is_some()
+    }
+
+    /// Whether the backward's fc1 wgrad gathers its rows from `x` ([`MoeOptions::fc1_wgrad`]).
+    pub fn fc1_wgrad_is_gathered(&self) -> bool {
+        self.path.fused.fc1_wgrad.is_some()
     }
 
     fn check_routes(&self, op: &'static str, what: &'static str, len: usize) -> Result<()> {
@@ -723,6 +749,7 @@ impl<T: MoeElement> MoeExperts<T> {
     fn check_backward<P: routing::Element, W: GemmOperand, G: GemmOperand>(
         &self,
         op: &'static str,
+        x: usize,
         dy: usize,
         probs: usize,
         fc1: usize,
@@ -731,6 +758,7 @@ impl<T: MoeElement> MoeExperts<T> {
         dw1: usize,
         dw2: usize,
     ) -> Result<()> {
+        self.check_tokens(op, "x", x)?;
         self.check_tokens(op, "dy", dy)?;
         self.check_tokens(op, "dx", dx)?;
         self.check_probs::<P>(op, probs)?;
@@ -761,9 +789,9 @@ impl<T: MoeElement> Path<T> {
         r.build(stream, expert_ids, tokens, maps)?;
         let splits = &maps.m_splits_i32;
         if let Some(f) = &self.fused.fc1 {
-            let keep = !self.forward_only;
-            fused::fc1(f, stream, x, fc1_weight, maps, &mut b.act, keep.then_some(&mut b.h))?;
-            if keep {
+            let keep_h = !self.forward_only;
+            fused::fc1(f, stream, x, fc1_weight, maps, &mut b.act, keep_h.then_some(&mut b.h))?;
+            if self.fused.permutes(self.forward_only) {
                 r.permute(stream, x, &maps.row_of_route, tokens, &mut b.rows)?; // for fc1 wgrad
             }
         } else {
@@ -781,6 +809,7 @@ impl<T: MoeElement> Path<T> {
         stream: &CudaStream,
         maps: &RouteMaps,
         flags: &mut CudaSlice<i32>,
+        x: &impl DevicePtr<T>,
         dy: &impl DevicePtr<T>,
         probs: &impl DevicePtr<P>,
         tokens: Tokens<'_>,
@@ -803,7 +832,10 @@ impl<T: MoeElement> Path<T> {
             r.swiglu_backward(stream, &b.dact, &b.h, &maps.offsets, &mut b.dh)?;
         }
         g.fc1_dgrad.run(stream, &b.dh, fc1_weight, &mut b.drows_in, splits, Some(&mut *flags), ws)?;
-        g.fc1_wgrad.run(stream, &b.dh, &b.rows, dw1, splits, Some(&mut *flags), ws)?;
+        match &self.fused.fc1_wgrad {
+            Some(f) => fused::fc1_wgrad(f, stream, &b.dh, x, maps, dw1)?,
+            None => g.fc1_wgrad.run(stream, &b.dh, &b.rows, dw1, splits, Some(&mut *flags), ws)?,
+        }
         r.permute_backward(stream, &b.drows_in, &maps.row_of_route, tokens, dx)
     }
 }

@@ -185,6 +185,7 @@ impl EchoExpertPath {
         )?;
         self.moe.backward(
             stream,
+            &self.x,
             &self.dy,
             &self.dest_probs,
             tok,

@@ -144,6 +144,7 @@ impl ExpertIo {
         let tokens = Tokens::Device(&self.tokens);
         moe.backward(
             stream,
+            &self.x,
             &self.dy,
             &self.probs,
             tokens,
@@ -171,7 +172,7 @@ impl ExpertIo {
         let ExpertIo { x, ids, probs, tokens, w1, w2, y, dy, dx, dprobs, dw1, dw2, .. } = self;
         let tokens = host_t.map_or(Tokens::Device(&*tokens), Tokens::Host);
         moe.forward(stream, &*x, &*ids, &*probs, tokens, &*w1, &*w2, y)?;
-        moe.backward(stream, &*dy, &*probs, tokens, &*w1, &*w2, dx, dprobs, dw1, dw2)
+        moe.backward(stream, &*x, &*dy, &*probs, tokens, &*w1, &*w2, dx, dprobs, dw1, dw2)
     }
 
     /// y, dx, dw1, dw2 and dprobs as raw bits (poison included), in that order.
