@@ -114,8 +114,13 @@ pub fn topk_routing(e: usize, t: usize, k: usize, seed: u64) -> (Vec<i32>, Vec<f
 /// The expert-path plans timed on every shape: the unfused path, and the fused kernels where
 /// the plan has them (a plan the fused kernels do not cover becomes an "unavailable" row).
 fn variants() -> [(&'static str, MoeOptions); 2] {
-    let fused = MoeOptions { fc1: FusedKernel::Fused, swiglu_dgrad: FusedKernel::Fused, ..MoeOptions::default() };
-    let unfused = MoeOptions { fc1: FusedKernel::Unfused, swiglu_dgrad: FusedKernel::Unfused, ..MoeOptions::default() };
+    let every = |kernel: FusedKernel| MoeOptions {
+        fc1: kernel,
+        swiglu_dgrad: kernel,
+        fc1_wgrad: kernel,
+        ..MoeOptions::default()
+    };
+    let (fused, unfused) = (every(FusedKernel::Fused), every(FusedKernel::Unfused));
     [("capmoe-graph", unfused), ("capmoe-fused-graph", fused)]
 }
 
@@ -259,9 +264,10 @@ fn expert_case(
     let replay_host = median(&mut host);
     let fused_or_not = |fused: bool| if fused { "fused" } else { "unfused" };
     let kernels = format!(
-        "fc1 {}, fc2 dgrad + SwiGLU backward {}",
+        "fc1 {}, fc2 dgrad + SwiGLU backward {}, fc1 wgrad {}",
         fused_or_not(moe.fc1_is_fused()),
-        fused_or_not(moe.swiglu_dgrad_is_fused())
+        fused_or_not(moe.swiglu_dgrad_is_fused()),
+        if moe.fc1_wgrad_is_gathered() { "gathered" } else { "over permuted rows" }
     );
     let timed = |op: &str, us: f64, host_us: Option<f64>, note: String| {
         row(name, op, imp, us, op_flops(shape, op), host_us, Some(format!("{kernels}; {note}")))
