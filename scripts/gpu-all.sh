@@ -17,7 +17,7 @@ T=$BUNDLE/run/tests
 # (checked against candle's per-expert loop, and timed against it).
 timeout 60 $BUNDLE/run/bin/capmoe-c-example --gpu > /tmp/logs/c_example.txt 2>&1; echo "c example rc=$?" >> /tmp/logs/c_example.txt; save
 CAPMOE_REQUIRE_GPU=1 timeout 150 $BUNDLE/run/bin/candle_moe > /tmp/logs/candle_moe.txt 2>&1; echo "candle_moe rc=$?" >> /tmp/logs/candle_moe.txt; save
-for hook in fused_gpu:fused_fc1_timing fused_dgrad_gpu:fused_dgrad_timing graph_gpu:timing; do
+for hook in fused_gpu:fused_fc1_timing fused_dgrad_gpu:fused_dgrad_timing fused_wgrad_gpu:fused_wgrad_timing graph_gpu:timing; do
   IFS=: read -r bin filter <<<"$hook"
   [[ -x $T/$bin ]] || continue
   CAPMOE_REQUIRE_GPU=1 timeout 60 $T/$bin --ignored --nocapture --test-threads=1 $filter > /tmp/logs/timing_$bin.txt 2>&1
@@ -25,7 +25,7 @@ for hook in fused_gpu:fused_fc1_timing fused_dgrad_gpu:fused_dgrad_timing graph_
 done
 OUT=/tmp/logs/sweep BUNDLE=$BUNDLE NCU=0 SWEEP_ROUTING=uniform SWEEP_LAYOUTS=enk SWEEP_TIMEOUT=150 \
   bash scripts/gpu-sweep.sh > /tmp/logs/sweep.txt 2>&1; save
-for m in echo_moe_gpu fused_gpu fused_dgrad_gpu ep_gpu ep_kernels_gpu; do
+for m in echo_moe_gpu fused_gpu fused_dgrad_gpu fused_wgrad_gpu fused_moe_gpu ep_gpu ep_kernels_gpu; do
   [[ -x $T/$m ]] || continue
   CAPMOE_REQUIRE_GPU=1 CAPMOE_SANITIZER=1 CAPMOE_ECHO_MOE_REPLAYS=2 timeout 60 /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
     $T/$m --test-threads=1 > /tmp/logs/memcheck_$m.txt 2>&1
