@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call (run from the repo root on the GPU machine, after scripts/gpu-bundle.sh here):
-# the whole GPU suite, the C and candle examples, the ignored timing hooks (fused fc1, fused fc2 dgrad, graphs) if built, a uniform-routing
-# config sweep with ncu off (scripts/gpu-sweep.sh does the full one), and a memcheck of the
-# Echo + expert path graph test, the fused fc1 and fc2 dgrad tests and the EP tests (R = 1). Logs under $R (one tarball,
+# the whole GPU suite, the C and candle examples, the ignored timing hooks (fused fc1, fused
+# fc2 dgrad, gathered wgrad, graphs) if built, a uniform-routing config sweep with ncu off
+# (scripts/gpu-sweep.sh does the full one), and a memcheck of the Echo + expert path graph test,
+# the fused kernels' tests and the EP tests (R = 1). Logs under $R (one tarball,
 # refreshed after each step); a short summary is printed last.
 set -uo pipefail
 R=${R:-${OUT:?set OUT to a folder for the logs}}; BUNDLE=${BUNDLE:-gpu-bundle}
