@@ -1,8 +1,8 @@
-//! Expert parallel (EP) over an EP group of R ranks, one GPU each: [`EpGroup`] moves
-//! fixed-size blocks between the ranks over NCCL (feature `nccl`), [`EpKernels`] fill and read
-//! those blocks on the device (C side: `csrc/ep/`, contract in
-//! `csrc/include/capturable_moe/ep.h`), and [`EpMoe`] runs one MoE layer's whole step with
-//! them. The step, the buffers, dropping and the tests are described in `docs/ep.md`.
+//! Expert parallel (EP) over an EP group of R ranks, one GPU each: `EpGroup` moves
+//! fixed-size blocks between the ranks over NCCL, [`EpKernels`] fill and read those blocks on
+//! the device (C side: `csrc/ep/`, contract in `csrc/include/capturable_moe/ep.h`), and
+//! `EpMoe` runs one MoE layer's whole step with them (`EpGroup` and `EpMoe` need the feature
+//! `nccl`). The step, the buffers, dropping and the tests are described in `docs/ep.md`.
 //!
 //! Invariants of every launch: every size is fixed at plan time ([`EpConfig`]); a peer block
 //! keeps its first `capacity` routes in ascending `(t, j)` order; nothing depends on thread
