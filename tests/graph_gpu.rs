@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use capturable_moe::echo::{Algorithm, EchoConfig, EchoPlan};
+use capturable_moe::fused::{FusedFc1, FusedSwigluDgrad, GatherWgrad, GatherWgradConfig, WgradOutput};
 use capturable_moe::graph::{
     capture, capture_with, round_up, update, CaptureOptions, FlagReport, FlagSource, FlagWords, GraphTemplate,
     MemoryPool, PoolRange,
@@ -717,3 +718,19 @@ fn pool_eight_buckets_memory_gpu() {
     assert!(physical as f64 <= 1.05 * largest as f64, "physical {physical} > 1.05 x largest {largest}");
     assert!(physical * 3 / 2 < sum);
 }
+
+/// The fused kernels' plans (F = 128: a multiple of their column tile), each refused while
+/// capturing before any other check or CUDA work.
+fn fused_routing() -> RoutingPlan {
+    RoutingPlan::new(config(Shape { f: 128, ..SMALL }).routing_config()).unwrap()
+}
+guard_test!(guard_fused_fc1_new_gpu, "FusedFc1::new", |stream| { fused_routing() }, |routing| FusedFc1::new(
+    &routing, &stream
+));
+guard_test!(guard_fused_swiglu_dgrad_new_gpu, "FusedSwigluDgrad::new", |stream| { fused_routing() }, |routing| {
+    FusedSwigluDgrad::new(&routing, &stream)
+});
+guard_test!(guard_gather_wgrad_new_gpu, "GatherWgrad::new", |stream| { fused_routing() }, |routing| GatherWgrad::new(
+    GatherWgradConfig::fc1(&routing, WgradOutput::Same),
+    &stream
+));

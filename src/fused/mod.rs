@@ -141,6 +141,8 @@ impl FusedFc1 {
     /// [`FusedFc1::new`] with a forced gather form.
     pub fn with_gather(routing: &RoutingPlan, stream: &CudaStream, gather: Gather) -> Result<FusedFc1> {
         const OP: &str = "FusedFc1::new";
+        // Plan time: never while capturing (the capture guards of module `graph`).
+        crate::graph::ensure_not_capturing(stream, OP)?;
         let c = routing.config();
         Self::check_shapes(c)?;
         let device = sm90_device(stream, "9.0 (sm_90a) for the fused fc1", "fused fc1 (sm_90a)")?;
@@ -278,6 +280,8 @@ impl FusedSwigluDgrad {
     /// means: use the unfused path. No launch.
     pub fn new(routing: &RoutingPlan, stream: &CudaStream) -> Result<FusedSwigluDgrad> {
         const OP: &str = "FusedSwigluDgrad::new";
+        // Plan time: never while capturing (the capture guards of module `graph`).
+        crate::graph::ensure_not_capturing(stream, OP)?;
         let c = routing.config();
         Self::check_shapes(c)?;
         let device =

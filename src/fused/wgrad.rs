@@ -151,6 +151,8 @@ impl GatherWgrad {
     /// and use the grouped GEMM's WGRAD. No launch.
     pub fn new(config: GatherWgradConfig, stream: &CudaStream) -> Result<GatherWgrad> {
         const OP: &str = "GatherWgrad::new";
+        // Plan time: never while capturing (the capture guards of module `graph`).
+        crate::graph::ensure_not_capturing(stream, OP)?;
         Self::check_shapes(&config)?;
         let device = sm90_device(stream, "9.0 (sm_90a) for the gathered wgrad", "gathered wgrad (sm_90a)")?;
         let desc = Self::abi_desc(&config, device.sm_count);
