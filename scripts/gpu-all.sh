@@ -12,7 +12,9 @@ source scripts/nccl-env.sh  # libnccl for the EP tests and rows
 mkdir -p /tmp/logs
 save() { tar -C /tmp -czf $R/logs.tgz logs 2>/dev/null; }
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader > /tmp/logs/gpu.txt
-BUNDLE=$BUNDLE OUT=/tmp/logs timeout ${SUITE_TIMEOUT:-270} bash scripts/gpu-run.sh > /tmp/logs/suite.txt 2>&1; save
+# The suite first and with most of the call's 600 s: the steps after it are cut short first (the
+# tarball keeps what each finished step wrote).
+BUNDLE=$BUNDLE OUT=/tmp/logs timeout ${SUITE_TIMEOUT:-360} bash scripts/gpu-run.sh > /tmp/logs/suite.txt 2>&1; save
 T=$BUNDLE/run/tests
 # The examples: the C ABI from C (a checked grouped GEMM), candle's MoE block on the crate
 # (checked against candle's per-expert loop, and timed against it).
