@@ -2,6 +2,8 @@
 //! needed): the shapes the fused fc1 and the fused fc2 dgrad + SwiGLU backward refuse are the
 //! ones whose callers must take the unfused path.
 
+mod common;
+
 use capturable_moe::dtype::DType;
 use capturable_moe::fused::{FusedFc1, FusedSwigluDgrad, FC1_TILE_N, SWIGLU_DGRAD_TILE_N};
 use capturable_moe::routing::RoutingConfig;
@@ -249,4 +251,12 @@ mod dgrad_abi {
         assert_eq!(call(&empty, &bare), OK, "capacity 0");
         assert_eq!(call(&empty, &Ptrs { offsets: null(), ..bare }), INVALID, "capacity 0, NULL offsets");
     }
+}
+
+/// The cp.async producer's hand-swizzled chunk offsets (csrc/fused/fc1_layout.h, the fused fc1's
+/// default gather form) against cute's addressing of the layout its wgmma descriptors come
+/// from: compiles and runs tests/layout/fc1_smem_layout.cu on the host.
+#[test]
+fn fused_fc1_smem_layout_matches_cute() {
+    common::layout::run_check("fc1_smem_layout.cu");
 }

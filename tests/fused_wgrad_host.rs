@@ -2,12 +2,7 @@
 //! refusals before any launch, and the shared-memory layout its producer writes against the
 //! one cute builds the wgmma descriptors from.
 
-#[path = "../build/toolchain.rs"]
-#[allow(dead_code)]
-mod toolchain;
-
-use std::path::Path;
-use std::process::Command;
+mod common;
 
 use capturable_moe::dtype::DType;
 use capturable_moe::fused::{GatherWgrad, GatherWgradConfig, RowSource, WgradOutput};
@@ -201,37 +196,5 @@ mod abi {
 /// runs tests/layout/wgrad_smem_layout.cu on the host with the project's nvcc and CUTLASS.
 #[test]
 fn fused_wgrad_smem_layout_matches_cute() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let source = root.join("tests/layout/wgrad_smem_layout.cu");
-    if !source.is_file() {
-        // A test binary carried to another machine (gpu-bundle) without the checkout.
-        println!("skipping: {} is not here", source.display());
-        return;
-    }
-    let env = |k: &str| std::env::var(k).ok();
-    let (toolkit, cutlass) = match (
-        toolchain::find_toolkit(&env, root, Path::new("/usr/local/cuda")),
-        toolchain::find_cutlass(&env, root),
-    ) {
-        (Ok(t), Ok(c)) => (t, c),
-        (t, c) => {
-            println!("skipping: no nvcc / CUTLASS to build the host layout check ({:?} / {:?})", t.err(), c.err());
-            return;
-        }
-    };
-    let exe = std::env::temp_dir().join(format!("capmoe-wgrad-layout-{}", std::process::id()));
-    let mut nvcc = Command::new(&toolkit.nvcc);
-    nvcc.args(["-std=c++17", "--expt-relaxed-constexpr", "-O1"])
-        .arg(format!("-I{}", root.join("csrc").display()))
-        .arg(format!("-L{}", toolkit.lib_dir.display()));
-    for dir in &cutlass {
-        nvcc.arg(format!("-I{}", dir.display()));
-    }
-    let built = nvcc.arg(&source).arg("-o").arg(&exe).output().unwrap();
-    assert!(built.status.success(), "nvcc failed:\n{}", String::from_utf8_lossy(&built.stderr));
-    let ran = Command::new(&exe).output().unwrap();
-    let _ = std::fs::remove_file(&exe);
-    let out = String::from_utf8_lossy(&ran.stdout);
-    assert!(ran.status.success(), "layout mismatch:\n{out}");
-    assert!(out.contains("0 mismatches"), "{out}");
+    common::layout::run_check("wgrad_smem_layout.cu");
 }

@@ -44,6 +44,7 @@
 #include "common/launch.cuh"
 #include "common/swiglu_math.cuh"
 #include "fused/fc1_launch.h"
+#include "fused/fc1_layout.h"
 #include "fused/tile_list.cuh"
 
 namespace capmoe::fused {
@@ -182,13 +183,13 @@ __device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared&
         load_weights<T>(p, s, stage, t, k0);
       }
       if (token >= 0) {
-        uint128_t* dst_row = reinterpret_cast<uint128_t*>(s.a + stage * K::kStageElemsA + r * kTileK);
+        uint8_t* stage_a = reinterpret_cast<uint8_t*>(s.a + stage * K::kStageElemsA);
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
           const int col = k0 + c * 8;
           const bool inside = col < p.hidden;  // H is a multiple of 8: chunks are all in or all out
           const auto* src = reinterpret_cast<const uint128_t*>(src_row + (inside ? col : 0));
-          Copy16::copy(*src, dst_row[c ^ (r & 7)], inside);
+          Copy16::copy(*src, *reinterpret_cast<uint128_t*>(stage_a + fc1_smem_offset(r, c)), inside);
         }
       }
       cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);

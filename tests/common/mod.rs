@@ -5,6 +5,7 @@ pub mod echo_moe;
 pub mod emulation;
 pub mod expert_io;
 pub mod gemm;
+pub mod layout;
 pub mod moe;
 #[cfg(feature = "nccl")]
 pub mod nccl;
