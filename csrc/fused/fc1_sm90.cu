@@ -42,6 +42,7 @@
 #include <cutlass/half.h>
 
 #include "common/launch.cuh"
+#include "fused/pipeline.cuh"
 #include "common/swiglu_math.cuh"
 #include "fused/fc1_launch.h"
 #include "fused/fc1_layout.h"
@@ -127,8 +128,7 @@ __device__ void produce_tma_rows(const Fc1Params& p, typename Kernel<T>::Shared&
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   const int lane = threadIdx.x & 31;
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
-  int stage = 0;
-  uint32_t phase = 0;
+  StageRing<kStages> ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
     int token[kTileM / 32];
@@ -140,7 +140,8 @@ __device__ void produce_tma_rows(const Fc1Params& p, typename Kernel<T>::Shared&
     }
     const uint32_t bytes = uint32_t(loaded) * K::kRowBytes + K::kBytesB;
     for (int kb = 0; kb < k_blocks; ++kb) {
-      Barrier::wait(&s.empty[stage], phase ^ 1);
+      Barrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
+      const int stage = ring.stage;
       if (lane == 0) Barrier::arrive_and_expect_tx(&s.full[stage], bytes);
       __syncwarp();
       T* a = s.a + stage * K::kStageElemsA;
@@ -152,10 +153,7 @@ __device__ void produce_tma_rows(const Fc1Params& p, typename Kernel<T>::Shared&
                                  token[i]);
       }
       if (lane == 0) load_weights<T>(p, s, stage, t, k0);
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      ring.advance();
     }
   }
 }
@@ -169,14 +167,14 @@ __device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared&
   const int r = threadIdx.x;  // the tile row this thread copies
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
   constexpr int kChunks = kTileK * sizeof(T) / 16;
-  int stage = 0;
-  uint32_t phase = 0;
+  StageRing<kStages> ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
     const int token = row_token(p, t, r);
     const T* src_row = static_cast<const T*>(p.x) + int64_t(token < 0 ? 0 : token) * p.hidden;
     for (int kb = 0; kb < k_blocks; ++kb) {
-      Barrier::wait(&s.empty[stage], phase ^ 1);
+      Barrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
+      const int stage = ring.stage;
       const int k0 = kb * kTileK;
       if (r == 0) {
         Barrier::arrive_and_expect_tx(&s.full[stage], K::kBytesB);
@@ -193,10 +191,7 @@ __device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared&
         }
       }
       cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      ring.advance();
     }
   }
   cp_async_wait<0>();  // no thread exits with copies in flight
@@ -240,7 +235,6 @@ template <class T, Gather kGather>
 __device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles,
                         int slices) {
   using K = Kernel<T>;
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
   const int consumer_thread = threadIdx.x - 128;
   const bool warp_leader = (threadIdx.x & 31) == 0;
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
@@ -256,51 +250,17 @@ __device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int t
 
   // This warpgroup's rows of a tile: [first_row, first_row + 64).
   const int first_row = (consumer_thread / 128) * (kTileM / 2);
-  int stage = 0;
-  uint32_t phase = 0;
+  StageRing<kStages> ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
     if (t.rows <= first_row) {
       // An expert's last tile with at most 64 rows: this warpgroup has none, so it leaves the
-      // tensor cores to the other one (which then runs up to twice as fast) and only keeps
-      // the pipeline's arrival count.
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        Barrier::wait(&s.full[stage], phase);
-        if (warp_leader) Barrier::arrive(&s.empty[stage]);
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
+      // tensor cores to the other one (which then runs up to twice as fast).
+      pass_k_blocks(ring, s.full, s.empty, k_blocks, warp_leader);
       continue;
     }
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
-    int previous = -1;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      Barrier::wait(&s.full[stage], phase);
-      // cp.async wrote the A rows through the generic proxy; wgmma reads through the async one.
-      if constexpr (kGather == Gather::CpAsync) cutlass::arch::fence_view_async_shared();
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
-#pragma unroll
-      for (int k = 0; k < size<2>(tCrA); ++k) {
-        cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), acc);
-        mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      // Keep one batch in flight: the previous stage's wgmmas are done once this returns.
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(acc);
-      if (previous >= 0 && warp_leader) Barrier::arrive(&s.empty[previous]);
-      previous = stage;
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
-    }
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc);
-    if (previous >= 0 && warp_leader) Barrier::arrive(&s.empty[previous]);
+    // The cp.async form writes the A rows through the generic proxy.
+    mma_k_blocks<kGather == Gather::CpAsync>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc);
     store_tile<T>(p, t, acc, coords);
   }
 }

@@ -38,6 +38,7 @@
 #include <cutlass/half.h>
 
 #include "common/launch.cuh"
+#include "fused/pipeline.cuh"
 #include "common/swiglu_math.cuh"
 #include "fused/swiglu_dgrad_launch.h"
 #include "fused/tile_list.cuh"
@@ -142,12 +143,12 @@ __device__ void produce(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
   using K = Kernel<T>;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
-  int stage = 0;
-  uint32_t phase = 0;
+  StageRing<kStages> ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
     for (int kb = 0; kb < k_blocks; ++kb) {
-      Barrier::wait(&s.empty[stage], phase ^ 1);
+      Barrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
+      const int stage = ring.stage;
       // TMA counts every byte of a box, zero-filled ones included: the stage is always full.
       Barrier::arrive_and_expect_tx(&s.full[stage], K::kStageBytes);
       const int k0 = kb * kTileK;
@@ -157,10 +158,7 @@ __device__ void produce(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
       for (int c = 0; c < kTileN / kBoxN; ++c)
         SM90_TMA_LOAD_3D::copy(&p.w2_map, &s.full[stage], kEvictNormal, b + c * K::kBoxElemsB, t.n0 + c * kBoxN, k0,
                                t.expert);
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      ring.advance();
     }
   }
 }
@@ -218,7 +216,6 @@ __device__ void store_tile(const SwigluDgradParams& p, const Tile& t, const Accu
 template <class T>
 __device__ void consume(const SwigluDgradParams& p, typename Kernel<T>::Shared& s, int total_tiles, int slices) {
   using K = Kernel<T>;
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
   const int consumer_thread = threadIdx.x - 128;
   const bool warp_leader = (threadIdx.x & 31) == 0;
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
@@ -235,50 +232,18 @@ __device__ void consume(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
 
   // This warpgroup's rows of a tile: [first_row, first_row + 64).
   const int first_row = (consumer_thread / 128) * (kTileM / 2);
-  int stage = 0;
-  uint32_t phase = 0;
+  StageRing<kStages> ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
     if (t.rows <= first_row) {
       // An expert's last tile with at most 64 rows: this warpgroup has none of them, so it
-      // leaves the tensor cores to the other one and only keeps the pipeline's arrival count.
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        Barrier::wait(&s.full[stage], phase);
-        if (warp_leader) Barrier::arrive(&s.empty[stage]);
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
+      // leaves the tensor cores to the other one.
+      pass_k_blocks(ring, s.full, s.empty, k_blocks, warp_leader);
       continue;
     }
     uint32_t gate[kPairs], up[kPairs];
     load_gate_up(p, t, coords, gate, up);
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
-    int previous = -1;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      Barrier::wait(&s.full[stage], phase);
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
-#pragma unroll
-      for (int k = 0; k < size<2>(tCrA); ++k) {
-        cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), acc);
-        mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      // Keep one batch in flight: the previous stage's wgmmas are done once this returns.
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(acc);
-      if (previous >= 0 && warp_leader) Barrier::arrive(&s.empty[previous]);
-      previous = stage;
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
-    }
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc);
-    if (previous >= 0 && warp_leader) Barrier::arrive(&s.empty[previous]);
+    mma_k_blocks<false>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc);  // TMA-loaded stages
     store_tile<T>(p, t, acc, coords, gate, up);
   }
 }

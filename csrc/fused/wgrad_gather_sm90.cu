@@ -50,6 +50,7 @@
 #include <cutlass/half.h>
 
 #include "common/launch.cuh"
+#include "fused/pipeline.cuh"
 #include "fused/wgrad_gather_launch.h"
 #include "fused/wgrad_gather_layout.h"
 
@@ -164,22 +165,19 @@ __device__ void produce(const WgradGatherParams& p, typename Kernel<T>::Shared& 
   const T* b = static_cast<const T*>(p.b);
   const int a_rows = p.a_gathered ? p.max_tokens : p.capacity;
   const int b_rows = p.b_gathered ? p.max_tokens : p.capacity;
-  int stage = 0;
-  uint32_t phase = 0;
+  StageRing<kStages> ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     const Tile t = locate(p, tile);
     if (skipped(p, t)) continue;
     for (int row = t.row_begin; row < t.row_end; row += kTileK) {
-      Barrier::wait(&s.empty[stage], phase ^ 1);
+      Barrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
+      const int stage = ring.stage;
       copy_block<T, kTileM>(a, p.m, p.m, p.a_gathered, a_rows, p.token_of_row, row, t.row_end, t.m0,
                             reinterpret_cast<uint8_t*>(s.a) + stage * K::kStageBytesA);
       copy_block<T, kTileN>(b, p.n, p.n, p.b_gathered, b_rows, p.token_of_row, row, t.row_end, t.n0,
                             reinterpret_cast<uint8_t*>(s.b) + stage * K::kStageBytesB);
       cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      ring.advance();
     }
   }
   cp_async_wait<0>();  // no thread exits with copies in flight
@@ -220,7 +218,6 @@ __device__ void store_tile(const WgradGatherParams& p, const Tile& t, const Accu
 template <class T, class Out>
 __device__ void consume(const WgradGatherParams& p, typename Kernel<T>::Shared& s, int total_tiles) {
   using K = Kernel<T>;
-  using Barrier = cutlass::arch::ClusterBarrier;
   const int consumer_thread = threadIdx.x - kProducerThreads;
   const bool warp_leader = (threadIdx.x & 31) == 0;
 
@@ -233,8 +230,7 @@ __device__ void consume(const WgradGatherParams& p, typename Kernel<T>::Shared& 
   Tensor acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<kTileN>>{});
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
 
-  int stage = 0;
-  uint32_t phase = 0;
+  StageRing<kStages> ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     const Tile t = locate(p, tile);
     if (skipped(p, t)) continue;
@@ -244,33 +240,8 @@ __device__ void consume(const WgradGatherParams& p, typename Kernel<T>::Shared& 
 #pragma unroll
       for (int i = 0; i < size(acc); ++i) acc(i) = 0.0f;
     }
-    mma.accumulate_ = GMMA::ScaleOut::Zero;
-    int previous = -1;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      Barrier::wait(&s.full[stage], phase);
-      // cp.async wrote both operands through the generic proxy; wgmma reads through the async one.
-      cutlass::arch::fence_view_async_shared();
-      warpgroup_fence_operand(acc);
-      warpgroup_arrive();
-#pragma unroll
-      for (int k = 0; k < size<2>(tCrA); ++k) {
-        cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), acc);
-        mma.accumulate_ = GMMA::ScaleOut::One;
-      }
-      warpgroup_commit_batch();
-      // Keep one batch in flight: the previous stage's wgmmas are done once this returns.
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(acc);
-      if (previous >= 0 && warp_leader) Barrier::arrive(&s.empty[previous]);
-      previous = stage;
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
-    }
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc);
-    if (previous >= 0 && warp_leader) Barrier::arrive(&s.empty[previous]);
+    // cp.async wrote both operands through the generic proxy.
+    mma_k_blocks<true>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc);
     store_tile<Out>(p, t, acc, coords);
   }
 }

@@ -1,0 +1,77 @@
+// The shared-memory pipeline of the fused kernels (fc1_sm90.cu, swiglu_dgrad_sm90.cu,
+// wgrad_gather_sm90.cu): kStages stages, each with a `full` barrier (the producer's data has
+// landed) and an `empty` barrier (every consumer warp is done reading it). The producer and the
+// consumers walk the same ring of stages in the same order; here is the consumers' side, the
+// same in all three kernels.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+namespace capmoe::fused {
+
+// Where a role is in the ring: the stage, and the phase its barriers are in on this lap.
+template <int kStages>
+struct StageRing {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// A consumer warpgroup with no rows in the tile: takes each of the tile's k_blocks stages and
+// gives it straight back, so the pipeline's arrival count stays whole.
+template <int kStages>
+__device__ __forceinline__ void pass_k_blocks(StageRing<kStages>& ring, uint64_t* full, uint64_t* empty,
+                                              int k_blocks, bool warp_leader) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    Barrier::wait(&full[ring.stage], ring.phase);
+    if (warp_leader) Barrier::arrive(&empty[ring.stage]);
+    ring.advance();
+  }
+}
+
+// A consumer warpgroup's mainloop over one tile: for each of the tile's k_blocks stages, waits
+// for it and runs its wgmmas into acc (the first one overwrites acc), keeping one batch in
+// flight: a stage goes back to the producer once the next stage's batch is issued and its own
+// has completed. kAfterCpAsync: the stage was written through the generic proxy (cp.async),
+// which wgmma (the async proxy) may read only after a proxy fence.
+template <bool kAfterCpAsync, int kStages, class Mma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void mma_k_blocks(StageRing<kStages>& ring, uint64_t* full, uint64_t* empty, int k_blocks,
+                                             bool warp_leader, Mma& mma, FragA& tCrA, FragB& tCrB, Acc& acc) {
+  using namespace cute;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  int previous = -1;
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    Barrier::wait(&full[ring.stage], ring.phase);
+    if constexpr (kAfterCpAsync) cutlass::arch::fence_view_async_shared();
+    warpgroup_fence_operand(acc);
+    warpgroup_arrive();
+#pragma unroll
+    for (int k = 0; k < size<2>(tCrA); ++k) {
+      cute::gemm(mma, tCrA(_, _, k, ring.stage), tCrB(_, _, k, ring.stage), acc);
+      mma.accumulate_ = GMMA::ScaleOut::One;
+    }
+    warpgroup_commit_batch();
+    // Keep one batch in flight: the previous stage's wgmmas are done once this returns.
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(acc);
+    if (previous >= 0 && warp_leader) Barrier::arrive(&empty[previous]);
+    previous = ring.stage;
+    ring.advance();
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  if (previous >= 0 && warp_leader) Barrier::arrive(&empty[previous]);
+}
+
+}  // namespace capmoe::fused
