@@ -269,17 +269,13 @@ template <class T, Gather kGather>
 __global__ void __launch_bounds__(kThreads, 1) fc1_swiglu_kernel(const __grid_constant__ Fc1Params p) {
   using K = Kernel<T>;
   extern __shared__ uint8_t raw[];
-  auto& s = *reinterpret_cast<typename K::Shared*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  auto& s = aligned_shared<typename K::Shared>(raw);
   const int warp = threadIdx.x / 32;
 
   if (warp == 0) build_tile_prefix<kTileM>(p.offsets, p.experts, p.capacity, s.tile_prefix, s.row_start);
   if (threadIdx.x == 32) {
-    for (int i = 0; i < kStages; ++i) {
-      // TMA rows: the producer's expect_tx arrival; cp.async: that plus one per copying thread.
-      cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], kGather == Gather::CpAsync ? 1 + kProducerThreads : 1);
-      cutlass::arch::ClusterBarrier::init(&s.empty[i], kConsumerWarps);
-    }
-    cutlass::arch::fence_barrier_init();
+    // TMA rows: the producer's expect_tx arrival; cp.async: that plus one per copying thread.
+    init_stage_barriers<kStages>(s.full, s.empty, kGather == Gather::CpAsync ? 1 + kProducerThreads : 1, kConsumerWarps);
   }
   if (threadIdx.x == 64) {
     cute::prefetch_tma_descriptor(&p.x_map);

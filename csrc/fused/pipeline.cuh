@@ -26,6 +26,26 @@ struct StageRing {
   }
 };
 
+// The kernel's shared storage at the first 1024-byte boundary of the dynamic shared memory
+// (the 128B swizzle repeats every 1024 bytes; the launch asks for 1024 bytes more than it needs).
+template <class Shared>
+__device__ __forceinline__ Shared& aligned_shared(uint8_t* raw) {
+  return *reinterpret_cast<Shared*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+}
+
+// One thread sets up every stage's barriers: `full` completes a phase after `full_arrivals`
+// arrivals (and, with a transaction count, the bytes it expects), `empty` after one arrival per
+// consumer warp. The caller syncs the CTA before any role uses them.
+template <int kStages>
+__device__ __forceinline__ void init_stage_barriers(uint64_t* full, uint64_t* empty, uint32_t full_arrivals,
+                                                    uint32_t consumer_warps) {
+  for (int i = 0; i < kStages; ++i) {
+    cutlass::arch::ClusterBarrier::init(&full[i], full_arrivals);
+    cutlass::arch::ClusterBarrier::init(&empty[i], consumer_warps);
+  }
+  cutlass::arch::fence_barrier_init();
+}
+
 // A consumer warpgroup with no rows in the tile: takes each of the tile's k_blocks stages and
 // gives it straight back, so the pipeline's arrival count stays whole.
 template <int kStages>

@@ -252,17 +252,11 @@ template <class T>
 __global__ void __launch_bounds__(kThreads, 1) swiglu_dgrad_kernel(const __grid_constant__ SwigluDgradParams p) {
   using K = Kernel<T>;
   extern __shared__ uint8_t raw[];
-  auto& s = *reinterpret_cast<typename K::Shared*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  auto& s = aligned_shared<typename K::Shared>(raw);
   const int warp = threadIdx.x / 32;
 
   if (warp == 0) build_tile_prefix<kTileM>(p.offsets, p.experts, p.capacity, s.tile_prefix, s.row_start);
-  if (threadIdx.x == 32) {
-    for (int i = 0; i < kStages; ++i) {
-      cutlass::arch::ClusterTransactionBarrier::init(&s.full[i], 1);  // the producer's expect_tx
-      cutlass::arch::ClusterBarrier::init(&s.empty[i], kConsumerWarps);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
+  if (threadIdx.x == 32) init_stage_barriers<kStages>(s.full, s.empty, 1, kConsumerWarps);  // the producer's expect_tx
   if (threadIdx.x == 64) {
     cute::prefetch_tma_descriptor(&p.drows_map);
     cute::prefetch_tma_descriptor(&p.w2_map);

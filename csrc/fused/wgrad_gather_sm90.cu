@@ -250,14 +250,9 @@ template <class T, class Out>
 __global__ void __launch_bounds__(kThreads, 1) wgrad_gather_kernel(const __grid_constant__ WgradGatherParams p) {
   using K = Kernel<T>;
   extern __shared__ uint8_t raw[];
-  auto& s = *reinterpret_cast<typename K::Shared*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kStages; ++i) {
-      cutlass::arch::ClusterBarrier::init(&s.full[i], kProducerThreads);  // one noinc arrival per copier
-      cutlass::arch::ClusterBarrier::init(&s.empty[i], kConsumerWarps);
-    }
-    cutlass::arch::fence_barrier_init();
-  }
+  auto& s = aligned_shared<typename K::Shared>(raw);
+  // One noinc arrival per copying producer thread fills a stage.
+  if (threadIdx.x == 0) init_stage_barriers<kStages>(s.full, s.empty, kProducerThreads, kConsumerWarps);
   __syncthreads();
 
   const int total_tiles = p.experts * p.m_tiles * p.n_tiles;  // <= INT32_MAX (host check)
