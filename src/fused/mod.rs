@@ -15,7 +15,11 @@
 //! to the unfused path only where both GEMMs sum in the same order (not guaranteed: its tests
 //! hold it to the fp64 reference and report the bitwise comparison).
 //!
-//! Invariants of every launch: rows at or past the device-side total `offsets[E]` (clamped to
+//! [`GatherWgrad`]: a grouped weight gradient that reads an operand's rows through
+//! `token_of_row` (fc1's `dW1` straight from `x`, no permuted copy); its own contract is on the
+//! type. Design, tests and limits of all three: `docs/fused.md`.
+//!
+//! Invariants of every launch of the first two: rows at or past the device-side total `offsets[E]` (clamped to
 //! `capacity`) are never written, and read only by [`FusedSwigluDgrad`] (an expert's last tile
 //! loads whole 128-row blocks of `drows`, never past `capacity`, and discards the rows beyond
 //! the expert's end); no allocation, no host sync, no host read of
