@@ -42,6 +42,7 @@
 #include <cutlass/half.h>
 
 #include "common/launch.cuh"
+#include "fused/epilogue.cuh"
 #include "fused/pipeline.cuh"
 #include "common/swiglu_math.cuh"
 #include "fused/fc1_launch.h"
@@ -195,11 +196,6 @@ __device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared&
     }
   }
   cp_async_wait<0>();  // no thread exits with copies in flight
-}
-
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  return uint32_t(T(lo).raw()) | (uint32_t(T(hi).raw()) << 16);
 }
 
 // Rounds the accumulators to T, then act = silu(g) * u in fp32 (capmoe_routing_swiglu's math),

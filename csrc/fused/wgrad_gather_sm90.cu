@@ -50,6 +50,7 @@
 #include <cutlass/half.h>
 
 #include "common/launch.cuh"
+#include "fused/epilogue.cuh"
 #include "fused/pipeline.cuh"
 #include "fused/wgrad_gather_launch.h"
 #include "fused/wgrad_gather_layout.h"
@@ -181,11 +182,6 @@ __device__ void produce(const WgradGatherParams& p, typename Kernel<T>::Shared& 
     }
   }
   cp_async_wait<0>();  // no thread exits with copies in flight
-}
-
-template <class T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  return uint32_t(T(lo).raw()) | (uint32_t(T(hi).raw()) << 16);
 }
 
 // Stores this thread's accumulators of tile t (only m < M, n < N): rounded to Out, or, for an
