@@ -521,22 +521,7 @@ fn fused_fc1_timing() {
         r.fc1.run(&stream, &r.rows, &r.w1, &mut r.h_unfused, &m.m_splits_i32, Some(&mut r.gemm_flags), &mut r.workspace)
     })
     .unwrap();
-    let ctx = stream.context();
-    let time = |graph: &cudarc::driver::CudaGraph| -> f64 {
-        for _ in 0..5 {
-            graph.launch().unwrap();
-        }
-        let reps = 50;
-        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-        let (a, b) = (ctx.new_event(flags).unwrap(), ctx.new_event(flags).unwrap());
-        a.record(&stream).unwrap();
-        for _ in 0..reps {
-            graph.launch().unwrap();
-        }
-        b.record(&stream).unwrap();
-        b.synchronize().unwrap();
-        a.elapsed_ms(&b).unwrap() as f64 * 1000.0 / reps as f64
-    };
+    let time = |graph: &cudarc::driver::CudaGraph| common::mean_gpu_us(&stream, 5, 50, || graph.launch().unwrap());
     let flops = 2.0 * (shape.t_max * shape.k) as f64 * (2 * shape.f * shape.h) as f64;
     for (name, graph) in [
         ("fused fc1 + SwiGLU, TMA-row gather (act only)", &fused_graph),

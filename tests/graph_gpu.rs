@@ -24,7 +24,7 @@ use capturable_moe::routing::{RoutingPlan, Tokens};
 use capturable_moe::Error;
 use common::expert_io::{bits16, bits32, layer_config, ExpertIo as Io, Step};
 use common::moe::{assert_bits, assert_written_bf16, Dims, POISON_BF16};
-use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -520,21 +520,7 @@ fn qwen(t_max: usize) -> Shape {
 
 /// Mean GPU time of one replay, in microseconds, over `reps` back-to-back replays.
 fn replay_us(stream: &Arc<CudaStream>, graph: &CudaGraph, reps: usize) -> f64 {
-    for _ in 0..3 {
-        graph.launch().unwrap();
-    }
-    let ctx = stream.context();
-    let (a, b) = (
-        ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap(),
-        ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap(),
-    );
-    a.record(stream).unwrap();
-    for _ in 0..reps {
-        graph.launch().unwrap();
-    }
-    b.record(stream).unwrap();
-    b.synchronize().unwrap();
-    a.elapsed_ms(&b).unwrap() as f64 * 1e3 / reps as f64
+    common::mean_gpu_us(stream, 3, reps, || graph.launch().unwrap())
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

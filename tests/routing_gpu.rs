@@ -10,7 +10,7 @@ use std::sync::{Arc, MutexGuard};
 use bytemuck::Pod;
 use capturable_moe::routing::reference::{self as r, Scalar};
 use capturable_moe::routing::{flags, DType, Element, RouteMaps, RoutingConfig, RoutingPlan, Tokens};
-use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
@@ -687,21 +687,8 @@ fn perf_report_target_shape() {
         plan.unpermute(&s, &rows, &maps.row_of_route, &probs, Tokens::Host(t), &mut y).unwrap();
     });
     let ctx = s.context().clone();
-    let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
     let time = |name: &str, bytes: f64, f: &mut dyn FnMut()| {
-        for _ in 0..5 {
-            f();
-        }
-        let reps = 50;
-        let a = ctx.new_event(timing).unwrap();
-        let b = ctx.new_event(timing).unwrap();
-        a.record(&s).unwrap();
-        for _ in 0..reps {
-            f();
-        }
-        b.record(&s).unwrap();
-        b.synchronize().unwrap();
-        let us = a.elapsed_ms(&b).unwrap() as f64 * 1e3 / reps as f64;
+        let us = common::mean_gpu_us(&s, 5, 50, f);
         println!("{name:<22} {us:9.1} us  {:8.0} GB/s", bytes / us * 1e-3);
     };
     let row_bytes = (cap * h * 2) as f64;

@@ -59,6 +59,24 @@ pub fn skip_under_sanitizer() -> bool {
     skip
 }
 
+/// Mean GPU time of one `run`, in microseconds: `warmup` untimed calls, then `reps` calls back
+/// to back between two timing events on `stream` (the timing hooks' measure).
+pub fn mean_gpu_us(stream: &Arc<CudaStream>, warmup: usize, reps: usize, mut run: impl FnMut()) -> f64 {
+    for _ in 0..warmup {
+        run();
+    }
+    let ctx = stream.context();
+    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+    let (start, end) = (ctx.new_event(timing).unwrap(), ctx.new_event(timing).unwrap());
+    start.record(stream).unwrap();
+    for _ in 0..reps {
+        run();
+    }
+    end.record(stream).unwrap();
+    end.synchronize().unwrap();
+    start.elapsed_ms(&end).unwrap() as f64 * 1e3 / reps as f64
+}
+
 /// Graph-capture tests serialise on this lock: capture in global mode forbids unrelated
 /// CUDA work from other threads of the process while it is open.
 pub static CAPTURE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
