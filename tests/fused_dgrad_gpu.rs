@@ -707,3 +707,639 @@ fn fused_dgrad_timing() {
         );
     }
 }
+
+// ---- the gathered form: A = dy[token_of_row[r]] (zero rows for invalid tokens), dh of
+// prob · dact, dprob partials from the epilogue ----
+//
+// Per case, every stored row (a sample at model shapes) of:
+// * dh and the dprob partials against an fp64 reference of their own (fp64 GEMM, rounded to T;
+//   the bound covers a 1-ulp difference of the kernel's fp32-accumulated dact);
+// * both against the drows form run on the same rows permuted on the host (its dact checked
+//   against fp64 by check_reference): the same dact bits, so tight bounds;
+// * asserted bit for bit: the gathered form with every prob 1 equals the drows form's dh (the
+//   two forms differ only in how A reaches shared memory: same wgmma sequence, same sums), the
+//   partials do not depend on prob, and a second launch repeats the first;
+// * rows at or past offsets[E], and guard rows past capacity, still hold the poison.
+
+/// Rows of poison past capacity in the gathered outputs (nothing may land there).
+const GUARD_ROWS: usize = 3;
+/// A quiet NaN no kernel computes, for the fp32 partials.
+const POISON_F32: u32 = 0x7FC0_1234;
+
+/// One gathered launch's inputs on the host.
+struct GatheredInputs<T> {
+    t: usize,
+    ids: Vec<i32>,
+    /// `[T_max, H]`; rows at or past T are NaN (no valid route reads them).
+    dy: Vec<T>,
+    /// `[capacity, 2F]`; rows at or past offsets[E] NaN.
+    h: Vec<T>,
+    /// `[capacity]` in (0, 1]; rows at or past offsets[E] NaN.
+    prob: Vec<f32>,
+    /// What the kernel reads: the routing build's token_of_row, with the invalid tokens of
+    /// `invalid_tokens` written over some rows below offsets[E].
+    token_of_row: Vec<i32>,
+    maps: routing::reference::RouteMaps,
+}
+
+/// Gathered inputs for `ids` at T = `t`. With `invalid_tokens`, the first, middle and last
+/// stored rows get tokens outside [0, T_max) (-1, T_max, i32::MIN): those rows must behave as
+/// zero A rows.
+fn gathered_inputs<T: Act>(
+    shape: Shape,
+    capacity: usize,
+    rng: &mut StdRng,
+    t: usize,
+    ids: Vec<i32>,
+    invalid_tokens: bool,
+) -> GatheredInputs<T> {
+    let maps = routing::reference::build(&ids, t, shape.t_max, shape.e, shape.k, capacity, 0);
+    let total = maps.offsets[shape.e] as usize;
+    let nan = T::from_f64(f64::NAN);
+    let mut dy: Vec<T> = random(rng, shape.t_max * shape.h, 1.0);
+    dy[t * shape.h..].fill(nan);
+    let mut h: Vec<T> = random(rng, capacity * 2 * shape.f, 4.0);
+    h[total * 2 * shape.f..].fill(nan);
+    let prob: Vec<f32> =
+        (0..capacity).map(|r| if r < total { rng.random_range(0.05f32..=1.0) } else { f32::NAN }).collect();
+    let mut token_of_row = maps.token_of_row.clone();
+    if invalid_tokens && total > 0 {
+        for (row, token) in [(0, -1), (total / 2, shape.t_max as i32), (total - 1, i32::MIN)] {
+            token_of_row[row] = token;
+        }
+    }
+    GatheredInputs { t, ids, dy, h, prob, token_of_row, maps }
+}
+
+/// The drows form's input for the same rows: dy[token] per stored row, a zero row for an
+/// invalid token, NaN rows past offsets[E].
+fn permuted_dy<T: Act>(shape: Shape, capacity: usize, inp: &GatheredInputs<T>) -> Vec<T> {
+    let total = inp.maps.offsets[shape.e] as usize;
+    let hd = shape.h;
+    let mut drows = vec![T::from_f64(f64::NAN); capacity * hd];
+    for r in 0..total {
+        let token = inp.token_of_row[r];
+        let row = &mut drows[r * hd..(r + 1) * hd];
+        if token >= 0 && (token as usize) < shape.t_max {
+            row.copy_from_slice(&inp.dy[token as usize * hd..(token as usize + 1) * hd]);
+        } else {
+            row.fill(T::from_f64(0.0));
+        }
+    }
+    drows
+}
+
+/// The gathered form and, for the cross-checks, the drows form on the same plan.
+struct GatheredRunner<T: Act> {
+    shape: Shape,
+    plan: RoutingPlan,
+    fused: FusedSwigluDgrad,
+    maps: RouteMaps,
+    w2: CudaSlice<T>,
+    ids: CudaSlice<i32>,
+    tokens: CudaSlice<i32>,
+    dy: CudaSlice<T>,
+    h: CudaSlice<T>,
+    prob: CudaSlice<f32>,
+    ones: CudaSlice<f32>,
+    drows: CudaSlice<T>,
+    dh: CudaSlice<T>,
+    partials: CudaSlice<f32>,
+    dh_again: CudaSlice<T>,
+    partials_again: CudaSlice<f32>,
+    dh_unit: CudaSlice<T>,
+    partials_unit: CudaSlice<f32>,
+    dh_drows: CudaSlice<T>,
+    dact_drows: CudaSlice<T>,
+}
+
+/// The gathered runner's outputs, downloaded.
+struct GatheredOutputs<T> {
+    dh: Vec<T>,
+    partials: Vec<f32>,
+    dh_again: Vec<T>,
+    partials_again: Vec<f32>,
+    dh_unit: Vec<T>,
+    partials_unit: Vec<f32>,
+    dh_drows: Vec<T>,
+    dact_drows: Vec<T>,
+}
+
+impl<T: Act> GatheredRunner<T> {
+    fn new(stream: &Arc<CudaStream>, shape: Shape, w2: &[T]) -> GatheredRunner<T> {
+        let plan = RoutingPlan::new(shape.routing(<T as routing::Element>::DTYPE)).unwrap();
+        let cap = plan.capacity();
+        let fused = FusedSwigluDgrad::new(&plan, stream).unwrap();
+        let slices = fused.dprob_slices();
+        assert_eq!(slices, shape.f / 128, "dprob_slices");
+        let zeros = |n: usize| stream.alloc_zeros::<T>(n.max(1)).unwrap();
+        let zeros_f32 = |n: usize| stream.alloc_zeros::<f32>(n.max(1)).unwrap();
+        let dh_len = (cap + GUARD_ROWS) * 2 * shape.f;
+        let partials_len = (cap + GUARD_ROWS) * slices;
+        GatheredRunner {
+            maps: plan.alloc_maps(stream).unwrap(),
+            w2: stream.clone_htod(w2).unwrap(),
+            ids: stream.alloc_zeros(shape.t_max * shape.k).unwrap(),
+            tokens: stream.alloc_zeros(1).unwrap(),
+            dy: zeros(shape.t_max * shape.h),
+            h: zeros(cap * 2 * shape.f),
+            prob: zeros_f32(cap),
+            ones: stream.clone_htod(&vec![1.0f32; cap.max(1)]).unwrap(),
+            drows: zeros(cap * shape.h),
+            dh: zeros(dh_len),
+            partials: zeros_f32(partials_len),
+            dh_again: zeros(dh_len),
+            partials_again: zeros_f32(partials_len),
+            dh_unit: zeros(dh_len),
+            partials_unit: zeros_f32(partials_len),
+            dh_drows: zeros(cap * 2 * shape.f),
+            dact_drows: zeros(cap * shape.f),
+            shape,
+            plan,
+            fused,
+        }
+    }
+
+    fn capacity(&self) -> usize {
+        self.plan.capacity()
+    }
+
+    /// Inputs of the routing build and of the kernels (token_of_row comes from the build).
+    fn load(&mut self, stream: &Arc<CudaStream>, inp: &GatheredInputs<T>) {
+        stream.memcpy_htod(&inp.ids, &mut self.ids).unwrap();
+        stream.memcpy_htod(&[inp.t as i32], &mut self.tokens).unwrap();
+        stream.memcpy_htod(&inp.dy, &mut self.dy).unwrap();
+        stream.memcpy_htod(&inp.h, &mut self.h).unwrap();
+        stream.memcpy_htod(&inp.prob, &mut self.prob).unwrap();
+        let drows = permuted_dy(self.shape, self.capacity(), inp);
+        stream.memcpy_htod(&drows, &mut self.drows).unwrap();
+    }
+
+    fn poison(&mut self, stream: &Arc<CudaStream>) {
+        for buf in [&mut self.dh, &mut self.dh_again, &mut self.dh_unit, &mut self.dh_drows, &mut self.dact_drows] {
+            stream.memcpy_htod(&vec![T::from_bits(T::POISON); buf.len()], buf).unwrap();
+        }
+        for buf in [&mut self.partials, &mut self.partials_again, &mut self.partials_unit] {
+            stream.memcpy_htod(&vec![f32::from_bits(POISON_F32); buf.len()], buf).unwrap();
+        }
+    }
+
+    fn build(&mut self, stream: &CudaStream) -> capturable_moe::Result<()> {
+        self.plan.build(stream, &self.ids, Tokens::Device(&self.tokens), &mut self.maps)
+    }
+
+    /// The gathered form on the maps of the last build, into dh / partials.
+    fn gathered(&mut self, stream: &CudaStream) -> capturable_moe::Result<()> {
+        let m = &self.maps;
+        self.fused.run_gathered(
+            stream,
+            &self.dy,
+            &self.w2,
+            &self.h,
+            &m.offsets,
+            &m.token_of_row,
+            &self.prob,
+            &mut self.dh,
+            &mut self.partials,
+        )
+    }
+
+    /// Build + gathered form: what a backward captures.
+    fn build_and_gathered(&mut self, stream: &CudaStream) -> capturable_moe::Result<()> {
+        self.build(stream)?;
+        self.gathered(stream)
+    }
+
+    /// The second launch, the prob = 1 launch and the drows form, on the same maps.
+    fn cross_checks(&mut self, stream: &CudaStream) -> capturable_moe::Result<()> {
+        let m = &self.maps;
+        let (dy, w2, h) = (&self.dy, &self.w2, &self.h);
+        self.fused.run_gathered(
+            stream,
+            dy,
+            w2,
+            h,
+            &m.offsets,
+            &m.token_of_row,
+            &self.prob,
+            &mut self.dh_again,
+            &mut self.partials_again,
+        )?;
+        self.fused.run_gathered(
+            stream,
+            dy,
+            w2,
+            h,
+            &m.offsets,
+            &m.token_of_row,
+            &self.ones,
+            &mut self.dh_unit,
+            &mut self.partials_unit,
+        )?;
+        self.fused.run(stream, &self.drows, w2, h, &m.offsets, &mut self.dh_drows, Some(&mut self.dact_drows))
+    }
+
+    fn read(&self, stream: &Arc<CudaStream>) -> GatheredOutputs<T> {
+        GatheredOutputs {
+            dh: stream.clone_dtoh(&self.dh).unwrap(),
+            partials: stream.clone_dtoh(&self.partials).unwrap(),
+            dh_again: stream.clone_dtoh(&self.dh_again).unwrap(),
+            partials_again: stream.clone_dtoh(&self.partials_again).unwrap(),
+            dh_unit: stream.clone_dtoh(&self.dh_unit).unwrap(),
+            partials_unit: stream.clone_dtoh(&self.partials_unit).unwrap(),
+            dh_drows: stream.clone_dtoh(&self.dh_drows).unwrap(),
+            dact_drows: stream.clone_dtoh(&self.dact_drows).unwrap(),
+        }
+    }
+}
+
+/// Partials of rows `[0, total)` written (finite), every element past them (guard rows
+/// included) still the poison bit for bit.
+fn assert_partials_written(what: &str, got: &[f32], slices: usize, total: usize) {
+    let written = total * slices;
+    if let Some(i) = (0..written).find(|&i| !got[i].is_finite()) {
+        panic!("{what}: partial {i} (row {}) of the {total} stored rows is {}", i / slices, got[i]);
+    }
+    if let Some(i) = (written..got.len()).find(|&i| got[i].to_bits() != POISON_F32) {
+        panic!("{what}: partial {i} (row {}) at or past offsets[E] = {total} was written", i / slices);
+    }
+}
+
+/// The dact a reference uses for row `r`, column `c`: its value and how far the kernel's may
+/// be from it.
+type DactOf<'a> = &'a dyn Fn(usize, usize) -> (f64, f64);
+
+/// dh and the partials of rows `rows` against fp64 built on `dact_of`: dh = the SwiGLU
+/// backward of (fp32(p · dact), g, u), partial = Σ dact · SwiGLU(g, u) per 128-column slice.
+/// Bounds: 1 ulp of T and the fp32 math's error, plus the reference dact's uncertainty times
+/// the output's sensitivity to it.
+#[allow(clippy::too_many_arguments)]
+fn check_gathered_rows<T: Act>(
+    what: &str,
+    shape: Shape,
+    inp: &GatheredInputs<T>,
+    rows: &[usize],
+    dh_out: &[T],
+    partials_out: &[f32],
+    dact_of: DactOf<'_>,
+) {
+    let f = shape.f;
+    let slices = f / 128;
+    for &r in rows {
+        let p = inp.prob[r];
+        for j in 0..slices {
+            let (mut want, mut magnitude, mut uncertainty) = (0.0f64, 0.0f64, 0.0f64);
+            for c in j * 128..(j + 1) * 128 {
+                let (dact, dact_error) = dact_of(r, c);
+                let g = inp.h[r * 2 * f + c].to_f64();
+                let u = inp.h[r * 2 * f + f + c].to_f64();
+                let s = 1.0 / (1.0 + (-g).exp());
+                let act = g * s * u;
+                want += dact * act;
+                magnitude += (dact * act).abs();
+                uncertainty += dact_error * act.abs();
+                // The kernel scales the rounded dact by p in fp32.
+                let ds = (p * dact as f32) as f64;
+                let slope = 1.0 + g * (1.0 - s);
+                let fp32_error = 1e-5 * ds.abs() * (u.abs() * (1.0 + g.abs()) + g.abs());
+                let ds_error = p as f64 * dact_error;
+                for (col, want, sensitivity) in
+                    [(c, ds * u * s * slope, (u * s * slope).abs()), (f + c, ds * g * s, (g * s).abs())]
+                {
+                    let got = dh_out[r * 2 * f + col].to_f64();
+                    let allowed = ulp::<T>(want) + fp32_error + sensitivity * ds_error;
+                    assert!(
+                        (got - want).abs() <= allowed,
+                        "{what}: dh[{r}, {col}] = {got}, want {want} (allowed {allowed:.3e}; dact {dact}, p {p}, \
+                         g {g}, u {u}, token {})",
+                        inp.token_of_row[r]
+                    );
+                }
+            }
+            // fp32 sums of 128 products (each thread's 32, then the quad's butterfly) and the
+            // fp32 SwiGLU: well within 2e-5 of the magnitude.
+            let got = partials_out[r * slices + j] as f64;
+            let allowed = 2e-5 * magnitude + uncertainty + f64::from(f32::MIN_POSITIVE);
+            assert!(
+                (got - want).abs() <= allowed,
+                "{what}: dprob_partials[{r}, {j}] = {got}, want {want} (allowed {allowed:.3e}, token {})",
+                inp.token_of_row[r]
+            );
+        }
+    }
+}
+
+/// Runs the gathered form and its cross-checks on one case and checks everything listed above
+/// (`sample` rows for the references; every row when `None`).
+fn check_gathered_case<T: Act>(
+    what: &str,
+    stream: &Arc<CudaStream>,
+    runner: &mut GatheredRunner<T>,
+    inp: &GatheredInputs<T>,
+    w2: &[T],
+    sample: Option<usize>,
+) {
+    let s = runner.shape;
+    let cap = runner.capacity();
+    let slices = s.f / 128;
+    runner.load(stream, inp);
+    runner.poison(stream);
+    runner.build(stream).unwrap();
+    assert_eq!(stream.clone_dtoh(&runner.maps.offsets).unwrap(), inp.maps.offsets, "{what}: offsets");
+    let built = stream.clone_dtoh(&runner.maps.token_of_row).unwrap();
+    assert_eq!(built, inp.maps.token_of_row, "{what}: token_of_row");
+    // The case's invalid tokens, written over the build's.
+    stream.memcpy_htod(&inp.token_of_row, &mut runner.maps.token_of_row).unwrap();
+    runner.gathered(stream).unwrap();
+    runner.cross_checks(stream).unwrap();
+    let out = runner.read(stream);
+    let total = inp.maps.offsets[s.e] as usize;
+
+    assert_rows_written(&format!("{what}: gathered dh"), &out.dh, 2 * s.f, total);
+    assert_partials_written(&format!("{what}: gathered dprob partials"), &out.partials, slices, total);
+    let bits = |v: &[T]| v.iter().map(|b| b.bits()).collect::<Vec<_>>();
+    let fbits = |v: &[f32]| v.iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+    common::moe::assert_bits(&format!("{what}: second launch dh"), &bits(&out.dh_again), &bits(&out.dh));
+    common::moe::assert_bits(
+        &format!("{what}: second launch partials"),
+        &fbits(&out.partials_again),
+        &fbits(&out.partials),
+    );
+    common::moe::assert_bits(
+        &format!("{what}: partials with prob 1 vs with prob"),
+        &fbits(&out.partials_unit),
+        &fbits(&out.partials),
+    );
+    // Same dact bits in both forms (the same wgmma sums of the same rows): with p = 1 the
+    // gathered dh is the drows form's.
+    let n = cap * 2 * s.f;
+    common::moe::assert_bits(
+        &format!("{what}: gathered dh with prob 1 vs the drows form"),
+        &bits(&out.dh_unit[..n]),
+        &bits(&out.dh_drows),
+    );
+
+    let rows: Vec<usize> = match sample {
+        None => (0..total).collect(),
+        Some(n) => {
+            let last = total.saturating_sub(1);
+            let mut r: Vec<usize> = (0..n).map(|i| i * total / n.max(1)).collect();
+            r.extend([last, 127.min(last), 128.min(last), total / 2]);
+            r.retain(|&v| v < total);
+            r.sort_unstable();
+            r.dedup();
+            r
+        }
+    };
+    if rows.is_empty() {
+        return;
+    }
+    // The drows form's dact against fp64 (check_reference), then the gathered outputs against
+    // that dact: tight.
+    let drows = permuted_dy(s, cap, inp);
+    let r = RefInputs { offsets: &inp.maps.offsets, drows: &drows, h: &inp.h, w2 };
+    check_reference(&format!("{what}: drows form"), s, &r, &out.dact_drows, &out.dh_drows, &rows);
+    let dact = &out.dact_drows;
+    let from_dact = |r: usize, c: usize| (dact[r * s.f + c].to_f64(), 0.0);
+    check_gathered_rows(
+        &format!("{what}: vs the drows form's dact"),
+        s,
+        inp,
+        &rows,
+        &out.dh,
+        &out.partials,
+        &from_dact,
+    );
+    // And against fp64 on its own: dact = round(Σ A · w2) with A = dy[token] or zeros; the
+    // kernel's fp32 sum may round to a neighbour.
+    let hd = s.h;
+    let accumulation_bound = 4.0 * hd as f64 * 2f64.powi(-24);
+    let offsets = &inp.maps.offsets;
+    let from_fp64 = |r: usize, c: usize| {
+        let e = (0..s.e).rfind(|&e| offsets[e] as usize <= r).unwrap();
+        let (mut sum, mut magnitude) = (0.0f64, 0.0f64);
+        for k in 0..hd {
+            let term = drows[r * hd + k].to_f64() * w2[(e * hd + k) * s.f + c].to_f64();
+            sum += term;
+            magnitude += term.abs();
+        }
+        (T::from_f64(sum).to_f64(), 2.0 * (ulp::<T>(sum) + accumulation_bound * magnitude))
+    };
+    check_gathered_rows(&format!("{what}: vs fp64"), s, inp, &rows, &out.dh, &out.partials, &from_fp64);
+}
+
+fn gathered_messy_routing<T: Act>() {
+    let stream = gpu_or_skip!();
+    // H = 200: the last K block is partial (cp.async zero-fills dy's chunks past H, TMA W2's).
+    let shape = Shape { e: 8, h: 200, f: 256, k: 3, t_max: 300, capacity: None };
+    let w2 = weights::<T>(shape, 21);
+    let mut runner = GatheredRunner::new(&stream, shape, &w2);
+    let mut rng = StdRng::seed_from_u64(22);
+    for (i, t) in [300usize, 0, 1, 137, 299].into_iter().enumerate() {
+        let ids = messy_ids(&mut rng, shape);
+        let invalid = i % 2 == 0;
+        let inp = gathered_inputs(shape, runner.capacity(), &mut rng, t, ids, invalid);
+        let what = format!("{}: gathered messy case {i} (T={t}, invalid tokens: {invalid})", T::NAME);
+        check_gathered_case(&what, &stream, &mut runner, &inp, &w2, None);
+    }
+}
+
+#[test]
+fn fused_dgrad_gathered_messy_routing_bf16() {
+    gathered_messy_routing::<bf16>();
+}
+
+#[test]
+fn fused_dgrad_gathered_messy_routing_f16() {
+    gathered_messy_routing::<f16>();
+}
+
+fn gathered_one_expert_takes_every_route<T: Act>() {
+    let stream = gpu_or_skip!();
+    let shape = Shape { e: 16, h: 256, f: 128, k: 4, t_max: 200, capacity: None };
+    let w2 = weights::<T>(shape, 23);
+    let mut runner = GatheredRunner::new(&stream, shape, &w2);
+    let mut rng = StdRng::seed_from_u64(24);
+    for expert in [0i32, 15] {
+        // k duplicates of one expert per token: 800 rows, 7 M tiles, the last one partial.
+        let inp = gathered_inputs(shape, runner.capacity(), &mut rng, 200, vec![expert; 200 * 4], true);
+        let what = format!("{}: gathered, all routes to expert {expert}", T::NAME);
+        check_gathered_case(&what, &stream, &mut runner, &inp, &w2, None);
+    }
+}
+
+#[test]
+fn fused_dgrad_gathered_one_expert_takes_every_route_bf16() {
+    gathered_one_expert_takes_every_route::<bf16>();
+}
+
+#[test]
+fn fused_dgrad_gathered_one_expert_takes_every_route_f16() {
+    gathered_one_expert_takes_every_route::<f16>();
+}
+
+fn gathered_capacity_clamps_the_offsets<T: Act>() {
+    let stream = gpu_or_skip!();
+    // 512 routes into capacity 300: the last kept expert ends at row 300 mid-tile; the guard
+    // rows past capacity must stay poisoned.
+    let shape = Shape { e: 4, h: 136, f: 384, k: 2, t_max: 256, capacity: Some(300) };
+    let w2 = weights::<T>(shape, 25);
+    let mut runner = GatheredRunner::new(&stream, shape, &w2);
+    let mut rng = StdRng::seed_from_u64(26);
+    for i in 0..2 {
+        let ids = topk_ids(&mut rng, 256, 4, 2);
+        let inp = gathered_inputs(shape, runner.capacity(), &mut rng, 256, ids, i == 1);
+        assert_eq!(inp.maps.offsets[4], 300, "the case must overflow capacity");
+        let what = format!("{}: gathered, capacity 300 of 512 routes, case {i}", T::NAME);
+        check_gathered_case(&what, &stream, &mut runner, &inp, &w2, None);
+    }
+}
+
+#[test]
+fn fused_dgrad_gathered_capacity_clamps_the_offsets_bf16() {
+    gathered_capacity_clamps_the_offsets::<bf16>();
+}
+
+#[test]
+fn fused_dgrad_gathered_capacity_clamps_the_offsets_f16() {
+    gathered_capacity_clamps_the_offsets::<f16>();
+}
+
+#[test]
+fn fused_dgrad_gathered_model_shapes() {
+    let stream = gpu_or_skip!();
+    let skip_large = common::under_sanitizer();
+    for (name, shape, t) in [
+        ("E128 H2048 F768 k8 T4096", Shape { e: 128, h: 2048, f: 768, k: 8, t_max: 4096, capacity: None }, 4096),
+        ("E64 H2048 F1408 k8 T128", Shape { e: 64, h: 2048, f: 1408, k: 8, t_max: 128, capacity: None }, 128),
+    ] {
+        if skip_large && shape.t_max > 128 {
+            println!("bf16: gathered {name}: skipped under the sanitizer");
+            continue;
+        }
+        let start = Instant::now();
+        let w2 = weights::<bf16>(shape, 27);
+        let mut runner = GatheredRunner::new(&stream, shape, &w2);
+        let mut rng = StdRng::seed_from_u64(28);
+        let ids = topk_ids(&mut rng, shape.t_max, shape.e, shape.k);
+        let inp = gathered_inputs(shape, runner.capacity(), &mut rng, t, ids, true);
+        check_gathered_case(&format!("bf16: gathered {name}"), &stream, &mut runner, &inp, &w2, Some(48));
+        println!("bf16: gathered {name}: checked in {:.1} s", start.elapsed().as_secs_f64());
+    }
+}
+
+/// Capture routing build + gathered kernel once; replay with fresh routing, dy, h, probs and T
+/// written between replays. Every replay equals an eager run bit for bit (dh and partials; the
+/// eager runner is checked against the references by check_gathered_case).
+#[test]
+fn fused_dgrad_gathered_graph_replays_match_eager() {
+    let stream = gpu_or_skip!();
+    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let shape = Shape { e: 8, h: 200, f: 256, k: 2, t_max: 160, capacity: None };
+    let w2 = weights::<bf16>(shape, 29);
+    let mut graph_runner = GatheredRunner::new(&stream, shape, &w2);
+    let mut eager = GatheredRunner::new(&stream, shape, &w2);
+    let cap = eager.capacity();
+    let mut rng = StdRng::seed_from_u64(30);
+    let first_ids = messy_ids(&mut rng, shape);
+    let first = gathered_inputs::<bf16>(shape, cap, &mut rng, 100, first_ids, false);
+    graph_runner.load(&stream, &first);
+    stream.synchronize().unwrap();
+    let graph = capture(&stream, || graph_runner.build_and_gathered(&stream)).unwrap();
+    let replays = if common::under_sanitizer() { 8 } else { 40 };
+    for i in 0..replays {
+        let t = match i % 5 {
+            0 => 0,
+            1 => shape.t_max,
+            _ => rng.random_range(1..=shape.t_max),
+        };
+        let ids = if i % 7 == 3 { vec![5; shape.t_max * shape.k] } else { messy_ids(&mut rng, shape) };
+        // No invalid tokens here: the graph's token_of_row comes from its own build.
+        let inp = gathered_inputs::<bf16>(shape, cap, &mut rng, t, ids, false);
+        graph_runner.load(&stream, &inp);
+        graph_runner.poison(&stream);
+        graph.launch().unwrap();
+        let what = format!("gathered replay {i} (T={t})");
+        check_gathered_case(&what, &stream, &mut eager, &inp, &w2, Some(8));
+        let g = graph_runner.read(&stream);
+        let e = eager.read(&stream);
+        let bits = |v: &[bf16]| v.iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+        let fbits = |v: &[f32]| v.iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+        common::moe::assert_bits(&format!("{what}: graph dh vs eager"), &bits(&g.dh), &bits(&e.dh));
+        common::moe::assert_bits(&format!("{what}: graph partials vs eager"), &fbits(&g.partials), &fbits(&e.partials));
+    }
+}
+
+#[test]
+fn fused_dgrad_gathered_refuses_wrong_buffers() {
+    let stream = gpu_or_skip!();
+    let shape = Shape { e: 4, h: 128, f: 256, k: 2, t_max: 16, capacity: None };
+    let plan = RoutingPlan::new(shape.routing(DType::Bf16)).unwrap();
+    let fused = FusedSwigluDgrad::new(&plan, &stream).unwrap();
+    assert_eq!(fused.dprob_slices(), 2);
+    let maps = plan.alloc_maps(&stream).unwrap();
+    let cap = plan.capacity();
+    let w2 = stream.alloc_zeros::<bf16>(4 * 128 * 256).unwrap();
+    let h = stream.alloc_zeros::<bf16>(cap * 512).unwrap();
+    let prob = stream.alloc_zeros::<f32>(cap).unwrap();
+    let mut dh = stream.alloc_zeros::<bf16>(cap * 512).unwrap();
+    let mut partials = stream.alloc_zeros::<f32>(cap * 2).unwrap();
+    let short_dy = stream.alloc_zeros::<bf16>(16 * 128 - 1).unwrap();
+    let (offsets, tokens) = (&maps.offsets, &maps.token_of_row);
+    let r = fused.run_gathered(&stream, &short_dy, &w2, &h, offsets, tokens, &prob, &mut dh, &mut partials);
+    assert!(matches!(r, Err(Error::Shape { .. })), "short dy: {r:?}");
+    let dy = stream.alloc_zeros::<bf16>(16 * 128).unwrap();
+    let mut short_partials = stream.alloc_zeros::<f32>(cap * 2 - 1).unwrap();
+    let r = fused.run_gathered(&stream, &dy, &w2, &h, offsets, tokens, &prob, &mut dh, &mut short_partials);
+    assert!(matches!(r, Err(Error::Shape { .. })), "short dprob partials: {r:?}");
+    let short_prob = stream.alloc_zeros::<f32>(cap - 1).unwrap();
+    let r = fused.run_gathered(&stream, &dy, &w2, &h, offsets, tokens, &short_prob, &mut dh, &mut partials);
+    assert!(matches!(r, Err(Error::Shape { .. })), "short prob_of_row: {r:?}");
+    let (dy16, w216, h16) = (
+        stream.alloc_zeros::<f16>(16 * 128).unwrap(),
+        stream.alloc_zeros::<f16>(4 * 128 * 256).unwrap(),
+        stream.alloc_zeros::<f16>(cap * 512).unwrap(),
+    );
+    let mut dh16 = stream.alloc_zeros::<f16>(cap * 512).unwrap();
+    let r = fused.run_gathered(&stream, &dy16, &w216, &h16, offsets, tokens, &prob, &mut dh16, &mut partials);
+    assert!(matches!(r, Err(Error::Unsupported { .. })), "f16 buffers on a bf16 plan: {r:?}");
+}
+
+/// Timing hook (ignored by default): us per launch, graph replay, at E128 T4096 k8 H2048 F768:
+/// the gathered form (dh + dprob partials) against the drows form (dh only; the drows buffer
+/// it reads is not counted). Run: `cargo test --release --test fused_dgrad_gpu
+/// fused_dgrad_gathered_timing -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn fused_dgrad_gathered_timing() {
+    let stream = gpu_or_skip!();
+    if common::skip_under_sanitizer() {
+        return;
+    }
+    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let shape = Shape { e: 128, h: 2048, f: 768, k: 8, t_max: 4096, capacity: None };
+    let w2 = weights::<bf16>(shape, 31);
+    let mut r = GatheredRunner::new(&stream, shape, &w2);
+    let mut rng = StdRng::seed_from_u64(32);
+    let ids = topk_ids(&mut rng, shape.t_max, shape.e, shape.k);
+    let inp = gathered_inputs::<bf16>(shape, r.capacity(), &mut rng, shape.t_max, ids, false);
+    r.load(&stream, &inp);
+    r.build(&stream).unwrap(); // maps built once; the graphs below skip the build
+    let gathered_graph = capture(&stream, || r.gathered(&stream)).unwrap();
+    let drows_graph = capture(&stream, || {
+        let m = &r.maps;
+        r.fused.run(&stream, &r.drows, &r.w2, &r.h, &m.offsets, &mut r.dh_drows, None::<&mut CudaSlice<bf16>>)
+    })
+    .unwrap();
+    let flops = 2.0 * (shape.t_max * shape.k) as f64 * (shape.f * shape.h) as f64;
+    for (name, graph) in [
+        ("gathered fused dgrad (dy gather, dh + dprob partials)", &gathered_graph),
+        ("drows fused dgrad (dh only)", &drows_graph),
+    ] {
+        let us = common::mean_gpu_us(&stream, 5, 50, || graph.launch().unwrap());
+        println!(
+            "fused_dgrad_gathered_timing E128 T4096 k8 H2048 F768: {name}: {us:.1} us ({:.0} TFLOP/s of fc2 dgrad)",
+            flops / us * 1e-6
+        );
+    }
+}

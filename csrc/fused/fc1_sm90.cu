@@ -32,7 +32,6 @@
 // rounded values, exactly as capmoe_routing_swiglu does on h, so act equals the unfused path's.
 #include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm90_desc.hpp>
-#include <cute/arch/copy_sm80.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
@@ -46,7 +45,7 @@
 #include "fused/pipeline.cuh"
 #include "common/swiglu_math.cuh"
 #include "fused/fc1_launch.h"
-#include "fused/fc1_layout.h"
+#include "fused/gather_rows.cuh"
 #include "fused/tile_list.cuh"
 
 namespace capmoe::fused {
@@ -164,10 +163,8 @@ __device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared&
                                  int slices) {
   using K = Kernel<T>;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  using Copy16 = SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>;
   const int r = threadIdx.x;  // the tile row this thread copies
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
-  constexpr int kChunks = kTileK * sizeof(T) / 16;
   StageRing<kStages> ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
@@ -183,13 +180,7 @@ __device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared&
       }
       if (token >= 0) {
         uint8_t* stage_a = reinterpret_cast<uint8_t*>(s.a + stage * K::kStageElemsA);
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c) {
-          const int col = k0 + c * 8;
-          const bool inside = col < p.hidden;  // H is a multiple of 8: chunks are all in or all out
-          const auto* src = reinterpret_cast<const uint128_t*>(src_row + (inside ? col : 0));
-          Copy16::copy(*src, *reinterpret_cast<uint128_t*>(stage_a + fc1_smem_offset(r, c)), inside);
-        }
+        gather_row_chunks<T, kTileK>(src_row, true, k0, p.hidden, stage_a, r);
       }
       cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
       ring.advance();

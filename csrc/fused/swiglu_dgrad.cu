@@ -1,6 +1,7 @@
 // capmoe-archs: 90a 100a
-// The fused fc2 dgrad + SwiGLU backward C ABI (capturable_moe/fused.h): host checks, TMA
-// descriptor encoding and the dispatch to the sm_90a kernel (csrc/fused/swiglu_dgrad_sm90.cu).
+// The fused fc2 dgrad + SwiGLU backward C ABI (capturable_moe/fused.h), both forms (drows, and
+// dy gathered through token_of_row): host checks, TMA descriptor encoding and the dispatch to
+// the sm_90a kernels (csrc/fused/swiglu_dgrad_sm90.cu).
 // Built for every arch so the entry points always exist; a device or binary without the kernel
 // gets CAPMOE_ERR_UNSUPPORTED. Only kernels of archs compiled into this binary are referenced
 // (CAPMOE_HAS_SM90).
@@ -45,16 +46,11 @@ capmoe_status_t check_device() {
 }
 
 #if defined(CAPMOE_HAS_SM90)
-// The kernel's parameters: both TMA maps and the plain pointers and sizes.
-capmoe_status_t make_params(const capmoe_fused_swiglu_dgrad_desc_t& d, const void* drows, const void* w2,
-                            const void* h, const int64_t* offsets, void* dh, void* dact, SwigluDgradParams* p) {
+// The W2 map and the pointers and sizes both forms share.
+capmoe_status_t make_common_params(const capmoe_fused_swiglu_dgrad_desc_t& d, const void* w2, const void* h,
+                                   const int64_t* offsets, void* dh, SwigluDgradParams* p) {
   const cuuint64_t elem = 2;
   const cuuint64_t hidden = cuuint64_t(d.hidden), ffn = cuuint64_t(d.ffn);
-  // drows: the row extent is capacity, so rows of a last tile past it are zero-filled.
-  const cuuint64_t a_dims[2] = {hidden, cuuint64_t(d.capacity)};
-  const cuuint64_t a_strides[1] = {hidden * elem};
-  const cuuint32_t a_box[2] = {64, cuuint32_t(kSwigluDgradTileM)};
-  CAPMOE_TRY(tma_encode(&p->drows_map, d.dtype, drows, 2, a_dims, a_strides, a_box));
   // w2 [E, H, F] read as (F, H, E): F contiguous, the MN-major B operand of this GEMM.
   const cuuint64_t b_dims[3] = {ffn, hidden, cuuint64_t(d.num_experts)};
   const cuuint64_t b_strides[2] = {ffn * elem, hidden * ffn * elem};
@@ -63,12 +59,30 @@ capmoe_status_t make_params(const capmoe_fused_swiglu_dgrad_desc_t& d, const voi
   p->offsets = offsets;
   p->h = h;
   p->dh = dh;
-  p->dact = dact;
   p->experts = int32_t(d.num_experts);
   p->hidden = int32_t(d.hidden);
   p->ffn = int32_t(d.ffn);
   p->capacity = int32_t(d.capacity);
   return CAPMOE_OK;
+}
+
+// The drows form's parameters: the common ones plus the drows map and dact.
+capmoe_status_t make_params(const capmoe_fused_swiglu_dgrad_desc_t& d, const void* drows, const void* w2,
+                            const void* h, const int64_t* offsets, void* dh, void* dact, SwigluDgradParams* p) {
+  CAPMOE_TRY(make_common_params(d, w2, h, offsets, dh, p));
+  // drows: the row extent is capacity, so rows of a last tile past it are zero-filled.
+  const cuuint64_t hidden = cuuint64_t(d.hidden);
+  const cuuint64_t a_dims[2] = {hidden, cuuint64_t(d.capacity)};
+  const cuuint64_t a_strides[1] = {hidden * 2};
+  const cuuint32_t a_box[2] = {64, cuuint32_t(kSwigluDgradTileM)};
+  CAPMOE_TRY(tma_encode(&p->drows_map, d.dtype, drows, 2, a_dims, a_strides, a_box));
+  p->dact = dact;
+  return CAPMOE_OK;
+}
+
+int grid_of(const capmoe_fused_swiglu_dgrad_desc_t& d) {
+  const int64_t tiles = dgrad_max_tiles(d.num_experts, d.capacity, d.ffn);
+  return int(tiles < d.sm_count ? tiles : d.sm_count);
 }
 #endif
 
@@ -105,9 +119,43 @@ extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad(const capmoe_fused_swiglu_d
 #if defined(CAPMOE_HAS_SM90)
     SwigluDgradParams p{};
     CAPMOE_TRY(make_params(d, drows, w2, h, offsets, dh, dact, &p));
-    const int64_t tiles = dgrad_max_tiles(d.num_experts, d.capacity, d.ffn);
-    const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
-    return launch_swiglu_dgrad_sm90(p, d.dtype, grid, static_cast<cudaStream_t>(stream));
+    return launch_swiglu_dgrad_sm90(p, d.dtype, grid_of(d), static_cast<cudaStream_t>(stream));
+#else
+    return CAPMOE_ERR_UNSUPPORTED;
+#endif
+  });
+}
+
+extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad_gathered(const capmoe_fused_swiglu_dgrad_desc_t* desc,
+                                                              const void* dy, const void* w2, const void* h,
+                                                              const int64_t* offsets, const int32_t* token_of_row,
+                                                              const float* prob_of_row, void* dh,
+                                                              float* dprob_partials, void* stream) {
+  return capmoe::guarded([&]() -> capmoe_status_t {
+    CAPMOE_TRY(check_desc(desc));
+    const capmoe_fused_swiglu_dgrad_desc_t& d = *desc;
+    // Tokens are compared with max_tokens in int32 on the device.
+    if (d.max_tokens < 0 || d.max_tokens > INT32_MAX) return CAPMOE_ERR_INVALID_ARGUMENT;
+    if (offsets == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
+    CAPMOE_TRY(capmoe::check_aligned(8, {offsets}));
+    if (d.capacity == 0) return CAPMOE_OK;  // no row can be written
+    if (dy == nullptr || w2 == nullptr || h == nullptr || token_of_row == nullptr || prob_of_row == nullptr ||
+        dh == nullptr || dprob_partials == nullptr)
+      return CAPMOE_ERR_INVALID_ARGUMENT;
+    // 16 bytes: the cp.async chunks of dy, w2's TMA, h's and dh's 32-bit pair accesses (kept as
+    // the drows form's rule).
+    CAPMOE_TRY(capmoe::check_aligned(16, {dy, w2, h, dh}));
+    CAPMOE_TRY(capmoe::check_aligned(4, {token_of_row, prob_of_row, dprob_partials}));
+    CAPMOE_TRY(check_device());
+#if defined(CAPMOE_HAS_SM90)
+    SwigluDgradParams p{};
+    CAPMOE_TRY(make_common_params(d, w2, h, offsets, dh, &p));
+    p.dy = dy;
+    p.token_of_row = token_of_row;
+    p.prob_of_row = prob_of_row;
+    p.dprob_partials = dprob_partials;
+    p.max_tokens = int32_t(d.max_tokens);
+    return launch_swiglu_dgrad_gathered_sm90(p, d.dtype, grid_of(d), static_cast<cudaStream_t>(stream));
 #else
     return CAPMOE_ERR_UNSUPPORTED;
 #endif

@@ -15,18 +15,29 @@ namespace capmoe::fused {
 // Tile rows of the kernel (its columns: CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N).
 constexpr int kSwigluDgradTileM = 128;
 
+// Both forms' parameters: the drows form reads drows_map and may write dact; the gathered
+// form reads dy / token_of_row / prob_of_row and writes dprob_partials (drows_map left zero).
 struct SwigluDgradParams {
   CUtensorMap drows_map;  // drows [capacity, H]: box 64 columns x 128 rows, 128B swizzle
   CUtensorMap w2_map;     // w2 [E, H, F] as dims (F, H, E): box 64 x 64 x 1, 128B swizzle
   const int64_t* offsets;
   const void* h;  // [capacity, 2F]
   void* dh;       // [capacity, 2F]
-  void* dact;     // [capacity, F], may be null
+  void* dact;     // [capacity, F], may be null (drows form only)
   int32_t experts, hidden, ffn, capacity;
+  // The gathered form only (last, so the drows form's parameter offsets are as before):
+  int32_t max_tokens;
+  const void* dy;               // [max_tokens, H], token order
+  const int32_t* token_of_row;  // [capacity]
+  const float* prob_of_row;     // [capacity]
+  float* dprob_partials;        // [capacity, F / CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N]
 };
 
-// Launches the sm_90a kernel on `grid` persistent CTAs (swiglu_dgrad_sm90.cu).
+// Launches the sm_90a kernel on `grid` persistent CTAs (swiglu_dgrad_sm90.cu): A = drows by
+// TMA, or (gathered) A = dy rows through token_of_row by cp.async, prob-weighted.
 capmoe_status_t launch_swiglu_dgrad_sm90(const SwigluDgradParams& params, capmoe_dtype_t dtype, int grid,
                                          cudaStream_t stream);
+capmoe_status_t launch_swiglu_dgrad_gathered_sm90(const SwigluDgradParams& params, capmoe_dtype_t dtype, int grid,
+                                                  cudaStream_t stream);
 
 }  // namespace capmoe::fused

@@ -1,13 +1,21 @@
 // capmoe-archs: 90a
-// Fused fc2 dgrad + SwiGLU backward of the expert path on Hopper: dact = drows @ W2_e per
-// expert, and in the epilogue dh = SwiGLU'(h) * dact, one persistent warp-specialized kernel
-// (contract: capturable_moe/fused.h). The [capacity, F] dact never goes through memory.
+// Fused fc2 dgrad + SwiGLU backward of the expert path on Hopper: dact = A @ W2_e per expert,
+// and in the epilogue dh = SwiGLU'(h) * dact, one persistent warp-specialized kernel (contract:
+// capturable_moe/fused.h). The [capacity, F] dact never goes through memory. Two forms of A:
+//  - drows (capmoe_fused_swiglu_dgrad): the gradient of fc2's output rows, in routing order;
+//  - gathered (capmoe_fused_swiglu_dgrad_gathered): dy[token_of_row[r]], for a forward whose
+//    fc1 epilogue applied the route probability p (act' = p * SwiGLU). There the epilogue
+//    also makes dprob's per-slice partials, sum_f dact[f] * SwiGLU(g, u)[f], and scales dact
+//    by p before the SwiGLU backward.
 //
 // Tiles: 128 rows (routing rows of one expert) x 128 columns of F, K = H in blocks of 64.
 //  - A = drows [capacity, H] (K-major): one 64 x 128 TMA box per stage at (k0, row0). The rows
 //    of the tile are the expert's own, so no gather; rows past the expert's end are loaded
 //    (another expert's rows, or zero fill past capacity: the map's row extent is capacity)
 //    but their accumulators are never stored.
+//  - A = dy rows (gathered form): fc1's CP_ASYNC gather (fused/gather_rows.cuh), the producer
+//    warpgroup copying one tile row per thread; a row whose token is outside [0, max_tokens)
+//    is zero-filled, rows past the expert's end are not loaded (never stored).
 //  - B = W2_e [H, F] is MN-major here (F contiguous): a 3D map over dims (F, H, E), two
 //    64-column x 64-row boxes per stage. The shared layout tiles GMMA's MN-major 128B-swizzle
 //    atom (64 columns x 8 rows) along K first, as CUTLASS's sm90 collective does for MN-major
@@ -15,8 +23,9 @@
 //    one box writes.
 //  Columns past H are zero-filled by TMA in both operands (H need not be a multiple of 64).
 //
-// Roles (384 threads): warpgroup 0 is the producer (one thread issues the TMAs; the others
-// exit after giving back registers); warpgroups 1 and 2 are the consumers, 64 tile rows each,
+// Roles (384 threads): warpgroup 0 is the producer (one thread issues the TMAs, and the others
+// exit after giving back registers; gathered: all 128 threads copy A rows, thread 0 also issues
+// the W2 TMAs); warpgroups 1 and 2 are the consumers, 64 tile rows each,
 // one 64x128x16 wgmma per k16 step. Tile list: fused/tile_list.cuh (M tiles of one expert's
 // column slice consecutive); CTAs stride over the tiles.
 //
@@ -40,6 +49,7 @@
 #include "common/launch.cuh"
 #include "fused/pipeline.cuh"
 #include "common/swiglu_math.cuh"
+#include "fused/gather_rows.cuh"
 #include "fused/swiglu_dgrad_launch.h"
 #include "fused/tile_list.cuh"
 
@@ -55,7 +65,11 @@ constexpr int kBoxN = 64;   // W2 columns per TMA box (128 bytes, the swizzle's 
 constexpr int kStages = 6;
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
+constexpr int kProducerThreads = 128;
 constexpr uint64_t kEvictNormal = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
+
+// Where the A tiles come from (the two forms of the file's top).
+enum class ASource { Tma, Gathered };
 
 template <class T>
 struct MmaAtom;
@@ -106,6 +120,7 @@ struct Kernel {
   static constexpr int kStageElemsB = kTileN * kTileK;
   static constexpr int kBoxElemsB = kBoxN * kTileK;
   static constexpr uint32_t kStageBytes = (kStageElemsA + kStageElemsB) * sizeof(T);
+  static constexpr uint32_t kBytesB = kStageElemsB * sizeof(T);
 
   struct Shared {
     alignas(1024) T a[cosize_v<SmemLayoutA>];
@@ -137,6 +152,18 @@ __device__ __forceinline__ Tile locate_tile(int tile, int slices, const int32_t*
   return locate<kTileM, kTileN>(tile, slices, tile_prefix, row_start, experts);
 }
 
+// The B tile of a stage: W2_e rows [k0, k0 + 64), columns [n0, n0 + 128), as two 64-column boxes.
+template <class T>
+__device__ __forceinline__ void load_weights(const SwigluDgradParams& p, typename Kernel<T>::Shared& s, int stage,
+                                             const Tile& t, int k0) {
+  using K = Kernel<T>;
+  T* b = s.b + stage * K::kStageElemsB;
+#pragma unroll
+  for (int c = 0; c < kTileN / kBoxN; ++c)
+    SM90_TMA_LOAD_3D::copy(&p.w2_map, &s.full[stage], kEvictNormal, b + c * K::kBoxElemsB, t.n0 + c * kBoxN, k0,
+                           t.expert);
+}
+
 // One thread: per tile and K block, wait for a free stage, then the A box and the B boxes.
 template <class T>
 __device__ void produce(const SwigluDgradParams& p, typename Kernel<T>::Shared& s, int total_tiles, int slices) {
@@ -153,14 +180,50 @@ __device__ void produce(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
       Barrier::arrive_and_expect_tx(&s.full[stage], K::kStageBytes);
       const int k0 = kb * kTileK;
       SM90_TMA_LOAD_2D::copy(&p.drows_map, &s.full[stage], kEvictNormal, s.a + stage * K::kStageElemsA, k0, t.row0);
-      T* b = s.b + stage * K::kStageElemsB;
-#pragma unroll
-      for (int c = 0; c < kTileN / kBoxN; ++c)
-        SM90_TMA_LOAD_3D::copy(&p.w2_map, &s.full[stage], kEvictNormal, b + c * K::kBoxElemsB, t.n0 + c * kBoxN, k0,
-                               t.expert);
+      load_weights<T>(p, s, stage, t, k0);
       ring.advance();
     }
   }
+}
+
+// The gathered form's producer warpgroup: thread r copies tile row r (dy[token_of_row[row0 + r]],
+// or zeros for a token outside [0, max_tokens)) into each stage, as fc1's CP_ASYNC form does,
+// and arrives on the stage's barrier when its copies land; thread 0 also issues the W2 boxes
+// (the only bytes the barrier's transaction count expects). The barrier takes 1 + 128 arrivals.
+template <class T>
+__device__ void produce_gathered(const SwigluDgradParams& p, typename Kernel<T>::Shared& s, int total_tiles,
+                                 int slices) {
+  using K = Kernel<T>;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  const int r = threadIdx.x;  // the tile row this thread copies
+  const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
+  const T* dy = static_cast<const T*>(p.dy);
+  StageRing<kStages> ring;
+  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
+    // Rows past the expert's end are not loaded (never stored); a stored row with an invalid
+    // token must be a zero row (its dh and dprob partials are then those of dact = 0).
+    const bool in_tile = r < t.rows;
+    const int token = in_tile ? __ldg(p.token_of_row + t.row0 + r) : -1;
+    const bool valid = token >= 0 && token < p.max_tokens;
+    const T* src_row = dy + int64_t(valid ? token : 0) * p.hidden;
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      Barrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
+      const int stage = ring.stage;
+      const int k0 = kb * kTileK;
+      if (r == 0) {
+        Barrier::arrive_and_expect_tx(&s.full[stage], K::kBytesB);
+        load_weights<T>(p, s, stage, t, k0);
+      }
+      if (in_tile) {
+        uint8_t* stage_a = reinterpret_cast<uint8_t*>(s.a + stage * K::kStageElemsA);
+        gather_row_chunks<T, kTileK>(src_row, valid, k0, p.hidden, stage_a, r);
+      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
+      ring.advance();
+    }
+  }
+  cp_async_wait<0>();  // no thread exits with copies in flight
 }
 
 // The h pairs a thread's accumulators need: gate[j] = h[row, col .. col + 1] and up[j] the
@@ -213,7 +276,84 @@ __device__ void store_tile(const SwigluDgradParams& p, const Tile& t, const Accu
   }
 }
 
-template <class T>
+// The gathered epilogue's row sums rely on this accumulator layout: every pair of a thread
+// holds columns of one of two rows, row_a or row_a + 8 (slot 0 or 1), half of its pairs each,
+// and the 4 lanes of a quad (lane ^ 1, lane ^ 2) hold the same two rows. The identity
+// coordinates are a bijection onto the tile, so these 4 lanes' kTileN / 4 columns per row are
+// then all of the row's columns. Traps otherwise (a build of the wrong atom); checked once per
+// thread. Returns row_a.
+template <int kPairs, class Coords>
+__device__ int check_quad_rows(const Coords& coords) {
+  static_assert(kPairs * 2 * 4 == 2 * kTileN, "a quad holds two whole rows of the tile");
+  const int row_a = get<0>(coords(0));
+  int in_slot0 = 0;
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    const int m = get<0>(coords(2 * j));
+    if (m != row_a && m != row_a + 8) __trap();
+    in_slot0 += m == row_a;
+  }
+  const bool quad_shares_rows = __shfl_xor_sync(0xffffffffu, row_a, 1) == row_a &&
+                                __shfl_xor_sync(0xffffffffu, row_a, 2) == row_a;
+  if (in_slot0 != kPairs / 2 || !quad_shares_rows) __trap();
+  return row_a;
+}
+
+// p of the thread's two rows (slots 0 and 1 of check_quad_rows), 0 past t.rows; loaded before
+// the tile's mainloop like the h pairs.
+__device__ __forceinline__ void load_probs(const SwigluDgradParams& p, const Tile& t, int row_a, float (&prob)[2]) {
+#pragma unroll
+  for (int slot = 0; slot < 2; ++slot) {
+    const int m = row_a + 8 * slot;
+    prob[slot] = m < t.rows ? __ldg(p.prob_of_row + t.row0 + m) : 0.0f;
+  }
+}
+
+// The gathered form's epilogue, per pair of adjacent columns of a stored row (< t.rows): d =
+// dact rounded to T; dprob's term d * SwiGLU(g, u) added to the row's partial in a fixed order
+// (ascending pairs, low column first, every product and sum rounded on its own); dh = SwiGLU
+// backward of (p * d, g, u). Then the quad's four partials of each row are summed by a fixed
+// butterfly (xor 1, then xor 2: every lane ends with the same bits), and lane 0 of the quad
+// writes the row's partial of this column slice: dprob_partials[row, n0 / kTileN].
+template <class T, int kPairs, class Accum, class Coords>
+__device__ void store_tile_gathered(const SwigluDgradParams& p, const Tile& t, const Accum& acc, const Coords& coords,
+                                    const uint32_t (&gate)[kPairs], const uint32_t (&up)[kPairs], int row_a,
+                                    const float (&prob)[2]) {
+  auto* __restrict__ dh = static_cast<uint16_t*>(p.dh);
+  const int64_t ffn = p.ffn;
+  float partial[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int j = 0; j < kPairs; ++j) {
+    const int m = get<0>(coords(2 * j)), n = get<1>(coords(2 * j));
+    if (get<1>(coords(2 * j + 1)) != n + 1 || get<0>(coords(2 * j + 1)) != m) __trap();
+    const int slot = (m - row_a) >> 3;  // 0 or 1 (check_quad_rows)
+    const float2 d = Pair<T>::unpack(Pair<T>::pack(acc(2 * j), acc(2 * j + 1)));
+    const float2 g = Pair<T>::unpack(gate[j]);
+    const float2 u = Pair<T>::unpack(up[j]);
+    partial[slot] = __fadd_rn(partial[slot], __fmul_rn(d.x, swiglu_forward(g.x, u.x)));
+    partial[slot] = __fadd_rn(partial[slot], __fmul_rn(d.y, swiglu_forward(g.y, u.y)));
+    if (m >= t.rows) continue;
+    float dg0, du0, dg1, du1;
+    swiglu_backward(__fmul_rn(prob[slot], d.x), g.x, u.x, dg0, du0);
+    swiglu_backward(__fmul_rn(prob[slot], d.y), g.y, u.y, dg1, du1);
+    const int64_t row = int64_t(t.row0) + m, col = t.n0 + n;
+    *reinterpret_cast<uint32_t*>(dh + row * 2 * ffn + col) = Pair<T>::pack(dg0, dg1);
+    *reinterpret_cast<uint32_t*>(dh + row * 2 * ffn + ffn + col) = Pair<T>::pack(du0, du1);
+  }
+  const int slices = p.ffn / kTileN;
+  const bool quad_leader = (threadIdx.x & 3) == 0;
+#pragma unroll
+  for (int slot = 0; slot < 2; ++slot) {
+    // Every lane shuffles (rows past t.rows included): the masks name the whole warp.
+    float v = partial[slot];
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
+    const int m = row_a + 8 * slot;
+    if (quad_leader && m < t.rows) p.dprob_partials[(int64_t(t.row0) + m) * slices + t.n0 / kTileN] = v;
+  }
+}
+
+template <class T, ASource kA>
 __device__ void consume(const SwigluDgradParams& p, typename Kernel<T>::Shared& s, int total_tiles, int slices) {
   using K = Kernel<T>;
   const int consumer_thread = threadIdx.x - 128;
@@ -229,6 +369,7 @@ __device__ void consume(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
   Tensor acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<kTileN>>{});
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
   constexpr int kPairs = decltype(size(acc))::value / 2;
+  const int row_a = kA == ASource::Gathered ? check_quad_rows<kPairs>(coords) : 0;
 
   // This warpgroup's rows of a tile: [first_row, first_row + 64).
   const int first_row = (consumer_thread / 128) * (kTileM / 2);
@@ -243,12 +384,20 @@ __device__ void consume(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
     }
     uint32_t gate[kPairs], up[kPairs];
     load_gate_up(p, t, coords, gate, up);
-    mma_k_blocks<false>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc);  // TMA-loaded stages
-    store_tile<T>(p, t, acc, coords, gate, up);
+    if constexpr (kA == ASource::Gathered) {
+      float prob[2];
+      load_probs(p, t, row_a, prob);
+      // The gathered A rows come through the generic proxy (cp.async).
+      mma_k_blocks<true>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc);
+      store_tile_gathered<T>(p, t, acc, coords, gate, up, row_a, prob);
+    } else {
+      mma_k_blocks<false>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc);  // TMA-loaded stages
+      store_tile<T>(p, t, acc, coords, gate, up);
+    }
   }
 }
 
-template <class T>
+template <class T, ASource kA>
 __global__ void __launch_bounds__(kThreads, 1) swiglu_dgrad_kernel(const __grid_constant__ SwigluDgradParams p) {
   using K = Kernel<T>;
   extern __shared__ uint8_t raw[];
@@ -256,9 +405,13 @@ __global__ void __launch_bounds__(kThreads, 1) swiglu_dgrad_kernel(const __grid_
   const int warp = threadIdx.x / 32;
 
   if (warp == 0) build_tile_prefix<kTileM>(p.offsets, p.experts, p.capacity, s.tile_prefix, s.row_start);
-  if (threadIdx.x == 32) init_stage_barriers<kStages>(s.full, s.empty, 1, kConsumerWarps);  // the producer's expect_tx
+  if (threadIdx.x == 32) {
+    // TMA: the producer's expect_tx arrival; gathered: that plus one per copying thread.
+    init_stage_barriers<kStages>(s.full, s.empty, kA == ASource::Gathered ? 1 + kProducerThreads : 1,
+                                 kConsumerWarps);
+  }
   if (threadIdx.x == 64) {
-    cute::prefetch_tma_descriptor(&p.drows_map);
+    if constexpr (kA == ASource::Tma) cute::prefetch_tma_descriptor(&p.drows_map);  // not encoded when gathered
     cute::prefetch_tma_descriptor(&p.w2_map);
   }
   __syncthreads();
@@ -267,16 +420,17 @@ __global__ void __launch_bounds__(kThreads, 1) swiglu_dgrad_kernel(const __grid_
   const int total_tiles = s.tile_prefix[p.experts] * slices;
   if (warp < 4) {
     cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (threadIdx.x == 0) produce<T>(p, s, total_tiles, slices);
+    if constexpr (kA == ASource::Gathered) produce_gathered<T>(p, s, total_tiles, slices);
+    else if (threadIdx.x == 0) produce<T>(p, s, total_tiles, slices);
   } else {
     cutlass::arch::warpgroup_reg_alloc<232>();
-    consume<T>(p, s, total_tiles, slices);
+    consume<T, kA>(p, s, total_tiles, slices);
   }
 }
 
-template <class T>
+template <class T, ASource kA>
 capmoe_status_t launch_typed(const SwigluDgradParams& params, int grid, cudaStream_t stream) {
-  auto kernel = swiglu_dgrad_kernel<T>;
+  auto kernel = swiglu_dgrad_kernel<T, kA>;
   constexpr size_t smem = Kernel<T>::kSmemBytes;
   CAPMOE_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem))));
   return launch(kernel, dim3(grid), kThreads, smem, stream, params);
@@ -286,8 +440,15 @@ capmoe_status_t launch_typed(const SwigluDgradParams& params, int grid, cudaStre
 
 capmoe_status_t launch_swiglu_dgrad_sm90(const SwigluDgradParams& params, capmoe_dtype_t dtype, int grid,
                                          cudaStream_t stream) {
-  if (dtype == CAPMOE_DTYPE_BF16) return launch_typed<cutlass::bfloat16_t>(params, grid, stream);
-  if (dtype == CAPMOE_DTYPE_F16) return launch_typed<cutlass::half_t>(params, grid, stream);
+  if (dtype == CAPMOE_DTYPE_BF16) return launch_typed<cutlass::bfloat16_t, ASource::Tma>(params, grid, stream);
+  if (dtype == CAPMOE_DTYPE_F16) return launch_typed<cutlass::half_t, ASource::Tma>(params, grid, stream);
+  return CAPMOE_ERR_UNSUPPORTED;
+}
+
+capmoe_status_t launch_swiglu_dgrad_gathered_sm90(const SwigluDgradParams& params, capmoe_dtype_t dtype, int grid,
+                                                  cudaStream_t stream) {
+  if (dtype == CAPMOE_DTYPE_BF16) return launch_typed<cutlass::bfloat16_t, ASource::Gathered>(params, grid, stream);
+  if (dtype == CAPMOE_DTYPE_F16) return launch_typed<cutlass::half_t, ASource::Gathered>(params, grid, stream);
   return CAPMOE_ERR_UNSUPPORTED;
 }
 

@@ -14,6 +14,10 @@
 //! on request). Same fp32 math as the unfused SwiGLU backward on the rounded dact; bitwise equal
 //! to the unfused path only where both GEMMs sum in the same order (not guaranteed: its tests
 //! hold it to the fp64 reference and report the bitwise comparison).
+//! [`FusedSwigluDgrad::run_gathered`] is its second form, for a forward whose fc1 epilogue
+//! weighted act by the route probability (an unweighted combine): A rows gathered from `dy`
+//! through `token_of_row`, `dh` of `prob · dact`, and dprob's per-slice partials from the
+//! epilogue (no `drows` buffer).
 //!
 //! [`GatherWgrad`]: a grouped weight gradient that reads an operand's rows through
 //! `token_of_row` (fc1's `dW1` straight from `x`, no permuted copy); its own contract is on the
@@ -274,6 +278,7 @@ pub struct FusedSwigluDgrad {
     experts: usize,
     hidden: usize,
     ffn: usize,
+    max_tokens: usize,
     capacity: usize,
     dtype: DType,
 }
@@ -295,6 +300,7 @@ impl FusedSwigluDgrad {
             hidden: c.hidden as i64,
             ffn: c.ffn as i64,
             capacity: routing.capacity() as i64,
+            max_tokens: c.max_tokens as i64,
             sm_count: device.sm_count,
             dtype: c.dtype.abi(),
         };
@@ -305,6 +311,7 @@ impl FusedSwigluDgrad {
             experts: c.num_experts,
             hidden: c.hidden,
             ffn: c.ffn,
+            max_tokens: c.max_tokens,
             capacity: routing.capacity(),
             dtype: c.dtype,
         })
@@ -320,6 +327,12 @@ impl FusedSwigluDgrad {
     /// The C ABI descriptor.
     pub fn desc(&self) -> &sys::capmoe_fused_swiglu_dgrad_desc_t {
         &self.desc
+    }
+
+    /// Column slices of `F` ([`SWIGLU_DGRAD_TILE_N`] columns each): the width of
+    /// [`FusedSwigluDgrad::run_gathered`]'s `dprob_partials [capacity, slices]`.
+    pub fn dprob_slices(&self) -> usize {
+        self.ffn / SWIGLU_DGRAD_TILE_N
     }
 
     /// For every row `r < offsets[E]` of expert `e`: `dact = round(drows[r] · W2_e)` and
@@ -399,6 +412,97 @@ impl FusedSwigluDgrad {
                 s,
             ),
             "fused fc2 dgrad + SwiGLU backward",
+        )
+    }
+
+    /// The gathered form, for a forward that weighted act by the route probability (fc1's
+    /// epilogue) and combined fc2's rows unweighted: for every row `r < offsets[E]` of expert
+    /// `e`, with `t = token_of_row[r]`, `dact = round(dy[t] · W2_e)` (a zero row when `t` is
+    /// outside `[0, T_max)`), `dh[r]` the SwiGLU backward of `h[r] = [g | u]` at
+    /// `prob_of_row[r] · dact`, and `dprob_partials[r, j] = Σ dact · SwiGLU(g, u)` over the
+    /// columns of slice `j` (fp32, a fixed order: the same bits every launch). dprob of the
+    /// row's route is the sum over `j <` [`FusedSwigluDgrad::dprob_slices`]. `dy [T_max, H]`,
+    /// `w2 [E, H, F]`, `h [capacity, 2F]`, `offsets [E + 1]`, `token_of_row [capacity]`,
+    /// `prob_of_row [capacity]`, `dh [capacity, 2F]`, `dprob_partials [capacity, slices]`.
+    /// Rows at or past `offsets[E]` are not written.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_gathered<T: Element>(
+        &self,
+        stream: &CudaStream,
+        dy: &impl DevicePtr<T>,
+        w2: &impl DevicePtr<T>,
+        h: &impl DevicePtr<T>,
+        offsets: &impl DevicePtr<i64>,
+        token_of_row: &impl DevicePtr<i32>,
+        prob_of_row: &impl DevicePtr<f32>,
+        dh: &mut impl DevicePtrMut<T>,
+        dprob_partials: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        const OP: &str = "fused fc2 dgrad + SwiGLU backward (gathered)";
+        ensure_dtype::<T>(OP, self.dtype)?;
+        let (e, hd, f, cap) = (self.experts, self.hidden, self.ffn, self.capacity);
+        ensure_buffer(OP, "dy [T_max, H]", stream, dy, self.max_tokens * hd)?;
+        ensure_buffer(OP, "w2 [E, H, F]", stream, w2, e * hd * f)?;
+        ensure_buffer(OP, "h [capacity, 2F]", stream, h, cap * 2 * f)?;
+        ensure_buffer(OP, "offsets [E + 1]", stream, offsets, e + 1)?;
+        ensure_buffer(OP, "token_of_row [capacity]", stream, token_of_row, cap)?;
+        ensure_buffer(OP, "prob_of_row [capacity]", stream, prob_of_row, cap)?;
+        ensure_buffer(OP, "dh [capacity, 2F]", stream, dh, cap * 2 * f)?;
+        ensure_buffer(OP, "dprob_partials [capacity, F / 128]", stream, dprob_partials, cap * self.dprob_slices())?;
+        stream.context().bind_to_thread()?;
+        let (yp, _g0) = dy.device_ptr(stream);
+        let (wp, _g1) = w2.device_ptr(stream);
+        let (hp, _g2) = h.device_ptr(stream);
+        let (op, _g3) = offsets.device_ptr(stream);
+        let (tp, _g4) = token_of_row.device_ptr(stream);
+        let (pp, _g5) = prob_of_row.device_ptr(stream);
+        let (dhp, _g6) = dh.device_ptr_mut(stream);
+        let (dpp, _g7) = dprob_partials.device_ptr_mut(stream);
+        ensure_aligned16(OP, [("dy", yp), ("w2", wp), ("h", hp), ("dh", dhp)])?;
+        unsafe { self.run_gathered_raw(stream, yp, wp, hp, op, tp, pp, dhp, dpp) }
+    }
+
+    /// Raw [`FusedSwigluDgrad::run_gathered`], in the crate's raw-pointer convention
+    /// (docs/CONVENTIONS.md): the stream first, then device pointers as `CUdeviceptr` in the
+    /// order of the safe form.
+    ///
+    /// # Safety
+    /// Device memory of `stream`'s context, live until the launch completes: `dy`
+    /// `T_max * H`, `w2` `E * H * F`, `h` and `dh` `capacity * 2F` elements of the plan's
+    /// dtype, 16-byte aligned; `offsets` `E + 1` int64 and `token_of_row` `capacity` int32 as
+    /// the routing build wrote them; `prob_of_row` `capacity` and `dprob_partials`
+    /// `capacity * dprob_slices()` f32. `dh` and `dprob_partials` may not overlap each other or
+    /// the inputs.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn run_gathered_raw(
+        &self,
+        stream: &CudaStream,
+        dy: CUdeviceptr,
+        w2: CUdeviceptr,
+        h: CUdeviceptr,
+        offsets: CUdeviceptr,
+        token_of_row: CUdeviceptr,
+        prob_of_row: CUdeviceptr,
+        dh: CUdeviceptr,
+        dprob_partials: CUdeviceptr,
+    ) -> Result<()> {
+        stream.context().bind_to_thread()?;
+        let s = stream.cu_stream() as *mut c_void;
+        let ptr = |p: CUdeviceptr| p as usize as *mut c_void;
+        check(
+            sys::capmoe_fused_swiglu_dgrad_gathered(
+                &self.desc,
+                ptr(dy),
+                ptr(w2),
+                ptr(h),
+                offsets as usize as *const i64,
+                token_of_row as usize as *const i32,
+                prob_of_row as usize as *const f32,
+                ptr(dh),
+                dprob_partials as usize as *mut f32,
+                s,
+            ),
+            "fused fc2 dgrad + SwiGLU backward (gathered)",
         )
     }
 }

@@ -2,7 +2,9 @@
  *  - fc1 that gathers its A rows straight from x and applies SwiGLU in its epilogue (no
  *    permuted copy of x is written or read, no separate SwiGLU pass);
  *  - fc2 dgrad that applies the SwiGLU backward in its epilogue (no dact round trip), below
- *    capmoe_fused_swiglu_dgrad.
+ *    capmoe_fused_swiglu_dgrad; and its gathered form, capmoe_fused_swiglu_dgrad_gathered, for
+ *    a forward that weights act by the route probability (the dy rows are gathered, dprob's
+ *    partials come from the epilogue).
  *
  * fc1 shapes (fixed at plan time; routing lives on the device and changes every launch):
  *   x             [T_max, H]      BF16 or F16 (desc.dtype), row-major, contiguous
@@ -109,13 +111,14 @@ typedef struct capmoe_fused_swiglu_dgrad_desc {
   int64_t hidden;       /* H, a positive multiple of 8 */
   int64_t ffn;          /* F, a positive multiple of CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N */
   int64_t capacity;     /* rows of drows / h / dh, 0 ..= 2^31 - 1 */
+  int64_t max_tokens;   /* T_max, rows of dy, 0 ..= 2^31 - 1; read only by the gathered form */
   int32_t sm_count;     /* SMs of the device (the persistent grid), >= 1 */
   capmoe_dtype_t dtype; /* BF16 or F16 */
 } capmoe_fused_swiglu_dgrad_desc_t;
 
 /* CAPMOE_OK when the fused fc2 dgrad + SwiGLU backward exists for this descriptor on the
- * current device; otherwise the status the launch would return. No CUDA work beyond device
- * attribute queries. */
+ * current device, in both forms; otherwise the status the launch would return. max_tokens is
+ * not read (the gathered launch checks it). No CUDA work beyond device attribute queries. */
 capmoe_status_t capmoe_fused_swiglu_dgrad_supported(const capmoe_fused_swiglu_dgrad_desc_t* desc);
 
 /* dh (and dact when not NULL) as described above, on `stream` (a cudaStream_t). */
@@ -123,6 +126,42 @@ capmoe_status_t capmoe_fused_swiglu_dgrad(const capmoe_fused_swiglu_dgrad_desc_t
                                           const void* drows, const void* w2, const void* h,
                                           const int64_t* offsets, void* dh, void* dact,
                                           void* stream);
+
+/* Gathered form of the fused fc2 dgrad + SwiGLU backward, for a forward whose fc1 epilogue
+ * weighted act by the route probability (act' = p * SwiGLU(g, u)) and whose combine is an
+ * unweighted gather-sum: the gradient of fc2's output row r is dy[token_of_row[r]] itself, so
+ * no drows buffer exists; dprob comes from this epilogue as per-slice partials.
+ *
+ * Shapes (as above, plus):
+ *   dy              [max_tokens, H]  dtype, token order (the combine's output gradient)
+ *   token_of_row    [capacity] int32 routing build's token of each row
+ *   prob_of_row     [capacity] fp32  the probability of the route each row holds
+ *   dprob_partials  [capacity, S] fp32 output, S = F / CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N
+ * For every row r < offsets[E] (clamped to capacity) of expert e, t = token_of_row[r],
+ * A = dy[t] when 0 <= t < max_tokens, else a zero row (never read out of bounds), p =
+ * prob_of_row[r], and every f < F:
+ *   d = round(sum_h A[h] * w2[e, h, f])               (fp32 accumulate, rounded to dtype)
+ *   g = h[r, f], u = h[r, F + f], s = g * sigmoid(g) * u   (fp32, as fc1's SwiGLU)
+ *   dprob_partials[r, j] = sum over f in [128 j, 128 j + 128) of d * s, in fp32 in a fixed
+ *                          order (each of a quad's 4 threads sums its 32 columns in order,
+ *                          then a butterfly over the quad): the same bits at every launch,
+ *                          no atomics, one writer per element; dprob[r] = sum_j of them
+ *   ds = p * d (fp32), then dh[r, f], dh[r, F + f] = the SwiGLU backward of (ds, g, u) as in
+ *                          capmoe_fused_swiglu_dgrad, rounded to dtype.
+ * Rows at or past offsets[E], and past capacity, are not written (neither dh nor partials);
+ * dy rows are read only through token_of_row.
+ *
+ * Limits as capmoe_fused_swiglu_dgrad; desc.max_tokens outside [0, 2^31) is
+ * CAPMOE_ERR_INVALID_ARGUMENT. capacity 0: OK, nothing launched (only offsets is checked).
+ * Alignment: dy, w2, h, dh 16-byte aligned; offsets 8; token_of_row, prob_of_row,
+ * dprob_partials 4 (else MISALIGNED). Capturable, as above (only w2's TMA descriptor is
+ * encoded on the host). */
+capmoe_status_t capmoe_fused_swiglu_dgrad_gathered(const capmoe_fused_swiglu_dgrad_desc_t* desc,
+                                                   const void* dy, const void* w2, const void* h,
+                                                   const int64_t* offsets,
+                                                   const int32_t* token_of_row,
+                                                   const float* prob_of_row, void* dh,
+                                                   float* dprob_partials, void* stream);
 
 #ifdef __cplusplus
 }
