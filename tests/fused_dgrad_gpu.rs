@@ -16,6 +16,9 @@
 //! run the same fp32 SwiGLU backward, but the fused kernel's k16 wgmma sum order need not be
 //! CUTLASS's, so a dact may differ by an ulp. A line `bitwise vs unfused: ...` says how many
 //! elements differ and by how many ulps at most (0 of N: the same bits).
+//!
+//! The gathered form (`fused_dgrad_gathered_*`: A = dy rows through token_of_row, dh of
+//! prob · dact, dprob partials) has its own list of checks above its section below.
 
 mod common;
 
