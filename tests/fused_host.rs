@@ -418,3 +418,12 @@ mod dgrad_abi {
 fn fused_fc1_smem_layout_matches_cute() {
     common::layout::run_check("fc1_smem_layout.cu");
 }
+
+/// The gathered fc2 dgrad's dprob row sums (csrc/fused/swiglu_dgrad_sm90.cu) assume each row's
+/// 128 columns lie in one quad of lanes, half of each lane's pairs per row, in ascending order:
+/// tests/layout/dgrad_quad_rows.cu walks every consumer thread's accumulators through cute on
+/// the host (the kernel traps on the same property at run time).
+#[test]
+fn fused_dgrad_quad_rows_match_cute() {
+    common::layout::run_check("dgrad_quad_rows.cu");
+}

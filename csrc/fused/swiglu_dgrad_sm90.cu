@@ -51,6 +51,7 @@
 #include "common/swiglu_math.cuh"
 #include "fused/gather_rows.cuh"
 #include "fused/swiglu_dgrad_launch.h"
+#include "fused/swiglu_dgrad_layout.h"
 #include "fused/tile_list.cuh"
 
 namespace capmoe::fused {
@@ -70,17 +71,6 @@ constexpr uint64_t kEvictNormal = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
 
 // Where the A tiles come from (the two forms of the file's top).
 enum class ASource { Tma, Gathered };
-
-template <class T>
-struct MmaAtom;
-template <>
-struct MmaAtom<cutlass::bfloat16_t> {
-  using type = SM90_64x128x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>;
-};
-template <>
-struct MmaAtom<cutlass::half_t> {
-  using type = SM90_64x128x16_F32F16F16_SS<GMMA::Major::K, GMMA::Major::MN>;
-};
 
 // Two 16-bit values packed in 32 bits <-> two floats, with the conversions the routing
 // kernels' SwiGLU backward uses (so the same inputs give the same bits).
@@ -109,7 +99,7 @@ struct Pair<cutlass::half_t> {
 
 template <class T>
 struct Kernel {
-  using TiledMma = decltype(make_tiled_mma(typename MmaAtom<T>::type{}, Layout<Shape<_2, _1, _1>>{}));
+  using TiledMma = SwigluDgradTiledMma<T>;
   using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
                                              Shape<Int<kTileM>, Int<kTileK>, Int<kStages>>{}));
   // K first (Step<_2, _1, _3>): a 64-column chunk's K rows are contiguous (see the file's top).
@@ -281,7 +271,7 @@ __device__ void store_tile(const SwigluDgradParams& p, const Tile& t, const Accu
 // and the 4 lanes of a quad (lane ^ 1, lane ^ 2) hold the same two rows. The identity
 // coordinates are a bijection onto the tile, so these 4 lanes' kTileN / 4 columns per row are
 // then all of the row's columns. Traps otherwise (a build of the wrong atom); checked once per
-// thread. Returns row_a.
+// thread (and for every thread on the host by tests/layout/dgrad_quad_rows.cu). Returns row_a.
 template <int kPairs, class Coords>
 __device__ int check_quad_rows(const Coords& coords) {
   static_assert(kPairs * 2 * 4 == 2 * kTileN, "a quad holds two whole rows of the tile");
