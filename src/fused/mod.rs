@@ -26,7 +26,8 @@
 //! Invariants of every launch of the first two: rows at or past the device-side total `offsets[E]` (clamped to
 //! `capacity`) are never written, and read only by [`FusedSwigluDgrad`] (an expert's last tile
 //! loads whole 128-row blocks of `drows`, never past `capacity`, and discards the rows beyond
-//! the expert's end); no allocation, no host sync, no host read of
+//! the expert's end; its gathered form reads `dy` only through `token_of_row` of stored rows);
+//! no allocation, no host sync, no host read of
 //! device data, so a launch can be captured in a CUDA graph and replayed with new routing.
 //!
 //! Where they apply (`new` says why not otherwise, before any launch): an sm_90a build on a
