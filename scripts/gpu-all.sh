@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (run from the repo root on the GPU machine, after scripts/gpu-bundle.sh here):
 # the whole GPU suite, the C and candle examples, the ignored timing hooks (fused fc1, fused
-# fc2 dgrad, gathered wgrad, graphs) if built, a uniform-routing config sweep with ncu off
+# fc2 dgrad in both forms, gathered wgrad, graphs) if built, a uniform-routing config sweep with ncu off
 # (scripts/gpu-sweep.sh does the full one), and a memcheck of the Echo + expert path graph test,
 # the fused kernels' tests and the EP tests (R = 1). Logs under $R (one tarball,
 # refreshed after each step); a short summary is printed last.
@@ -20,7 +20,7 @@ T=$BUNDLE/run/tests
 # (checked against candle's per-expert loop, and timed against it).
 timeout 60 $BUNDLE/run/bin/capmoe-c-example --gpu > /tmp/logs/c_example.txt 2>&1; echo "c example rc=$?" >> /tmp/logs/c_example.txt; save
 CAPMOE_REQUIRE_GPU=1 timeout 150 $BUNDLE/run/bin/candle_moe > /tmp/logs/candle_moe.txt 2>&1; echo "candle_moe rc=$?" >> /tmp/logs/candle_moe.txt; save
-for hook in fused_gpu:fused_fc1_timing fused_dgrad_gpu:fused_dgrad_timing fused_wgrad_gpu:fused_wgrad_timing graph_gpu:timing; do
+for hook in fused_gpu:fused_fc1_timing fused_dgrad_gpu:timing fused_wgrad_gpu:fused_wgrad_timing graph_gpu:timing; do
   IFS=: read -r bin filter <<<"$hook"
   [[ -x $T/$bin ]] || continue
   CAPMOE_REQUIRE_GPU=1 timeout 60 $T/$bin --ignored --nocapture --test-threads=1 $filter > /tmp/logs/timing_$bin.txt 2>&1

@@ -439,6 +439,71 @@ fn fused_fc1_graph_replays_match_eager() {
     }
 }
 
+/// The weighted epilogue (`FusedFc1::run_weighted`, the route probability applied in fc1):
+/// with power-of-two probabilities, `act_w[r] = p[r] · act[r]` exactly (scaling by 2^n commutes
+/// with rounding), so every element of act_w is checked bit for bit against the unweighted
+/// fused act of the same launch inputs, with each row's p taken from the CPU routing maps; h
+/// is unchanged; rows past the total keep the poison.
+#[test]
+fn fused_fc1_weighted_epilogue_scales_each_row_by_its_route_probability() {
+    let stream = gpu_or_skip!();
+    let shape = Shape { e: 8, h: 200, f: 256, k: 3, t_max: 300, capacity: Some(700) };
+    let w1 = weights(shape, 31);
+    for gather in gathers() {
+        let mut runner = Runner::new(&stream, shape, &w1, gather);
+        let cap = runner.plan.capacity();
+        let mut act_w = stream.alloc_zeros::<bf16>(cap * shape.f).unwrap();
+        let mut h_w = stream.alloc_zeros::<bf16>(cap * 2 * shape.f).unwrap();
+        let mut prob_of_row = stream.alloc_zeros::<f32>(cap).unwrap();
+        let mut rng = StdRng::seed_from_u64(32);
+        for (i, t) in [300usize, 0, 1, 137].into_iter().enumerate() {
+            let what = format!("{gather:?}: weighted case {i} (T={t})");
+            let ids = messy_ids(&mut rng, shape);
+            let inputs = inputs(shape, &mut rng, t, ids);
+            let choices = [0.125f32, 0.25, 0.5, 1.0, 2.0];
+            let probs: Vec<f32> = (0..shape.t_max * shape.k).map(|_| choices[rng.random_range(0..5)]).collect();
+            let probs_d = stream.clone_htod(&probs).unwrap();
+            runner.load(&stream, &inputs);
+            runner.poison(&stream);
+            stream.memcpy_htod(&poison_bf16(act_w.len()), &mut act_w).unwrap();
+            stream.memcpy_htod(&poison_bf16(h_w.len()), &mut h_w).unwrap();
+            runner.fused(&stream).unwrap();
+            let m = &runner.maps;
+            let tokens = Tokens::Device(&runner.tokens);
+            runner.plan.row_probs(&stream, &m.row_of_route, &probs_d, tokens, &mut prob_of_row).unwrap();
+            let fc1 = &runner.fused;
+            fc1.run_weighted(
+                &stream,
+                &runner.x,
+                &runner.w1,
+                &m.offsets,
+                &m.token_of_row,
+                &prob_of_row,
+                &mut act_w,
+                Some(&mut h_w),
+            )
+            .unwrap();
+            let out = runner.read(&stream);
+            let want = routing::reference::build(&inputs.ids, t, shape.t_max, shape.e, shape.k, cap, 0);
+            let total = want.offsets[shape.e] as usize;
+            let mut p_of_row = vec![f32::NAN; total];
+            for (route, &row) in want.row_of_route.iter().enumerate().take(t * shape.k) {
+                if row >= 0 {
+                    p_of_row[row as usize] = probs[route];
+                }
+            }
+            let act_want: Vec<bf16> = (0..total * shape.f)
+                .map(|i| bf16::from_f32(p_of_row[i / shape.f] * out.act_fused[i].to_f32()))
+                .chain(out.act_fused[total * shape.f..].iter().copied())
+                .collect();
+            let (act_got, h_got) = (stream.clone_dtoh(&act_w).unwrap(), stream.clone_dtoh(&h_w).unwrap());
+            assert_written_bf16(&format!("{what}: weighted act"), &act_got, total * shape.f);
+            assert_bits_bf16(&format!("{what}: weighted act = p * act"), &act_got, &act_want, act_got.len());
+            assert_bits_bf16(&format!("{what}: h of the weighted launch"), &h_got, &out.h_fused, h_got.len());
+        }
+    }
+}
+
 #[test]
 fn fused_fc1_refuses_what_it_does_not_take() {
     let stream = gpu_or_skip!();

@@ -89,10 +89,21 @@ mod abi {
         }
     }
 
-    /// `capmoe_fused_fc1` with the given descriptor and pointers (act = fake(0x4000)).
+    /// `capmoe_fused_fc1` with the given descriptor and pointers (act = fake(0x4000), no
+    /// prob_of_row: unweighted).
     fn call(d: &sys::capmoe_fused_fc1_desc_t, x: *const c_void, offsets: *const i64, h: *mut c_void) -> i32 {
+        call_weighted(d, x, offsets, null(), h)
+    }
+
+    fn call_weighted(
+        d: &sys::capmoe_fused_fc1_desc_t,
+        x: *const c_void,
+        offsets: *const i64,
+        prob_of_row: *const f32,
+        h: *mut c_void,
+    ) -> i32 {
         let tokens = fake(0x3000) as *const i32;
-        unsafe { sys::capmoe_fused_fc1(d, x, fake(0x2000), offsets, tokens, fake(0x4000), h, null_mut()) }
+        unsafe { sys::capmoe_fused_fc1(d, x, fake(0x2000), offsets, tokens, prob_of_row, fake(0x4000), h, null_mut()) }
     }
 
     #[test]
@@ -100,7 +111,17 @@ mod abi {
         let offsets = fake(0x1000) as *const i64;
         assert_eq!(
             unsafe {
-                sys::capmoe_fused_fc1(null(), fake(0), fake(0), offsets, null(), fake(0), null_mut(), null_mut())
+                sys::capmoe_fused_fc1(
+                    null(),
+                    fake(0),
+                    fake(0),
+                    offsets,
+                    null(),
+                    null(),
+                    fake(0),
+                    null_mut(),
+                    null_mut(),
+                )
             },
             INVALID
         );
@@ -131,6 +152,12 @@ mod abi {
         assert_eq!(call(&d, null(), offsets, null_mut()), INVALID, "NULL x");
         assert_eq!(call(&d, fake(8), offsets, null_mut()), MISALIGNED, "x not 16-aligned");
         assert_eq!(call(&d, fake(0), offsets, fake(0x5008)), MISALIGNED, "h not 16-aligned");
+        let prob_of_row = fake(0x6002) as *const f32;
+        assert_eq!(
+            call_weighted(&d, fake(0), offsets, prob_of_row, null_mut()),
+            MISALIGNED,
+            "prob_of_row not 4-aligned"
+        );
         // Capacity 0: no row can be written; OK without a launch (and without other pointers).
         let empty = sys::capmoe_fused_fc1_desc_t { capacity: 0, ..d };
         assert_eq!(call(&empty, null(), offsets, null_mut()), OK, "capacity 0");

@@ -8,6 +8,11 @@
 //! of the fp64 reference, their bitwise agreement reported (not asserted: the fused GEMM's sum
 //! order need not be CUTLASS's); a captured graph replayed with fresh routing bit-equal to eager
 //! runs of the same plan.
+//!
+//! With the route probability in fc1's epilogue (`MoeOptions::prob_in_fc1`, every fused kernel,
+//! no drows, dy gathered by the fc2 dgrad, dprobs from its epilogue): every output within
+//! tolerance of the unfused plan and the fp64 reference, forward-only y equal to the training
+//! plan's, 200 graph replays bit-equal to eager, and the plan's refusals of incomplete choices.
 
 mod common;
 
@@ -534,4 +539,140 @@ fn fused_moe_gathered_fc1_wgrad_plan_choices() {
         &mut io.dw2,
     );
     assert!(matches!(r, Err(Error::Shape { .. })), "short x: {r:?}");
+}
+
+// ---- the route probability in fc1's epilogue (the fc2 side without drows) ----
+
+/// Every fused kernel with the probability applied in fc1's epilogue; fc1's wgrad gathered
+/// or not.
+fn plan_prob_in_fc1(stream: &Arc<CudaStream>, capacity: Option<usize>, fc1_wgrad: FusedKernel) -> MoeExperts<bf16> {
+    let opts = MoeOptions {
+        fc1: FusedKernel::Fused,
+        swiglu_dgrad: FusedKernel::Fused,
+        fc1_wgrad,
+        prob_in_fc1: FusedKernel::Fused,
+        ..MoeOptions::default()
+    };
+    let moe = MoeExperts::<bf16>::with_options(config(capacity), opts, stream).unwrap();
+    assert!(moe.prob_is_in_fc1());
+    moe
+}
+
+/// The probability moves from the combine into fc1's epilogue, which changes the rounding of
+/// every output: y, dx, dprobs, dW1 and dW2 within tolerance of the unfused plan and of the
+/// fp64 reference (every written element; the poisoned rest of y, dx and dprobs untouched).
+#[test]
+fn fused_moe_prob_in_fc1_matches_unfused_and_the_fp64_reference() {
+    let stream = gpu_or_skip!();
+    let (w1, w2) = weights(21);
+    for (fc1_wgrad, capacity) in
+        [(FusedKernel::Unfused, None), (FusedKernel::Fused, None), (FusedKernel::Fused, Some(150))]
+    {
+        let mut weighted = plan_prob_in_fc1(&stream, capacity, fc1_wgrad);
+        let mut unfused = plan_with(&stream, capacity, FusedKernel::Unfused, FusedKernel::Unfused);
+        let (mut wio, mut uio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
+        let mut rng = StdRng::seed_from_u64(22);
+        for i in 0..12 {
+            let s = step(&mut rng, i);
+            let what = format!("fc1_wgrad {fc1_wgrad:?}, capacity {capacity:?}, step {i} (T={})", s.t);
+            wio.load(&stream, &s);
+            uio.load(&stream, &s);
+            wio.step(&mut weighted, &stream).unwrap();
+            uio.step(&mut unfused, &stream).unwrap();
+            let (wy, uy) = (stream.clone_dtoh(&wio.y).unwrap(), stream.clone_dtoh(&uio.y).unwrap());
+            assert_written_bf16(&format!("{what}: y"), &wy, s.t * H);
+            assert_close(&format!("{what}: y vs the unfused plan"), &f64s(&wy[..s.t * H]), &f64s(&uy[..s.t * H]), 1e-2);
+            let got = backward_outputs(&format!("{what}: prob in fc1"), &stream, &wio, s.t);
+            let want = backward_outputs(&format!("{what}: unfused"), &stream, &uio, s.t);
+            for (name, g, w) in [
+                ("dx", &got[0], &want[0]),
+                ("dprobs", &got[1], &want[1]),
+                ("dw1", &got[2], &want[2]),
+                ("dw2", &got[3], &want[3]),
+            ] {
+                assert_close(&format!("{what}: {name} vs the unfused plan"), g, w, 1e-2);
+            }
+            report_bits(&what, &wio.bits(&stream), &uio.bits(&stream));
+            if capacity.is_none() {
+                let ids: Vec<i32> = s.ids.iter().map(|&e| if (0..E as i32).contains(&e) { e } else { -1 }).collect();
+                let r = reference(DIMS, s.t, &ids, &s.probs, &s.x, &s.dy, &w1, &w2);
+                assert_close(&format!("{what}: y vs fp64"), &f64s(&wy[..s.t * H]), &r.y[..s.t * H], 2e-2);
+                assert_close(&format!("{what}: dx vs fp64"), &got[0], &r.dx[..s.t * H], 2e-2);
+                assert_close(&format!("{what}: dprobs vs fp64"), &got[1], &r.dprobs[..s.t * K], 2e-2);
+                assert_close(&format!("{what}: dw1 vs fp64"), &got[2], &r.dw1, 2e-2);
+                assert_close(&format!("{what}: dw2 vs fp64"), &got[3], &r.dw2, 2e-2);
+            }
+        }
+    }
+}
+
+/// A forward-only plan with the probability in fc1 gives the training plan's y bit for bit.
+#[test]
+fn fused_moe_prob_in_fc1_forward_only_equals_training_forward() {
+    let stream = gpu_or_skip!();
+    let (w1, w2) = weights(23);
+    let opts = MoeOptions {
+        fc1: FusedKernel::Fused,
+        prob_in_fc1: FusedKernel::Fused,
+        forward_only: true,
+        ..MoeOptions::default()
+    };
+    let mut fwd = MoeExperts::<bf16>::with_options(config(None), opts, &stream).unwrap();
+    assert!(fwd.prob_is_in_fc1());
+    let mut train = plan_prob_in_fc1(&stream, None, FusedKernel::Fused);
+    let (mut fio, mut tio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
+    let mut rng = StdRng::seed_from_u64(24);
+    for i in 0..6 {
+        let s = step(&mut rng, i);
+        fio.load(&stream, &s);
+        tio.load(&stream, &s);
+        fio.forward(&mut fwd, &stream).unwrap();
+        tio.forward(&mut train, &stream).unwrap();
+        let bits = |v: &CudaSlice<bf16>| stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+        assert_bits(&format!("step {i} (T={}): y forward-only vs training", s.t), &bits(&fio.y), &bits(&tio.y));
+    }
+}
+
+/// Every fused kernel with the probability in fc1, captured once and replayed 200 times with
+/// fresh routing, x, dy and T: bit-equal to eager each time.
+#[test]
+fn fused_moe_prob_in_fc1_graph_replays_equal_eager() {
+    let stream = gpu_or_skip!();
+    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let (w1, w2) = weights(25);
+    let mut graph_moe = plan_prob_in_fc1(&stream, None, FusedKernel::Fused);
+    let mut eager_moe = plan_prob_in_fc1(&stream, None, FusedKernel::Fused);
+    let (mut gio, mut eio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
+    let mut rng = StdRng::seed_from_u64(26);
+    gio.load(&stream, &step(&mut rng, 4));
+    stream.synchronize().unwrap();
+    let graph = capture(&stream, || gio.step(&mut graph_moe, &stream)).unwrap();
+    let replays = if common::under_sanitizer() { 10 } else { 200 };
+    for i in 0..replays {
+        let s = step(&mut rng, i);
+        gio.load(&stream, &s);
+        eio.load(&stream, &s);
+        graph.launch().unwrap();
+        eio.step(&mut eager_moe, &stream).unwrap();
+        assert_bits(&format!("replay {i} (T={})", s.t), &gio.bits(&stream), &eio.bits(&stream));
+    }
+}
+
+#[test]
+fn fused_moe_prob_in_fc1_plan_choices() {
+    let stream = gpu_or_skip!();
+    // Auto applies the probability in the combine.
+    assert!(!MoeExperts::<bf16>::new(config(None), &stream).unwrap().prob_is_in_fc1());
+    let base = MoeOptions { prob_in_fc1: FusedKernel::Fused, ..MoeOptions::default() };
+    // Without the fused fc1 (its epilogue applies it), or in training without the fused fc2
+    // dgrad (it gathers dy), a forced Fused is an error before anything runs.
+    let no_fc1 = MoeOptions { swiglu_dgrad: FusedKernel::Fused, ..base };
+    let r = MoeExperts::<bf16>::with_options(config(None), no_fc1, &stream);
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "no fused fc1: {:?}", r.err());
+    let no_dgrad = MoeOptions { fc1: FusedKernel::Fused, ..base };
+    let r = MoeExperts::<bf16>::with_options(config(None), no_dgrad, &stream);
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "no fused fc2 dgrad: {:?}", r.err());
+    // A forward-only plan has no backward: the fused fc1 is enough.
+    let fwd_only = MoeOptions { fc1: FusedKernel::Fused, forward_only: true, ..base };
+    assert!(MoeExperts::<bf16>::with_options(config(None), fwd_only, &stream).unwrap().prob_is_in_fc1());
 }

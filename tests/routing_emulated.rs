@@ -1,10 +1,11 @@
-//! The routing kernels without a GPU: `csrc/routing/{build,permute,swiglu}.cu` compiled as host
+//! The routing kernels without a GPU: `csrc/routing/{build,permute,swiglu,row_probs}.cu` compiled as host
 //! C++ against the CPU emulation of `tests/emulation/` (each block's CUDA threads are
 //! coroutines; `__syncthreads` and the warp intrinsics are real barriers) and run through their
 //! C ABI by `tests/emulation/routing_driver.cpp` on the shapes of `routing_gpu`: build (both
 //! m_splits, offsets, both maps, expert counts, flags: capacity and per-expert dropping, bad
 //! ids, out-of-range device T), then with every optional output left out, permute, unpermute,
-//! permute_backward, unpermute_backward and SwiGLU forward / backward, and the Megatron-map
+//! permute_backward, unpermute_backward, SwiGLU forward / backward, row_probs and route_dprobs
+//! (the weighted-fc1 path's glue), and the Megatron-map
 //! conversion from_map (ids, probs, flags: TOO_MANY at k + 1 routes, out-of-range device T, OR-ed
 //! into a word with another bit set; again with flags NULL; on every case's own [T_max, E] map
 //! plus `routing_gpu`'s map shapes feeding build), for bf16 and fp16 activations with f32, bf16
@@ -181,7 +182,7 @@ fn put_case<T: Element, P: Element>(out: &mut Vec<u8>, c: &Case, ids: &[i32], se
     let header = [e, h, f, k, t_max, cap, c.expert_capacity].map(|v| v as i64);
     put(out, &header);
     put(out, &[abi_dtype(T::DTYPE), abi_dtype(P::DTYPE), host_t, device_t, use_device]);
-    put(out, &[from_map_without_flags(c) as i64]);
+    put(out, &[from_map_without_flags(c) as i64, DPROB_SLICES as i64]);
 
     let x: Vec<T> = (0..t_max * h).map(|_| small_int(&mut rng)).collect();
     let probs: Vec<P> = (0..t_max * k).map(|_| dyadic(&mut rng)).collect();
@@ -199,6 +200,9 @@ fn put_case<T: Element, P: Element>(out: &mut Vec<u8>, c: &Case, ids: &[i32], se
     let (routing, routing_probs) = routing_map::<P>(c, seed);
     put(out, &routing);
     put(out, &routing_probs);
+    // Partials of either sign, so a wrong order or a dropped term changes the sum's bits.
+    let partials: Vec<f32> = (0..cap * DPROB_SLICES).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+    put(out, &partials);
 
     let mut maps = r::build(ids, t, t_max, e, k, cap, c.expert_capacity);
     maps.flags |= token_flag;
@@ -220,6 +224,10 @@ fn put_case<T: Element, P: Element>(out: &mut Vec<u8>, c: &Case, ids: &[i32], se
     r::swiglu_backward(&dact, &hbuf, total, f, &mut dh);
     let (mut map_ids, mut map_k_probs) = (poisoned::<i32>(t_max * k), poisoned::<P>(t_max * k));
     let map_flags = r::from_map(&routing, &routing_probs, t, e, k, &mut map_ids, &mut map_k_probs) | token_flag;
+    let mut prob_of_row = poisoned::<f32>(cap);
+    r::row_probs(map, &probs, t, k, cap, &mut prob_of_row);
+    let mut route_dprobs = poisoned::<P>(t_max * k);
+    r::route_dprobs(map, &partials, DPROB_SLICES, t, k, cap, &mut route_dprobs);
 
     let b = |v: Vec<u8>| (v, Check::Bitwise);
     let bytes = |v: &[u8]| v.to_vec();
@@ -246,6 +254,8 @@ fn put_case<T: Element, P: Element>(out: &mut Vec<u8>, c: &Case, ids: &[i32], se
         ("from_map expert_ids", b(bytes(bytemuck::cast_slice(&map_ids)))),
         ("from_map probs", b(bytes(bytemuck::cast_slice(&map_k_probs)))),
         ("from_map flags", b(bytes(bytemuck::cast_slice(&guarded(vec![FROM_MAP_FLAGS_BEFORE | map_flags]))))),
+        ("row_probs prob_of_row", b(bytes(bytemuck::cast_slice(&prob_of_row)))),
+        ("route_dprobs dprobs", b(bytes(bytemuck::cast_slice(&route_dprobs)))),
     ];
     if from_map_without_flags(c) {
         buffers.push(("from_map expert_ids (flags NULL)", b(bytes(bytemuck::cast_slice(&map_ids)))));
@@ -284,8 +294,12 @@ fn assert_close(what: &str, got: &[u8], want: &[u8], n: usize, d: DType) {
 
 /// The statuses the driver writes per case: workspace_size, build twice, permute, unpermute,
 /// their backwards, SwiGLU forward and backward, from_map twice (the second 0 where it is not
-/// run, see `from_map_without_flags`).
-const STATUSES: usize = 11;
+/// run, see `from_map_without_flags`), row_probs and route_dprobs.
+const STATUSES: usize = 13;
+
+/// Column slices of the dprob partials the cases hand route_dprobs (the fused fc2 dgrad writes
+/// F / 128 of them; 3 keeps the emulation quick and the sum order visible).
+const DPROB_SLICES: usize = 3;
 
 /// Compares the driver's output file with the expectations, in order.
 fn check_output(output: &[u8], expected: &[Expected], order: &str) {
@@ -444,7 +458,7 @@ fn routing_kernels_match_the_reference_under_cpu_emulation() {
     let expected = cases(&mut input);
     let exe = common::emulation::build(
         "routing_emulator",
-        &["csrc/routing/build.cu", "csrc/routing/permute.cu", "csrc/routing/swiglu.cu"],
+        &["csrc/routing/build.cu", "csrc/routing/permute.cu", "csrc/routing/swiglu.cu", "csrc/routing/row_probs.cu"],
         "tests/emulation/routing_driver.cpp",
     );
     common::emulation::run_case_file(&exe, "routing_emulated", &input, expected.len(), |output, order| {

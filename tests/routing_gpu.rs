@@ -209,6 +209,22 @@ fn run_case<T: Element + Pod, P: Element + Pod>(s: &Arc<CudaStream>, c: &Case, i
     assert_bitwise(&format!("{}: unpermute_backward drows", c.name), &download(s, &drows_d), &drows_want);
     assert_bitwise(&format!("{}: unpermute_backward dprobs", c.name), &download(s, &dprobs_d), &dprobs_want);
 
+    // The weighted-fc1 path's glue: probs in row order, and per-row dprob partials (three
+    // column slices, either sign) summed back per route.
+    let mut prob_rows_want = vec![f32::from_bits(0x5a5a_5a5a); cap + GUARD];
+    let mut prob_rows_d = upload(s, &prob_rows_want);
+    plan.row_probs(s, &maps.row_of_route, &probs_d, tokens, &mut prob_rows_d).unwrap();
+    r::row_probs(&want.row_of_route, &probs, t, k, cap, &mut prob_rows_want);
+    assert_bitwise(&format!("{}: row_probs", c.name), &download(s, &prob_rows_d), &prob_rows_want);
+    const SLICES: usize = 3;
+    let partials: Vec<f32> = (0..cap * SLICES).map(|_| rng.random_range(-3.0f32..3.0)).collect();
+    let partials_d = upload(s, &partials);
+    let mut route_dprobs_want = vec![poison::<P>(); c.t_max * k + GUARD];
+    let mut route_dprobs_d = upload(s, &route_dprobs_want);
+    plan.route_dprobs(s, &maps.row_of_route, &partials_d, SLICES, tokens, &mut route_dprobs_d).unwrap();
+    r::route_dprobs(&want.row_of_route, &partials, SLICES, t, k, cap, &mut route_dprobs_want);
+    assert_bitwise(&format!("{}: route_dprobs", c.name), &download(s, &route_dprobs_d), &route_dprobs_want);
+
     // SwiGLU forward / backward on the fc1 output [gate | up], rows < offsets[E] only.
     let mut hbuf: Vec<T> = (0..cap * 2 * f).map(|_| T::from_f32(rng.random_range(-4.0f32..4.0))).collect();
     hbuf.extend(std::iter::repeat_n(poison::<T>(), GUARD));

@@ -111,9 +111,11 @@ pub fn topk_routing(e: usize, t: usize, k: usize, seed: u64) -> (Vec<i32>, Vec<f
     (ids, probs)
 }
 
-/// The expert-path plans timed on every shape: the unfused path, and the fused kernels where
-/// the plan has them (a plan the fused kernels do not cover becomes an "unavailable" row).
-fn variants() -> [(&'static str, MoeOptions); 2] {
+/// The expert-path plans timed on every shape: the unfused path, the fused kernels with the
+/// probability applied in the combine, and every fused kernel with the probability in fc1's
+/// epilogue (no drows, dy gathered by the fc2 dgrad). A plan the fused kernels do not cover
+/// becomes an "unavailable" row.
+fn variants() -> [(&'static str, MoeOptions); 3] {
     let every = |kernel: FusedKernel| MoeOptions {
         fc1: kernel,
         swiglu_dgrad: kernel,
@@ -121,7 +123,8 @@ fn variants() -> [(&'static str, MoeOptions); 2] {
         ..MoeOptions::default()
     };
     let (fused, unfused) = (every(FusedKernel::Fused), every(FusedKernel::Unfused));
-    [("capmoe-graph", unfused), ("capmoe-fused-graph", fused)]
+    let prob_in_fc1 = MoeOptions { prob_in_fc1: FusedKernel::Fused, ..fused };
+    [("capmoe-graph", unfused), ("capmoe-fused-graph", fused), ("capmoe-fused-prob-in-fc1-graph", prob_in_fc1)]
 }
 
 /// Every expert-path shape: the anchors' ([`PATHS`]) and the published ones ([`PUBLISHED`]).
@@ -264,10 +267,11 @@ fn expert_case(
     let replay_host = median(&mut host);
     let fused_or_not = |fused: bool| if fused { "fused" } else { "unfused" };
     let kernels = format!(
-        "fc1 {}, fc2 dgrad + SwiGLU backward {}, fc1 wgrad {}",
+        "fc1 {}, fc2 dgrad + SwiGLU backward {}, fc1 wgrad {}, probability in {}",
         fused_or_not(moe.fc1_is_fused()),
         fused_or_not(moe.swiglu_dgrad_is_fused()),
-        if moe.fc1_wgrad_is_gathered() { "gathered" } else { "over permuted rows" }
+        if moe.fc1_wgrad_is_gathered() { "gathered" } else { "over permuted rows" },
+        if moe.prob_is_in_fc1() { "fc1's epilogue (dy gathered)" } else { "the combine" }
     );
     let timed = |op: &str, us: f64, host_us: Option<f64>, note: String| {
         row(name, op, imp, us, op_flops(shape, op), host_us, Some(format!("{kernels}; {note}")))

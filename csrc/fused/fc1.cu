@@ -63,8 +63,8 @@ extern "C" capmoe_status_t capmoe_fused_fc1_supported(const capmoe_fused_fc1_des
 }
 
 extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc, const void* x, const void* w1,
-                                            const int64_t* offsets, const int32_t* token_of_row, void* act,
-                                            void* h, void* stream) {
+                                            const int64_t* offsets, const int32_t* token_of_row,
+                                            const float* prob_of_row, void* act, void* h, void* stream) {
   return capmoe::guarded([&]() -> capmoe_status_t {
     CAPMOE_TRY(check_desc(desc));
     const capmoe_fused_fc1_desc_t& d = *desc;
@@ -74,7 +74,7 @@ extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc,
     if (x == nullptr || w1 == nullptr || token_of_row == nullptr || act == nullptr)
       return CAPMOE_ERR_INVALID_ARGUMENT;
     CAPMOE_TRY(capmoe::check_aligned(16, {x, w1, act, h}));
-    CAPMOE_TRY(capmoe::check_aligned(4, {token_of_row}));
+    CAPMOE_TRY(capmoe::check_aligned(4, {token_of_row, prob_of_row}));
     CAPMOE_TRY(check_device());
 #if defined(CAPMOE_HAS_SM90)
     if (d.max_tokens == 0) return CAPMOE_OK;  // capacity > 0 but no token: build maps nothing
@@ -91,6 +91,7 @@ extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc,
     p.x = x;
     p.offsets = offsets;
     p.token_of_row = token_of_row;
+    p.prob_of_row = prob_of_row;
     p.act = act;
     p.h = h;
     p.experts = int32_t(d.num_experts);

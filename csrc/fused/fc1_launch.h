@@ -18,6 +18,7 @@ struct Fc1Params {
   const void* x;       // x [T_max, H] for the cp.async gather
   const int64_t* offsets;
   const int32_t* token_of_row;
+  const float* prob_of_row;  // [capacity], may be null: act unweighted
   void* act;
   void* h;  // may be null
   int32_t experts, hidden, ffn, max_tokens, capacity;

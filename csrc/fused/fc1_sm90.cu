@@ -30,6 +30,8 @@
 //
 // The epilogue rounds gate and up to the output type first and computes SwiGLU in fp32 on the
 // rounded values, exactly as capmoe_routing_swiglu does on h, so act equals the unfused path's.
+// Weighted form (prob_of_row given): act = round(p * SwiGLU), p the probability of the row's
+// route, so fc2's output rows come out weighted and the combine is an unweighted gather-sum.
 #include <cute/arch/cluster_sm90.hpp>
 #include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -190,12 +192,16 @@ __device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared&
 }
 
 // Rounds the accumulators to T, then act = silu(g) * u in fp32 (capmoe_routing_swiglu's math),
-// and h = [g | u] when requested. Only rows < t.rows are stored.
+// times the row's route probability when p.prob_of_row is given, and h = [g | u] when
+// requested. Only rows < t.rows are stored.
 template <class T, class Accum, class Coords>
 __device__ void store_tile(const Fc1Params& p, const Tile& t, const Accum& acc, const Coords& coords) {
   constexpr int kHalf = decltype(size(acc))::value / 2;
   T* act = static_cast<T*>(p.act);
   T* h = static_cast<T*>(p.h);
+  // A thread's accumulators cover two rows: load each row's probability once.
+  int prob_row = -1;
+  float prob = 1.0f;
 #pragma unroll
   for (int i = 0; i < kHalf; i += 2) {
     const int m = get<0>(coords(i)), n = get<1>(coords(i));
@@ -209,8 +215,16 @@ __device__ void store_tile(const Fc1Params& p, const Tile& t, const Accum& acc, 
     const float u0 = float(T(acc(i + kHalf))), u1 = float(T(acc(i + kHalf + 1)));
     const int64_t row = t.row0 + m;
     const int64_t col = t.n0 + n;
-    *reinterpret_cast<uint32_t*>(act + row * p.ffn + col) =
-        pack2<T>(swiglu_forward(g0, u0), swiglu_forward(g1, u1));
+    float a0 = swiglu_forward(g0, u0), a1 = swiglu_forward(g1, u1);
+    if (p.prob_of_row != nullptr) {
+      if (m != prob_row) {
+        prob_row = m;
+        prob = __ldg(p.prob_of_row + row);
+      }
+      a0 = __fmul_rn(prob, a0);
+      a1 = __fmul_rn(prob, a1);
+    }
+    *reinterpret_cast<uint32_t*>(act + row * p.ffn + col) = pack2<T>(a0, a1);
     if (h != nullptr) {
       *reinterpret_cast<uint32_t*>(h + row * 2 * p.ffn + col) = pack2<T>(g0, g1);
       *reinterpret_cast<uint32_t*>(h + row * 2 * p.ffn + p.ffn + col) = pack2<T>(u0, u1);

@@ -191,9 +191,9 @@ impl FusedFc1 {
     }
 
     /// `act = SwiGLU(x[token_of_row[r]] · W1_eᵀ)` for every row `r < offsets[E]` of expert `e`,
-    /// and `h = [gate | up]` when given (`None::<&mut CudaSlice<T>>` otherwise). `x [T_max, H]`, `w1 [E, 2F, H]`, `offsets [E + 1]` and
-    /// `token_of_row [capacity]` as the routing build wrote them, `act [capacity, F]`,
-    /// `h [capacity, 2F]`.
+    /// and `h = [gate | up]` when given (`None::<&mut CudaSlice<T>>` otherwise). `x [T_max, H]`,
+    /// `w1 [E, 2F, H]`, `offsets [E + 1]` and `token_of_row [capacity]` as the routing build
+    /// wrote them, `act [capacity, F]`, `h [capacity, 2F]`.
     #[allow(clippy::too_many_arguments)]
     pub fn run<T: Element, H: DevicePtrMut<T>>(
         &self,
@@ -202,6 +202,44 @@ impl FusedFc1 {
         w1: &impl DevicePtr<T>,
         offsets: &impl DevicePtr<i64>,
         token_of_row: &impl DevicePtr<i32>,
+        act: &mut impl DevicePtrMut<T>,
+        h: Option<&mut H>,
+    ) -> Result<()> {
+        self.run_checked(stream, x, w1, offsets, token_of_row, 0, act, h)
+    }
+
+    /// [`FusedFc1::run`] with each row's `act` weighted by its route's probability:
+    /// `act[r] = p[r] · SwiGLU(...)`, `prob_of_row [capacity]` as
+    /// [`RoutingPlan::row_probs`] wrote it (`h` is unchanged). fc2's output rows then come out
+    /// weighted, and the combine is the unweighted gather-sum
+    /// ([`RoutingPlan::permute_backward`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_weighted<T: Element, H: DevicePtrMut<T>>(
+        &self,
+        stream: &CudaStream,
+        x: &impl DevicePtr<T>,
+        w1: &impl DevicePtr<T>,
+        offsets: &impl DevicePtr<i64>,
+        token_of_row: &impl DevicePtr<i32>,
+        prob_of_row: &impl DevicePtr<f32>,
+        act: &mut impl DevicePtrMut<T>,
+        h: Option<&mut H>,
+    ) -> Result<()> {
+        ensure_buffer("fused fc1", "prob_of_row [capacity]", stream, prob_of_row, self.capacity)?;
+        let (pp, _guard) = prob_of_row.device_ptr(stream);
+        self.run_checked(stream, x, w1, offsets, token_of_row, pp, act, h)
+    }
+
+    /// The checks and the launch of both forms; `prob_of_row` 0 for the unweighted one.
+    #[allow(clippy::too_many_arguments)]
+    fn run_checked<T: Element, H: DevicePtrMut<T>>(
+        &self,
+        stream: &CudaStream,
+        x: &impl DevicePtr<T>,
+        w1: &impl DevicePtr<T>,
+        offsets: &impl DevicePtr<i64>,
+        token_of_row: &impl DevicePtr<i32>,
+        prob_of_row: CUdeviceptr,
         act: &mut impl DevicePtrMut<T>,
         h: Option<&mut H>,
     ) -> Result<()> {
@@ -228,19 +266,20 @@ impl FusedFc1 {
             None => (0, None),
         };
         ensure_aligned16(OP, [("x", xp), ("w1", wp), ("act", ap), ("h", hp)])?;
-        unsafe { self.run_raw(stream, xp, wp, op, tp, ap, hp) }
+        unsafe { self.run_raw(stream, xp, wp, op, tp, prob_of_row, ap, hp) }
     }
 
-    /// Raw [`FusedFc1::run`], in the crate's raw-pointer convention (docs/CONVENTIONS.md):
-    /// the stream first, then device pointers as `CUdeviceptr` in the order of the safe form,
-    /// 0 for an absent `h`.
+    /// Raw [`FusedFc1::run`] / [`FusedFc1::run_weighted`], in the crate's raw-pointer
+    /// convention (docs/CONVENTIONS.md): the stream first, then device pointers as
+    /// `CUdeviceptr` in the order of the safe forms, 0 for an absent `prob_of_row` (unweighted)
+    /// or `h`.
     ///
     /// # Safety
     /// Device memory of `stream`'s context, live until the launch completes: `x` `T_max * H`,
     /// `w1` `E * 2F * H`, `act` `capacity * F` and (unless 0) `h` `capacity * 2F` elements
     /// of the plan's dtype, 16-byte aligned; `offsets` `E + 1` int64 and `token_of_row`
-    /// `capacity` int32 as the routing build wrote them. `act` and `h` may not overlap each
-    /// other or the inputs.
+    /// `capacity` int32 as the routing build wrote them; `prob_of_row` (unless 0) `capacity`
+    /// f32. `act` and `h` may not overlap each other or the inputs.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn run_raw(
         &self,
@@ -249,6 +288,7 @@ impl FusedFc1 {
         w1: CUdeviceptr,
         offsets: CUdeviceptr,
         token_of_row: CUdeviceptr,
+        prob_of_row: CUdeviceptr,
         act: CUdeviceptr,
         h: CUdeviceptr,
     ) -> Result<()> {
@@ -262,6 +302,7 @@ impl FusedFc1 {
                 ptr(w1),
                 offsets as usize as *const i64,
                 token_of_row as usize as *const i32,
+                prob_of_row as usize as *const f32,
                 ptr(act),
                 ptr(h),
                 s,

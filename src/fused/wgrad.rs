@@ -110,6 +110,25 @@ impl GatherWgradConfig {
         }
     }
 
+    /// fc2's weight gradient for `routing`'s shapes when the route probability is applied in
+    /// fc1's epilogue (`act = p · SwiGLU`): fc2's output rows then get plain `dy[token]` as
+    /// their gradient, so `dW2 [E, H, F] = dy[token_of_row]ᵀ · act`, `a = dy [T_max, H]`
+    /// gathered, `b = act [capacity, F]` plain.
+    pub fn fc2_from_dy(routing: &RoutingPlan, output: WgradOutput) -> GatherWgradConfig {
+        let c = routing.config();
+        GatherWgradConfig {
+            num_experts: c.num_experts,
+            m: c.hidden,
+            n: c.ffn,
+            capacity: routing.capacity(),
+            max_tokens: c.max_tokens,
+            dtype: c.dtype,
+            output,
+            a_rows: RowSource::Gathered,
+            b_rows: RowSource::Plain,
+        }
+    }
+
     /// The element type of `dW`.
     pub fn out_dtype(&self) -> DType {
         match self.output {

@@ -14,6 +14,15 @@
 //!
 //! Backward, [`crate::fused::GatherWgrad`] for fc1's wgrad over the permuted rows:
 //! `dW1 = dhᵀ · x[token_of_row]`, the rows read through the routing map.
+//!
+//! Both, [`MoeOptions::prob_in_fc1`] (SonicMoE's form of the fc2 side): the fused fc1 weights
+//! each row's act by its route's probability, `act = p · SwiGLU(h)`, so fc2's output rows come
+//! out weighted and the combine is an unweighted gather-sum. The gradient of fc2's output row
+//! `r` is then plain `dy[token_of_row[r]]`: the backward writes no `drows`, and keeps no fc2
+//! output rows for dprobs. [`FusedSwigluDgrad::run_gathered`] reads dy through the routing map,
+//! and its epilogue applies p and writes per-row dprob partials (`Σ_f dact · SwiGLU(h)` per
+//! column slice) that [`RoutingPlan::route_dprobs`] sums per route; fc2's wgrad is the gathered
+//! wgrad with `a = dy` gathered and `b = act`.
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
@@ -45,6 +54,10 @@ pub(super) struct FusedPlans {
     pub(super) fc1: Option<FusedFc1>,
     pub(super) swiglu_dgrad: Option<FusedSwigluDgrad>,
     pub(super) fc1_wgrad: Option<GatherWgrad>,
+    /// fc2's wgrad from dy gathered, when the probability is applied in fc1's epilogue.
+    pub(super) fc2_wgrad: Option<GatherWgrad>,
+    /// The probability is applied in fc1's epilogue ([`MoeOptions::prob_in_fc1`]).
+    pub(super) prob_in_fc1: bool,
 }
 
 impl FusedPlans {
@@ -69,15 +82,23 @@ impl FusedPlans {
             }
             _ => None,
         };
+        let output = if config.wgrad_accumulate { WgradOutput::F32Accumulate } else { WgradOutput::Same };
         let fc1_wgrad = match options.fc1_wgrad {
             FusedKernel::Fused if !options.forward_only => {
                 ensure_tensor_weights(options, "MoeExperts::new (gathered fc1 wgrad)", "dW1 [E, 2F, H]")?;
-                let output = if config.wgrad_accumulate { WgradOutput::F32Accumulate } else { WgradOutput::Same };
                 Some(GatherWgrad::new(GatherWgradConfig::fc1(routing, output), stream)?)
             }
             _ => None,
         };
-        Ok(FusedPlans { fc1, swiglu_dgrad, fc1_wgrad })
+        let prob_in_fc1 = options.prob_in_fc1 == FusedKernel::Fused;
+        if prob_in_fc1 {
+            ensure_prob_in_fc1_kernels(options, fc1.is_some(), swiglu_dgrad.is_some())?;
+        }
+        let fc2_wgrad = match prob_in_fc1 && !options.forward_only {
+            true => Some(GatherWgrad::new(GatherWgradConfig::fc2_from_dy(routing, output), stream)?),
+            false => None,
+        };
+        Ok(FusedPlans { fc1, swiglu_dgrad, fc1_wgrad, fc2_wgrad, prob_in_fc1 })
     }
 
     /// Whether the forward writes the permuted rows: the unfused fc1 reads them, and so does
@@ -85,6 +106,22 @@ impl FusedPlans {
     pub(super) fn permutes(&self, forward_only: bool) -> bool {
         self.fc1.is_none() || (!forward_only && self.fc1_wgrad.is_none())
     }
+}
+
+/// The probability in fc1's epilogue runs on the fused kernels only: the fused fc1 applies it,
+/// and the backward's fused fc2 dgrad gathers dy and makes dprobs.
+fn ensure_prob_in_fc1_kernels(options: &MoeOptions, fc1: bool, swiglu_dgrad: bool) -> Result<()> {
+    const OP: &str = "MoeExperts::new (probability in fc1)";
+    let invalid = |why: &str| Err(Error::InvalidArgument { op: OP, why: why.into() });
+    if !fc1 {
+        return invalid("MoeOptions::prob_in_fc1 = Fused needs MoeOptions::fc1 = Fused (its epilogue applies it)");
+    }
+    if !options.forward_only && !swiglu_dgrad {
+        return invalid(
+            "MoeOptions::prob_in_fc1 = Fused needs MoeOptions::swiglu_dgrad = Fused (the backward gathers dy into it)",
+        );
+    }
+    Ok(())
 }
 
 fn ensure_tensor_weights(options: &MoeOptions, op: &'static str, weight: &str) -> Result<()> {
@@ -110,13 +147,16 @@ fn ensure_weight_type<T: routing::Element, W: GemmOperand>(op: &'static str) -> 
 }
 
 /// `act` (and `h` when given) for the rows the routing build just mapped, from `x` and the
-/// fc1 weight tensor, whose length was checked by the caller.
+/// fc1 weight tensor, whose length was checked by the caller; weighted by `prob_of_row` when
+/// given.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn fc1<T: routing::Element, W: GemmOperand>(
     fused: &FusedFc1,
     stream: &CudaStream,
     x: &impl DevicePtr<T>,
     fc1_weight: &impl DevicePtr<W>,
     maps: &RouteMaps,
+    prob_of_row: Option<&impl DevicePtr<f32>>,
     act: &mut impl DevicePtrMut<T>,
     h: Option<&mut impl DevicePtrMut<T>>,
 ) -> Result<()> {
@@ -125,8 +165,9 @@ pub(super) fn fc1<T: routing::Element, W: GemmOperand>(
     let (wp, _g1) = fc1_weight.device_ptr(stream);
     let (op, _g2) = maps.offsets.device_ptr(stream);
     let (tp, _g3) = maps.token_of_row.device_ptr(stream);
-    let (ap, _g4) = act.device_ptr_mut(stream);
-    let (hp, _g5) = match h {
+    let (pp, _g4) = optional_ptr(stream, prob_of_row);
+    let (ap, _g5) = act.device_ptr_mut(stream);
+    let (hp, _g6) = match h {
         Some(h) => {
             let (p, g) = h.device_ptr_mut(stream);
             (p, Some(g))
@@ -134,9 +175,24 @@ pub(super) fn fc1<T: routing::Element, W: GemmOperand>(
         None => (0, None),
     };
     // SAFETY: x [T_max, H] and the fc1 weight [E, 2F, H] of element type T were length-checked
-    // by MoeExperts::check_forward; offsets, token_of_row, act [cap, F] and h [cap, 2F] are the
-    // plan's own buffers, sized at plan time; the C ABI checks the alignments.
-    unsafe { fused.run_raw(stream, xp, wp, op, tp, ap, hp) }
+    // by MoeExperts::check_forward; offsets, token_of_row, prob_of_row [cap], act [cap, F] and
+    // h [cap, 2F] are the plan's own buffers, sized at plan time; the C ABI checks the
+    // alignments.
+    unsafe { fused.run_raw(stream, xp, wp, op, tp, pp, ap, hp) }
+}
+
+/// A read-only buffer's address and guard, or 0 when absent.
+fn optional_ptr<'a, T>(
+    stream: &'a CudaStream,
+    buffer: Option<&'a impl DevicePtr<T>>,
+) -> (u64, Option<cudarc::driver::SyncOnDrop<'a>>) {
+    match buffer {
+        Some(b) => {
+            let (p, g) = b.device_ptr(stream);
+            (p, Some(g))
+        }
+        None => (0, None),
+    }
 }
 
 /// `dh` of the backward from `drows`, the fc2 weight tensor (length checked by the caller) and
@@ -162,31 +218,65 @@ pub(super) fn swiglu_dgrad<T: routing::Element, W: GemmOperand>(
     unsafe { fused.run_raw(stream, rp, wp, hp, op, dhp, 0) }
 }
 
-/// fc1's weight gradient `dw1` from `dh` and the forward's `x`, read through the routing map
-/// (`dw1` is the plan's `G`: a tensor of `T`, or of f32 with `wgrad_accumulate`, whenever this
-/// plan exists, which the gathered wgrad's own checks confirm).
-pub(super) fn fc1_wgrad<T: routing::Element, G: GemmOperand>(
+/// `dh` of the backward from `dy` gathered through the routing map, when the probability was
+/// applied in fc1's epilogue: the fc2 dgrad applies `prob_of_row` in its epilogue and writes
+/// the per-row dprob `partials` ([`FusedSwigluDgrad::dprob_slices`] per row).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn swiglu_dgrad_gathered<T: routing::Element, W: GemmOperand>(
+    fused: &FusedSwigluDgrad,
+    stream: &CudaStream,
+    dy: &impl DevicePtr<T>,
+    fc2_weight: &impl DevicePtr<W>,
+    h: &impl DevicePtr<T>,
+    maps: &RouteMaps,
+    prob_of_row: &impl DevicePtr<f32>,
+    dh: &mut impl DevicePtrMut<T>,
+    partials: &mut impl DevicePtrMut<f32>,
+) -> Result<()> {
+    ensure_weight_type::<T, W>("gathered fc2 dgrad + SwiGLU backward")?;
+    let (dyp, _g0) = dy.device_ptr(stream);
+    let (wp, _g1) = fc2_weight.device_ptr(stream);
+    let (hp, _g2) = h.device_ptr(stream);
+    let (op, _g3) = maps.offsets.device_ptr(stream);
+    let (tp, _g4) = maps.token_of_row.device_ptr(stream);
+    let (pp, _g5) = prob_of_row.device_ptr(stream);
+    let (dhp, _g6) = dh.device_ptr_mut(stream);
+    let (sp, _g7) = partials.device_ptr_mut(stream);
+    // SAFETY: dy [T_max, H] and the fc2 weight [E, H, F] of element type T were length-checked
+    // by MoeExperts::check_backward; h and dh [cap, 2F], offsets, token_of_row, prob_of_row
+    // [cap] and the partials [cap, F / 128] are the plan's own buffers, sized at plan time;
+    // the C ABI checks the alignments.
+    unsafe { fused.run_gathered_raw(stream, dyp, wp, hp, op, tp, pp, dhp, sp) }
+}
+
+/// A weight gradient by the gathered wgrad: `dw = Σ_r a(r)ᵀ b(r)` per expert, either operand
+/// read through the routing map as `wgrad`'s configuration says (fc1: `a = dh`, `b = x`
+/// gathered; fc2 with the probability in fc1: `a = dy` gathered, `b = act`). `dw` is the
+/// plan's `G`: a tensor of `T`, or of f32 with `wgrad_accumulate`, whenever this plan exists,
+/// which the gathered wgrad's own checks confirm.
+pub(super) fn wgrad<T: routing::Element, G: GemmOperand>(
     wgrad: &GatherWgrad,
     stream: &CudaStream,
-    dh: &impl DevicePtr<T>,
-    x: &impl DevicePtr<T>,
+    a: &impl DevicePtr<T>,
+    b: &impl DevicePtr<T>,
     maps: &RouteMaps,
-    dw1: &mut impl DevicePtrMut<G>,
+    dw: &mut impl DevicePtrMut<G>,
 ) -> Result<()> {
-    const OP: &str = "gathered fc1 wgrad";
+    const OP: &str = "gathered wgrad of the expert path";
     if G::DTYPE != Some(wgrad.config().out_dtype()) {
         return Err(Error::Unsupported {
             op: OP,
-            why: format!("dW1 must be a {:?} tensor for this plan", wgrad.config().out_dtype()),
+            why: format!("the weight gradient must be a {:?} tensor for this plan", wgrad.config().out_dtype()),
         });
     }
-    let (hp, _g0) = dh.device_ptr(stream);
-    let (xp, _g1) = x.device_ptr(stream);
+    let (ap, _g0) = a.device_ptr(stream);
+    let (bp, _g1) = b.device_ptr(stream);
     let (op, _g2) = maps.offsets.device_ptr(stream);
     let (tp, _g3) = maps.token_of_row.device_ptr(stream);
-    let (dp, _g4) = dw1.device_ptr_mut(stream);
-    // SAFETY: x [T_max, H] and dw1 [E, 2F, H] (of the checked element type) were
-    // length-checked by MoeExperts::check_backward; dh [cap, 2F], offsets and token_of_row are
-    // the plan's own buffers, sized at plan time; the C ABI checks the alignments.
-    unsafe { wgrad.run_raw(stream, hp, xp, op, tp, dp) }
+    let (dp, _g4) = dw.device_ptr_mut(stream);
+    // SAFETY: the gathered operand ([T_max, cols]) and dw ([E, m, n], of the checked element
+    // type) were length-checked by MoeExperts::check_backward; the plain operand
+    // ([cap, cols]), offsets and token_of_row are the plan's own buffers, sized at plan time;
+    // the C ABI checks the alignments.
+    unsafe { wgrad.run_raw(stream, ap, bp, op, tp, dp) }
 }

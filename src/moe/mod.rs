@@ -13,6 +13,11 @@
 //!           (dh straight from drows, within the fp64 reference's tolerance of the unfused
 //!           path, not necessarily bit-equal to it), and ([`MoeOptions::fc1_wgrad`]) fc1's
 //!           wgrad reads x's rows through the routing map instead of a permuted copy.
+//! With the probability in fc1 ([`MoeOptions::prob_in_fc1`], on the fused kernels): the fused
+//! fc1 writes `act = p · SwiGLU(h)`, and the combine is an unweighted gather-sum; the backward
+//! starts at the fused fc2 dgrad gathering dy itself (its epilogue applies p and writes the
+//! dprob partials, summed per route after it) and fc2's wgrad reads dy gathered: no drows, and
+//! no fc2 output rows kept for dprobs.
 //!
 //! Layouts: `x, y, dx [T_max, H]`; `expert_ids, probs, dprobs [T_max, k]`; fc1 weight
 //! `[E, 2F, H]` whose first F output rows are the gate and the next F the up projection
@@ -141,6 +146,16 @@ pub struct MoeOptions {
     /// the forward then writes no permuted copy of x at all (and the plan allocates none).
     /// Ignored by `forward_only` plans. Within rounding of the unfused path.
     pub fc1_wgrad: FusedKernel,
+    /// Where each route's probability is applied. `Fused`: in the fused fc1's epilogue,
+    /// `act = p · SwiGLU(h)` (SonicMoE's form), so fc2's output rows come out weighted and the
+    /// combine over k is an unweighted gather-sum. The backward then needs neither a `drows`
+    /// buffer nor the fc2 output rows: the fused fc2 dgrad gathers `dy` itself and makes
+    /// dprobs in its epilogue, and fc2's wgrad reads `dy` through the routing map. Needs
+    /// `fc1 = Fused` and, unless `forward_only`, `swiglu_dgrad = Fused` (else
+    /// [`Error::InvalidArgument`]). `Auto` / `Unfused`: the probability is applied in the
+    /// combine. The two agree within rounding: act is rounded once after the product, and fc2
+    /// sums weighted terms.
+    pub prob_in_fc1: FusedKernel,
     /// The plan never runs backward: a fused forward then writes neither the permuted rows nor
     /// the pre-activation h (the backward would need them), and `backward` is an error.
     pub forward_only: bool,
@@ -154,6 +169,7 @@ impl Default for MoeOptions {
             fc1: FusedKernel::Auto,
             swiglu_dgrad: FusedKernel::Auto,
             fc1_wgrad: FusedKernel::Auto,
+            prob_in_fc1: FusedKernel::Auto,
             forward_only: false,
         }
     }
@@ -204,14 +220,16 @@ impl Gemms {
 /// Every byte a launch reads of them was written earlier in the same forward + backward, so
 /// they may live in a [`MemoryPool`](crate::graph::MemoryPool) range ([`MoeExperts::with_pool`]).
 struct Buffers<T> {
-    rows: DeviceBuffer<T>,     // [cap, H]  permuted x (empty when no kernel reads it)
-    h: DeviceBuffer<T>,        // [cap, 2F] fc1 output (gate | up)
-    act: DeviceBuffer<T>,      // [cap, F]  SwiGLU output
-    out_rows: DeviceBuffer<T>, // [cap, H]  fc2 output
-    drows: DeviceBuffer<T>,    // [cap, H]  grad of out_rows
-    dact: DeviceBuffer<T>,     // [cap, F]  (one element when the fused backward skips it)
-    dh: DeviceBuffer<T>,       // [cap, 2F]
-    drows_in: DeviceBuffer<T>, // [cap, H]  grad of rows
+    rows: DeviceBuffer<T>,             // [cap, H]  permuted x (empty when no kernel reads it)
+    h: DeviceBuffer<T>,                // [cap, 2F] fc1 output (gate | up)
+    act: DeviceBuffer<T>,              // [cap, F]  SwiGLU output
+    out_rows: DeviceBuffer<T>,         // [cap, H]  fc2 output
+    drows: DeviceBuffer<T>,            // [cap, H]  grad of out_rows (one element with prob_in_fc1)
+    dact: DeviceBuffer<T>,             // [cap, F]  (one element when the fused backward skips it)
+    dh: DeviceBuffer<T>,               // [cap, 2F]
+    drows_in: DeviceBuffer<T>,         // [cap, H]  grad of rows (one element with prob_in_fc1: out_rows holds it)
+    prob_of_row: DeviceBuffer<f32>,    // [cap]         with prob_in_fc1, else one element
+    dprob_partials: DeviceBuffer<f32>, // [cap, F/128]  with prob_in_fc1, else one element
 }
 
 /// The routing plan, GEMMs, intermediates and GEMM workspace: everything forward and backward
@@ -364,16 +382,26 @@ impl<T: MoeElement> MoeExperts<T> {
         // The fused fc2 dgrad + SwiGLU backward never writes dact: no [cap, F] buffer for it.
         let dact_len = if fused.swiglu_dgrad.is_some() { 0 } else { cap * f };
         let rows_len = if fused.permutes(options.forward_only) { cap * h } else { 0 };
+        // With the probability in fc1 the backward writes no drows, and fc1's dgrad writes
+        // into out_rows, which nothing reads after the forward's combine.
+        let weighted = fused.prob_in_fc1;
+        let (drows_len, drows_in_len) = if weighted { (0, 0) } else { (cap * h, cap * h) };
+        let partials_len = match &fused.swiglu_dgrad {
+            Some(d) if weighted => cap * d.dprob_slices(),
+            _ => 0,
+        };
         let zeros = |len: usize| scratch.alloc::<T>(len);
         let buffers = Buffers {
             rows: zeros(rows_len)?,
             h: zeros(cap * 2 * f)?,
             act: zeros(cap * f)?,
             out_rows: zeros(cap * h)?,
-            drows: zeros(cap * h)?,
+            drows: zeros(drows_len)?,
             dact: zeros(dact_len)?,
             dh: zeros(cap * 2 * f)?,
-            drows_in: zeros(cap * h)?,
+            drows_in: zeros(drows_in_len)?,
+            prob_of_row: scratch.alloc::<f32>(if weighted { cap } else { 0 })?,
+            dprob_partials: scratch.alloc::<f32>(partials_len)?,
         };
         let workspace_bytes = gemms.all().iter().map(|g| g.workspace_bytes()).max().unwrap_or(0);
         let routes = routing.routes_len().max(1);
@@ -678,6 +706,12 @@ impl<T: MoeElement> MoeExperts<T> {
         self.path.fused.swiglu_dgrad.is_some()
     }
 
+    /// Whether each route's probability is applied in fc1's epilogue
+    /// ([`MoeOptions::prob_in_fc1`]).
+    pub fn prob_is_in_fc1(&self) -> bool {
+        self.path.fused.prob_in_fc1
+    }
+
     /// Whether the backward's fc1 wgrad gathers its rows from `x` ([`MoeOptions::fc1_wgrad`]).
     pub fn fc1_wgrad_is_gathered(&self) -> bool {
         self.path.fused.fc1_wgrad.is_some()
@@ -788,9 +822,14 @@ impl<T: MoeElement> Path<T> {
         let (r, g, b, ws) = (&self.routing, &self.gemms, &mut self.buffers, &mut self.workspace);
         r.build(stream, expert_ids, tokens, maps)?;
         let splits = &maps.m_splits_i32;
+        let weighted = self.fused.prob_in_fc1;
+        if weighted {
+            r.row_probs(stream, &maps.row_of_route, probs, tokens, &mut b.prob_of_row)?;
+        }
         if let Some(f) = &self.fused.fc1 {
             let keep_h = !self.forward_only;
-            fused::fc1(f, stream, x, fc1_weight, maps, &mut b.act, keep_h.then_some(&mut b.h))?;
+            let prob_of_row = weighted.then_some(&b.prob_of_row);
+            fused::fc1(f, stream, x, fc1_weight, maps, prob_of_row, &mut b.act, keep_h.then_some(&mut b.h))?;
             if self.fused.permutes(self.forward_only) {
                 r.permute(stream, x, &maps.row_of_route, tokens, &mut b.rows)?; // for fc1 wgrad
             }
@@ -800,7 +839,12 @@ impl<T: MoeElement> Path<T> {
             r.swiglu(stream, &b.h, &maps.offsets, &mut b.act)?;
         }
         g.fc2_fprop.run(stream, &b.act, fc2_weight, &mut b.out_rows, splits, Some(&mut *flags), ws)?;
-        r.unpermute(stream, &b.out_rows, &maps.row_of_route, probs, tokens, y)
+        if weighted {
+            // The rows are weighted already: the combine is the plain gather-sum.
+            r.permute_backward(stream, &b.out_rows, &maps.row_of_route, tokens, y)
+        } else {
+            r.unpermute(stream, &b.out_rows, &maps.row_of_route, probs, tokens, y)
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -820,22 +864,75 @@ impl<T: MoeElement> Path<T> {
         dw1: &mut impl DevicePtrMut<G>,
         dw2: &mut impl DevicePtrMut<G>,
     ) -> Result<()> {
+        if self.fused.prob_in_fc1 {
+            self.fc2_backward_from_dy(stream, maps, dy, tokens, fc2_weight, dprobs, dw2)?;
+        } else {
+            self.fc2_backward(stream, maps, flags, dy, probs, tokens, fc2_weight, dprobs, dw2)?;
+        }
+        let (r, g, b, ws) = (&self.routing, &self.gemms, &mut self.buffers, &mut self.workspace);
+        let splits = &maps.m_splits_i32;
+        // With the probability in fc1, out_rows (dead after the forward's combine) holds the
+        // gradient of fc1's input rows.
+        let drows_in = if self.fused.prob_in_fc1 { &mut b.out_rows } else { &mut b.drows_in };
+        g.fc1_dgrad.run(stream, &b.dh, fc1_weight, drows_in, splits, Some(&mut *flags), ws)?;
+        match &self.fused.fc1_wgrad {
+            Some(f) => fused::wgrad(f, stream, &b.dh, x, maps, dw1)?,
+            None => g.fc1_wgrad.run(stream, &b.dh, &b.rows, dw1, splits, Some(&mut *flags), ws)?,
+        }
+        r.permute_backward(stream, drows_in, &maps.row_of_route, tokens, dx)
+    }
+
+    /// From dy to dh, dprobs and dW2 when the combine applied the probabilities: unpermute
+    /// backward (drows, dprobs), then fc2's dgrad (fused with the SwiGLU backward where
+    /// planned) and wgrad over drows.
+    #[allow(clippy::too_many_arguments)]
+    fn fc2_backward<P: routing::Element, W: GemmOperand, G: GemmOperand>(
+        &mut self,
+        stream: &CudaStream,
+        maps: &RouteMaps,
+        flags: &mut CudaSlice<i32>,
+        dy: &impl DevicePtr<T>,
+        probs: &impl DevicePtr<P>,
+        tokens: Tokens<'_>,
+        fc2_weight: &impl DevicePtr<W>,
+        dprobs: &mut impl DevicePtrMut<P>,
+        dw2: &mut impl DevicePtrMut<G>,
+    ) -> Result<()> {
         let (r, g, b, ws) = (&self.routing, &self.gemms, &mut self.buffers, &mut self.workspace);
         let splits = &maps.m_splits_i32;
         r.unpermute_backward(stream, dy, &b.out_rows, &maps.row_of_route, probs, tokens, &mut b.drows, dprobs)?;
         if let Some(f) = &self.fused.swiglu_dgrad {
             fused::swiglu_dgrad(f, stream, &b.drows, fc2_weight, &b.h, maps, &mut b.dh)?;
-            g.fc2_wgrad.run(stream, &b.drows, &b.act, dw2, splits, Some(&mut *flags), ws)?;
+            g.fc2_wgrad.run(stream, &b.drows, &b.act, dw2, splits, Some(&mut *flags), ws)
         } else {
             g.fc2_dgrad.run(stream, &b.drows, fc2_weight, &mut b.dact, splits, Some(&mut *flags), ws)?;
             g.fc2_wgrad.run(stream, &b.drows, &b.act, dw2, splits, Some(&mut *flags), ws)?;
-            r.swiglu_backward(stream, &b.dact, &b.h, &maps.offsets, &mut b.dh)?;
+            r.swiglu_backward(stream, &b.dact, &b.h, &maps.offsets, &mut b.dh)
         }
-        g.fc1_dgrad.run(stream, &b.dh, fc1_weight, &mut b.drows_in, splits, Some(&mut *flags), ws)?;
-        match &self.fused.fc1_wgrad {
-            Some(f) => fused::fc1_wgrad(f, stream, &b.dh, x, maps, dw1)?,
-            None => g.fc1_wgrad.run(stream, &b.dh, &b.rows, dw1, splits, Some(&mut *flags), ws)?,
-        }
-        r.permute_backward(stream, &b.drows_in, &maps.row_of_route, tokens, dx)
+    }
+
+    /// From dy to dh, dprobs and dW2 when fc1 applied the probabilities: fc2's output rows got
+    /// plain dy[token] as their gradient, so the fused fc2 dgrad gathers dy (its epilogue
+    /// applies p and writes the dprob partials, summed per route after it), and fc2's wgrad
+    /// reads dy gathered against act.
+    #[allow(clippy::too_many_arguments)]
+    fn fc2_backward_from_dy<P: routing::Element, W: GemmOperand, G: GemmOperand>(
+        &mut self,
+        stream: &CudaStream,
+        maps: &RouteMaps,
+        dy: &impl DevicePtr<T>,
+        tokens: Tokens<'_>,
+        fc2_weight: &impl DevicePtr<W>,
+        dprobs: &mut impl DevicePtrMut<P>,
+        dw2: &mut impl DevicePtrMut<G>,
+    ) -> Result<()> {
+        let (r, b) = (&self.routing, &mut self.buffers);
+        let (Some(dgrad), Some(wgrad)) = (&self.fused.swiglu_dgrad, &self.fused.fc2_wgrad) else {
+            unreachable!("FusedPlans::new plans both kernels with prob_in_fc1 (non-forward-only plans)");
+        };
+        let partials = &mut b.dprob_partials;
+        fused::swiglu_dgrad_gathered(dgrad, stream, dy, fc2_weight, &b.h, maps, &b.prob_of_row, &mut b.dh, partials)?;
+        r.route_dprobs(stream, &maps.row_of_route, &b.dprob_partials, dgrad.dprob_slices(), tokens, dprobs)?;
+        fused::wgrad(wgrad, stream, dy, &b.act, maps, dw2)
     }
 }

@@ -486,6 +486,62 @@ impl RoutingPlan {
         })
     }
 
+    /// `prob_of_row[row_of_route[t, j]] = probs[t, j]` as f32 for every kept route: the
+    /// probability each routing row carries, for fc1's weighted epilogue
+    /// ([`crate::fused::FusedFc1::run_weighted`]). `prob_of_row` holds `capacity` floats; rows
+    /// past the build's total are not written.
+    pub fn row_probs<P: Element>(
+        &self,
+        stream: &CudaStream,
+        row_of_route: &impl DevicePtr<i32>,
+        probs: &impl DevicePtr<P>,
+        tokens: Tokens<'_>,
+        prob_of_row: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        const OP: &str = "routing row_probs";
+        self.dtype_is(OP, "probs", P::DTYPE, self.config.prob_dtype)?;
+        ensure_buffer(OP, "row_of_route", stream, row_of_route, self.routes_len())?;
+        ensure_buffer(OP, "probs", stream, probs, self.routes_len())?;
+        ensure_buffer(OP, "prob_of_row", stream, prob_of_row, self.capacity())?;
+        self.check_tokens(OP, stream, tokens)?;
+        stream.context().bind_to_thread()?;
+        let (rr, _g0) = row_of_route.device_ptr(stream);
+        let (pp, _g1) = probs.device_ptr(stream);
+        let (pr, _g2) = prob_of_row.device_ptr_mut(stream);
+        with_tokens(stream, tokens, |t, td| unsafe { self.row_probs_raw(stream, rr, pp, t, td, pr) })
+    }
+
+    /// `dprobs[t, j] = Σ_s partials[row_of_route[t, j], s]` (0 for a dropped route): the per-row
+    /// partial dot products of the gathered fc2 dgrad
+    /// ([`crate::fused::FusedSwigluDgrad::run_gathered`]) summed per route, in a fixed order.
+    /// `partials` is `[capacity, slices]`.
+    pub fn route_dprobs<P: Element>(
+        &self,
+        stream: &CudaStream,
+        row_of_route: &impl DevicePtr<i32>,
+        partials: &impl DevicePtr<f32>,
+        slices: usize,
+        tokens: Tokens<'_>,
+        dprobs: &mut impl DevicePtrMut<P>,
+    ) -> Result<()> {
+        const OP: &str = "routing route_dprobs";
+        self.dtype_is(OP, "dprobs", P::DTYPE, self.config.prob_dtype)?;
+        if slices == 0 {
+            return Err(invalid(OP, "slices must be at least 1".into()));
+        }
+        let partials_len =
+            self.capacity().checked_mul(slices).ok_or_else(|| invalid(OP, "capacity * slices overflows".into()))?;
+        ensure_buffer(OP, "row_of_route", stream, row_of_route, self.routes_len())?;
+        ensure_buffer(OP, "partials", stream, partials, partials_len)?;
+        ensure_buffer(OP, "dprobs", stream, dprobs, self.routes_len())?;
+        self.check_tokens(OP, stream, tokens)?;
+        stream.context().bind_to_thread()?;
+        let (rr, _g0) = row_of_route.device_ptr(stream);
+        let (pp, _g1) = partials.device_ptr(stream);
+        let (dp, _g2) = dprobs.device_ptr_mut(stream);
+        with_tokens(stream, tokens, |t, td| unsafe { self.route_dprobs_raw(stream, rr, pp, slices, t, td, dp) })
+    }
+
     /// `act = silu(h[:, :F]) * h[:, F:]` on rows `r < offsets[E]`.
     pub fn swiglu<T: Element>(
         &self,
@@ -762,6 +818,74 @@ impl RoutingPlan {
                 t,
                 num_tokens_device as *const i32,
                 drows as *mut c_void,
+                dprobs as *mut c_void,
+                raw_stream(stream),
+            ),
+            OP,
+        )
+    }
+
+    /// Raw [`RoutingPlan::row_probs`].
+    ///
+    /// # Safety
+    /// Device memory of `stream`'s context, live until the launch completes: `row_of_route`
+    /// `T_max * k` int32 (values outside `[0, capacity)` are skipped), `probs` `T_max * k`
+    /// elements of the plan's prob dtype, `prob_of_row` `capacity` f32 written;
+    /// `num_tokens_device` 0 or one int32.
+    pub unsafe fn row_probs_raw(
+        &self,
+        stream: &CudaStream,
+        row_of_route: CUdeviceptr,
+        probs: CUdeviceptr,
+        num_tokens: usize,
+        num_tokens_device: CUdeviceptr,
+        prob_of_row: CUdeviceptr,
+    ) -> Result<()> {
+        const OP: &str = "routing row_probs";
+        let t = self.raw_tokens(OP, num_tokens)?;
+        stream.context().bind_to_thread()?;
+        check(
+            sys::capmoe_routing_row_probs(
+                &self.desc,
+                row_of_route as *const i32,
+                probs as *const c_void,
+                t,
+                num_tokens_device as *const i32,
+                prob_of_row as *mut f32,
+                raw_stream(stream),
+            ),
+            OP,
+        )
+    }
+
+    /// Raw [`RoutingPlan::route_dprobs`].
+    ///
+    /// # Safety
+    /// As [`RoutingPlan::row_probs_raw`], with `partials` (`capacity * slices` f32) read and
+    /// `dprobs` (`T_max * k`, prob dtype) written.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn route_dprobs_raw(
+        &self,
+        stream: &CudaStream,
+        row_of_route: CUdeviceptr,
+        partials: CUdeviceptr,
+        slices: usize,
+        num_tokens: usize,
+        num_tokens_device: CUdeviceptr,
+        dprobs: CUdeviceptr,
+    ) -> Result<()> {
+        const OP: &str = "routing route_dprobs";
+        let t = self.raw_tokens(OP, num_tokens)?;
+        let slices = i64::try_from(slices).map_err(|_| invalid(OP, format!("slices = {slices} too large")))?;
+        stream.context().bind_to_thread()?;
+        check(
+            sys::capmoe_routing_route_dprobs(
+                &self.desc,
+                row_of_route as *const i32,
+                partials as *const f32,
+                slices,
+                t,
+                num_tokens_device as *const i32,
                 dprobs as *mut c_void,
                 raw_stream(stream),
             ),

@@ -203,6 +203,41 @@ pub fn gather_sum<T: Scalar, P: Scalar>(
     }
 }
 
+/// `prob_of_row[row(t, j)] = probs[t, j]` as f32 for every kept route; other rows are left as
+/// they are (capmoe_routing_row_probs).
+pub fn row_probs<P: Scalar>(
+    row_of_route: &[i32],
+    probs: &[P],
+    tokens: usize,
+    k: usize,
+    capacity: usize,
+    prob_of_row: &mut [f32],
+) {
+    for route in 0..tokens * k {
+        if let Some(row) = kept_row(row_of_route, route, capacity) {
+            prob_of_row[row] = probs[route].to_f32();
+        }
+    }
+}
+
+/// `dprobs[t, j] = Σ_s partials[row(t, j) * slices + s]` (f32 adds in ascending s, rounded
+/// once), 0 for a dropped route (capmoe_routing_route_dprobs).
+pub fn route_dprobs<P: Scalar>(
+    row_of_route: &[i32],
+    partials: &[f32],
+    slices: usize,
+    tokens: usize,
+    k: usize,
+    capacity: usize,
+    dprobs: &mut [P],
+) {
+    for route in 0..tokens * k {
+        let sum = kept_row(row_of_route, route, capacity)
+            .map_or(0.0f32, |row| partials[row * slices..(row + 1) * slices].iter().fold(0.0f32, |acc, &v| acc + v));
+        dprobs[route] = P::from_f32(sum);
+    }
+}
+
 /// Unpermute's backward: `drows[row(t, j)] = probs[t, j] * dy[t]` (fp32 product, rounded once)
 /// and `dprobs[t, j] = <dy[t], rows[row(t, j)]>` (summed in f64 and rounded once: equal to the
 /// device's fp32 sum whenever every partial sum is exact, e.g. small integers), 0 if dropped.

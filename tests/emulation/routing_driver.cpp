@@ -1,16 +1,17 @@
-// Runs the routing kernels (csrc/routing/{build,permute,swiglu}.cu) under the CPU emulation on
+// Runs the routing kernels (csrc/routing/{build,permute,swiglu,row_probs}.cu) under the CPU emulation on
 // the cases tests/routing_emulated.rs writes, through the C ABI of capturable_moe/routing.h, and
 // writes every output buffer back for the Rust side to compare with its CPU reference.
 //
-// Case (little-endian): 13 int64 (E, H, F, k, T_max, capacity, expert_capacity, dtype,
-// prob_dtype, host T, device T, use the device T, run from_map a second time with flags NULL),
-// then expert_ids [T_max k] int32,
+// Case (little-endian): 14 int64 (E, H, F, k, T_max, capacity, expert_capacity, dtype,
+// prob_dtype, host T, device T, use the device T, run from_map a second time with flags NULL,
+// dprob slices S), then expert_ids [T_max k] int32,
 // x [T_max H], probs [T_max k], out [capacity H], dy [T_max H], h [capacity 2F],
-// dact [capacity F], routing_map [T_max E] uint8, map_probs [T_max E] (prob dtype). Every
+// dact [capacity F], routing_map [T_max E] uint8, map_probs [T_max E] (prob dtype),
+// dprob partials [capacity S] fp32. Every
 // output buffer gets kGuard poisoned elements past its end and starts poisoned (Buf below), so
 // an element never written or one written past the end shows; every input gets a poisoned
 // tail (a NaN for 2-byte activations), so a read past its end shows.
-// Output per case: 11 int32 statuses (the last 0 without the second from_map), then the
+// Output per case: 13 int32 statuses (the 11th 0 without the second from_map), then the
 // buffers in the order they are written below.
 // Usage: routing_driver CASES_FILE OUTPUT_FILE.
 #include <cstdio>
@@ -67,8 +68,8 @@ struct FromMapOutputs {
 };
 
 int run_case(Reader& in, FILE* out) {
-  int64_t h[13];
-  if (std::fread(h, sizeof(int64_t), 13, in.f) != 13) return 0;
+  int64_t h[14];
+  if (std::fread(h, sizeof(int64_t), 14, in.f) != 14) return 0;
   capmoe_routing_desc_t d{};
   d.num_experts = h[0];
   d.hidden = h[1];
@@ -82,17 +83,18 @@ int run_case(Reader& in, FILE* out) {
   const int64_t host_t = h[9];
   int32_t device_t = (int32_t)h[10];
   const int32_t* t_dev = h[11] ? &device_t : nullptr;
-  const size_t E = h[0], H = h[1], F = h[2], k = h[3], T = h[4], cap = h[5];
+  const size_t E = h[0], H = h[1], F = h[2], k = h[3], T = h[4], cap = h[5], slices = h[13];
   const size_t es = dtype_bytes(d.dtype), ps = dtype_bytes(d.prob_dtype);
 
   Buf ids = in.input(T * k, 4), x = in.input(T * H, es), probs = in.input(T * k, ps);
   Buf rows_in = in.input(cap * H, es), dy = in.input(T * H, es);
   Buf hbuf = in.input(cap * 2 * F, es), dact = in.input(cap * F, es);
   Buf routing_map = in.input(T * E, 1), map_probs = in.input(T * E, ps);
+  Buf partials = in.input(cap * slices, 4);
   if (!in.ok) return -1;
 
   uint64_t ws_bytes = 0;
-  int32_t status[11] = {};
+  int32_t status[13] = {};
   status[0] = capmoe_routing_workspace_size(&d, &ws_bytes);
   std::vector<unsigned char> ws(ws_bytes + 16, 0xa5);
 
@@ -131,9 +133,15 @@ int run_case(Reader& in, FILE* out) {
     status[10] = capmoe_routing_from_map(&d, (const uint8_t*)routing_map.data(), map_probs.data(), host_t, t_dev,
                                          (int32_t*)fm_no_flags.ids.data(), fm_no_flags.probs.data(), nullptr, nullptr);
 
-  std::fwrite(status, sizeof(int32_t), 11, out);
+  Buf prob_of_row(cap, 4), route_dprobs(T * k, ps);
+  status[11] = capmoe_routing_row_probs(&d, map, probs.data(), host_t, t_dev, (float*)prob_of_row.data(), nullptr);
+  status[12] = capmoe_routing_route_dprobs(&d, map, (const float*)partials.data(), (int64_t)slices, host_t, t_dev,
+                                           route_dprobs.data(), nullptr);
+
+  std::fwrite(status, sizeof(int32_t), 13, out);
   for (Buf* b : {&m32, &m64, &offsets, &row_of_route, &token_of_row, &counts, &flags, &offsets2,
-                 &row_of_route2, &rows, &y, &dx, &drows, &dprobs, &act, &dh, &fm.ids, &fm.probs, &fm.flags})
+                 &row_of_route2, &rows, &y, &dx, &drows, &dprobs, &act, &dh, &fm.ids, &fm.probs, &fm.flags,
+                 &prob_of_row, &route_dprobs})
     std::fwrite(b->data(), 1, b->bytes.size(), out);
   if (without_flags)
     for (Buf* b : {&fm_no_flags.ids, &fm_no_flags.probs}) std::fwrite(b->data(), 1, b->bytes.size(), out);

@@ -72,10 +72,16 @@ typedef struct capmoe_fused_fc1_desc {
  * otherwise the status the launch would return. No CUDA work beyond device attribute queries. */
 capmoe_status_t capmoe_fused_fc1_supported(const capmoe_fused_fc1_desc_t* desc);
 
-/* act (and h when not NULL) as described above, on `stream` (a cudaStream_t). */
+/* act (and h when not NULL) as described above, on `stream` (a cudaStream_t).
+ * prob_of_row (optional, [capacity] fp32, 4-byte aligned; capmoe_routing_row_probs writes it):
+ * when given, each row's act is weighted by its route's probability p in the epilogue,
+ *   act[r, f] = round(p[r] * silu(g) * u)   (the fp32 SwiGLU value times p, rounded once),
+ * so fc2's output rows come out weighted and the combine over k is an unweighted gather-sum
+ * (capmoe_routing_permute_backward's). h is unchanged. NULL: act as above. */
 capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc, const void* x,
                                  const void* w1, const int64_t* offsets,
-                                 const int32_t* token_of_row, void* act, void* h, void* stream);
+                                 const int32_t* token_of_row, const float* prob_of_row, void* act,
+                                 void* h, void* stream);
 
 /* Fused fc2 dgrad + SwiGLU backward: the expert path's backward from drows (the gradient of
  * fc2's output rows) to dh (the gradient of fc1's output h), in one persistent sm_90a kernel.

@@ -139,6 +139,25 @@ capmoe_status_t capmoe_routing_unpermute_backward(const capmoe_routing_desc_t* d
                                                   const int32_t* num_tokens_device, void* drows,
                                                   void* dprobs, void* stream);
 
+/* For the path that weights each route in fc1's epilogue (capturable_moe/fused.h):
+ * prob_of_row[row_of_route[t, j]] = probs[t, j] as fp32, for every kept route of t < T. Rows no
+ * kept route maps to (those at or past the build's total) are not written. prob_of_row holds
+ * `capacity` floats, 4-byte aligned. */
+capmoe_status_t capmoe_routing_row_probs(const capmoe_routing_desc_t* desc,
+                                         const int32_t* row_of_route, const void* probs,
+                                         int64_t num_tokens, const int32_t* num_tokens_device,
+                                         float* prob_of_row, void* stream);
+
+/* dprobs[t, j] = sum_{s < slices} partials[row_of_route[t, j] * slices + s] (fp32 adds in
+ * ascending s, rounded once to the prob dtype; 0 for a dropped route), for t < T: the per-row
+ * partial dot products a fused fc2 dgrad wrote (capmoe_fused_swiglu_dgrad_gathered), summed
+ * per route without atomics. partials is [capacity, slices] fp32, 4-byte aligned; slices >= 1. */
+capmoe_status_t capmoe_routing_route_dprobs(const capmoe_routing_desc_t* desc,
+                                            const int32_t* row_of_route, const float* partials,
+                                            int64_t slices, int64_t num_tokens,
+                                            const int32_t* num_tokens_device, void* dprobs,
+                                            void* stream);
+
 /* act[r, f] = silu(h[r, f]) * h[r, F + f] for r < offsets[E] (fp32 math, rounded once). */
 capmoe_status_t capmoe_routing_swiglu(const capmoe_routing_desc_t* desc, const void* h,
                                       const int64_t* offsets, void* act, void* stream);
