@@ -30,8 +30,14 @@ for test in "$bundle"/run/tests/*; do
   for gather in "${gathers[@]}"; do
     run="$name${gather:+.$gather}"
     start=$(date +%s%N)
-    CAPMOE_FUSED_GATHERS="$gather" "$test" --test-threads=1 >"$logs/$run.log" 2>&1
+    # Every wait of the persistent kernels spins unbounded, so a protocol bug hangs instead of
+    # failing: cap each binary so that one hang cannot take the later binaries' results with it
+    # (tighter for the fused kernels, which have not run on a GPU yet).
+    limit="${TEST_TIMEOUT:-150}"
+    [[ "$name" == fused_* ]] && limit="${FUSED_TEST_TIMEOUT:-90}"
+    CAPMOE_FUSED_GATHERS="$gather" timeout -k 5 "$limit" "$test" --test-threads=1 >"$logs/$run.log" 2>&1
     rc=$?
+    [[ $rc -eq 124 || $rc -eq 137 ]] && echo "TIMEOUT after ${limit}s (a hang?)" | tee -a "$logs/$run.log"
     ms=$(( ($(date +%s%N) - start) / 1000000 ))
     secs="$((ms / 1000)).$(( (ms % 1000) / 100 ))"
     result="$(grep -E '^test result:' "$logs/$run.log" | tail -n 1)"

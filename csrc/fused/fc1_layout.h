@@ -17,4 +17,11 @@ __host__ __device__ constexpr uint32_t fc1_smem_offset(int r, int c) {
   return uint32_t(r * 128 + ((c ^ (r & 7)) << 4));
 }
 
+// The coalesced cp.async gather's assignment (fused/gather_rows.cuh, GatherRows): producer
+// thread `thread` (0..127) copies 16-byte chunk gather_chunk(thread) of tile rows
+// gather_row(thread, i), i < tile rows / 16. The 8 lanes with the same thread / 8 take the 8
+// chunks of one row, so each warp-wide copy reads four whole 128-byte rows.
+__host__ __device__ constexpr int gather_chunk(int thread) { return thread % 8; }
+__host__ __device__ constexpr int gather_row(int thread, int i) { return (thread / 32) * 4 + (thread % 32) / 8 + 16 * i; }
+
 }  // namespace capmoe::fused

@@ -16,9 +16,10 @@
 //    bits [4,7) XOR row bits [7,10)), so per-row boxes into a 1024-byte aligned stage land
 //    exactly where one 128 x 64 box would: the layout the wgmma descriptors expect. The stage's
 //    transaction count is 128 B per loaded row plus the B tile.
-//  - cp.async: the producer warpgroup, one tile row per thread, copies 8 16-byte chunks per
-//    K block to chunk (c XOR row % 8) of the row (the same 128B swizzle, by hand; columns past
-//    H are zero-filled); each thread's copies arrive on the stage's barrier when they land
+//  - cp.async: the producer warpgroup copies the K block's 16-byte chunks, each warp-wide
+//    copy four whole rows (fused/gather_rows.cuh, GatherRows), chunk c of a row to chunk
+//    (c XOR row % 8) (the same 128B swizzle, by hand; columns past H and rows of an invalid
+//    token are zero-filled); each thread's copies arrive on the stage's barrier when they land
 //    (cp.async.mbarrier.arrive.noinc), and consumers fence the generic proxy against the async
 //    one before wgmma reads them.
 // Rows past the expert's count are not loaded in either form (their accumulators are never
@@ -165,25 +166,21 @@ __device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared&
                                  int slices) {
   using K = Kernel<T>;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  const int r = threadIdx.x;  // the tile row this thread copies
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
+  GatherRows<kTileM> gather(threadIdx.x);
   StageRing<kStages> ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
-    const int token = row_token(p, t, r);
-    const T* src_row = static_cast<const T*>(p.x) + int64_t(token < 0 ? 0 : token) * p.hidden;
+    gather.set_tile(p.token_of_row + t.row0, t.rows, p.max_tokens);
     for (int kb = 0; kb < k_blocks; ++kb) {
       Barrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
       const int stage = ring.stage;
       const int k0 = kb * kTileK;
-      if (r == 0) {
+      if (threadIdx.x == 0) {
         Barrier::arrive_and_expect_tx(&s.full[stage], K::kBytesB);
         load_weights<T>(p, s, stage, t, k0);
       }
-      if (token >= 0) {
-        uint8_t* stage_a = reinterpret_cast<uint8_t*>(s.a + stage * K::kStageElemsA);
-        gather_row_chunks<T, kTileK>(src_row, true, k0, p.hidden, stage_a, r);
-      }
+      gather.copy(static_cast<const T*>(p.x), p.hidden, k0, reinterpret_cast<uint8_t*>(s.a + stage * K::kStageElemsA));
       cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
       ring.advance();
     }
@@ -287,11 +284,13 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_swiglu_kernel(const __grid_co
   const int slices = p.ffn / kTileN;
   const int total_tiles = s.tile_prefix[p.experts] * slices;
   if (warp < 4) {
-    cutlass::arch::warpgroup_reg_dealloc<40>();
+    // 56 + 2 x 224 per thread-row of warpgroups: the 168 x 3 the launch holds. The cp.async
+    // producer keeps 8 row tokens live (GatherRows) and would spill under 40.
+    cutlass::arch::warpgroup_reg_dealloc<56>();
     if constexpr (kGather == Gather::CpAsync) produce_cp_async<T>(p, s, total_tiles, slices);
     else if (warp == 0) produce_tma_rows<T>(p, s, total_tiles, slices);
   } else {
-    cutlass::arch::warpgroup_reg_alloc<232>();
+    cutlass::arch::warpgroup_reg_alloc<224>();
     consume<T, kGather>(p, s, total_tiles, slices);
   }
 }

@@ -35,4 +35,59 @@ __device__ __forceinline__ void gather_row_chunks(const T* src_row, bool load, i
   }
 }
 
+// The coalesced form of the gather, which fc1's CP_ASYNC producer and the dgrad's gathered
+// producer use: lane l of producer warp w copies 16-byte chunk l % 8 of tile rows
+// w * 4 + l / 8 + 16 * i (i < kTileM / 16). A warp-wide copy then reads four whole 128-byte
+// rows, every L2 sector it touches in full. One row per thread (gather_row_chunks) would read
+// 32 rows' halves of sectors per copy and fetch each sector twice. The 128 threads cover the
+// tile's 128 rows x 8 chunks of a K block, and each thread still arrives once per stage.
+template <int kTileM>
+struct GatherRows {
+  static constexpr int kThreads = 128;
+  static constexpr int kRowStep = kThreads / 8;             // between one thread's rows
+  static constexpr int kRowsPerThread = kTileM / kRowStep;  // 8 for a 128-row tile
+  static constexpr int kPastTile = -2;                      // token of a row past the tile's rows
+  static_assert(kTileM % kRowStep == 0, "whole passes of 16 rows");
+
+  int first_row, chunk;
+  // Per row of this thread: a source row (>= 0), -1 (an invalid token: zero-filled), or
+  // kPastTile (not copied; its accumulators are never stored).
+  int token[kRowsPerThread];
+
+  __device__ __forceinline__ explicit GatherRows(int producer_thread)
+      : first_row(gather_row(producer_thread, 0)), chunk(gather_chunk(producer_thread)) {}
+
+  __device__ __forceinline__ int row(int i) const { return first_row + kRowStep * i; }
+  static_assert(gather_row(0, 1) == kRowStep, "fc1_layout.h's gather_row steps by kRowStep");
+
+  // The tokens of a tile's rows: token_of_row[r] for r < rows, any value outside
+  // [0, max_tokens) making a zero row.
+  __device__ __forceinline__ void set_tile(const int32_t* token_of_row, int rows, int max_tokens) {
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int r = row(i);
+      const int t = r < rows ? __ldg(token_of_row + r) : 0;
+      token[i] = r >= rows ? kPastTile : (t >= 0 && t < max_tokens ? t : -1);
+    }
+  }
+
+  // This thread's chunk of K block [k0, k0 + 64) of each of its rows into the stage at
+  // `stage_a` (src: the [max_tokens, hidden] source). Chunks at or past `hidden` are zero-filled
+  // (H is a multiple of 8: a chunk is all in or all out).
+  template <class T>
+  __device__ __forceinline__ void copy(const T* src, int hidden, int k0, uint8_t* stage_a) const {
+    using Copy16 = cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>;
+    static_assert(8 * 16 == 64 * sizeof(T), "8 chunks of 16 bytes are one 64-element K block");
+    const int col = k0 + chunk * 8;
+#pragma unroll
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      if (token[i] == kPastTile) continue;
+      const bool load = token[i] >= 0 && col < hidden;
+      const T* from = src + (load ? int64_t(token[i]) * hidden + col : 0);
+      Copy16::copy(*reinterpret_cast<const cute::uint128_t*>(from),
+                   *reinterpret_cast<cute::uint128_t*>(stage_a + fc1_smem_offset(row(i), chunk)), load);
+    }
+  }
+};
+
 }  // namespace capmoe::fused

@@ -14,8 +14,8 @@
 //    (another expert's rows, or zero fill past capacity: the map's row extent is capacity)
 //    but their accumulators are never stored.
 //  - A = dy rows (gathered form): fc1's CP_ASYNC gather (fused/gather_rows.cuh), the producer
-//    warpgroup copying one tile row per thread; a row whose token is outside [0, max_tokens)
-//    is zero-filled, rows past the expert's end are not loaded (never stored).
+//    warpgroup copying four whole rows per warp-wide copy; a row whose token is outside
+//    [0, max_tokens) is zero-filled, rows past the expert's end are not loaded (never stored).
 //  - B = W2_e [H, F] is MN-major here (F contiguous): a 3D map over dims (F, H, E), two
 //    64-column x 64-row boxes per stage. The shared layout tiles GMMA's MN-major 128B-swizzle
 //    atom (64 columns x 8 rows) along K first, as CUTLASS's sm90 collective does for MN-major
@@ -176,39 +176,33 @@ __device__ void produce(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
   }
 }
 
-// The gathered form's producer warpgroup: thread r copies tile row r (dy[token_of_row[row0 + r]],
-// or zeros for a token outside [0, max_tokens)) into each stage, as fc1's CP_ASYNC form does,
-// and arrives on the stage's barrier when its copies land; thread 0 also issues the W2 boxes
-// (the only bytes the barrier's transaction count expects). The barrier takes 1 + 128 arrivals.
+// The gathered form's producer warpgroup: the 128 threads copy the tile's rows
+// dy[token_of_row[row0 + r]] (zeros for a token outside [0, max_tokens)) into each stage, four
+// whole rows per warp-wide copy (fused/gather_rows.cuh, as fc1's CP_ASYNC form), and arrive on
+// the stage's barrier when their copies land; thread 0 also issues the W2 boxes (the only bytes
+// the barrier's transaction count expects). The barrier takes 1 + 128 arrivals.
 template <class T>
 __device__ void produce_gathered(const SwigluDgradParams& p, typename Kernel<T>::Shared& s, int total_tiles,
                                  int slices) {
   using K = Kernel<T>;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  const int r = threadIdx.x;  // the tile row this thread copies
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
-  const T* dy = static_cast<const T*>(p.dy);
+  GatherRows<kTileM> gather(threadIdx.x);
   StageRing<kStages> ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
     // Rows past the expert's end are not loaded (never stored); a stored row with an invalid
-    // token must be a zero row (its dh and dprob partials are then those of dact = 0).
-    const bool in_tile = r < t.rows;
-    const int token = in_tile ? __ldg(p.token_of_row + t.row0 + r) : -1;
-    const bool valid = token >= 0 && token < p.max_tokens;
-    const T* src_row = dy + int64_t(valid ? token : 0) * p.hidden;
+    // token is a zero row (its dh and dprob partials are then those of dact = 0).
+    gather.set_tile(p.token_of_row + t.row0, t.rows, p.max_tokens);
     for (int kb = 0; kb < k_blocks; ++kb) {
       Barrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
       const int stage = ring.stage;
       const int k0 = kb * kTileK;
-      if (r == 0) {
+      if (threadIdx.x == 0) {
         Barrier::arrive_and_expect_tx(&s.full[stage], K::kBytesB);
         load_weights<T>(p, s, stage, t, k0);
       }
-      if (in_tile) {
-        uint8_t* stage_a = reinterpret_cast<uint8_t*>(s.a + stage * K::kStageElemsA);
-        gather_row_chunks<T, kTileK>(src_row, valid, k0, p.hidden, stage_a, r);
-      }
+      gather.copy(static_cast<const T*>(p.dy), p.hidden, k0, reinterpret_cast<uint8_t*>(s.a + stage * K::kStageElemsA));
       cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
       ring.advance();
     }
@@ -409,11 +403,13 @@ __global__ void __launch_bounds__(kThreads, 1) swiglu_dgrad_kernel(const __grid_
   const int slices = p.ffn / kTileN;
   const int total_tiles = s.tile_prefix[p.experts] * slices;
   if (warp < 4) {
-    cutlass::arch::warpgroup_reg_dealloc<40>();
+    // 56 + 2 x 224 per thread-row of warpgroups: the 168 x 3 the launch holds. The cp.async
+    // producer keeps 8 row tokens live (GatherRows) and would spill under 40.
+    cutlass::arch::warpgroup_reg_dealloc<56>();
     if constexpr (kA == ASource::Gathered) produce_gathered<T>(p, s, total_tiles, slices);
     else if (threadIdx.x == 0) produce<T>(p, s, total_tiles, slices);
   } else {
-    cutlass::arch::warpgroup_reg_alloc<232>();
+    cutlass::arch::warpgroup_reg_alloc<224>();
     consume<T, kA>(p, s, total_tiles, slices);
   }
 }

@@ -46,8 +46,8 @@ enum { CAPMOE_FUSED_FC1_TILE_N = 128, CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N = 128, CA
 
 /* How the kernel gathers the x rows of a tile into shared memory. Both give the same bits.
  *  TMA_ROWS: one TMA per row (a 1 x 64 box of x), issued by one producer warp;
- *  CP_ASYNC: 16-byte cp.async copies by a producer warpgroup, one row per thread, swizzled by
- *            hand;
+ *  CP_ASYNC: 16-byte cp.async copies by a producer warpgroup, 8 lanes per row (each warp-wide
+ *            copy reads four whole rows), swizzled by hand;
  *  AUTO:     CP_ASYNC until the H100 has measured both. TMA_ROWS lands each 128-byte row box
  *            at a 128-byte aligned destination inside a 128B-swizzled stage, while compilers
  *            that emit TMA (NVIDIA Fuser, TileLang) align swizzled destinations to the 1024-byte
