@@ -319,31 +319,38 @@ fn fused_moe_swiglu_dgrad_matches_unfused_and_the_fp64_reference() {
     }
 }
 
-/// One captured forward + backward of a plan with both fused kernels, replayed 200 times with
-/// fresh routing, x, dy and T; every replay bit-equal to an eager run of an identical plan.
-#[test]
-fn fused_moe_swiglu_dgrad_graph_replays_equal_eager() {
-    let stream = gpu_or_skip!();
+/// Captures one forward + backward of a plan with `opts`, replays it 200 times with fresh
+/// routing, x, dy and T, and asserts every replay bit-equal to an eager run of an identical plan
+/// (dx written on its T rows, the poison past them).
+fn assert_replays_equal_eager(stream: &Arc<CudaStream>, opts: MoeOptions, seed: u64) {
     let _lock = common::CAPTURE_LOCK.lock().unwrap();
-    let (w1, w2) = weights(13);
-    let mut graph_moe = plan_with(&stream, None, FusedKernel::Fused, FusedKernel::Fused);
-    let mut eager_moe = plan_with(&stream, None, FusedKernel::Fused, FusedKernel::Fused);
-    let (mut gio, mut eio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
-    let mut rng = StdRng::seed_from_u64(14);
-    gio.load(&stream, &step(&mut rng, 4));
+    let (w1, w2) = weights(seed);
+    let mut graph_moe = MoeExperts::<bf16>::with_options(config(None), opts, stream).unwrap();
+    let mut eager_moe = MoeExperts::<bf16>::with_options(config(None), opts, stream).unwrap();
+    let (mut gio, mut eio) = (layer_io(stream, &w1, &w2), layer_io(stream, &w1, &w2));
+    let mut rng = StdRng::seed_from_u64(seed + 1);
+    gio.load(stream, &step(&mut rng, 4));
     stream.synchronize().unwrap();
-    let graph = capture(&stream, || gio.step(&mut graph_moe, &stream)).unwrap();
+    let graph = capture(stream, || gio.step(&mut graph_moe, stream)).unwrap();
     let replays = if common::under_sanitizer() { 10 } else { 200 };
     for i in 0..replays {
         let s = step(&mut rng, i);
-        gio.load(&stream, &s);
-        eio.load(&stream, &s);
+        gio.load(stream, &s);
+        eio.load(stream, &s);
         graph.launch().unwrap();
-        eio.step(&mut eager_moe, &stream).unwrap();
-        assert_bits(&format!("replay {i} (T={})", s.t), &gio.bits(&stream), &eio.bits(&stream));
+        eio.step(&mut eager_moe, stream).unwrap();
+        assert_bits(&format!("{opts:?}: replay {i} (T={})", s.t), &gio.bits(stream), &eio.bits(stream));
         let dx = stream.clone_dtoh(&gio.dx).unwrap();
-        assert_written_bf16(&format!("replay {i}: dx"), &dx, s.t * H);
+        assert_written_bf16(&format!("{opts:?}: replay {i}: dx"), &dx, s.t * H);
     }
+}
+
+/// The fused fc1 and fc2 dgrad + SwiGLU backward, captured once and replayed.
+#[test]
+fn fused_moe_swiglu_dgrad_graph_replays_equal_eager() {
+    let stream = gpu_or_skip!();
+    let opts = MoeOptions { fc1: FusedKernel::Fused, swiglu_dgrad: FusedKernel::Fused, ..MoeOptions::default() };
+    assert_replays_equal_eager(&stream, opts, 13);
 }
 
 #[test]
@@ -479,34 +486,17 @@ fn fused_moe_gathered_fc1_wgrad_matches_unfused_and_the_fp64_reference() {
 }
 
 /// Every fused kernel at once (fc1, fc2 dgrad + SwiGLU backward, gathered fc1 wgrad), captured
-/// once and replayed 200 times with fresh routing, x, dy and T: bit-equal to eager each time.
+/// once and replayed.
 #[test]
 fn fused_moe_every_fused_kernel_graph_replays_equal_eager() {
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
-    let (w1, w2) = weights(17);
     let opts = MoeOptions {
         fc1: FusedKernel::Fused,
         swiglu_dgrad: FusedKernel::Fused,
         fc1_wgrad: FusedKernel::Fused,
         ..MoeOptions::default()
     };
-    let mut graph_moe = MoeExperts::<bf16>::with_options(config(None), opts, &stream).unwrap();
-    let mut eager_moe = MoeExperts::<bf16>::with_options(config(None), opts, &stream).unwrap();
-    let (mut gio, mut eio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
-    let mut rng = StdRng::seed_from_u64(18);
-    gio.load(&stream, &step(&mut rng, 4));
-    stream.synchronize().unwrap();
-    let graph = capture(&stream, || gio.step(&mut graph_moe, &stream)).unwrap();
-    let replays = if common::under_sanitizer() { 10 } else { 200 };
-    for i in 0..replays {
-        let s = step(&mut rng, i);
-        gio.load(&stream, &s);
-        eio.load(&stream, &s);
-        graph.launch().unwrap();
-        eio.step(&mut eager_moe, &stream).unwrap();
-        assert_bits(&format!("replay {i} (T={})", s.t), &gio.bits(&stream), &eio.bits(&stream));
-    }
+    assert_replays_equal_eager(&stream, opts, 17);
 }
 
 #[test]
@@ -633,29 +623,18 @@ fn fused_moe_prob_in_fc1_forward_only_equals_training_forward() {
     }
 }
 
-/// Every fused kernel with the probability in fc1, captured once and replayed 200 times with
-/// fresh routing, x, dy and T: bit-equal to eager each time.
+/// Every fused kernel with the probability in fc1, captured once and replayed.
 #[test]
 fn fused_moe_prob_in_fc1_graph_replays_equal_eager() {
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
-    let (w1, w2) = weights(25);
-    let mut graph_moe = plan_prob_in_fc1(&stream, None, FusedKernel::Fused);
-    let mut eager_moe = plan_prob_in_fc1(&stream, None, FusedKernel::Fused);
-    let (mut gio, mut eio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
-    let mut rng = StdRng::seed_from_u64(26);
-    gio.load(&stream, &step(&mut rng, 4));
-    stream.synchronize().unwrap();
-    let graph = capture(&stream, || gio.step(&mut graph_moe, &stream)).unwrap();
-    let replays = if common::under_sanitizer() { 10 } else { 200 };
-    for i in 0..replays {
-        let s = step(&mut rng, i);
-        gio.load(&stream, &s);
-        eio.load(&stream, &s);
-        graph.launch().unwrap();
-        eio.step(&mut eager_moe, &stream).unwrap();
-        assert_bits(&format!("replay {i} (T={})", s.t), &gio.bits(&stream), &eio.bits(&stream));
-    }
+    let opts = MoeOptions {
+        fc1: FusedKernel::Fused,
+        swiglu_dgrad: FusedKernel::Fused,
+        fc1_wgrad: FusedKernel::Fused,
+        prob_in_fc1: FusedKernel::Fused,
+        ..MoeOptions::default()
+    };
+    assert_replays_equal_eager(&stream, opts, 25);
 }
 
 #[test]

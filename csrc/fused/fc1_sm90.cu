@@ -164,28 +164,10 @@ __device__ void produce_tma_rows(const Fc1Params& p, typename Kernel<T>::Shared&
 template <class T>
 __device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles,
                                  int slices) {
-  using K = Kernel<T>;
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
-  GatherRows<kTileM> gather(threadIdx.x);
-  StageRing<kStages> ring;
-  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
-    gather.set_tile(p.token_of_row + t.row0, t.rows, p.max_tokens);
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      Barrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
-      const int stage = ring.stage;
-      const int k0 = kb * kTileK;
-      if (threadIdx.x == 0) {
-        Barrier::arrive_and_expect_tx(&s.full[stage], K::kBytesB);
-        load_weights<T>(p, s, stage, t, k0);
-      }
-      gather.copy(static_cast<const T*>(p.x), p.hidden, k0, reinterpret_cast<uint8_t*>(s.a + stage * K::kStageElemsA));
-      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
-      ring.advance();
-    }
-  }
-  cp_async_wait<0>();  // no thread exits with copies in flight
+  produce_gathered_a<kTileM, kTileK, kStages>(
+      p.x, p.hidden, p.max_tokens, p.token_of_row, s.full, s.empty, s.a, Kernel<T>::kBytesB,
+      total_tiles, [&](int tile) { return locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts); },
+      [&](int stage, const Tile& t, int k0) { load_weights<T>(p, s, stage, t, k0); });
 }
 
 // Rounds the accumulators to T, then act = silu(g) * u in fp32 (capmoe_routing_swiglu's math),
@@ -284,8 +266,8 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_swiglu_kernel(const __grid_co
   const int slices = p.ffn / kTileN;
   const int total_tiles = s.tile_prefix[p.experts] * slices;
   if (warp < 4) {
-    // 56 + 2 x 224 per thread-row of warpgroups: the 168 x 3 the launch holds. The cp.async
-    // producer keeps 8 row tokens live (GatherRows) and would spill under 40.
+    // setmaxnreg moves registers between warpgroups: 56 + 2 x 224 = 3 x 168, what the launch
+    // holds. The cp.async producer keeps 8 row tokens live (GatherRows) and spilled under 40.
     cutlass::arch::warpgroup_reg_dealloc<56>();
     if constexpr (kGather == Gather::CpAsync) produce_cp_async<T>(p, s, total_tiles, slices);
     else if (warp == 0) produce_tma_rows<T>(p, s, total_tiles, slices);

@@ -11,8 +11,11 @@
 
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/numeric/int.hpp>
+#include <cutlass/arch/barrier.h>
 
 #include "fused/fc1_layout.h"
+#include "fused/pipeline.cuh"
+#include "fused/tile_list.cuh"
 
 namespace capmoe::fused {
 
@@ -89,5 +92,41 @@ struct GatherRows {
     }
   }
 };
+
+// The gathered producers' loop (fc1's CP_ASYNC form, the dgrad's gathered form), run by the
+// 128 threads of the producer warpgroup. Per tile and K block: wait for a free stage; thread 0
+// arms the stage's full barrier with the B tile's bytes (the only ones TMA counts) and issues
+// B's TMAs, load_b(stage, tile, k0); every thread copies its chunks of the tile's gathered A
+// rows (src [max_tokens, hidden] of T through token_of_row) and arrives when they land. The full
+// barriers therefore take 1 + 128 arrivals. locate(tile) maps a linear tile index to its Tile.
+// The scalars come by reference to the kernel's parameters, so they are read from parameter
+// space where needed instead of held in the producer's few registers (it runs under setmaxnreg).
+template <int kTileM, int kTileK, int kStages, class T, class Locate, class LoadB>
+__device__ __forceinline__ void produce_gathered_a(const void* const& src, const int& hidden, const int& max_tokens,
+                                                   const int32_t* const& token_of_row, uint64_t* full,
+                                                   uint64_t* empty, T* a_stages, uint32_t bytes_b, int total_tiles,
+                                                   Locate locate, LoadB load_b) {
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  const int k_blocks = (hidden + kTileK - 1) / kTileK;
+  GatherRows<kTileM> gather(threadIdx.x);
+  StageRing<kStages> ring;
+  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    const Tile t = locate(tile);
+    gather.set_tile(token_of_row + t.row0, t.rows, max_tokens);
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      Barrier::wait(&empty[ring.stage], ring.phase ^ 1);
+      const int stage = ring.stage;
+      const int k0 = kb * kTileK;
+      if (threadIdx.x == 0) {
+        Barrier::arrive_and_expect_tx(&full[stage], bytes_b);
+        load_b(stage, t, k0);
+      }
+      gather.copy(static_cast<const T*>(src), hidden, k0, reinterpret_cast<uint8_t*>(a_stages + stage * kTileM * kTileK));
+      cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
+      ring.advance();
+    }
+  }
+  cute::cp_async_wait<0>();  // no thread exits with copies in flight
+}
 
 }  // namespace capmoe::fused

@@ -184,30 +184,10 @@ __device__ void produce(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
 template <class T>
 __device__ void produce_gathered(const SwigluDgradParams& p, typename Kernel<T>::Shared& s, int total_tiles,
                                  int slices) {
-  using K = Kernel<T>;
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
-  GatherRows<kTileM> gather(threadIdx.x);
-  StageRing<kStages> ring;
-  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
-    // Rows past the expert's end are not loaded (never stored); a stored row with an invalid
-    // token is a zero row (its dh and dprob partials are then those of dact = 0).
-    gather.set_tile(p.token_of_row + t.row0, t.rows, p.max_tokens);
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      Barrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
-      const int stage = ring.stage;
-      const int k0 = kb * kTileK;
-      if (threadIdx.x == 0) {
-        Barrier::arrive_and_expect_tx(&s.full[stage], K::kBytesB);
-        load_weights<T>(p, s, stage, t, k0);
-      }
-      gather.copy(static_cast<const T*>(p.dy), p.hidden, k0, reinterpret_cast<uint8_t*>(s.a + stage * K::kStageElemsA));
-      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
-      ring.advance();
-    }
-  }
-  cp_async_wait<0>();  // no thread exits with copies in flight
+  produce_gathered_a<kTileM, kTileK, kStages>(
+      p.dy, p.hidden, p.max_tokens, p.token_of_row, s.full, s.empty, s.a, Kernel<T>::kBytesB,
+      total_tiles, [&](int tile) { return locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts); },
+      [&](int stage, const Tile& t, int k0) { load_weights<T>(p, s, stage, t, k0); });
 }
 
 // The h pairs a thread's accumulators need: gate[j] = h[row, col .. col + 1] and up[j] the
@@ -403,8 +383,8 @@ __global__ void __launch_bounds__(kThreads, 1) swiglu_dgrad_kernel(const __grid_
   const int slices = p.ffn / kTileN;
   const int total_tiles = s.tile_prefix[p.experts] * slices;
   if (warp < 4) {
-    // 56 + 2 x 224 per thread-row of warpgroups: the 168 x 3 the launch holds. The cp.async
-    // producer keeps 8 row tokens live (GatherRows) and would spill under 40.
+    // setmaxnreg moves registers between warpgroups: 56 + 2 x 224 = 3 x 168, what the launch
+    // holds. The cp.async producer keeps 8 row tokens live (GatherRows) and spilled under 40.
     cutlass::arch::warpgroup_reg_dealloc<56>();
     if constexpr (kA == ASource::Gathered) produce_gathered<T>(p, s, total_tiles, slices);
     else if (threadIdx.x == 0) produce<T>(p, s, total_tiles, slices);
