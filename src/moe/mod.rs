@@ -341,7 +341,7 @@ impl<T: MoeElement> MoeExperts<T> {
         Self::build("MoeExperts::new", config, options, stream, Scratch::Stream(stream))
     }
 
-    /// [`with_options`](Self::with_options) with the intermediate activations (the eight
+    /// [`with_options`](Self::with_options) with the intermediate activations (the
     /// `[capacity, ...]` buffers, nearly all of the plan's memory) taken from `range` of a
     /// [`MemoryPool`](crate::graph::MemoryPool), so that graphs of several shapes share them.
     /// Route maps, flag words, the map-form routes and the GEMM workspace stay the plan's own
