@@ -100,29 +100,29 @@ struct Kernel {
   static constexpr size_t kSmemBytes = sizeof(Shared) + 1024;  // + room to align the base
 };
 
-__device__ __forceinline__ int clamp_row(int64_t r, int capacity) {
+__device__ __forceinline__ int clamp_wgrad_row(int64_t r, int capacity) {
   return int(r < 0 ? 0 : (r > capacity ? capacity : r));
 }
 
 // One tile of the list: expert, its clamped rows [row_begin, row_end), output corner.
-struct Tile {
+struct WgradTile {
   int expert, row_begin, row_end, m0, n0;
   __device__ int k_blocks() const { return (row_end - row_begin + kTileK - 1) / kTileK; }
 };
 
-__device__ __forceinline__ Tile locate(const WgradGatherParams& p, int tile) {
+__device__ __forceinline__ WgradTile locate(const WgradGatherParams& p, int tile) {
   const int per_expert = p.m_tiles * p.n_tiles;
   const int e = tile / per_expert;
   const int local = tile - e * per_expert;
   const int n_tile = local / p.m_tiles;
   const int m_tile = local - n_tile * p.m_tiles;
-  const int begin = clamp_row(__ldg(p.offsets + e), p.capacity);
-  const int end = max(begin, clamp_row(__ldg(p.offsets + e + 1), p.capacity));
-  return Tile{e, begin, end, m_tile * kTileM, n_tile * kTileN};
+  const int begin = clamp_wgrad_row(__ldg(p.offsets + e), p.capacity);
+  const int end = max(begin, clamp_wgrad_row(__ldg(p.offsets + e + 1), p.capacity));
+  return WgradTile{e, begin, end, m_tile * kTileM, n_tile * kTileN};
 }
 
 // Accumulate mode leaves an expert without rows untouched: no loads, no MMA, no store.
-__device__ __forceinline__ bool skipped(const WgradGatherParams& p, const Tile& t) {
+__device__ __forceinline__ bool skipped(const WgradGatherParams& p, const WgradTile& t) {
   return p.accumulate && t.row_end == t.row_begin;
 }
 
@@ -168,7 +168,7 @@ __device__ void produce(const WgradGatherParams& p, typename Kernel<T>::Shared& 
   const int b_rows = p.b_gathered ? p.max_tokens : p.capacity;
   StageRing<kStages> ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const Tile t = locate(p, tile);
+    const WgradTile t = locate(p, tile);
     if (skipped(p, t)) continue;
     for (int row = t.row_begin; row < t.row_end; row += kTileK) {
       Barrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
@@ -187,7 +187,7 @@ __device__ void produce(const WgradGatherParams& p, typename Kernel<T>::Shared& 
 // Stores this thread's accumulators of tile t (only m < M, n < N): rounded to Out, or, for an
 // fp32 output with accumulate, added to what dW holds.
 template <class Out, class Accum, class Coords>
-__device__ void store_tile(const WgradGatherParams& p, const Tile& t, const Accum& acc, const Coords& coords) {
+__device__ void store_tile(const WgradGatherParams& p, const WgradTile& t, const Accum& acc, const Coords& coords) {
   Out* dw = static_cast<Out*>(p.dw) + int64_t(t.expert) * p.m * p.n;
 #pragma unroll
   for (int i = 0; i < size(acc); i += 2) {
@@ -228,7 +228,7 @@ __device__ void consume(const WgradGatherParams& p, typename Kernel<T>::Shared& 
 
   StageRing<kStages> ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const Tile t = locate(p, tile);
+    const WgradTile t = locate(p, tile);
     if (skipped(p, t)) continue;
     const int k_blocks = t.k_blocks();
     if (k_blocks == 0) {
