@@ -49,6 +49,7 @@ fn run() -> Result<(), String> {
         "CAPMOE_NVCC_JOBS",
         "CAPMOE_OBJ_CACHE",
         "CAPMOE_NVCC_VERBOSE",
+        "CAPMOE_NVCC_DEFINES",
         "LIBCLANG_PATH",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
@@ -152,7 +153,15 @@ fn nvcc_flags(csrc: &Path, cutlass: &[PathBuf]) -> Vec<String> {
     for dir in cutlass {
         flags.push(format!("-I{}", dir.display()));
     }
+    flags.extend(debug_defines());
     flags
+}
+
+/// `CAPMOE_NVCC_DEFINES`: whitespace-separated `NAME` or `NAME=VALUE` macros for every TU, for
+/// debug builds (e.g. `CAPMOE_FUSED_HANG_TRAP`, csrc/fused/pipeline.cuh). They are part of the
+/// flags, so the object cache keeps such builds apart from plain ones.
+fn debug_defines() -> Vec<String> {
+    env::var("CAPMOE_NVCC_DEFINES").unwrap_or_default().split_whitespace().map(|d| format!("-D{d}")).collect()
 }
 
 fn built_arch_defines(archs: &[String]) -> Vec<String> {

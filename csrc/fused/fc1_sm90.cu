@@ -143,7 +143,7 @@ __device__ void produce_tma_rows(const Fc1Params& p, typename Kernel<T>::Shared&
     }
     const uint32_t bytes = uint32_t(loaded) * K::kRowBytes + K::kBytesB;
     for (int kb = 0; kb < k_blocks; ++kb) {
-      Barrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
+      wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "fc1 TMA producer, empty");
       const int stage = ring.stage;
       if (lane == 0) Barrier::arrive_and_expect_tx(&s.full[stage], bytes);
       __syncwarp();

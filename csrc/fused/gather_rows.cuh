@@ -114,7 +114,7 @@ __device__ __forceinline__ void produce_gathered_a(const void* const& src, const
     const Tile t = locate(tile);
     gather.set_tile(token_of_row + t.row0, t.rows, max_tokens);
     for (int kb = 0; kb < k_blocks; ++kb) {
-      Barrier::wait(&empty[ring.stage], ring.phase ^ 1);
+      wait_barrier(&empty[ring.stage], ring.phase ^ 1, "gathering producer, empty");
       const int stage = ring.stage;
       const int k0 = kb * kTileK;
       if (threadIdx.x == 0) {

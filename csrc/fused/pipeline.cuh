@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
@@ -25,6 +26,26 @@ struct StageRing {
     }
   }
 };
+
+// Waits until `barrier` has completed the phase of parity `phase`. Every wait of the fused
+// kernels goes through here, so that a debug build can turn a deadlock into a message: built
+// with CAPMOE_NVCC_DEFINES=CAPMOE_FUSED_HANG_TRAP (build.rs), a wait that spins about 2^28
+// times prints who waited (`role`), on which barrier and parity, then traps. Off by default
+// (the plain wait spins forever).
+__device__ __forceinline__ void wait_barrier(uint64_t* barrier, uint32_t phase, const char* role) {
+#if defined(CAPMOE_FUSED_HANG_TRAP)
+  for (uint32_t spins = 0; !cutlass::arch::ClusterBarrier::try_wait(barrier, phase); ++spins) {
+    if (spins == (1u << 28)) {
+      printf("capmoe fused kernel stuck: %s, block %d thread %d, barrier %p, parity %u\n", role, blockIdx.x,
+             threadIdx.x, static_cast<void*>(barrier), phase);
+      __trap();
+    }
+  }
+#else
+  (void)role;
+  cutlass::arch::ClusterBarrier::wait(barrier, phase);
+#endif
+}
 
 // The kernel's shared storage at the first 1024-byte boundary of the dynamic shared memory
 // (the 128B swizzle repeats every 1024 bytes; the launch asks for 1024 bytes more than it needs).
@@ -53,7 +74,7 @@ __device__ __forceinline__ void pass_k_blocks(StageRing<kStages>& ring, uint64_t
                                               int k_blocks, bool warp_leader) {
   using Barrier = cutlass::arch::ClusterBarrier;
   for (int kb = 0; kb < k_blocks; ++kb) {
-    Barrier::wait(&full[ring.stage], ring.phase);
+    wait_barrier(&full[ring.stage], ring.phase, "consumer without rows, full");
     if (warp_leader) Barrier::arrive(&empty[ring.stage]);
     ring.advance();
   }
@@ -72,7 +93,7 @@ __device__ __forceinline__ void mma_k_blocks(StageRing<kStages>& ring, uint64_t*
   mma.accumulate_ = GMMA::ScaleOut::Zero;
   int previous = -1;
   for (int kb = 0; kb < k_blocks; ++kb) {
-    Barrier::wait(&full[ring.stage], ring.phase);
+    wait_barrier(&full[ring.stage], ring.phase, "consumer, full");
     if constexpr (kAfterCpAsync) cutlass::arch::fence_view_async_shared();
     warpgroup_fence_operand(acc);
     warpgroup_arrive();

@@ -164,7 +164,7 @@ __device__ void produce(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
     for (int kb = 0; kb < k_blocks; ++kb) {
-      Barrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
+      wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "dgrad TMA producer, empty");
       const int stage = ring.stage;
       // TMA counts every byte of a box, zero-filled ones included: the stage is always full.
       Barrier::arrive_and_expect_tx(&s.full[stage], K::kStageBytes);

@@ -161,7 +161,6 @@ __device__ __forceinline__ void copy_block(const T* src, int ld, int cols, bool 
 template <class T>
 __device__ void produce(const WgradGatherParams& p, typename Kernel<T>::Shared& s, int total_tiles) {
   using K = Kernel<T>;
-  using Barrier = cutlass::arch::ClusterBarrier;
   const T* a = static_cast<const T*>(p.a);
   const T* b = static_cast<const T*>(p.b);
   const int a_rows = p.a_gathered ? p.max_tokens : p.capacity;
@@ -171,7 +170,7 @@ __device__ void produce(const WgradGatherParams& p, typename Kernel<T>::Shared& 
     const WgradTile t = locate(p, tile);
     if (skipped(p, t)) continue;
     for (int row = t.row_begin; row < t.row_end; row += kTileK) {
-      Barrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
+      wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "wgrad producer, empty");
       const int stage = ring.stage;
       copy_block<T, kTileM>(a, p.m, p.m, p.a_gathered, a_rows, p.token_of_row, row, t.row_end, t.m0,
                             reinterpret_cast<uint8_t*>(s.a) + stage * K::kStageBytesA);
