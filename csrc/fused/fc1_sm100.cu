@@ -14,9 +14,10 @@
 //  - warps 0-7, the epilogue: warp w may read only TMEM lanes [32 (w % 4), 32 (w % 4) + 32)
 //    (a warp's tcgen05.ld reaches the lane quarter of its rank in its warpgroup), so warp w
 //    takes tile rows 32 (w % 4) + lane and act columns [64 (w / 4), 64 (w / 4) + 64);
-//  - warps 8-11, the producer: one tile row per thread, gathered by cp.async (the Hopper
-//    kernel's CP_ASYNC form, fc1_smem_offset), invalid tokens zero-filled, rows past the
-//    expert's end not loaded; thread 0 also loads the W1 tile by TMA. No TMA_ROWS form here:
+//  - warps 8-11, the producer: the Hopper kernel's CP_ASYNC gather (GatherRows in
+//    fused/gather_rows.cuh: 16-byte chunks at fc1_smem_offset, four whole rows per warp-wide
+//    copy), invalid tokens zero-filled, rows past the expert's end not loaded; its first
+//    thread also loads the W1 tile by TMA. No TMA_ROWS form here:
 //    its per-row 128-byte boxes are unproven on Hopper already, and on Blackwell nothing could
 //    test them (fc1.cu refuses it on 10.0);
 //  - warp 12, the MMA warp: allocates TMEM, and one elected thread issues every tcgen05.mma
@@ -58,6 +59,7 @@
 #include "common/swiglu_math.cuh"
 #include "fused/epilogue.cuh"
 #include "fused/fc1_launch.h"
+#include "fused/fc1_sm100_layout.h"
 #include "fused/gather_rows.cuh"
 #include "fused/pipeline.cuh"
 #include "fused/tile_list.cuh"
@@ -74,10 +76,10 @@ namespace {
 
 using namespace cute;
 
-constexpr int kTileM = 128;
-constexpr int kTileN = CAPMOE_FUSED_FC1_TILE_N;  // act columns per tile (B holds 2x)
-constexpr int kTileK = 64;                       // 64 16-bit elements = one 128-byte row
-constexpr int kStages = 4;
+constexpr int kTileM = kFc1Sm100TileM;
+constexpr int kTileN = kFc1Sm100TileN;  // act columns per tile (B holds 2x)
+constexpr int kTileK = kFc1Sm100TileK;  // 64 16-bit elements = one 128-byte row
+constexpr int kStages = kFc1Sm100Stages;
 constexpr int kAccStages = 2;                // TMEM accumulator buffers
 constexpr int kAccColumns = 2 * kTileN;      // fp32 TMEM columns of one accumulator: gate | up
 constexpr int kTmemColumns = kAccStages * kAccColumns;
@@ -92,6 +94,7 @@ constexpr int kEpilogueColumns = kTileN / (kEpilogueWarps / 4);  // act columns 
 constexpr uint64_t kEvictNormal = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
 
 static_assert(kThreads == 416 && kMmaWarp == 12, "roles: 8 epilogue warps, 4 producer warps, 1 MMA warp");
+static_assert(GatherRows<kTileM>::kThreads == kProducerThreads, "the gather's thread -> (row, chunk) map covers the tile");
 static_assert(kEpilogueWarps % 4 == 0, "each epilogue warpgroup covers all 128 TMEM lanes, a quarter per warp");
 static_assert(kTmemColumns == 512, "two accumulators fill TMEM (tcgen05.alloc: a power of 2, 32 ..= 512)");
 static_assert(kEpilogueColumns % kColumnsPerLoad == 0, "whole tcgen05.ld loads per thread");
@@ -99,15 +102,12 @@ static_assert(kEpilogueColumns % kColumnsPerLoad == 0, "whole tcgen05.ld loads p
 template <class T>
 struct Kernel {
   // One 128x256x16 UMMA per k16 step, A and B K-major in shared memory, fp32 accumulators.
-  using Mma = SM100_MMA_F16BF16_SS<T, T, float, kTileM, 2 * kTileN, UMMA::Major::K, UMMA::Major::K>;
-  using TiledMma = decltype(make_tiled_mma(Mma{}));
-  using MmaShapeA = decltype(partition_shape_A(TiledMma{}, Shape<Int<kTileM>, Int<kTileK>>{}));
-  using MmaShapeB = decltype(partition_shape_B(TiledMma{}, Shape<Int<2 * kTileN>, Int<kTileK>>{}));
-  using SmemLayoutA =
-      decltype(UMMA::tile_to_mma_shape(UMMA::Layout_K_SW128_Atom<T>{}, append(MmaShapeA{}, Int<kStages>{})));
-  using SmemLayoutB =
-      decltype(UMMA::tile_to_mma_shape(UMMA::Layout_K_SW128_Atom<T>{}, append(MmaShapeB{}, Int<kStages>{})));
-  using AccShape = decltype(partition_shape_C(TiledMma{}, Shape<Int<kTileM>, Int<2 * kTileN>>{}));
+  using TiledMma = typename Fc1Sm100Layout<T>::TiledMma;
+  using MmaShapeA = typename Fc1Sm100Layout<T>::MmaShapeA;
+  using MmaShapeB = typename Fc1Sm100Layout<T>::MmaShapeB;
+  using SmemLayoutA = typename Fc1Sm100Layout<T>::SmemA;
+  using SmemLayoutB = typename Fc1Sm100Layout<T>::SmemB;
+  using AccShape = typename Fc1Sm100Layout<T>::AccShape;
 
   static constexpr int kStageElemsA = kTileM * kTileK;
   static constexpr int kStageElemsB = 2 * kTileN * kTileK;
@@ -116,7 +116,8 @@ struct Kernel {
   // What the producers write must be what the UMMA descriptors read. The cp.async chunks land
   // at fc1_smem_offset and the W1 boxes at row * 128 B of a 1024-byte aligned stage, both in
   // the K-major 128B-swizzle atom that GMMA (Hopper) and UMMA share; the full (row, k, stage)
-  // maps are compared with cute's on the host by tests/layout/fc1_sm100_layout.cu.
+  // maps, and the accumulator's TMEM layout, are compared with cute's on the host by
+  // tests/layout/fc1_sm100_layout.cu.
   static_assert(std::is_same_v<UMMA::Layout_K_SW128_Atom<T>, GMMA::Layout_K_SW128_Atom<T>>,
                 "UMMA's K-major SW128 atom is GMMA's: fc1_smem_offset holds for both");
   static_assert(kTileK * sizeof(T) == 128, "one K block is one 128-byte swizzle row");
@@ -155,12 +156,6 @@ __device__ __forceinline__ Tile locate_tile(int tile, int slices, const int32_t*
   return locate<kTileM, kTileN>(tile, slices, tile_prefix, row_start, experts);
 }
 
-// Token of tile row r, or -1 when the row is past the expert's count or the token is invalid.
-__device__ __forceinline__ int row_token(const Fc1Params& p, const Tile& t, int r) {
-  const int token = r < t.rows ? __ldg(p.token_of_row + t.row0 + r) : -1;
-  return token < p.max_tokens ? token : -1;
-}
-
 // The B tile of a stage: gate rows [n0, n0 + 128) over up rows [F + n0, ...) of W1_e.
 template <class T>
 __device__ __forceinline__ void load_weights(const Fc1Params& p, typename Kernel<T>::Shared& s, int stage, const Tile& t,
@@ -171,33 +166,30 @@ __device__ __forceinline__ void load_weights(const Fc1Params& p, typename Kernel
   SM90_TMA_LOAD_3D::copy(&p.w1_map, &s.full[stage], kEvictNormal, b + kTileN * kTileK, k0, p.ffn + t.n0, t.expert);
 }
 
-// The producer warpgroup: tile row r per thread. Rows of the expert with an invalid token are
-// zero-filled (the MMA reads every row of the stage); rows past the expert's end are not
-// loaded (their TMEM lanes are never stored).
+// The producer warpgroup: the coalesced cp.async gather of the Hopper kernel (GatherRows: 8
+// lanes per 128-byte row, four whole rows per warp-wide copy), invalid tokens zero-filled (the
+// MMA reads every row of the stage), rows past the expert's end not loaded (their TMEM lanes
+// are never stored); producer thread 0 also loads the W1 tile.
 template <class T>
 __device__ void produce(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles, int slices) {
   using K = Kernel<T>;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  const int r = threadIdx.x - kFirstProducerThread;
+  const int producer_thread = threadIdx.x - kFirstProducerThread;
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
+  GatherRows<kTileM> gather(producer_thread);
   StageRing<kStages> ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
-    const bool in_tile = r < t.rows;
-    const int token = row_token(p, t, r);
-    const T* src_row = static_cast<const T*>(p.x) + int64_t(token < 0 ? 0 : token) * p.hidden;
+    gather.set_tile(p.token_of_row + t.row0, t.rows, p.max_tokens);
     for (int kb = 0; kb < k_blocks; ++kb) {
       Barrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
       const int stage = ring.stage;
       const int k0 = kb * kTileK;
-      if (r == 0) {
+      if (producer_thread == 0) {
         Barrier::arrive_and_expect_tx(&s.full[stage], K::kBytesB);
         load_weights<T>(p, s, stage, t, k0);
       }
-      if (in_tile) {
-        uint8_t* stage_a = reinterpret_cast<uint8_t*>(s.a + stage * K::kStageElemsA);
-        gather_row_chunks<T, kTileK>(src_row, token >= 0, k0, p.hidden, stage_a, r);
-      }
+      gather.copy(static_cast<const T*>(p.x), p.hidden, k0, reinterpret_cast<uint8_t*>(s.a + stage * K::kStageElemsA));
       cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
       ring.advance();
     }

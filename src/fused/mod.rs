@@ -80,20 +80,30 @@ pub enum Gather {
 /// for the message).
 fn kernel_device(stream: &CudaStream, builds: &[(Arch, &'static str)], need: &'static str) -> Result<DeviceInfo> {
     let device = DeviceInfo::of_stream(stream)?;
-    let Some(&(arch, kernel)) = builds.iter().find(|(arch, _)| *arch == device.arch) else {
-        return Err(Error::UnsupportedArch { need, got: format!("{:?}", device.arch) });
+    kernel_for_arch(device.arch, builds, need)?;
+    Ok(device)
+}
+
+/// [`kernel_device`]'s decision for a device of `arch`.
+fn kernel_for_arch(arch: Arch, builds: &[(Arch, &'static str)], need: &'static str) -> Result<()> {
+    let Some(&(_, kernel)) = builds.iter().find(|(built, _)| *built == arch) else {
+        return Err(Error::UnsupportedArch { need, got: format!("{arch:?}") });
     };
     if !arch.is_built() {
         return Err(Error::NotBuilt { kernel });
     }
-    Ok(device)
+    Ok(())
 }
 
 /// The sm_90a device of `stream`, or why the kernel cannot run there (`need`: the arch it
 /// needs, for the message; `kernel`: its name when the binary lacks it). The fused dgrad and
 /// the gathered wgrad have no other kernel: a 10.0 device is `UnsupportedArch` for them.
 fn sm90_device(stream: &CudaStream, need: &'static str, kernel: &'static str) -> Result<DeviceInfo> {
-    kernel_device(stream, &[(Arch::Sm90, kernel)], need)
+    kernel_device(stream, &sm90_only(kernel), need)
+}
+
+fn sm90_only(kernel: &'static str) -> [(Arch, &'static str); 1] {
+    [(Arch::Sm90, kernel)]
 }
 
 /// The archs with a fused fc1 kernel, each with its name for [`Error::NotBuilt`].
@@ -564,5 +574,28 @@ impl FusedSwigluDgrad {
             ),
             "fused fc2 dgrad + SwiGLU backward (gathered)",
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// fc1 has a kernel on 9.0 and 10.0, each usable only when its arch is built; the dgrad and
+    /// the gathered wgrad (sm90_device) refuse 10.0 as before, whatever the build.
+    #[test]
+    fn fused_kernels_by_arch_host() {
+        for arch in [Arch::Sm90, Arch::Sm100] {
+            let fc1 = kernel_for_arch(arch, &FC1_BUILDS, "fc1");
+            if arch.is_built() {
+                assert!(fc1.is_ok(), "fc1 on a built {arch:?}: {fc1:?}");
+            } else {
+                assert!(matches!(fc1, Err(Error::NotBuilt { .. })), "fc1 on an unbuilt {arch:?}: {fc1:?}");
+            }
+        }
+        let dgrad = kernel_for_arch(Arch::Sm100, &sm90_only("dgrad (sm_90a)"), "9.0 (sm_90a)");
+        assert!(matches!(dgrad, Err(Error::UnsupportedArch { need: "9.0 (sm_90a)", .. })), "dgrad on 10.0: {dgrad:?}");
+        let on_sm90 = kernel_for_arch(Arch::Sm90, &sm90_only("dgrad (sm_90a)"), "9.0 (sm_90a)");
+        assert_eq!(on_sm90.is_ok(), Arch::Sm90.is_built(), "dgrad on 9.0: {on_sm90:?}");
     }
 }
