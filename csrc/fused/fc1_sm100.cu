@@ -37,7 +37,7 @@
 //    the arrive, tcgen05.fence::after_thread_sync after the wait (both ways: epilogue -> MMA
 //    for a free buffer, MMA -> epilogue is the commit's own arrive, then after_thread_sync);
 //  - tcgen05.wait::ld before any register of a tcgen05.ld is read or the buffer released;
-//  - one warp allocates (all 512 columns; the launch's ~194 KB of shared memory keeps one CTA
+//  - one warp allocates (all 512 columns; the launch's 206,848 B of shared memory keeps one CTA
 //    per SM), relinquishes the allocation permit at once, and frees after the final CTA
 //    barrier, which every epilogue thread reaches after its last tcgen05.wait::ld.
 //    A kernel running concurrently on the same SM that holds TMEM would make tcgen05.alloc
@@ -195,6 +195,12 @@ __device__ void produce(const Fc1Params& p, typename Kernel<T>::Shared& s, int t
     }
   }
   cp_async_wait<0>();  // no thread exits with copies in flight
+  // Nor with a tcgen05.commit arrival still due on a stage: wait until the UMMAs have released
+  // every stage (a stage never filled passes at once).
+  for (int i = 0; i < kStages; ++i) {
+    Barrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
+    ring.advance();
+  }
 }
 
 // The MMA warp: per tile, waits for a free accumulator, then per K block for the stage, and
@@ -243,6 +249,15 @@ __device__ __forceinline__ void tmem_load_32(uint32_t address, uint32_t (&v)[32]
   SM100_TMEM_LOAD_32dp32b32x::copy(address, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], v[11],
                                    v[12], v[13], v[14], v[15], v[16], v[17], v[18], v[19], v[20], v[21], v[22], v[23],
                                    v[24], v[25], v[26], v[27], v[28], v[29], v[30], v[31]);
+}
+
+// Ties every register of a tcgen05.ld to the point after tcgen05.wait::ld: the load's asm
+// does not say its outputs are valid only after the wait, so without this the compiler could
+// schedule their uses between the two. Each empty asm is volatile (kept after the wait's, also
+// volatile) and redefines its register.
+__device__ __forceinline__ void after_tmem_wait(uint32_t (&v)[32]) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("" : "+r"(v[i]));
 }
 
 __device__ __forceinline__ void store_16_pairs(void* dst, const uint32_t (&pairs)[16]) {
@@ -310,6 +325,8 @@ __device__ void drain_accumulators(const Fc1Params& p, typename Kernel<T>::Share
       tmem_load_32(lane_base + column, gate);
       tmem_load_32(lane_base + kTileN + column, up);
       cutlass::arch::fence_view_async_tmem_load();  // tcgen05.wait::ld
+      after_tmem_wait(gate);
+      after_tmem_wait(up);
       if (l == kLoads - 1) {
         // This thread is done with the buffer: the MMA warp may overwrite it.
         tmem_fence_before_thread_sync();
