@@ -11,15 +11,14 @@
 // elementwise per thread once the epilogue has loaded its lane.
 //
 // Roles (416 threads = 13 warps):
-//  - warps 0-7, the epilogue: warp w may read only TMEM lanes [32 (w % 4), 32 (w % 4) + 32)
-//    (a warp's tcgen05.ld reaches the lane quarter of its rank in its warpgroup), so warp w
-//    takes tile rows 32 (w % 4) + lane and act columns [64 (w / 4), 64 (w / 4) + 64);
-//  - warps 8-11, the producer: the Hopper kernel's CP_ASYNC gather (GatherRows in
+//  - warps 0-3, the producer: the Hopper kernel's CP_ASYNC gather loop (produce_gathered_a in
 //    fused/gather_rows.cuh: 16-byte chunks at fc1_smem_offset, four whole rows per warp-wide
-//    copy), invalid tokens zero-filled, rows past the expert's end not loaded; its first
-//    thread also loads the W1 tile by TMA. No TMA_ROWS form here:
-//    its per-row 128-byte boxes are unproven on Hopper already, and on Blackwell nothing could
-//    test them (fc1.cu refuses it on 10.0);
+//    copy, invalid tokens zero-filled, rows past the expert's end not loaded); thread 0 also
+//    loads the W1 tile by TMA. No TMA_ROWS form here: its per-row 128-byte boxes are unproven
+//    on Hopper already, and on Blackwell nothing could test them (fc1.cu refuses it on 10.0);
+//  - warps 4-11, the epilogue: a warp may read only TMEM lanes [32 (w % 4), 32 (w % 4) + 32)
+//    (a warp's tcgen05.ld reaches the lane quarter of its rank in its warpgroup), so warp w
+//    takes tile rows 32 (w % 4) + lane and act columns [64 (w / 4 - 1), 64 (w / 4 - 1) + 64);
 //  - warp 12, the MMA warp: allocates TMEM, and one elected thread issues every tcgen05.mma
 //    and tcgen05.commit.
 // Pipelines: the shared-memory stage ring (fused/pipeline.cuh; a stage goes back to the
@@ -83,11 +82,11 @@ constexpr int kStages = kFc1Sm100Stages;
 constexpr int kAccStages = 2;                // TMEM accumulator buffers
 constexpr int kAccColumns = 2 * kTileN;      // fp32 TMEM columns of one accumulator: gate | up
 constexpr int kTmemColumns = kAccStages * kAccColumns;
+constexpr int kProducerThreads = 128;  // warps 0-3 (produce_gathered_a indexes by threadIdx.x)
 constexpr int kEpilogueWarps = 8;
 constexpr int kEpilogueThreads = 32 * kEpilogueWarps;
-constexpr int kProducerThreads = 128;
-constexpr int kFirstProducerThread = kEpilogueThreads;
-constexpr int kMmaWarp = (kEpilogueThreads + kProducerThreads) / 32;
+constexpr int kFirstEpilogueWarp = kProducerThreads / 32;
+constexpr int kMmaWarp = kFirstEpilogueWarp + kEpilogueWarps;
 constexpr int kThreads = 32 * (kMmaWarp + 1);
 constexpr int kColumnsPerLoad = 32;  // one tcgen05.ld 32x32b.x32: 32 fp32 columns of a lane
 constexpr int kEpilogueColumns = kTileN / (kEpilogueWarps / 4);  // act columns per thread
@@ -95,7 +94,8 @@ constexpr uint64_t kEvictNormal = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
 
 static_assert(kThreads == 416 && kMmaWarp == 12, "roles: 8 epilogue warps, 4 producer warps, 1 MMA warp");
 static_assert(GatherRows<kTileM>::kThreads == kProducerThreads, "the gather's thread -> (row, chunk) map covers the tile");
-static_assert(kEpilogueWarps % 4 == 0, "each epilogue warpgroup covers all 128 TMEM lanes, a quarter per warp");
+static_assert(kEpilogueWarps % 4 == 0 && kFirstEpilogueWarp % 4 == 0,
+              "the epilogue is whole warpgroups, each covering all 128 TMEM lanes, a quarter per warp");
 static_assert(kTmemColumns == 512, "two accumulators fill TMEM (tcgen05.alloc: a power of 2, 32 ..= 512)");
 static_assert(kEpilogueColumns % kColumnsPerLoad == 0, "whole tcgen05.ld loads per thread");
 
@@ -166,39 +166,24 @@ __device__ __forceinline__ void load_weights(const Fc1Params& p, typename Kernel
   SM90_TMA_LOAD_3D::copy(&p.w1_map, &s.full[stage], kEvictNormal, b + kTileN * kTileK, k0, p.ffn + t.n0, t.expert);
 }
 
-// The producer warpgroup: the coalesced cp.async gather of the Hopper kernel (GatherRows: 8
-// lanes per 128-byte row, four whole rows per warp-wide copy), invalid tokens zero-filled (the
-// MMA reads every row of the stage), rows past the expert's end not loaded (their TMEM lanes
-// are never stored); producer thread 0 also loads the W1 tile.
+// The producer warpgroup (threads 0-127): the Hopper kernel's gathered producer loop, then a
+// wait until the UMMAs have released every stage: no thread may exit with a tcgen05.commit
+// arrival still due on this CTA's barriers (a stage never filled passes at once).
 template <class T>
 __device__ void produce(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles, int slices) {
-  using K = Kernel<T>;
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  const int producer_thread = threadIdx.x - kFirstProducerThread;
+  produce_gathered_a<kTileM, kTileK, kStages>(
+      p.x, p.hidden, p.max_tokens, p.token_of_row, s.full, s.empty, s.a, Kernel<T>::kBytesB, total_tiles,
+      [&](int tile) { return locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts); },
+      [&](int stage, const Tile& t, int k0) { load_weights<T>(p, s, stage, t, k0); });
+  // Where the loop left the ring: one fill per (tile of this CTA, K block).
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
-  GatherRows<kTileM> gather(producer_thread);
+  const int tiles = int(blockIdx.x) < total_tiles ? (total_tiles - 1 - int(blockIdx.x)) / int(gridDim.x) + 1 : 0;
+  const int64_t fills = int64_t(tiles) * k_blocks;
   StageRing<kStages> ring;
-  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
-    gather.set_tile(p.token_of_row + t.row0, t.rows, p.max_tokens);
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      Barrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
-      const int stage = ring.stage;
-      const int k0 = kb * kTileK;
-      if (producer_thread == 0) {
-        Barrier::arrive_and_expect_tx(&s.full[stage], K::kBytesB);
-        load_weights<T>(p, s, stage, t, k0);
-      }
-      gather.copy(static_cast<const T*>(p.x), p.hidden, k0, reinterpret_cast<uint8_t*>(s.a + stage * K::kStageElemsA));
-      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
-      ring.advance();
-    }
-  }
-  cp_async_wait<0>();  // no thread exits with copies in flight
-  // Nor with a tcgen05.commit arrival still due on a stage: wait until the UMMAs have released
-  // every stage (a stage never filled passes at once).
+  ring.stage = int(fills % kStages);
+  ring.phase = uint32_t(fills / kStages) & 1u;
   for (int i = 0; i < kStages; ++i) {
-    Barrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
+    cutlass::arch::ClusterBarrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
     ring.advance();
   }
 }
@@ -297,16 +282,16 @@ __device__ __forceinline__ void store_columns(const Fc1Params& p, int64_t row, i
   }
 }
 
-// The epilogue warps: tile row m = 32 (warp % 4) + lane (TMEM lane m), act columns
+// The epilogue warps (4-11): tile row m = 32 (warp % 4) + lane (TMEM lane m), act columns
 // [first_column, first_column + 64). Every thread runs every tcgen05.ld (they are warp-wide,
 // .sync.aligned); only rows < t.rows are stored.
 template <class T>
 __device__ void drain_accumulators(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles, int slices) {
   using Barrier = cutlass::arch::ClusterBarrier;
   const int warp = threadIdx.x / 32;
-  const int quarter = warp % 4;
+  const int quarter = warp % 4;  // the TMEM lane quarter this warp may access
   const int m = 32 * quarter + (threadIdx.x & 31);
-  const int first_column = (warp / 4) * kEpilogueColumns;
+  const int first_column = ((warp - kFirstEpilogueWarp) / 4) * kEpilogueColumns;
   constexpr int kLoads = kEpilogueColumns / kColumnsPerLoad;
   StageRing<kAccStages> acc_ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
@@ -364,11 +349,11 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_swiglu_sm100_kernel(const __g
 
   const int slices = p.ffn / kTileN;
   const int total_tiles = s.tile_prefix[p.experts] * slices;
-  if (warp < kEpilogueWarps) {
+  if (warp < kFirstEpilogueWarp) {
+    produce<T>(p, s, total_tiles, slices);
+  } else if (warp < kMmaWarp) {
     drain_accumulators<T>(p, s, total_tiles, slices);
     tmem_fence_before_thread_sync();
-  } else if (warp < kMmaWarp) {
-    produce<T>(p, s, total_tiles, slices);
   } else {
     issue_mmas<T>(p, s, total_tiles);
   }
