@@ -36,6 +36,9 @@
 //    the arrive, tcgen05.fence::after_thread_sync after the wait (both ways: epilogue -> MMA
 //    for a free buffer, MMA -> epilogue is the commit's own arrive, then after_thread_sync);
 //  - tcgen05.wait::ld before any register of a tcgen05.ld is read or the buffer released;
+//  - no thread exits while a tcgen05.commit arrival on one of its barriers is still due: the
+//    producer waits for every stage's release before leaving, the epilogue for every
+//    accumulator's;
 //  - one warp allocates (all 512 columns; the launch's 206,848 B of shared memory keeps one CTA
 //    per SM), relinquishes the allocation permit at once, and frees after the final CTA
 //    barrier, which every epilogue thread reaches after its last tcgen05.wait::ld.
