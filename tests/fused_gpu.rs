@@ -1,18 +1,24 @@
-//! The fused fc1 (gather of x rows + fc1 + SwiGLU in one sm_90a kernel) against the unfused
-//! path it replaces (routing build -> permute -> grouped GEMM fc1 -> SwiGLU) and against an
-//! fp64 CPU reference; eager against CUDA-graph replay with fresh routing.
+//! The fused fc1 (gather of x rows + fc1 + SwiGLU in one sm_90a kernel, or its sm_100a variant
+//! on a compute capability 10.0 device: every test below runs there too, cp.async gather only)
+//! against the unfused path it replaces (routing build -> permute -> grouped GEMM fc1 ->
+//! SwiGLU) and against an fp64 CPU reference; eager against CUDA-graph replay with fresh
+//! routing.
 //!
 //! Equality with the unfused path is asserted bit for bit: both accumulate each output in fp32
 //! over the same sequence of k16 wgmma steps in ascending K (the sum order of an element does
 //! not depend on the tile shape), both round gate / up to bf16, and the fused epilogue computes
 //! SwiGLU with the same fp32 expression as the SwiGLU kernel. On a mismatch the message gives
-//! the number of differing elements and the largest difference in bf16 ulps.
+//! the number of differing elements and the largest difference in bf16 ulps. On 10.0 both
+//! sides are k16 UMMA (tcgen05) steps instead, the fused one 128x256, CUTLASS's its own tile:
+//! that the sum of an element is the same bits whatever the UMMA's N is has not been checked
+//! on a Blackwell GPU (a bitwise failure with the fp64 checks passing points there).
 
 mod common;
 
 use std::sync::Arc;
 use std::time::Instant;
 
+use capturable_moe::device::{Arch, DeviceInfo};
 use capturable_moe::dtype::DType;
 use capturable_moe::fused::{FusedFc1, Gather};
 use capturable_moe::graph::capture;
@@ -284,14 +290,28 @@ fn check_case(
 /// `CAPMOE_FUSED_GATHERS` (`tma_rows` or `cp_async`), so that `scripts/gpu-run.sh` can run
 /// each form in a process of its own: a fault in one (e.g. the per-row TMA boxes, whose
 /// 128-byte destinations are finer than the 128B swizzle's 1024-byte pattern) then cannot hide
-/// the other's results.
-fn gathers() -> Vec<Gather> {
-    match std::env::var("CAPMOE_FUSED_GATHERS").as_deref() {
+/// the other's results. On a compute capability 10.0 device only `CpAsync` (the sm_100a kernel
+/// has no TMA-row form; `fused_fc1_gather_forms_of_the_device` checks the refusal), and none
+/// when `tma_rows` alone is asked for there (printed).
+fn gathers(stream: &CudaStream) -> Vec<Gather> {
+    let asked = match std::env::var("CAPMOE_FUSED_GATHERS").as_deref() {
         Ok("tma_rows") => vec![Gather::TmaRows],
         Ok("cp_async") => vec![Gather::CpAsync],
         Ok("") | Err(_) => vec![Gather::TmaRows, Gather::CpAsync],
         Ok(other) => panic!("CAPMOE_FUSED_GATHERS={other}: expected tma_rows or cp_async"),
+    };
+    if device_arch(stream) != Arch::Sm100 {
+        return asked;
     }
+    let forms: Vec<Gather> = asked.into_iter().filter(|g| *g != Gather::TmaRows).collect();
+    if forms.is_empty() {
+        println!("skipping: CAPMOE_FUSED_GATHERS=tma_rows, and the sm_100a fused fc1 has no TMA-row form");
+    }
+    forms
+}
+
+fn device_arch(stream: &CudaStream) -> Arch {
+    DeviceInfo::of_stream(stream).expect("device of the test stream").arch
 }
 
 fn weights(shape: Shape, seed: u64) -> Vec<bf16> {
@@ -328,7 +348,7 @@ fn fused_fc1_matches_unfused_on_messy_routing() {
     // H = 200: the last K block is partial (TMA zero-fills columns past H in x and W1).
     let shape = Shape { e: 8, h: 200, f: 256, k: 3, t_max: 300, capacity: None };
     let w1 = weights(shape, 1);
-    for gather in gathers() {
+    for gather in gathers(&stream) {
         let mut runner = Runner::new(&stream, shape, &w1, gather);
         let mut rng = StdRng::seed_from_u64(2);
         for (i, t) in [300usize, 0, 1, 137, 299].into_iter().enumerate() {
@@ -344,7 +364,7 @@ fn fused_fc1_one_expert_takes_every_route() {
     let stream = gpu_or_skip!();
     let shape = Shape { e: 16, h: 256, f: 128, k: 4, t_max: 200, capacity: None };
     let w1 = weights(shape, 3);
-    for gather in gathers() {
+    for gather in gathers(&stream) {
         let mut runner = Runner::new(&stream, shape, &w1, gather);
         let mut rng = StdRng::seed_from_u64(4);
         for expert in [0i32, 15] {
@@ -360,7 +380,7 @@ fn fused_fc1_capacity_overflow_drops_like_the_unfused_path() {
     let stream = gpu_or_skip!();
     let shape = Shape { e: 4, h: 128, f: 128, k: 2, t_max: 256, capacity: Some(300) };
     let w1 = weights(shape, 5);
-    for gather in gathers() {
+    for gather in gathers(&stream) {
         let mut runner = Runner::new(&stream, shape, &w1, gather);
         let mut rng = StdRng::seed_from_u64(6);
         let ids = topk_ids(&mut rng, 256, 4, 2);
@@ -388,7 +408,7 @@ fn fused_fc1_model_shapes() {
         let mut rng = StdRng::seed_from_u64(8);
         let ids = topk_ids(&mut rng, shape.t_max, shape.e, shape.k);
         let inputs = inputs(shape, &mut rng, t, ids);
-        for gather in gathers() {
+        for gather in gathers(&stream) {
             let start = Instant::now();
             let mut runner = Runner::new(&stream, shape, &w1, gather);
             check_case(&format!("{gather:?}: {name}"), &stream, &mut runner, &inputs, &w1, Some(48));
@@ -406,7 +426,7 @@ fn fused_fc1_graph_replays_match_eager() {
     let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let shape = Shape { e: 8, h: 192, f: 256, k: 2, t_max: 160, capacity: None };
     let w1 = weights(shape, 9);
-    for gather in gathers() {
+    for gather in gathers(&stream) {
         let mut graph_runner = Runner::new(&stream, shape, &w1, gather);
         let mut eager = Runner::new(&stream, shape, &w1, gather);
         let mut rng = StdRng::seed_from_u64(10);
@@ -449,7 +469,7 @@ fn fused_fc1_weighted_epilogue_scales_each_row_by_its_route_probability() {
     let stream = gpu_or_skip!();
     let shape = Shape { e: 8, h: 200, f: 256, k: 3, t_max: 300, capacity: Some(700) };
     let w1 = weights(shape, 31);
-    for gather in gathers() {
+    for gather in gathers(&stream) {
         let mut runner = Runner::new(&stream, shape, &w1, gather);
         let cap = runner.plan.capacity();
         let mut act_w = stream.alloc_zeros::<bf16>(cap * shape.f).unwrap();
@@ -523,6 +543,34 @@ fn fused_fc1_refuses_what_it_does_not_take() {
     assert!(matches!(r, Err(Error::Shape { .. })), "short w1: {r:?}");
 }
 
+/// Which gather forms the device's kernel takes: both on 9.0, only cp.async on 10.0 (the
+/// sm_100a kernel; `TmaRows` is `Unsupported` at plan time there, through the Rust check and
+/// through the C ABI's own), and `Auto` everywhere it runs.
+#[test]
+fn fused_fc1_gather_forms_of_the_device() {
+    const OK: i32 = capturable_moe::sys::CAPMOE_OK as i32;
+    let stream = gpu_or_skip!();
+    let shape = Shape { e: 4, h: 128, f: 128, k: 2, t_max: 16, capacity: None };
+    let plan = RoutingPlan::new(shape.routing()).unwrap();
+    let auto = FusedFc1::new(&plan, &stream).unwrap();
+    assert_eq!(unsafe { capturable_moe::sys::capmoe_fused_fc1_supported(auto.desc()) }, OK, "AUTO");
+    FusedFc1::with_gather(&plan, &stream, Gather::CpAsync).unwrap();
+    let tma_rows = FusedFc1::with_gather(&plan, &stream, Gather::TmaRows);
+    let mut tma_rows_desc = *auto.desc();
+    tma_rows_desc.gather = capturable_moe::sys::CAPMOE_FUSED_GATHER_TMA_ROWS as _;
+    let abi = unsafe { capturable_moe::sys::capmoe_fused_fc1_supported(&tma_rows_desc) };
+    match device_arch(&stream) {
+        Arch::Sm100 => {
+            assert!(matches!(tma_rows, Err(Error::Unsupported { .. })), "TMA rows on sm_100a: {tma_rows:?}");
+            assert_eq!(abi, capturable_moe::sys::CAPMOE_ERR_UNSUPPORTED as i32, "C ABI: TMA rows on sm_100a");
+        }
+        Arch::Sm90 => {
+            tma_rows.unwrap();
+            assert_eq!(abi, OK, "C ABI: TMA rows on sm_90a");
+        }
+    }
+}
+
 /// Timing hook for the benchmark (ignored by default): us per launch, graph replay, at
 /// E128 T4096 k8 H2048 F768, fused fc1 against permute + grouped GEMM fc1 + SwiGLU (the routing
 /// build is outside both). Run: `cargo test --release --test fused_gpu fused_fc1_timing --
@@ -534,7 +582,9 @@ fn fused_fc1_timing() {
     let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let shape = Shape { e: 128, h: 2048, f: 768, k: 8, t_max: 4096, capacity: None };
     let w1 = weights(shape, 11);
-    let mut r = Runner::new(&stream, shape, &w1, Gather::TmaRows);
+    // The runner's plan: TMA rows where the device has them (sm_100a: cp.async, timed twice).
+    let first = if device_arch(&stream) == Arch::Sm100 { Gather::CpAsync } else { Gather::TmaRows };
+    let mut r = Runner::new(&stream, shape, &w1, first);
     let fused_cp_async = FusedFc1::with_gather(&r.plan, &stream, Gather::CpAsync).unwrap();
     let mut rng = StdRng::seed_from_u64(12);
     let ids = topk_ids(&mut rng, shape.t_max, shape.e, shape.k);
@@ -589,11 +639,11 @@ fn fused_fc1_timing() {
     let time = |graph: &cudarc::driver::CudaGraph| common::mean_gpu_us(&stream, 5, 50, || graph.launch().unwrap());
     let flops = 2.0 * (shape.t_max * shape.k) as f64 * (2 * shape.f * shape.h) as f64;
     for (name, graph) in [
-        ("fused fc1 + SwiGLU, TMA-row gather (act only)", &fused_graph),
-        ("fused fc1 + SwiGLU, cp.async gather (act only)", &fused_cp_async_graph),
-        ("fused fc1 + SwiGLU, TMA-row gather (act + h)", &fused_h_graph),
-        ("permute + fc1 + SwiGLU", &unfused_graph),
-        ("fc1 grouped GEMM alone", &gemm_graph),
+        (format!("fused fc1 + SwiGLU, {first:?} gather (act only)"), &fused_graph),
+        ("fused fc1 + SwiGLU, CpAsync gather (act only)".to_string(), &fused_cp_async_graph),
+        (format!("fused fc1 + SwiGLU, {first:?} gather (act + h)"), &fused_h_graph),
+        ("permute + fc1 + SwiGLU".to_string(), &unfused_graph),
+        ("fc1 grouped GEMM alone".to_string(), &gemm_graph),
     ] {
         let us = time(graph);
         println!(

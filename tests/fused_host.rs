@@ -446,6 +446,16 @@ fn fused_fc1_smem_layout_matches_cute() {
     common::layout::run_check("fc1_smem_layout.cu");
 }
 
+/// The sm_100a fused fc1 (csrc/fused/fc1_sm100.cu, compiled only): its producers' offsets
+/// (fc1_smem_offset for the gathered A rows, row * 128 B for the W1 boxes) against cute's
+/// addressing of the UMMA stage layouts, and the accumulator's TMEM layout (lane = tile row,
+/// column = gate | up column) the epilogue's tcgen05.ld addresses assume: compiles and runs
+/// tests/layout/fc1_sm100_layout.cu on the host (no Blackwell GPU needed).
+#[test]
+fn fused_fc1_sm100_layouts_match_cute() {
+    common::layout::run_check("fc1_sm100_layout.cu");
+}
+
 /// The gathered fc2 dgrad's dprob row sums (csrc/fused/swiglu_dgrad_sm90.cu) assume each row's
 /// 128 columns lie in one quad of lanes, half of each lane's pairs per row, in ascending order:
 /// tests/layout/dgrad_quad_rows.cu walks every consumer thread's accumulators through cute on

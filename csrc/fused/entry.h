@@ -13,12 +13,18 @@
 
 namespace capmoe::fused {
 
+// The compute capability of the current device.
+inline capmoe_status_t device_compute_capability(int* major, int* minor) {
+  int device = 0;
+  CAPMOE_TRY(cuda_status(cudaGetDevice(&device)));
+  CAPMOE_TRY(cuda_status(cudaDeviceGetAttribute(major, cudaDevAttrComputeCapabilityMajor, device)));
+  return cuda_status(cudaDeviceGetAttribute(minor, cudaDevAttrComputeCapabilityMinor, device));
+}
+
 // Whether the current device is compute capability 9.0 (the sm_90a kernels' only target).
 inline capmoe_status_t check_sm90_device() {
-  int device = 0, major = 0, minor = 0;
-  CAPMOE_TRY(cuda_status(cudaGetDevice(&device)));
-  CAPMOE_TRY(cuda_status(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)));
-  CAPMOE_TRY(cuda_status(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device)));
+  int major = 0, minor = 0;
+  CAPMOE_TRY(device_compute_capability(&major, &minor));
   return major == 9 && minor == 0 ? CAPMOE_OK : CAPMOE_ERR_UNSUPPORTED;
 }
 

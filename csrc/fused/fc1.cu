@@ -1,8 +1,10 @@
 // capmoe-archs: 90a 100a
 // The fused fc1 C ABI (capturable_moe/fused.h): host checks, TMA descriptor encoding and the
-// dispatch to the sm_90a kernel (csrc/fused/fc1_sm90.cu). Built for every arch so the entry
-// points always exist; a device or binary without the kernel gets CAPMOE_ERR_UNSUPPORTED.
-// Only kernels of archs compiled into this binary are referenced (CAPMOE_HAS_SM90).
+// dispatch to the sm_90a kernel (csrc/fused/fc1_sm90.cu) on compute capability 9.0 or the
+// sm_100a one (csrc/fused/fc1_sm100.cu, cp.async gather only) on 10.0. Built for every arch so
+// the entry points always exist; a device or binary without the kernel gets
+// CAPMOE_ERR_UNSUPPORTED. Only kernels of archs compiled into this binary are referenced
+// (CAPMOE_HAS_SM90 / CAPMOE_HAS_SM100).
 #include <cstdint>
 
 #include "common/alignment.h"
@@ -11,10 +13,14 @@
 #include "fused/fc1_launch.h"
 #include "fused/tile_list.cuh"
 
+#if defined(CAPMOE_HAS_SM90) || defined(CAPMOE_HAS_SM100)
+#define CAPMOE_FC1_HAS_KERNEL 1
+#endif
+
 namespace capmoe::fused {
 namespace {
 
-// Tiles of 128 rows x TILE_N columns (fc1_sm90.cu); a bound on the persistent grid.
+// Tiles of 128 rows x TILE_N columns (both kernels); a bound on the persistent grid.
 int64_t fc1_max_tiles(int64_t experts, int64_t capacity, int64_t ffn) {
   return max_tiles(experts, capacity, ffn, 128, CAPMOE_FUSED_FC1_TILE_N);
 }
@@ -36,13 +42,41 @@ capmoe_status_t check_desc(const capmoe_fused_fc1_desc_t* d) {
   return CAPMOE_OK;
 }
 
-// The kernel exists for the current device: an sm_90a build running on compute capability 9.0.
-capmoe_status_t check_device() {
+enum class Fc1Kernel { Sm90, Sm100 };
+
+// The kernel of the current device: sm_90a on compute capability 9.0, sm_100a on 10.0, each
+// only when built into this binary; UNSUPPORTED otherwise.
+capmoe_status_t device_kernel(Fc1Kernel* kernel) {
+  int major = 0, minor = 0;
+  CAPMOE_TRY(device_compute_capability(&major, &minor));
 #if defined(CAPMOE_HAS_SM90)
-  return check_sm90_device();
-#else
-  return CAPMOE_ERR_UNSUPPORTED;
+  if (major == 9 && minor == 0) {
+    *kernel = Fc1Kernel::Sm90;
+    return CAPMOE_OK;
+  }
 #endif
+#if defined(CAPMOE_HAS_SM100)
+  if (major == 10 && minor == 0) {
+    *kernel = Fc1Kernel::Sm100;
+    return CAPMOE_OK;
+  }
+#endif
+  (void)kernel;
+  return CAPMOE_ERR_UNSUPPORTED;
+}
+
+// The gather form a launch runs. AUTO: the form within the documented TMA rules until measured
+// (capturable_moe/fused.h), CP_ASYNC. The sm_100a kernel has no TMA_ROWS form.
+capmoe_status_t resolve_gather(Fc1Kernel kernel, capmoe_fused_gather_t asked, capmoe_fused_gather_t* gather) {
+  if (kernel == Fc1Kernel::Sm100 && asked == CAPMOE_FUSED_GATHER_TMA_ROWS) return CAPMOE_ERR_UNSUPPORTED;
+  *gather = asked == CAPMOE_FUSED_GATHER_AUTO ? CAPMOE_FUSED_GATHER_CP_ASYNC : asked;
+  return CAPMOE_OK;
+}
+
+// The kernel and gather form of a launch of `d` on the current device.
+capmoe_status_t check_device(const capmoe_fused_fc1_desc_t& d, Fc1Kernel* kernel, capmoe_fused_gather_t* gather) {
+  CAPMOE_TRY(device_kernel(kernel));
+  return resolve_gather(*kernel, d.gather, gather);
 }
 
 }  // namespace
@@ -53,8 +87,10 @@ using namespace capmoe::fused;
 extern "C" capmoe_status_t capmoe_fused_fc1_supported(const capmoe_fused_fc1_desc_t* desc) {
   return capmoe::guarded([&]() -> capmoe_status_t {
     CAPMOE_TRY(check_desc(desc));
-    CAPMOE_TRY(check_device());
-#if defined(CAPMOE_HAS_SM90)
+    Fc1Kernel kernel{};
+    capmoe_fused_gather_t gather{};
+    CAPMOE_TRY(check_device(*desc, &kernel, &gather));
+#if defined(CAPMOE_FC1_HAS_KERNEL)
     // Resolve the driver's encoder now (plan time), not inside a first launch under capture.
     if (tma_encode_fn() == nullptr) return CAPMOE_ERR_UNSUPPORTED;
 #endif
@@ -75,8 +111,10 @@ extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc,
       return CAPMOE_ERR_INVALID_ARGUMENT;
     CAPMOE_TRY(capmoe::check_aligned(16, {x, w1, act, h}));
     CAPMOE_TRY(capmoe::check_aligned(4, {token_of_row, prob_of_row}));
-    CAPMOE_TRY(check_device());
-#if defined(CAPMOE_HAS_SM90)
+    Fc1Kernel kernel{};
+    capmoe_fused_gather_t gather{};
+    CAPMOE_TRY(check_device(d, &kernel, &gather));
+#if defined(CAPMOE_FC1_HAS_KERNEL)
     if (d.max_tokens == 0) return CAPMOE_OK;  // capacity > 0 but no token: build maps nothing
     Fc1Params p{};
     const cuuint64_t elem = 2;
@@ -101,9 +139,14 @@ extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc,
     p.capacity = int32_t(d.capacity);
     const int64_t tiles = fc1_max_tiles(d.num_experts, d.capacity, d.ffn);
     const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
-    // AUTO: the form within the documented TMA rules until measured (capturable_moe/fused.h).
-    const capmoe_fused_gather_t gather = d.gather == CAPMOE_FUSED_GATHER_AUTO ? CAPMOE_FUSED_GATHER_CP_ASYNC : d.gather;
-    return launch_fc1_sm90(p, d.dtype, gather, grid, static_cast<cudaStream_t>(stream));
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+#if defined(CAPMOE_HAS_SM100)
+    if (kernel == Fc1Kernel::Sm100) return launch_fc1_sm100(p, d.dtype, grid, s);
+#endif
+#if defined(CAPMOE_HAS_SM90)
+    if (kernel == Fc1Kernel::Sm90) return launch_fc1_sm90(p, d.dtype, gather, grid, s);
+#endif
+    return CAPMOE_ERR_UNSUPPORTED;
 #else
     return CAPMOE_ERR_UNSUPPORTED;
 #endif

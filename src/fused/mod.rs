@@ -4,7 +4,8 @@
 //! [`FusedFc1`]: fc1 with its A rows gathered straight from `x` through the routing build's
 //! `token_of_row` (no permuted copy of x is written or read) and SwiGLU in its epilogue:
 //! `act [capacity, F]` (and, on request, the pre-activation `h [capacity, 2F]` the unfused
-//! SwiGLU backward reads) in one persistent sm_90a kernel. `act` and `h` are in routing row
+//! SwiGLU backward reads) in one persistent sm_90a kernel, or its sm_100a (Blackwell, tcgen05)
+//! variant on a compute capability 10.0 device (compiled only: no Blackwell GPU has run it). `act` and `h` are in routing row
 //! order, exactly where the unfused permute -> fc1 -> SwiGLU path puts them, and equal to it
 //! (gate and up are rounded to the activation type before SwiGLU, as the unfused path does).
 //!
@@ -31,7 +32,8 @@
 //! device data, so a launch can be captured in a CUDA graph and replayed with new routing.
 //!
 //! Where they apply (`new` says why not otherwise, before any launch): an sm_90a build on a
-//! compute capability 9.0 device, weights as one tensor (`[E, 2F, H]` / `[E, H, F]`), `F` a
+//! compute capability 9.0 device (fc1 also: an sm_100a build on 10.0, cp.async gather only),
+//! weights as one tensor (`[E, 2F, H]` / `[E, H, F]`), `F` a
 //! multiple of [`FC1_TILE_N`] / [`SWIGLU_DGRAD_TILE_N`], `E <=` [`MAX_EXPERTS`], a 16-bit
 //! activation type. Elsewhere use the unfused path.
 
@@ -62,27 +64,50 @@ pub const MAX_EXPERTS: usize = sys::CAPMOE_FUSED_MAX_EXPERTS as usize;
 pub enum Gather {
     /// `CpAsync` until the H100 has timed both (`TmaRows` puts 128-byte boxes at 128-byte
     /// aligned, 128B-swizzled destinations, finer than the 1024-byte alignment TMA emitters
-    /// keep for swizzled stages: see `capturable_moe/fused.h`).
+    /// keep for swizzled stages: see `capturable_moe/fused.h`). Always `CpAsync` on sm_100a.
     #[default]
     Auto,
-    /// One TMA per row (a `1 x 64` box of x), issued by one producer warp.
+    /// One TMA per row (a `1 x 64` box of x), issued by one producer warp. sm_90a only: the
+    /// sm_100a kernel refuses it ([`Error::Unsupported`] at plan time).
     TmaRows,
     /// 16-byte `cp.async` copies by a producer warpgroup, one row per thread.
     CpAsync,
 }
 
-/// The sm_90a device of `stream`, or why the kernel cannot run there (`need`: the arch it
-/// needs, for the message; `kernel`: its name when the binary lacks it).
-fn sm90_device(stream: &CudaStream, need: &'static str, kernel: &'static str) -> Result<DeviceInfo> {
+/// The device of `stream` when a kernel exists for its arch, or why not: `builds` lists the
+/// archs that have one, each with the kernel's name for [`Error::NotBuilt`] when this binary
+/// was built without that arch; another arch is [`Error::UnsupportedArch`] (`need`: the archs,
+/// for the message).
+fn kernel_device(stream: &CudaStream, builds: &[(Arch, &'static str)], need: &'static str) -> Result<DeviceInfo> {
     let device = DeviceInfo::of_stream(stream)?;
-    if device.arch != Arch::Sm90 {
-        return Err(Error::UnsupportedArch { need, got: format!("{:?}", device.arch) });
-    }
-    if !cfg!(has_sm90) {
-        return Err(Error::NotBuilt { kernel });
-    }
+    kernel_for_arch(device.arch, builds, need)?;
     Ok(device)
 }
+
+/// [`kernel_device`]'s decision for a device of `arch`.
+fn kernel_for_arch(arch: Arch, builds: &[(Arch, &'static str)], need: &'static str) -> Result<()> {
+    let Some(&(_, kernel)) = builds.iter().find(|(built, _)| *built == arch) else {
+        return Err(Error::UnsupportedArch { need, got: format!("{arch:?}") });
+    };
+    if !arch.is_built() {
+        return Err(Error::NotBuilt { kernel });
+    }
+    Ok(())
+}
+
+/// The sm_90a device of `stream`, or why the kernel cannot run there (`need`: the arch it
+/// needs, for the message; `kernel`: its name when the binary lacks it). The fused dgrad and
+/// the gathered wgrad have no other kernel: a 10.0 device is `UnsupportedArch` for them.
+fn sm90_device(stream: &CudaStream, need: &'static str, kernel: &'static str) -> Result<DeviceInfo> {
+    kernel_device(stream, &sm90_only(kernel), need)
+}
+
+fn sm90_only(kernel: &'static str) -> [(Arch, &'static str); 1] {
+    [(Arch::Sm90, kernel)]
+}
+
+/// The archs with a fused fc1 kernel, each with its name for [`Error::NotBuilt`].
+const FC1_BUILDS: [(Arch, &str); 2] = [(Arch::Sm90, "fused fc1 (sm_90a)"), (Arch::Sm100, "fused fc1 (sm_100a)")];
 
 /// The plan-time shape rules the fused kernels share: `F` a multiple of their column tile,
 /// `E <=` [`MAX_EXPERTS`], a 16-bit activation type.
@@ -154,7 +179,10 @@ impl FusedFc1 {
         crate::graph::ensure_not_capturing(stream, OP)?;
         let c = routing.config();
         Self::check_shapes(c)?;
-        let device = sm90_device(stream, "9.0 (sm_90a) for the fused fc1", "fused fc1 (sm_90a)")?;
+        let device = kernel_device(stream, &FC1_BUILDS, "9.0 (sm_90a) or 10.0 (sm_100a) for the fused fc1")?;
+        if device.arch == Arch::Sm100 && gather == Gather::TmaRows {
+            return Err(Error::Unsupported { op: OP, why: "the sm_100a fused fc1 gathers by cp.async only".into() });
+        }
         let desc = sys::capmoe_fused_fc1_desc_t {
             num_experts: c.num_experts as i64,
             hidden: c.hidden as i64,
@@ -546,5 +574,28 @@ impl FusedSwigluDgrad {
             ),
             "fused fc2 dgrad + SwiGLU backward (gathered)",
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// fc1 has a kernel on 9.0 and 10.0, each usable only when its arch is built; the dgrad and
+    /// the gathered wgrad (sm90_device) refuse 10.0 as before, whatever the build.
+    #[test]
+    fn fused_kernels_by_arch_host() {
+        for arch in [Arch::Sm90, Arch::Sm100] {
+            let fc1 = kernel_for_arch(arch, &FC1_BUILDS, "fc1");
+            if arch.is_built() {
+                assert!(fc1.is_ok(), "fc1 on a built {arch:?}: {fc1:?}");
+            } else {
+                assert!(matches!(fc1, Err(Error::NotBuilt { .. })), "fc1 on an unbuilt {arch:?}: {fc1:?}");
+            }
+        }
+        let dgrad = kernel_for_arch(Arch::Sm100, &sm90_only("dgrad (sm_90a)"), "9.0 (sm_90a)");
+        assert!(matches!(dgrad, Err(Error::UnsupportedArch { need: "9.0 (sm_90a)", .. })), "dgrad on 10.0: {dgrad:?}");
+        let on_sm90 = kernel_for_arch(Arch::Sm90, &sm90_only("dgrad (sm_90a)"), "9.0 (sm_90a)");
+        assert_eq!(on_sm90.is_ok(), Arch::Sm90.is_built(), "dgrad on 9.0: {on_sm90:?}");
     }
 }

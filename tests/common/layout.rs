@@ -36,6 +36,7 @@ pub fn run_check(name: &str) -> Option<String> {
     let mut nvcc = Command::new(&toolkit.nvcc);
     nvcc.args(["-std=c++17", "--expt-relaxed-constexpr", "-O1"])
         .arg(format!("-I{}", root.join("csrc").display()))
+        .arg(format!("-I{}", root.join("csrc/include").display()))
         .arg(format!("-L{}", toolkit.lib_dir.display()));
     for dir in &cutlass {
         nvcc.arg(format!("-I{}", dir.display()));

@@ -27,8 +27,10 @@
  *
  * Limits: F a multiple of CAPMOE_FUSED_FC1_TILE_N, H a multiple of 8, E <=
  * CAPMOE_FUSED_MAX_EXPERTS; other shapes are CAPMOE_ERR_UNSUPPORTED (use the unfused path).
- * Only sm_90a has a kernel: on another device (or a binary built without 90a) the launch
- * returns CAPMOE_ERR_UNSUPPORTED before anything is launched.
+ * Kernels: sm_90a on a compute capability 9.0 device, sm_100a (tcgen05 UMMA, accumulators in
+ * tensor memory; compiled, never run: no Blackwell GPU has been available) on 10.0, each only
+ * in a binary built for its arch; elsewhere the launch returns CAPMOE_ERR_UNSUPPORTED before
+ * anything is launched. Same contract and epilogue math on both.
  * Alignment: x, w1, act, h 16-byte aligned; offsets 8; token_of_row 4 (else MISALIGNED).
  * No workspace, no allocation, no synchronisation, no host read of device data: capturable.
  * The TMA descriptors of x and w1 are encoded on the host at every call (pure host work), so
@@ -52,7 +54,9 @@ enum { CAPMOE_FUSED_FC1_TILE_N = 128, CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N = 128, CA
  *            at a 128-byte aligned destination inside a 128B-swizzled stage, while compilers
  *            that emit TMA (NVIDIA Fuser, TileLang) align swizzled destinations to the 1024-byte
  *            pattern, citing the PTX ISA; TMA_ROWS relies on the swizzle being a function of
- *            the address alone, which only the GPU test can confirm. */
+ *            the address alone, which only the GPU test can confirm.
+ * The sm_100a kernel has only CP_ASYNC: TMA_ROWS is CAPMOE_ERR_UNSUPPORTED on a 10.0 device
+ * (capmoe_fused_fc1_supported says so), AUTO is CP_ASYNC there. */
 typedef int32_t capmoe_fused_gather_t;
 enum { CAPMOE_FUSED_GATHER_AUTO = 0, CAPMOE_FUSED_GATHER_TMA_ROWS = 1, CAPMOE_FUSED_GATHER_CP_ASYNC = 2 };
 

@@ -1,0 +1,76 @@
+// Host-only check (run by tests/fused_host.rs, no GPU): the layouts of the sm_100a fused fc1
+// (csrc/fused/fc1_sm100.cu, types in fused/fc1_sm100_layout.h), walked through cute on the host.
+//  - A: the cp.async gather writes chunk c of tile row r at fc1_smem_offset(r, c) of a stage;
+//    the UMMA descriptors come from UMMA::tile_to_mma_shape(Layout_K_SW128_Atom, ((128,16),1,4,
+//    stages)). Every (row, k, stage) must name the same byte in both.
+//  - B: the two W1 TMA boxes (64 K x 128 rows, 128B swizzle) land at rows [0, 128) (gate) and
+//    [128, 256) (up) of a 1024-byte aligned stage: row n's chunk c at fc1_smem_offset(n, c),
+//    against tile_to_mma_shape over ((256,16),1,4,stages).
+//  - The accumulator: element (m, n) of the 128 x 256 tile at TMEM lane m, column n (the
+//    address lane << 16 | column), which the epilogue's tcgen05.ld addresses are computed from.
+// Exit 0 with "0 mismatches" when all hold, for bf16 and f16.
+#include <cute/tensor.hpp>
+#include <cutlass/bfloat16.h>
+#include <cutlass/half.h>
+
+#include <cstdio>
+
+#include "fused/fc1_layout.h"
+#include "fused/fc1_sm100_layout.h"
+
+using namespace cute;
+
+namespace {
+
+int bad = 0;
+
+// Byte offsets of cute's shared-memory tensor with layout L over the (rows x 64 K x stages)
+// operand, against fc1_smem_offset.
+template <class T, class L>
+void check_operand(const char* what, int rows, int stages) {
+  constexpr int kK = 64;
+  alignas(1024) static T buffer[256 * kK * 4];
+  Tensor s = make_tensor(make_smem_ptr(buffer), L{});
+  if (long(cosize(L{})) != long(rows) * kK * stages && ++bad)
+    std::printf("%s: cosize %ld, want %ld\n", what, long(cosize(L{})), long(rows) * kK * stages);
+  const long stage_bytes = long(rows) * kK * sizeof(T);
+  for (int stage = 0; stage < stages; ++stage)
+    for (int r = 0; r < rows; ++r)
+      for (int k = 0; k < kK; ++k) {
+        // ((row, k16), block, k16 step, stage)
+        const long got = long(reinterpret_cast<char*>(&s(make_coord(r, k % 16), 0, k / 16, stage)) -
+                              reinterpret_cast<char*>(buffer));
+        const long want = stage * stage_bytes + capmoe::fused::fc1_smem_offset(r, k / 8) + (k % 8) * sizeof(T);
+        if (got != want && ++bad <= 10)
+          std::printf("%s (row %d, k %d, stage %d): cute %ld, fc1_smem_offset %ld\n", what, r, k, stage, got, want);
+      }
+}
+
+template <class T>
+void check(const char* type) {
+  using L = capmoe::fused::Fc1Sm100Layout<T>;
+  std::printf("%s: A stages ", type);
+  print(typename L::SmemA{});
+  std::printf("\n");
+  check_operand<T, typename L::SmemA>("A", L::kTileM, L::kStages);
+  check_operand<T, typename L::SmemB>("B", 2 * L::kTileN, L::kStages);
+  auto acc = L::TiledMma::make_fragment_C(typename L::AccShape{});
+  std::printf("%s: accumulator ", type);
+  print(acc.layout());
+  std::printf("\n");
+  for (int m = 0; m < L::kTileM; ++m)
+    for (int n = 0; n < 2 * L::kTileN; ++n) {
+      const long got = long(acc.layout()(make_coord(make_coord(m, n), 0, 0)));
+      const long want = (long(m) << 16) + n;
+      if (got != want && ++bad <= 20) std::printf("%s accumulator (%d, %d): cute %ld, lane << 16 | column %ld\n", type, m, n, got, want);
+    }
+}
+
+}  // namespace
+
+int main() {
+  check<cutlass::bfloat16_t>("bf16");
+  check<cutlass::half_t>("f16");
+  std::printf("%d mismatches\n", bad);
+  return bad == 0 ? 0 : 1;
+}
