@@ -186,7 +186,7 @@ __device__ void produce(const Fc1Params& p, typename Kernel<T>::Shared& s, int t
   ring.stage = int(fills % kStages);
   ring.phase = uint32_t(fills / kStages) & 1u;
   for (int i = 0; i < kStages; ++i) {
-    cutlass::arch::ClusterBarrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
+    wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "sm100 fc1 producer tail, empty");
     ring.advance();
   }
 }
@@ -197,7 +197,6 @@ __device__ void produce(const Fc1Params& p, typename Kernel<T>::Shared& s, int t
 template <class T>
 __device__ void issue_mmas(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles) {
   using K = Kernel<T>;
-  using Barrier = cutlass::arch::ClusterBarrier;
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
   typename K::TiledMma mma;
   Tensor sA = make_tensor(make_smem_ptr(s.a), typename K::SmemLayoutA{});  // ((128,16),1,4,stage)
@@ -209,12 +208,12 @@ __device__ void issue_mmas(const Fc1Params& p, typename Kernel<T>::Shared& s, in
   StageRing<kStages> ring;
   StageRing<kAccStages> acc_ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    Barrier::wait(&s.acc_empty[acc_ring.stage], acc_ring.phase ^ 1);
+    wait_barrier(&s.acc_empty[acc_ring.stage], acc_ring.phase ^ 1, "sm100 fc1 MMA warp, accumulator empty");
     tmem_fence_after_thread_sync();
     acc.data() = s.tmem_base + uint32_t(acc_ring.stage * kAccColumns);
     mma.accumulate_ = UMMA::ScaleOut::Zero;
     for (int kb = 0; kb < k_blocks; ++kb) {
-      Barrier::wait(&s.full[ring.stage], ring.phase);
+      wait_barrier(&s.full[ring.stage], ring.phase, "sm100 fc1 MMA warp, full");
       // The A rows came through the generic proxy (cp.async); the UMMAs read the async one.
       cutlass::arch::fence_view_async_shared();
 #pragma unroll
@@ -302,7 +301,7 @@ __device__ void drain_accumulators(const Fc1Params& p, typename Kernel<T>::Share
     const bool stored = m < t.rows;
     const int64_t row = int64_t(t.row0) + m;
     const float prob = stored && p.prob_of_row != nullptr ? __ldg(p.prob_of_row + row) : 1.0f;
-    Barrier::wait(&s.acc_full[acc_ring.stage], acc_ring.phase);
+    wait_barrier(&s.acc_full[acc_ring.stage], acc_ring.phase, "sm100 fc1 epilogue, accumulator full");
     tmem_fence_after_thread_sync();
     // TMEM address: lane in bits [31:16], column in [15:0].
     const uint32_t lane_base = s.tmem_base + (uint32_t(32 * quarter) << 16) + uint32_t(acc_ring.stage * kAccColumns);
