@@ -18,6 +18,7 @@ mod common;
 
 use std::sync::Arc;
 
+use capturable_moe::device::Arch;
 use capturable_moe::dtype::DType;
 use capturable_moe::graph::capture;
 use capturable_moe::moe::{FusedKernel, MoeConfig, MoeExperts, MoeOptions, WeightForm};
@@ -86,7 +87,7 @@ fn weights(seed: u64) -> (Vec<bf16>, Vec<bf16>) {
 
 #[test]
 fn fused_moe_equals_unfused_bitwise_and_the_fp64_reference() {
-    let stream = gpu_or_skip!();
+    let stream = gpu_of_arch_or_skip!("the fused fc1", Arch::Sm90, Arch::Sm100);
     let (w1, w2) = weights(1);
     for capacity in [None, Some(150)] {
         let mut fused = plan(&stream, capacity, FusedKernel::Fused, false);
@@ -126,7 +127,7 @@ fn fused_moe_equals_unfused_bitwise_and_the_fp64_reference() {
 /// x, dy and T; every replay bit-equal to an eager unfused run.
 #[test]
 fn fused_moe_graph_replays_equal_eager_unfused() {
-    let stream = gpu_or_skip!();
+    let stream = gpu_of_arch_or_skip!("the fused fc1", Arch::Sm90, Arch::Sm100);
     let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let (w1, w2) = weights(3);
     let mut graph_moe = plan(&stream, None, FusedKernel::Fused, false);
@@ -148,7 +149,7 @@ fn fused_moe_graph_replays_equal_eager_unfused() {
 
 #[test]
 fn fused_moe_forward_only_skips_the_saves_and_refuses_backward() {
-    let stream = gpu_or_skip!();
+    let stream = gpu_of_arch_or_skip!("the fused fc1", Arch::Sm90, Arch::Sm100);
     let (w1, w2) = weights(5);
     let mut fwd = plan(&stream, None, FusedKernel::Fused, true);
     let mut unfused = plan(&stream, None, FusedKernel::Unfused, false);
@@ -168,7 +169,7 @@ fn fused_moe_forward_only_skips_the_saves_and_refuses_backward() {
 
 #[test]
 fn fused_moe_plan_choices() {
-    let stream = gpu_or_skip!();
+    let stream = gpu_of_arch_or_skip!("the fused fc1", Arch::Sm90, Arch::Sm100);
     // Auto stays on the unfused path until the fused kernel's GPU suite has passed (FusedKernel);
     // a forced Fused plan takes it on the H100 (sm_90a) for tensor weights and F % 128 == 0.
     let auto = MoeExperts::<bf16>::new(config(None), &stream).unwrap();
@@ -192,7 +193,7 @@ fn fused_moe_plan_choices() {
 #[test]
 fn fused_moe_f16_equals_unfused() {
     use half::f16;
-    let stream = gpu_or_skip!();
+    let stream = gpu_of_arch_or_skip!("the fused fc1", Arch::Sm90, Arch::Sm100);
     let cfg = MoeConfig { dtype: DType::F16, ..config(None) };
     let mk = |fc1| {
         MoeExperts::<f16>::with_options(cfg.clone(), MoeOptions { fc1, ..MoeOptions::default() }, &stream).unwrap()
@@ -273,7 +274,7 @@ fn backward_outputs(what: &str, stream: &Arc<CudaStream>, io: &Io, t: usize) -> 
 
 #[test]
 fn fused_moe_swiglu_dgrad_matches_unfused_and_the_fp64_reference() {
-    let stream = gpu_or_skip!();
+    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
     let (w1, w2) = weights(11);
     for (fc1, capacity) in [
         (FusedKernel::Unfused, None),
@@ -348,14 +349,14 @@ fn assert_replays_equal_eager(stream: &Arc<CudaStream>, opts: MoeOptions, seed: 
 /// The fused fc1 and fc2 dgrad + SwiGLU backward, captured once and replayed.
 #[test]
 fn fused_moe_swiglu_dgrad_graph_replays_equal_eager() {
-    let stream = gpu_or_skip!();
+    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
     let opts = MoeOptions { fc1: FusedKernel::Fused, swiglu_dgrad: FusedKernel::Fused, ..MoeOptions::default() };
     assert_replays_equal_eager(&stream, opts, 13);
 }
 
 #[test]
 fn fused_moe_swiglu_dgrad_plan_choices() {
-    let stream = gpu_or_skip!();
+    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
     // Auto stays on the unfused path until the fused kernels' GPU suites have passed.
     let auto = MoeExperts::<bf16>::new(config(None), &stream).unwrap();
     assert!(!auto.swiglu_dgrad_is_fused(), "Auto must keep the unfused backward for now");
@@ -392,7 +393,7 @@ enum YBits {
 /// written on its T rows and the poison past them.
 fn f16_matches_unfused(opts: MoeOptions, y_bits: YBits, seed: u64) {
     use half::f16;
-    let stream = gpu_or_skip!();
+    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
     let cfg = MoeConfig { dtype: DType::F16, ..config(None) };
     let mut fused = MoeExperts::<f16>::with_options(cfg.clone(), opts, &stream).unwrap();
     let unfused_opts = MoeOptions { gemm_config: opts.gemm_config, ..MoeOptions::default() };
@@ -468,7 +469,7 @@ fn plan_gathered(stream: &Arc<CudaStream>, capacity: Option<usize>, fc1: FusedKe
 /// with the unfused plan's and with the fp64 reference.
 #[test]
 fn fused_moe_gathered_fc1_wgrad_matches_unfused_and_the_fp64_reference() {
-    let stream = gpu_or_skip!();
+    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
     let (w1, w2) = weights(15);
     for (fc1, capacity) in [(FusedKernel::Unfused, None), (FusedKernel::Fused, None), (FusedKernel::Fused, Some(150))] {
         let mut gathered = plan_gathered(&stream, capacity, fc1);
@@ -512,7 +513,7 @@ fn fused_moe_gathered_fc1_wgrad_matches_unfused_and_the_fp64_reference() {
 /// once and replayed.
 #[test]
 fn fused_moe_every_fused_kernel_graph_replays_equal_eager() {
-    let stream = gpu_or_skip!();
+    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
     let opts = MoeOptions {
         fc1: FusedKernel::Fused,
         swiglu_dgrad: FusedKernel::Fused,
@@ -524,7 +525,7 @@ fn fused_moe_every_fused_kernel_graph_replays_equal_eager() {
 
 #[test]
 fn fused_moe_gathered_fc1_wgrad_plan_choices() {
-    let stream = gpu_or_skip!();
+    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
     // Auto keeps the grouped GEMM's WGRAD until the gathered kernel's GPU suite has passed.
     assert!(!MoeExperts::<bf16>::new(config(None), &stream).unwrap().fc1_wgrad_is_gathered());
     // Pointer weights (dW1 a pointer table): a forced gather is an error before anything runs.
@@ -576,7 +577,7 @@ fn plan_prob_in_fc1(stream: &Arc<CudaStream>, capacity: Option<usize>, fc1_wgrad
 /// fp64 reference (every written element; the poisoned rest of y, dx and dprobs untouched).
 #[test]
 fn fused_moe_prob_in_fc1_matches_unfused_and_the_fp64_reference() {
-    let stream = gpu_or_skip!();
+    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
     let (w1, w2) = weights(21);
     for (fc1_wgrad, capacity) in
         [(FusedKernel::Unfused, None), (FusedKernel::Fused, None), (FusedKernel::Fused, Some(150))]
@@ -622,7 +623,7 @@ fn fused_moe_prob_in_fc1_matches_unfused_and_the_fp64_reference() {
 /// A forward-only plan with the probability in fc1 gives the training plan's y bit for bit.
 #[test]
 fn fused_moe_prob_in_fc1_forward_only_equals_training_forward() {
-    let stream = gpu_or_skip!();
+    let stream = gpu_of_arch_or_skip!("the fused fc1", Arch::Sm90, Arch::Sm100);
     let (w1, w2) = weights(23);
     let opts = MoeOptions {
         fc1: FusedKernel::Fused,
@@ -649,7 +650,7 @@ fn fused_moe_prob_in_fc1_forward_only_equals_training_forward() {
 /// Every fused kernel with the probability in fc1, captured once and replayed.
 #[test]
 fn fused_moe_prob_in_fc1_graph_replays_equal_eager() {
-    let stream = gpu_or_skip!();
+    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
     let opts = MoeOptions {
         fc1: FusedKernel::Fused,
         swiglu_dgrad: FusedKernel::Fused,
@@ -675,7 +676,7 @@ fn fused_moe_prob_in_fc1_f16_matches_unfused() {
 
 #[test]
 fn fused_moe_prob_in_fc1_plan_choices() {
-    let stream = gpu_or_skip!();
+    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
     // Auto applies the probability in the combine.
     assert!(!MoeExperts::<bf16>::new(config(None), &stream).unwrap().prob_is_in_fc1());
     let base = MoeOptions { prob_in_fc1: FusedKernel::Fused, ..MoeOptions::default() };

@@ -42,6 +42,37 @@ macro_rules! gpu_or_skip {
     };
 }
 
+/// Takes the GPU stream when its device is one of the given archs (those a kernel under test
+/// has a variant for), or returns from the calling test after printing why. A device of another
+/// arch is not a missing GPU: the test has nothing to check there, so `CAPMOE_REQUIRE_GPU`
+/// does not fail it. `gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90)`.
+#[macro_export]
+macro_rules! gpu_of_arch_or_skip {
+    ($what:expr, $($arch:expr),+) => {{
+        let stream = gpu_or_skip!();
+        if !common::device_is(&stream, &[$($arch),+], $what) {
+            return;
+        }
+        stream
+    }};
+}
+
+/// Whether the device of `stream` is one of `archs` (and built into this binary); prints
+/// `skipping: ...` otherwise.
+pub fn device_is(stream: &CudaStream, archs: &[capturable_moe::device::Arch], what: &str) -> bool {
+    match capturable_moe::device::DeviceInfo::of_stream(stream) {
+        Ok(info) if archs.contains(&info.arch) => true,
+        Ok(info) => {
+            println!("skipping: {what} has kernels for {archs:?} only; this device ({}) is {:?}", info.name, info.arch);
+            false
+        }
+        Err(reason) => {
+            println!("skipping: {what}: {reason}");
+            false
+        }
+    }
+}
+
 /// Whether the tests run under compute-sanitizer: `CAPMOE_SANITIZER=1`, which
 /// `scripts/sanitize.sh` sets. Long functional tests then run fewer replays (each still checked
 /// in full).
