@@ -1,0 +1,93 @@
+// Host-only check (run by tests/fused_host.rs, no GPU): the layouts of the sm_100a fused fc2
+// dgrad (csrc/fused/swiglu_dgrad_sm100.cu, types in fused/swiglu_dgrad_sm100_layout.h), walked
+// through cute on the host.
+//  - A (K-major): the drows TMA box (64 K x 128 rows, 128B swizzle) and the cp.async gather
+//    both put chunk c of tile row r at fc1_smem_offset(r, c) of a 1024-byte aligned stage; the
+//    UMMA descriptors come from UMMA::tile_to_mma_shape(Layout_K_SW128_Atom, ((128,16),1,4,
+//    stages)). Every (row, k, stage) must name the same byte in both.
+//  - B (MN-major, W2_e [H, F] with F contiguous): the two W2 boxes of a stage (64 columns x
+//    64 K rows, 128B swizzle, as the entry encodes the (F, H, E) map) land at element
+//    c * 64 * 64 of the stage for box c: column n, K row k at byte 128 k + 16 ((n % 64 / 8) ^
+//    (k % 8)) + 2 (n % 8) of its box (TMA's 128B swizzle: the 16-byte chunk index XOR the
+//    row's index in its 1024-byte block). Against tile_to_mma_shape(Layout_MN_SW128_Atom,
+//    ((128,16),1,4,stages), K first), for every (column, k, stage).
+//  - The accumulator: element (m, n) of the 128 x 128 tile at TMEM lane m, column n (the
+//    address lane << 16 | column), which the epilogue's tcgen05.ld addresses are computed from.
+// Exit 0 with "0 mismatches" when all hold, for bf16 and f16.
+#include <cute/tensor.hpp>
+#include <cutlass/bfloat16.h>
+#include <cutlass/half.h>
+
+#include <cstdio>
+
+#include "fused/fc1_layout.h"
+#include "fused/swiglu_dgrad_sm100_layout.h"
+
+using namespace cute;
+
+namespace {
+
+int bad = 0;
+constexpr int kK = 64;
+
+// Where TMA's 128B-swizzled W2 boxes put column n (of the tile's 128), K row k, of a stage.
+template <class T>
+long w2_box_offset(int n, int k, int box_n) {
+  const int box = n / box_n, col = n % box_n;
+  return long(box) * box_n * kK * sizeof(T) + k * 128 + (((col * long(sizeof(T))) / 16) ^ (k % 8)) * 16 +
+         (col * long(sizeof(T))) % 16;
+}
+
+// Byte offsets of cute's shared-memory tensor with layout L over the (rows|columns x 64 K x
+// stages) operand, against the producers' placement want(i, k).
+template <class T, class L, class Want>
+void check_operand(const char* what, int extent, int stages, Want want) {
+  alignas(1024) static T buffer[128 * kK * 8];
+  Tensor s = make_tensor(make_smem_ptr(buffer), L{});
+  if (long(cosize(L{})) != long(extent) * kK * stages && ++bad)
+    std::printf("%s: cosize %ld, want %ld\n", what, long(cosize(L{})), long(extent) * kK * stages);
+  const long stage_bytes = long(extent) * kK * sizeof(T);
+  for (int stage = 0; stage < stages; ++stage)
+    for (int i = 0; i < extent; ++i)
+      for (int k = 0; k < kK; ++k) {
+        // ((row|column, k16), block, k16 step, stage)
+        const long got = long(reinterpret_cast<char*>(&s(make_coord(i, k % 16), 0, k / 16, stage)) -
+                              reinterpret_cast<char*>(buffer));
+        const long expected = stage * stage_bytes + want(i, k);
+        if (got != expected && ++bad <= 10)
+          std::printf("%s (%d, k %d, stage %d): cute %ld, producer %ld\n", what, i, k, stage, got, expected);
+      }
+}
+
+template <class T>
+void check(const char* type) {
+  using L = capmoe::fused::SwigluDgradSm100Layout<T>;
+  std::printf("%s: B stages ", type);
+  print(typename L::SmemB{});
+  std::printf("\n");
+  check_operand<T, typename L::SmemA>("A", L::kTileM, L::kStages, [](int r, int k) {
+    return long(capmoe::fused::fc1_smem_offset(r, k / 8)) + (k % 8) * long(sizeof(T));
+  });
+  check_operand<T, typename L::SmemB>("B", L::kTileN, L::kStages,
+                                      [](int n, int k) { return w2_box_offset<T>(n, k, L::kBoxN); });
+  auto acc = L::TiledMma::make_fragment_C(typename L::AccShape{});
+  std::printf("%s: accumulator ", type);
+  print(acc.layout());
+  std::printf("\n");
+  for (int m = 0; m < L::kTileM; ++m)
+    for (int n = 0; n < L::kTileN; ++n) {
+      const long got = long(acc.layout()(make_coord(make_coord(m, n), 0, 0)));
+      const long want = (long(m) << 16) + n;
+      if (got != want && ++bad <= 20)
+        std::printf("%s accumulator (%d, %d): cute %ld, lane << 16 | column %ld\n", type, m, n, got, want);
+    }
+}
+
+}  // namespace
+
+int main() {
+  check<cutlass::bfloat16_t>("bf16");
+  check<cutlass::half_t>("f16");
+  std::printf("%d mismatches\n", bad);
+  return bad == 0 ? 0 : 1;
+}
