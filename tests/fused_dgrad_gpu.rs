@@ -1,5 +1,6 @@
-//! The fused fc2 dgrad + SwiGLU backward (one sm_90a kernel: dact = drows · W2_e, then
-//! dh = SwiGLU'(h) · dact in the epilogue) against an fp64 CPU reference, element by element,
+//! The fused fc2 dgrad + SwiGLU backward (one kernel: dact = drows · W2_e, then
+//! dh = SwiGLU'(h) · dact in the epilogue; the sm_90a kernel on a 9.0 device, the sm_100a one
+//! on 10.0, the same checks for both) against an fp64 CPU reference, element by element,
 //! and against the unfused path it replaces (fc2 dgrad grouped GEMM -> SwiGLU backward); eager
 //! against CUDA-graph replay with fresh routing. bf16 and f16.
 //!
@@ -13,7 +14,7 @@
 //! * dh without the dact output equals dh with it, bit for bit.
 //!
 //! Equality with the unfused path is REPORTED, not asserted: both round the same fp32 dact and
-//! run the same fp32 SwiGLU backward, but the fused kernel's k16 wgmma sum order need not be
+//! run the same fp32 SwiGLU backward, but the fused kernel's k16 MMA sum order need not be
 //! CUTLASS's, so a dact may differ by an ulp. A line `bitwise vs unfused: ...` says how many
 //! elements differ and by how many ulps at most (0 of N: the same bits).
 //!
@@ -720,7 +721,7 @@ fn fused_dgrad_timing() {
 // * both against the drows form run on the same rows permuted on the host (its dact checked
 //   against fp64 by check_reference): the same dact bits, so tight bounds;
 // * asserted bit for bit: the gathered form with every prob 1 equals the drows form's dh (the
-//   two forms differ only in how A reaches shared memory: same wgmma sequence, same sums), the
+//   two forms differ only in how A reaches shared memory: same MMA sequence, same sums), the
 //   partials do not depend on prob, and a second launch repeats the first;
 // * rows at or past offsets[E], and guard rows past capacity, still hold the poison.
 
@@ -1019,8 +1020,9 @@ fn check_gathered_rows<T: Act>(
                     );
                 }
             }
-            // fp32 sums of 128 products (each thread's 32, then the quad's butterfly) and the
-            // fp32 SwiGLU: well within 2e-5 of the magnitude.
+            // fp32 sums of 128 products in a fixed order (sm_90a: each thread's 32, then the
+            // quad's butterfly; sm_100a: each half's 64, then lower + upper) and the fp32 SwiGLU:
+            // well within 2e-5 of the magnitude.
             let got = partials_out[r * slices + j] as f64;
             let allowed = 2e-5 * magnitude + uncertainty + f64::from(f32::MIN_POSITIVE);
             assert!(
@@ -1073,7 +1075,7 @@ fn check_gathered_case<T: Act>(
         &fbits(&out.partials_unit),
         &fbits(&out.partials),
     );
-    // Same dact bits in both forms (the same wgmma sums of the same rows): with p = 1 the
+    // Same dact bits in both forms (the same MMA sums of the same rows): with p = 1 the
     // gathered dh is the drows form's.
     let n = cap * 2 * s.f;
     common::moe::assert_bits(

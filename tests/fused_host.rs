@@ -456,6 +456,16 @@ fn fused_fc1_sm100_layouts_match_cute() {
     common::layout::run_check("fc1_sm100_layout.cu");
 }
 
+/// The sm_100a fused fc2 dgrad (csrc/fused/swiglu_dgrad_sm100.cu, compiled only): where its
+/// producers put A (fc1_smem_offset: the drows TMA box and the cp.async gather) and the MN-major
+/// W2 boxes (64 columns x 64 K rows, 128B swizzle, box c at c * 8 KB of a stage) against cute's
+/// addressing of the UMMA stage layouts, and the accumulator's TMEM layout (lane = tile row,
+/// column = tile column): compiles and runs tests/layout/dgrad_sm100_layout.cu on the host.
+#[test]
+fn fused_dgrad_sm100_layouts_match_cute() {
+    common::layout::run_check("dgrad_sm100_layout.cu");
+}
+
 /// The gathered fc2 dgrad's dprob row sums (csrc/fused/swiglu_dgrad_sm90.cu) assume each row's
 /// 128 columns lie in one quad of lanes, half of each lane's pairs per row, in ascending order:
 /// tests/layout/dgrad_quad_rows.cu walks every consumer thread's accumulators through cute on

@@ -21,34 +21,12 @@
 //    takes tile rows 32 (w % 4) + lane and act columns [64 (w / 4 - 1), 64 (w / 4 - 1) + 64);
 //  - warp 12, the MMA warp: allocates TMEM, and one elected thread issues every tcgen05.mma
 //    and tcgen05.commit.
-// Pipelines: the shared-memory stage ring (fused/pipeline.cuh; a stage goes back to the
-// producer through tcgen05.commit, when the UMMAs that read it have completed), and a ring of
-// two TMEM accumulators (2 x 256 fp32 columns = all 512), so the epilogue of one tile overlaps
-// the mainloop of the next: acc_full completes by tcgen05.commit after a tile's last UMMA;
-// acc_empty after every epilogue thread has finished its tcgen05.ld of that buffer.
-//
-// Ordering rules this file relies on (PTX ISA, tcgen05 memory consistency):
-//  - cp.async writes the A rows through the generic proxy and tcgen05.mma reads shared memory
-//    through the async proxy: the MMA warp runs fence.proxy.async after the stage's full
-//    barrier completes (which it does once every copy has landed) and before its UMMAs, as the
-//    Hopper consumers do before wgmma (mma_k_blocks<true>);
-//  - TMEM handed between threads through an mbarrier: tcgen05.fence::before_thread_sync before
-//    the arrive, tcgen05.fence::after_thread_sync after the wait (both ways: epilogue -> MMA
-//    for a free buffer, MMA -> epilogue is the commit's own arrive, then after_thread_sync);
-//  - tcgen05.wait::ld before any register of a tcgen05.ld is read or the buffer released;
-//  - no thread exits while a tcgen05.commit arrival on one of its barriers is still due: the
-//    producer waits for every stage's release before leaving, the epilogue for every
-//    accumulator's;
-//  - one warp allocates (all 512 columns; the launch's 206,848 B of shared memory keeps one CTA
-//    per SM), relinquishes the allocation permit at once, and frees after the final CTA
-//    barrier, which every epilogue thread reaches after its last tcgen05.wait::ld.
-//    A kernel running concurrently on the same SM that holds TMEM would make tcgen05.alloc
-//    wait until it frees it.
-#include <cute/arch/copy_sm100.hpp>
+// Pipelines, TMEM hand-offs and the ordering rules they keep: fused/sm100_pipeline.cuh (shared
+// with the dgrad's sm_100a kernel). Two TMEM accumulators of 256 fp32 columns fill all 512; the
+// launch's 206,848 B of shared memory keeps one CTA per SM, so tcgen05.alloc never waits on a
+// second CTA of this kernel.
 #include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
-#include <cute/arch/mma_sm100_umma.hpp>
-#include <cute/arch/tmem_allocator_sm100.hpp>
 #include <cute/atom/mma_traits_sm100.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -64,14 +42,8 @@
 #include "fused/fc1_sm100_layout.h"
 #include "fused/gather_rows.cuh"
 #include "fused/pipeline.cuh"
+#include "fused/sm100_pipeline.cuh"
 #include "fused/tile_list.cuh"
-
-// The device pass must have the tcgen05 instructions: without them cute compiles its UMMA and
-// TMEM wrappers to traps, and the kernel would build and then fail at run time.
-#if defined(__CUDA_ARCH__) && \
-    !(defined(CUTE_ARCH_TCGEN05_F16F32_MMA_ENABLED) && defined(CUTE_ARCH_TCGEN05_TMEM_ENABLED))
-#error "fc1_sm100.cu needs sm_100a (tcgen05 MMA and TMEM); compile it for compute_100a only"
-#endif
 
 namespace capmoe::fused {
 namespace {
@@ -147,13 +119,6 @@ struct Kernel {
   static_assert(2 * kSmemBytes > 228 * 1024, "one CTA per SM");
 };
 
-__device__ __forceinline__ void tmem_fence_before_thread_sync() {
-  asm volatile("tcgen05.fence::before_thread_sync;" ::: "memory");
-}
-__device__ __forceinline__ void tmem_fence_after_thread_sync() {
-  asm volatile("tcgen05.fence::after_thread_sync;" ::: "memory");
-}
-
 __device__ __forceinline__ Tile locate_tile(int tile, int slices, const int32_t* tile_prefix, const int32_t* row_start,
                                             int experts) {
   return locate<kTileM, kTileN>(tile, slices, tile_prefix, row_start, experts);
@@ -180,20 +145,11 @@ __device__ void produce(const Fc1Params& p, typename Kernel<T>::Shared& s, int t
       [&](int stage, const Tile& t, int k0) { load_weights<T>(p, s, stage, t, k0); });
   // Where the loop left the ring: one fill per (tile of this CTA, K block).
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
-  const int tiles = int(blockIdx.x) < total_tiles ? (total_tiles - 1 - int(blockIdx.x)) / int(gridDim.x) + 1 : 0;
-  const int64_t fills = int64_t(tiles) * k_blocks;
-  StageRing<kStages> ring;
-  ring.stage = int(fills % kStages);
-  ring.phase = uint32_t(fills / kStages) & 1u;
-  for (int i = 0; i < kStages; ++i) {
-    wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "sm100 fc1 producer tail, empty");
-    ring.advance();
-  }
+  drain_stage_ring<kStages>(s.empty, int64_t(cta_tiles(total_tiles)) * k_blocks, "sm100 fc1 producer tail, empty");
 }
 
-// The MMA warp: per tile, waits for a free accumulator, then per K block for the stage, and
-// issues its four k16 UMMAs from one elected thread (cute's SM100 atom elects inside; the
-// commits below elect the same lane, so they track that thread's UMMAs).
+// The MMA warp (fused/sm100_pipeline.cuh's loop): four k16 UMMAs per K block; the A rows came
+// through the generic proxy (cp.async), so each stage is fenced before its UMMAs read it.
 template <class T>
 __device__ void issue_mmas(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles) {
   using K = Kernel<T>;
@@ -205,53 +161,8 @@ __device__ void issue_mmas(const Fc1Params& p, typename Kernel<T>::Shared& s, in
   Tensor tCrA = thr.make_fragment_A(sA);  // UMMA shared-memory descriptors
   Tensor tCrB = thr.make_fragment_B(sB);
   Tensor acc = K::TiledMma::make_fragment_C(typename K::AccShape{});  // ((128,256),1,1) in TMEM
-  StageRing<kStages> ring;
-  StageRing<kAccStages> acc_ring;
-  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    wait_barrier(&s.acc_empty[acc_ring.stage], acc_ring.phase ^ 1, "sm100 fc1 MMA warp, accumulator empty");
-    tmem_fence_after_thread_sync();
-    acc.data() = s.tmem_base + uint32_t(acc_ring.stage * kAccColumns);
-    mma.accumulate_ = UMMA::ScaleOut::Zero;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      wait_barrier(&s.full[ring.stage], ring.phase, "sm100 fc1 MMA warp, full");
-      // The A rows came through the generic proxy (cp.async); the UMMAs read the async one.
-      cutlass::arch::fence_view_async_shared();
-#pragma unroll
-      for (int k = 0; k < size<2>(tCrA); ++k) {
-        cute::gemm(mma, tCrA(_, _, k, ring.stage), tCrB(_, _, k, ring.stage), acc);
-        mma.accumulate_ = UMMA::ScaleOut::One;
-      }
-      // The stage goes back to the producer once these UMMAs have read it.
-      cutlass::arch::umma_arrive(&s.empty[ring.stage]);
-      ring.advance();
-    }
-    // The accumulator is complete once every UMMA issued so far has.
-    cutlass::arch::umma_arrive(&s.acc_full[acc_ring.stage]);
-    acc_ring.advance();
-  }
-}
-
-// 32 consecutive fp32 TMEM columns of this thread's lane (its warp's lane quarter).
-__device__ __forceinline__ void tmem_load_32(uint32_t address, uint32_t (&v)[32]) {
-  SM100_TMEM_LOAD_32dp32b32x::copy(address, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], v[11],
-                                   v[12], v[13], v[14], v[15], v[16], v[17], v[18], v[19], v[20], v[21], v[22], v[23],
-                                   v[24], v[25], v[26], v[27], v[28], v[29], v[30], v[31]);
-}
-
-// Ties every register of a tcgen05.ld to the point after tcgen05.wait::ld: the load's asm
-// does not say its outputs are valid only after the wait, so without this the compiler could
-// schedule their uses between the two. Each empty asm is volatile (kept after the wait's, also
-// volatile) and redefines its register.
-__device__ __forceinline__ void after_tmem_wait(uint32_t (&v)[32]) {
-#pragma unroll
-  for (int i = 0; i < 32; ++i) asm volatile("" : "+r"(v[i]));
-}
-
-__device__ __forceinline__ void store_16_pairs(void* dst, const uint32_t (&pairs)[16]) {
-  uint4* out = static_cast<uint4*>(dst);
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    out[i] = make_uint4(pairs[4 * i], pairs[4 * i + 1], pairs[4 * i + 2], pairs[4 * i + 3]);
+  issue_umma_tiles<kStages, kAccStages, kAccColumns, true>(mma, tCrA, tCrB, acc, s.full, s.empty, s.acc_full,
+                                                            s.acc_empty, s.tmem_base, total_tiles, k_blocks);
 }
 
 // 32 columns of one row, the Hopper epilogue's math (store_tile in fc1_sm90.cu): gate and up
@@ -289,7 +200,6 @@ __device__ __forceinline__ void store_columns(const Fc1Params& p, int64_t row, i
 // .sync.aligned); only rows < t.rows are stored.
 template <class T>
 __device__ void drain_accumulators(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles, int slices) {
-  using Barrier = cutlass::arch::ClusterBarrier;
   const int warp = threadIdx.x / 32;
   const int quarter = warp % 4;  // the TMEM lane quarter this warp may access
   const int m = 32 * quarter + (threadIdx.x & 31);
@@ -301,24 +211,17 @@ __device__ void drain_accumulators(const Fc1Params& p, typename Kernel<T>::Share
     const bool stored = m < t.rows;
     const int64_t row = int64_t(t.row0) + m;
     const float prob = stored && p.prob_of_row != nullptr ? __ldg(p.prob_of_row + row) : 1.0f;
-    wait_barrier(&s.acc_full[acc_ring.stage], acc_ring.phase, "sm100 fc1 epilogue, accumulator full");
-    tmem_fence_after_thread_sync();
-    // TMEM address: lane in bits [31:16], column in [15:0].
-    const uint32_t lane_base = s.tmem_base + (uint32_t(32 * quarter) << 16) + uint32_t(acc_ring.stage * kAccColumns);
+    wait_accumulator(s.acc_full, acc_ring, "sm100 fc1 epilogue, accumulator full");
+    const uint32_t lane_base = tmem_lane_quarter(s.tmem_base, quarter, acc_ring.stage * kAccColumns);
 #pragma unroll
     for (int l = 0; l < kLoads; ++l) {
       const int column = first_column + l * kColumnsPerLoad;
       uint32_t gate[32], up[32];
       tmem_load_32(lane_base + column, gate);
       tmem_load_32(lane_base + kTileN + column, up);
-      cutlass::arch::fence_view_async_tmem_load();  // tcgen05.wait::ld
-      after_tmem_wait(gate);
-      after_tmem_wait(up);
-      if (l == kLoads - 1) {
-        // This thread is done with the buffer: the MMA warp may overwrite it.
-        tmem_fence_before_thread_sync();
-        Barrier::arrive(&s.acc_empty[acc_ring.stage]);
-      }
+      tmem_wait_loads(gate, up);
+      // This thread is done with the buffer: the MMA warp may overwrite it.
+      if (l == kLoads - 1) release_accumulator(s.acc_empty, acc_ring.stage);
       if (stored) store_columns<T>(p, row, t.n0 + column, gate, up, prob);
     }
     acc_ring.advance();
@@ -341,11 +244,7 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_swiglu_sm100_kernel(const __g
     init_stage_barriers<kAccStages>(s.acc_full, s.acc_empty, 1, kEpilogueThreads);
   }
   if (threadIdx.x == 64) cute::prefetch_tma_descriptor(&p.w1_map);
-  if (warp == kMmaWarp) {
-    tmem.allocate(kTmemColumns, &s.tmem_base);
-    tmem.release_allocation_lock();  // this CTA allocates nothing more
-    tmem_fence_before_thread_sync();
-  }
+  if (warp == kMmaWarp) allocate_tmem<kTmemColumns>(tmem, &s.tmem_base);
   __syncthreads();
   tmem_fence_after_thread_sync();
 
@@ -362,10 +261,7 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_swiglu_sm100_kernel(const __g
   // Every tcgen05.ld has completed (each epilogue thread waited on its own) and every UMMA
   // has (the epilogue waited on each accumulator's commit): TMEM can be freed.
   __syncthreads();
-  if (warp == kMmaWarp) {
-    tmem_fence_after_thread_sync();
-    tmem.free(s.tmem_base, kTmemColumns);
-  }
+  if (warp == kMmaWarp) free_tmem<kTmemColumns>(tmem, s.tmem_base);
 }
 
 template <class T>

@@ -1,10 +1,11 @@
 // capmoe-archs: 90a 100a
 // The fused fc2 dgrad + SwiGLU backward C ABI (capturable_moe/fused.h), both forms (drows, and
 // dy gathered through token_of_row): host checks, TMA descriptor encoding and the dispatch to
-// the sm_90a kernels (csrc/fused/swiglu_dgrad_sm90.cu).
+// the sm_90a kernel (csrc/fused/swiglu_dgrad_sm90.cu) on compute capability 9.0 or the sm_100a
+// one (csrc/fused/swiglu_dgrad_sm100.cu, both forms; the same maps and parameters) on 10.0.
 // Built for every arch so the entry points always exist; a device or binary without the kernel
 // gets CAPMOE_ERR_UNSUPPORTED. Only kernels of archs compiled into this binary are referenced
-// (CAPMOE_HAS_SM90).
+// (CAPMOE_HAS_SM90 / CAPMOE_HAS_SM100).
 #include <cstdint>
 
 #include "common/alignment.h"
@@ -12,6 +13,10 @@
 #include "fused/entry.h"
 #include "fused/swiglu_dgrad_launch.h"
 #include "fused/tile_list.cuh"
+
+#if defined(CAPMOE_HAS_SM90) || defined(CAPMOE_HAS_SM100)
+#define CAPMOE_DGRAD_HAS_KERNEL 1
+#endif
 
 namespace capmoe::fused {
 namespace {
@@ -36,16 +41,30 @@ capmoe_status_t check_desc(const capmoe_fused_swiglu_dgrad_desc_t* d) {
   return CAPMOE_OK;
 }
 
-// The kernel exists for the current device: an sm_90a build running on compute capability 9.0.
-capmoe_status_t check_device() {
+enum class DgradKernel { Sm90, Sm100 };
+
+// The kernel of the current device: sm_90a on compute capability 9.0, sm_100a on 10.0, each
+// only when built into this binary; UNSUPPORTED otherwise.
+capmoe_status_t check_device(DgradKernel* kernel) {
+  int major = 0, minor = 0;
+  CAPMOE_TRY(device_compute_capability(&major, &minor));
 #if defined(CAPMOE_HAS_SM90)
-  return check_sm90_device();
-#else
-  return CAPMOE_ERR_UNSUPPORTED;
+  if (major == 9 && minor == 0) {
+    *kernel = DgradKernel::Sm90;
+    return CAPMOE_OK;
+  }
 #endif
+#if defined(CAPMOE_HAS_SM100)
+  if (major == 10 && minor == 0) {
+    *kernel = DgradKernel::Sm100;
+    return CAPMOE_OK;
+  }
+#endif
+  (void)kernel;
+  return CAPMOE_ERR_UNSUPPORTED;
 }
 
-#if defined(CAPMOE_HAS_SM90)
+#if defined(CAPMOE_DGRAD_HAS_KERNEL)
 // The W2 map and the pointers and sizes both forms share.
 capmoe_status_t make_common_params(const capmoe_fused_swiglu_dgrad_desc_t& d, const void* w2, const void* h,
                                    const int64_t* offsets, void* dh, SwigluDgradParams* p) {
@@ -94,8 +113,9 @@ using namespace capmoe::fused;
 extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad_supported(const capmoe_fused_swiglu_dgrad_desc_t* desc) {
   return capmoe::guarded([&]() -> capmoe_status_t {
     CAPMOE_TRY(check_desc(desc));
-    CAPMOE_TRY(check_device());
-#if defined(CAPMOE_HAS_SM90)
+    DgradKernel kernel{};
+    CAPMOE_TRY(check_device(&kernel));
+#if defined(CAPMOE_DGRAD_HAS_KERNEL)
     // Resolve the driver's encoder now (plan time), not inside a first launch under capture.
     if (tma_encode_fn() == nullptr) return CAPMOE_ERR_UNSUPPORTED;
 #endif
@@ -115,11 +135,19 @@ extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad(const capmoe_fused_swiglu_d
     if (d.capacity == 0) return CAPMOE_OK;  // no row can be written
     if (drows == nullptr || w2 == nullptr || h == nullptr || dh == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
     CAPMOE_TRY(capmoe::check_aligned(16, {drows, w2, h, dh, dact}));
-    CAPMOE_TRY(check_device());
-#if defined(CAPMOE_HAS_SM90)
+    DgradKernel kernel{};
+    CAPMOE_TRY(check_device(&kernel));
+#if defined(CAPMOE_DGRAD_HAS_KERNEL)
     SwigluDgradParams p{};
     CAPMOE_TRY(make_params(d, drows, w2, h, offsets, dh, dact, &p));
-    return launch_swiglu_dgrad_sm90(p, d.dtype, grid_of(d), static_cast<cudaStream_t>(stream));
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+#if defined(CAPMOE_HAS_SM100)
+    if (kernel == DgradKernel::Sm100) return launch_swiglu_dgrad_sm100(p, d.dtype, grid_of(d), s);
+#endif
+#if defined(CAPMOE_HAS_SM90)
+    if (kernel == DgradKernel::Sm90) return launch_swiglu_dgrad_sm90(p, d.dtype, grid_of(d), s);
+#endif
+    return CAPMOE_ERR_UNSUPPORTED;
 #else
     return CAPMOE_ERR_UNSUPPORTED;
 #endif
@@ -142,12 +170,13 @@ extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad_gathered(const capmoe_fused
     if (dy == nullptr || w2 == nullptr || h == nullptr || token_of_row == nullptr || prob_of_row == nullptr ||
         dh == nullptr || dprob_partials == nullptr)
       return CAPMOE_ERR_INVALID_ARGUMENT;
-    // 16 bytes: the cp.async chunks of dy, w2's TMA, h's and dh's 32-bit pair accesses (kept as
-    // the drows form's rule).
+    // 16 bytes: the cp.async chunks of dy, w2's TMA, h's and dh's pair accesses (32-bit on
+    // sm_90a, 16-byte on sm_100a).
     CAPMOE_TRY(capmoe::check_aligned(16, {dy, w2, h, dh}));
     CAPMOE_TRY(capmoe::check_aligned(4, {token_of_row, prob_of_row, dprob_partials}));
-    CAPMOE_TRY(check_device());
-#if defined(CAPMOE_HAS_SM90)
+    DgradKernel kernel{};
+    CAPMOE_TRY(check_device(&kernel));
+#if defined(CAPMOE_DGRAD_HAS_KERNEL)
     SwigluDgradParams p{};
     CAPMOE_TRY(make_common_params(d, w2, h, offsets, dh, &p));
     p.dy = dy;
@@ -155,7 +184,14 @@ extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad_gathered(const capmoe_fused
     p.prob_of_row = prob_of_row;
     p.dprob_partials = dprob_partials;
     p.max_tokens = int32_t(d.max_tokens);
-    return launch_swiglu_dgrad_gathered_sm90(p, d.dtype, grid_of(d), static_cast<cudaStream_t>(stream));
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+#if defined(CAPMOE_HAS_SM100)
+    if (kernel == DgradKernel::Sm100) return launch_swiglu_dgrad_gathered_sm100(p, d.dtype, grid_of(d), s);
+#endif
+#if defined(CAPMOE_HAS_SM90)
+    if (kernel == DgradKernel::Sm90) return launch_swiglu_dgrad_gathered_sm90(p, d.dtype, grid_of(d), s);
+#endif
+    return CAPMOE_ERR_UNSUPPORTED;
 #else
     return CAPMOE_ERR_UNSUPPORTED;
 #endif

@@ -1,6 +1,7 @@
 // The seam between the fused fc2 dgrad + SwiGLU backward C ABI entry (csrc/fused/swiglu_dgrad.cu,
-// built for every arch) and its sm_90a kernel TU (csrc/fused/swiglu_dgrad_sm90.cu): the kernel
-// parameters, with the TMA descriptors already encoded on the host.
+// built for every arch) and its kernel TUs (csrc/fused/swiglu_dgrad_sm90.cu, sm_90a, and
+// csrc/fused/swiglu_dgrad_sm100.cu, sm_100a): the kernel parameters, with the TMA descriptors
+// already encoded on the host (both kernels read the same maps).
 #pragma once
 
 #include <cuda.h>
@@ -39,5 +40,11 @@ capmoe_status_t launch_swiglu_dgrad_sm90(const SwigluDgradParams& params, capmoe
                                          cudaStream_t stream);
 capmoe_status_t launch_swiglu_dgrad_gathered_sm90(const SwigluDgradParams& params, capmoe_dtype_t dtype, int grid,
                                                   cudaStream_t stream);
+
+// The same two forms on the sm_100a kernel (swiglu_dgrad_sm100.cu, compiled only: never run).
+capmoe_status_t launch_swiglu_dgrad_sm100(const SwigluDgradParams& params, capmoe_dtype_t dtype, int grid,
+                                          cudaStream_t stream);
+capmoe_status_t launch_swiglu_dgrad_gathered_sm100(const SwigluDgradParams& params, capmoe_dtype_t dtype, int grid,
+                                                   cudaStream_t stream);
 
 }  // namespace capmoe::fused

@@ -50,6 +50,7 @@
 #include "fused/pipeline.cuh"
 #include "common/swiglu_math.cuh"
 #include "fused/gather_rows.cuh"
+#include "fused/pair.cuh"
 #include "fused/swiglu_dgrad_launch.h"
 #include "fused/swiglu_dgrad_layout.h"
 #include "fused/tile_list.cuh"
@@ -71,31 +72,6 @@ constexpr uint64_t kEvictNormal = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
 
 // Where the A tiles come from (the two forms of the file's top).
 enum class ASource { Tma, Gathered };
-
-// Two 16-bit values packed in 32 bits <-> two floats, with the conversions the routing
-// kernels' SwiGLU backward uses (so the same inputs give the same bits).
-template <class T>
-struct Pair;
-template <>
-struct Pair<cutlass::bfloat16_t> {
-  __device__ __forceinline__ static float2 unpack(uint32_t v) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-  }
-  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-};
-template <>
-struct Pair<cutlass::half_t> {
-  __device__ __forceinline__ static float2 unpack(uint32_t v) {
-    return __half22float2(*reinterpret_cast<const __half2*>(&v));
-  }
-  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-};
 
 template <class T>
 struct Kernel {

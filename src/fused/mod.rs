@@ -11,7 +11,8 @@
 //!
 //! [`FusedSwigluDgrad`]: the backward's fc2 dgrad with the SwiGLU backward in its epilogue:
 //! `dh [capacity, 2F]` from `drows [capacity, H]`, the fc2 weight and the forward's `h`, in one
-//! persistent sm_90a kernel; the `[capacity, F]` dact never goes through memory (written only
+//! persistent sm_90a kernel, or its sm_100a variant on a compute capability 10.0 device (both
+//! forms; compiled only: no Blackwell GPU has run it); the `[capacity, F]` dact never goes through memory (written only
 //! on request). Same fp32 math as the unfused SwiGLU backward on the rounded dact; bitwise equal
 //! to the unfused path only where both GEMMs sum in the same order (not guaranteed: its tests
 //! hold it to the fp64 reference and report the bitwise comparison).
@@ -32,7 +33,8 @@
 //! device data, so a launch can be captured in a CUDA graph and replayed with new routing.
 //!
 //! Where they apply (`new` says why not otherwise, before any launch): an sm_90a build on a
-//! compute capability 9.0 device (fc1 also: an sm_100a build on 10.0, cp.async gather only),
+//! compute capability 9.0 device (fc1 and the dgrad also: an sm_100a build on 10.0; fc1 there
+//! with the cp.async gather only; the gathered wgrad has no sm_100a kernel),
 //! weights as one tensor (`[E, 2F, H]` / `[E, H, F]`), `F` a
 //! multiple of [`FC1_TILE_N`] / [`SWIGLU_DGRAD_TILE_N`], `E <=` [`MAX_EXPERTS`], a 16-bit
 //! activation type. Elsewhere use the unfused path.
@@ -96,8 +98,8 @@ fn kernel_for_arch(arch: Arch, builds: &[(Arch, &'static str)], need: &'static s
 }
 
 /// The sm_90a device of `stream`, or why the kernel cannot run there (`need`: the arch it
-/// needs, for the message; `kernel`: its name when the binary lacks it). The fused dgrad and
-/// the gathered wgrad have no other kernel: a 10.0 device is `UnsupportedArch` for them.
+/// needs, for the message; `kernel`: its name when the binary lacks it). The gathered wgrad
+/// has no other kernel: a 10.0 device is `UnsupportedArch` for it.
 fn sm90_device(stream: &CudaStream, need: &'static str, kernel: &'static str) -> Result<DeviceInfo> {
     kernel_device(stream, &sm90_only(kernel), need)
 }
@@ -108,6 +110,13 @@ fn sm90_only(kernel: &'static str) -> [(Arch, &'static str); 1] {
 
 /// The archs with a fused fc1 kernel, each with its name for [`Error::NotBuilt`].
 const FC1_BUILDS: [(Arch, &str); 2] = [(Arch::Sm90, "fused fc1 (sm_90a)"), (Arch::Sm100, "fused fc1 (sm_100a)")];
+
+/// The archs with a fused fc2 dgrad + SwiGLU backward kernel (both forms), each with its name
+/// for [`Error::NotBuilt`].
+const DGRAD_BUILDS: [(Arch, &str); 2] = [
+    (Arch::Sm90, "fused fc2 dgrad + SwiGLU backward (sm_90a)"),
+    (Arch::Sm100, "fused fc2 dgrad + SwiGLU backward (sm_100a)"),
+];
 
 /// The plan-time shape rules the fused kernels share: `F` a multiple of their column tile,
 /// `E <=` [`MAX_EXPERTS`], a 16-bit activation type.
@@ -363,8 +372,7 @@ impl FusedSwigluDgrad {
         crate::graph::ensure_not_capturing(stream, OP)?;
         let c = routing.config();
         Self::check_shapes(c)?;
-        let device =
-            sm90_device(stream, "9.0 (sm_90a) for the fused fc2 dgrad", "fused fc2 dgrad + SwiGLU backward (sm_90a)")?;
+        let device = kernel_device(stream, &DGRAD_BUILDS, "9.0 (sm_90a) or 10.0 (sm_100a) for the fused fc2 dgrad")?;
         let desc = sys::capmoe_fused_swiglu_dgrad_desc_t {
             num_experts: c.num_experts as i64,
             hidden: c.hidden as i64,
@@ -581,21 +589,23 @@ impl FusedSwigluDgrad {
 mod tests {
     use super::*;
 
-    /// fc1 has a kernel on 9.0 and 10.0, each usable only when its arch is built; the dgrad and
-    /// the gathered wgrad (sm90_device) refuse 10.0 as before, whatever the build.
+    /// fc1 and the dgrad (both forms) have a kernel on 9.0 and 10.0, each usable only when its
+    /// arch is built; the gathered wgrad (sm90_device) refuses 10.0 as before, whatever the build.
     #[test]
     fn fused_kernels_by_arch_host() {
-        for arch in [Arch::Sm90, Arch::Sm100] {
-            let fc1 = kernel_for_arch(arch, &FC1_BUILDS, "fc1");
-            if arch.is_built() {
-                assert!(fc1.is_ok(), "fc1 on a built {arch:?}: {fc1:?}");
-            } else {
-                assert!(matches!(fc1, Err(Error::NotBuilt { .. })), "fc1 on an unbuilt {arch:?}: {fc1:?}");
+        for (name, builds) in [("fc1", &FC1_BUILDS), ("dgrad", &DGRAD_BUILDS)] {
+            for arch in [Arch::Sm90, Arch::Sm100] {
+                let got = kernel_for_arch(arch, builds, "9.0 or 10.0");
+                if arch.is_built() {
+                    assert!(got.is_ok(), "{name} on a built {arch:?}: {got:?}");
+                } else {
+                    assert!(matches!(got, Err(Error::NotBuilt { .. })), "{name} on an unbuilt {arch:?}: {got:?}");
+                }
             }
         }
-        let dgrad = kernel_for_arch(Arch::Sm100, &sm90_only("dgrad (sm_90a)"), "9.0 (sm_90a)");
-        assert!(matches!(dgrad, Err(Error::UnsupportedArch { need: "9.0 (sm_90a)", .. })), "dgrad on 10.0: {dgrad:?}");
-        let on_sm90 = kernel_for_arch(Arch::Sm90, &sm90_only("dgrad (sm_90a)"), "9.0 (sm_90a)");
-        assert_eq!(on_sm90.is_ok(), Arch::Sm90.is_built(), "dgrad on 9.0: {on_sm90:?}");
+        let wgrad = kernel_for_arch(Arch::Sm100, &sm90_only("wgrad (sm_90a)"), "9.0 (sm_90a)");
+        assert!(matches!(wgrad, Err(Error::UnsupportedArch { need: "9.0 (sm_90a)", .. })), "wgrad on 10.0: {wgrad:?}");
+        let on_sm90 = kernel_for_arch(Arch::Sm90, &sm90_only("wgrad (sm_90a)"), "9.0 (sm_90a)");
+        assert_eq!(on_sm90.is_ok(), Arch::Sm90.is_built(), "wgrad on 9.0: {on_sm90:?}");
     }
 }

@@ -88,7 +88,7 @@ capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc, const void
                                  void* h, void* stream);
 
 /* Fused fc2 dgrad + SwiGLU backward: the expert path's backward from drows (the gradient of
- * fc2's output rows) to dh (the gradient of fc1's output h), in one persistent sm_90a kernel.
+ * fc2's output rows) to dh (the gradient of fc1's output h), in one persistent kernel.
  *
  * Shapes (fixed at plan time; routing lives on the device and changes every launch):
  *   drows    [capacity, H]   BF16 or F16 (desc.dtype), row-major, routing row order
@@ -111,8 +111,10 @@ capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc, const void
  *
  * Limits: F a multiple of CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N, H a multiple of 8, E <=
  * CAPMOE_FUSED_MAX_EXPERTS; other shapes are CAPMOE_ERR_UNSUPPORTED (use the unfused path).
- * Only sm_90a has a kernel: elsewhere (or in a binary built without 90a) the launch returns
- * CAPMOE_ERR_UNSUPPORTED before anything is launched.
+ * Kernels (both forms): sm_90a on a compute capability 9.0 device, sm_100a (tcgen05 UMMA,
+ * accumulators in tensor memory; compiled, never run: no Blackwell GPU has been available) on
+ * 10.0, each only in a binary built for its arch; elsewhere the launch returns
+ * CAPMOE_ERR_UNSUPPORTED before anything is launched. Same contract and epilogue math on both.
  * Alignment: drows, w2, h, dh, dact 16-byte aligned; offsets 8 (else MISALIGNED).
  * No workspace, no allocation, no synchronisation, no host read of device data: capturable
  * (the TMA descriptors of drows and w2 are encoded on the host at every call). */
@@ -153,9 +155,11 @@ capmoe_status_t capmoe_fused_swiglu_dgrad(const capmoe_fused_swiglu_dgrad_desc_t
  *   d = round(sum_h A[h] * w2[e, h, f])               (fp32 accumulate, rounded to dtype)
  *   g = h[r, f], u = h[r, F + f], s = g * sigmoid(g) * u   (fp32, as fc1's SwiGLU)
  *   dprob_partials[r, j] = sum over f in [128 j, 128 j + 128) of d * s, in fp32 in a fixed
- *                          order (each of a quad's 4 threads sums its 32 columns in order,
- *                          then a butterfly over the quad): the same bits at every launch,
- *                          no atomics, one writer per element; dprob[r] = sum_j of them
+ *                          order (sm_90a: each of a quad's 4 threads sums its 32 columns in
+ *                          order, then a butterfly over the quad; sm_100a: each of two threads
+ *                          sums its 64 columns in order, then lower half + upper half): the
+ *                          same bits at every launch of one arch (the two archs' orders
+ *                          differ), no atomics, one writer per element; dprob[r] = sum_j of them
  *   ds = p * d (fp32), then dh[r, f], dh[r, F + f] = the SwiGLU backward of (ds, g, u) as in
  *                          capmoe_fused_swiglu_dgrad, rounded to dtype.
  * Rows at or past offsets[E], and past capacity, are not written (neither dh nor partials);
