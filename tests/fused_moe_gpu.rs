@@ -274,7 +274,7 @@ fn backward_outputs(what: &str, stream: &Arc<CudaStream>, io: &Io, t: usize) -> 
 
 #[test]
 fn fused_moe_swiglu_dgrad_matches_unfused_and_the_fp64_reference() {
-    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the fused fc1 and fc2 dgrad", Arch::Sm90, Arch::Sm100);
     let (w1, w2) = weights(11);
     for (fc1, capacity) in [
         (FusedKernel::Unfused, None),
@@ -349,14 +349,14 @@ fn assert_replays_equal_eager(stream: &Arc<CudaStream>, opts: MoeOptions, seed: 
 /// The fused fc1 and fc2 dgrad + SwiGLU backward, captured once and replayed.
 #[test]
 fn fused_moe_swiglu_dgrad_graph_replays_equal_eager() {
-    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the fused fc1 and fc2 dgrad", Arch::Sm90, Arch::Sm100);
     let opts = MoeOptions { fc1: FusedKernel::Fused, swiglu_dgrad: FusedKernel::Fused, ..MoeOptions::default() };
     assert_replays_equal_eager(&stream, opts, 13);
 }
 
 #[test]
 fn fused_moe_swiglu_dgrad_plan_choices() {
-    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the fused fc1 and fc2 dgrad", Arch::Sm90, Arch::Sm100);
     // Auto stays on the unfused path until the fused kernels' GPU suites have passed.
     let auto = MoeExperts::<bf16>::new(config(None), &stream).unwrap();
     assert!(!auto.swiglu_dgrad_is_fused(), "Auto must keep the unfused backward for now");
@@ -377,7 +377,7 @@ fn fused_moe_swiglu_dgrad_plan_choices() {
 #[test]
 fn fused_moe_swiglu_dgrad_f16_matches_unfused() {
     let opts = MoeOptions { swiglu_dgrad: FusedKernel::Fused, ..MoeOptions::default() };
-    f16_matches_unfused(opts, YBits::Equal, 15);
+    f16_matches_unfused(opts, YBits::Equal, &[Arch::Sm90, Arch::Sm100], 15);
 }
 
 /// Whether a fused f16 plan's forward keeps the unfused y bits.
@@ -391,9 +391,12 @@ enum YBits {
 /// A plan with `opts` against the unfused plan in f16, forward and backward over 6 steps: y
 /// bitwise or within tolerance as `y_bits` says, dx / dprobs / dW1 / dW2 within tolerance, dx
 /// written on its T rows and the poison past them.
-fn f16_matches_unfused(opts: MoeOptions, y_bits: YBits, seed: u64) {
+fn f16_matches_unfused(opts: MoeOptions, y_bits: YBits, archs: &[Arch], seed: u64) {
     use half::f16;
-    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
+    let stream = gpu_or_skip!();
+    if !common::device_is(&stream, archs, "the plan's fused kernels") {
+        return;
+    }
     let cfg = MoeConfig { dtype: DType::F16, ..config(None) };
     let mut fused = MoeExperts::<f16>::with_options(cfg.clone(), opts, &stream).unwrap();
     let unfused_opts = MoeOptions { gemm_config: opts.gemm_config, ..MoeOptions::default() };
@@ -469,7 +472,7 @@ fn plan_gathered(stream: &Arc<CudaStream>, capacity: Option<usize>, fc1: FusedKe
 /// with the unfused plan's and with the fp64 reference.
 #[test]
 fn fused_moe_gathered_fc1_wgrad_matches_unfused_and_the_fp64_reference() {
-    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90);
     let (w1, w2) = weights(15);
     for (fc1, capacity) in [(FusedKernel::Unfused, None), (FusedKernel::Fused, None), (FusedKernel::Fused, Some(150))] {
         let mut gathered = plan_gathered(&stream, capacity, fc1);
@@ -513,7 +516,7 @@ fn fused_moe_gathered_fc1_wgrad_matches_unfused_and_the_fp64_reference() {
 /// once and replayed.
 #[test]
 fn fused_moe_every_fused_kernel_graph_replays_equal_eager() {
-    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90);
     let opts = MoeOptions {
         fc1: FusedKernel::Fused,
         swiglu_dgrad: FusedKernel::Fused,
@@ -525,7 +528,7 @@ fn fused_moe_every_fused_kernel_graph_replays_equal_eager() {
 
 #[test]
 fn fused_moe_gathered_fc1_wgrad_plan_choices() {
-    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90);
     // Auto keeps the grouped GEMM's WGRAD until the gathered kernel's GPU suite has passed.
     assert!(!MoeExperts::<bf16>::new(config(None), &stream).unwrap().fc1_wgrad_is_gathered());
     // Pointer weights (dW1 a pointer table): a forced gather is an error before anything runs.
@@ -577,7 +580,7 @@ fn plan_prob_in_fc1(stream: &Arc<CudaStream>, capacity: Option<usize>, fc1_wgrad
 /// fp64 reference (every written element; the poisoned rest of y, dx and dprobs untouched).
 #[test]
 fn fused_moe_prob_in_fc1_matches_unfused_and_the_fp64_reference() {
-    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90);
     let (w1, w2) = weights(21);
     for (fc1_wgrad, capacity) in
         [(FusedKernel::Unfused, None), (FusedKernel::Fused, None), (FusedKernel::Fused, Some(150))]
@@ -623,7 +626,7 @@ fn fused_moe_prob_in_fc1_matches_unfused_and_the_fp64_reference() {
 /// A forward-only plan with the probability in fc1 gives the training plan's y bit for bit.
 #[test]
 fn fused_moe_prob_in_fc1_forward_only_equals_training_forward() {
-    let stream = gpu_of_arch_or_skip!("the fused fc1", Arch::Sm90, Arch::Sm100);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad (the training plan)", Arch::Sm90);
     let (w1, w2) = weights(23);
     let opts = MoeOptions {
         fc1: FusedKernel::Fused,
@@ -650,7 +653,7 @@ fn fused_moe_prob_in_fc1_forward_only_equals_training_forward() {
 /// Every fused kernel with the probability in fc1, captured once and replayed.
 #[test]
 fn fused_moe_prob_in_fc1_graph_replays_equal_eager() {
-    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90);
     let opts = MoeOptions {
         fc1: FusedKernel::Fused,
         swiglu_dgrad: FusedKernel::Fused,
@@ -671,12 +674,12 @@ fn fused_moe_prob_in_fc1_f16_matches_unfused() {
         prob_in_fc1: FusedKernel::Fused,
         ..MoeOptions::default()
     };
-    f16_matches_unfused(opts, YBits::Close, 27);
+    f16_matches_unfused(opts, YBits::Close, &[Arch::Sm90], 27);
 }
 
 #[test]
 fn fused_moe_prob_in_fc1_plan_choices() {
-    let stream = gpu_of_arch_or_skip!("the fused backward kernels", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the fused fc1 and fc2 dgrad", Arch::Sm90, Arch::Sm100);
     // Auto applies the probability in the combine.
     assert!(!MoeExperts::<bf16>::new(config(None), &stream).unwrap().prob_is_in_fc1());
     let base = MoeOptions { prob_in_fc1: FusedKernel::Fused, ..MoeOptions::default() };
