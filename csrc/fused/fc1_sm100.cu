@@ -44,6 +44,7 @@
 #include "fused/pipeline.cuh"
 #include "fused/sm100_pipeline.cuh"
 #include "fused/tile_list.cuh"
+#include "fused/tma_loads.cuh"
 
 namespace capmoe::fused {
 namespace {
@@ -65,7 +66,6 @@ constexpr int kMmaWarp = kFirstEpilogueWarp + kEpilogueWarps;
 constexpr int kThreads = 32 * (kMmaWarp + 1);
 constexpr int kColumnsPerLoad = 32;  // one tcgen05.ld 32x32b.x32: 32 fp32 columns of a lane
 constexpr int kEpilogueColumns = kTileN / (kEpilogueWarps / 4);  // act columns per thread
-constexpr uint64_t kEvictNormal = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
 
 static_assert(kThreads == 416 && kMmaWarp == 12, "roles: 8 epilogue warps, 4 producer warps, 1 MMA warp");
 static_assert(GatherRows<kTileM>::kThreads == kProducerThreads, "the gather's thread -> (row, chunk) map covers the tile");
@@ -128,10 +128,7 @@ __device__ __forceinline__ Tile locate_tile(int tile, int slices, const int32_t*
 template <class T>
 __device__ __forceinline__ void load_weights(const Fc1Params& p, typename Kernel<T>::Shared& s, int stage, const Tile& t,
                                              int k0) {
-  using K = Kernel<T>;
-  T* b = s.b + stage * K::kStageElemsB;
-  SM90_TMA_LOAD_3D::copy(&p.w1_map, &s.full[stage], kEvictNormal, b, k0, t.n0, t.expert);
-  SM90_TMA_LOAD_3D::copy(&p.w1_map, &s.full[stage], kEvictNormal, b + kTileN * kTileK, k0, p.ffn + t.n0, t.expert);
+  load_w1_tile<kTileN, kTileK>(p, &s.full[stage], s.b + stage * Kernel<T>::kStageElemsB, t, k0);
 }
 
 // The producer warpgroup (threads 0-127): the Hopper kernel's gathered producer loop, then a

@@ -50,6 +50,7 @@
 #include "fused/fc1_launch.h"
 #include "fused/gather_rows.cuh"
 #include "fused/tile_list.cuh"
+#include "fused/tma_loads.cuh"
 
 namespace capmoe::fused {
 namespace {
@@ -62,7 +63,6 @@ constexpr int kTileK = 64;                       // 64 16-bit elements = one 128
 constexpr int kStages = 4;
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
-constexpr uint64_t kEvictNormal = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
 // x is re-read by every column slice of every expert its token routes to: keep it in L2.
 constexpr uint64_t kEvictLast = uint64_t(TMA::CacheHintSm90::EVICT_LAST);
 constexpr int kProducerThreads = 128;
@@ -112,10 +112,7 @@ __device__ __forceinline__ Tile locate_tile(int tile, int slices, const int32_t*
 template <class T>
 __device__ __forceinline__ void load_weights(const Fc1Params& p, typename Kernel<T>::Shared& s, int stage, const Tile& t,
                                              int k0) {
-  using K = Kernel<T>;
-  T* b = s.b + stage * K::kStageElemsB;
-  SM90_TMA_LOAD_3D::copy(&p.w1_map, &s.full[stage], kEvictNormal, b, k0, t.n0, t.expert);
-  SM90_TMA_LOAD_3D::copy(&p.w1_map, &s.full[stage], kEvictNormal, b + kTileN * kTileK, k0, p.ffn + t.n0, t.expert);
+  load_w1_tile<kTileN, kTileK>(p, &s.full[stage], s.b + stage * Kernel<T>::kStageElemsB, t, k0);
 }
 
 // Token of tile row r, or -1 when the row is past the expert's count or the token is invalid.

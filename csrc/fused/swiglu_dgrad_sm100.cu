@@ -54,6 +54,7 @@
 #include "fused/swiglu_dgrad_launch.h"
 #include "fused/swiglu_dgrad_sm100_layout.h"
 #include "fused/tile_list.cuh"
+#include "fused/tma_loads.cuh"
 
 namespace capmoe::fused {
 namespace {
@@ -80,7 +81,6 @@ constexpr int kLoads = kEpilogueColumns / kColumnsPerLoad;
 constexpr int kPairsPerLoad = kColumnsPerLoad / 2;
 // The named barrier of the epilogue warps (0 is __syncthreads's).
 constexpr uint32_t kEpilogueBarrier = 1;
-constexpr uint64_t kEvictNormal = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
 
 static_assert(kTileN == 128 && kTileM == kSwigluDgradTileM, "the entry's tiles (swiglu_dgrad.cu, fused.h)");
 static_assert(kThreads == 416 && kMmaWarp == 12, "roles: 4 producer warps, 8 epilogue warps, 1 MMA warp");
@@ -148,39 +148,24 @@ __device__ __forceinline__ Tile locate_tile(int tile, int slices, const int32_t*
   return locate<kTileM, kTileN>(tile, slices, tile_prefix, row_start, experts);
 }
 
-// The B tile of a stage: W2_e rows [k0, k0 + 64), columns [n0, n0 + 128), as two 64-column boxes.
+// The B tile of a stage (fused/tma_loads.cuh): W2_e rows [k0, k0 + 64), columns [n0, n0 + 128).
 template <class T>
 __device__ __forceinline__ void load_weights(const SwigluDgradParams& p, typename Kernel<T>::Shared& s, int stage,
                                              const Tile& t, int k0) {
-  using K = Kernel<T>;
-  T* b = s.b + stage * K::kStageElemsB;
-#pragma unroll
-  for (int c = 0; c < kTileN / kBoxN; ++c)
-    SM90_TMA_LOAD_3D::copy(&p.w2_map, &s.full[stage], kEvictNormal, b + c * K::kBoxElemsB, t.n0 + c * kBoxN, k0,
-                           t.expert);
+  load_w2_tile<kTileN, kBoxN, kTileK>(p, &s.full[stage], s.b + stage * Kernel<T>::kStageElemsB, t, k0);
 }
 
-// The drows form's producer, one thread: per tile and K block, wait for a free stage, then the
-// A box and the B boxes (TMA counts every byte, zero-filled ones included: the stage is always
-// full). Then the tail.
+// The drows form's producer, one thread: the Hopper kernel's loop (fused/tma_loads.cuh), then
+// the tail.
 template <class T>
 __device__ void produce_tma(const SwigluDgradParams& p, typename Kernel<T>::Shared& s, int total_tiles, int slices) {
   using K = Kernel<T>;
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  static_assert(K::kBytesA + K::kBytesB == (kTileM + kTileN) * kTileK * sizeof(T), "produce_drows arms the whole stage");
+  produce_drows<kTileM, kTileN, kBoxN, kTileK, kStages>(
+      p, s.full, s.empty, s.a, s.b, total_tiles,
+      [&](int tile) { return locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts); },
+      "sm100 dgrad TMA producer, empty");
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
-  StageRing<kStages> ring;
-  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "sm100 dgrad TMA producer, empty");
-      const int stage = ring.stage;
-      Barrier::arrive_and_expect_tx(&s.full[stage], K::kBytesA + K::kBytesB);
-      const int k0 = kb * kTileK;
-      SM90_TMA_LOAD_2D::copy(&p.drows_map, &s.full[stage], kEvictNormal, s.a + stage * K::kStageElemsA, k0, t.row0);
-      load_weights<T>(p, s, stage, t, k0);
-      ring.advance();
-    }
-  }
   drain_stage_ring<kStages>(s.empty, int64_t(cta_tiles(total_tiles)) * k_blocks, "sm100 dgrad producer tail, empty");
 }
 

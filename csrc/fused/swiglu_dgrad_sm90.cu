@@ -54,6 +54,7 @@
 #include "fused/swiglu_dgrad_launch.h"
 #include "fused/swiglu_dgrad_layout.h"
 #include "fused/tile_list.cuh"
+#include "fused/tma_loads.cuh"
 
 namespace capmoe::fused {
 namespace {
@@ -68,7 +69,6 @@ constexpr int kStages = 6;
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
 constexpr int kProducerThreads = 128;
-constexpr uint64_t kEvictNormal = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
 
 // Where the A tiles come from (the two forms of the file's top).
 enum class ASource { Tma, Gathered };
@@ -118,38 +118,21 @@ __device__ __forceinline__ Tile locate_tile(int tile, int slices, const int32_t*
   return locate<kTileM, kTileN>(tile, slices, tile_prefix, row_start, experts);
 }
 
-// The B tile of a stage: W2_e rows [k0, k0 + 64), columns [n0, n0 + 128), as two 64-column boxes.
+// The B tile of a stage (fused/tma_loads.cuh): W2_e rows [k0, k0 + 64), columns [n0, n0 + 128).
 template <class T>
 __device__ __forceinline__ void load_weights(const SwigluDgradParams& p, typename Kernel<T>::Shared& s, int stage,
                                              const Tile& t, int k0) {
-  using K = Kernel<T>;
-  T* b = s.b + stage * K::kStageElemsB;
-#pragma unroll
-  for (int c = 0; c < kTileN / kBoxN; ++c)
-    SM90_TMA_LOAD_3D::copy(&p.w2_map, &s.full[stage], kEvictNormal, b + c * K::kBoxElemsB, t.n0 + c * kBoxN, k0,
-                           t.expert);
+  load_w2_tile<kTileN, kBoxN, kTileK>(p, &s.full[stage], s.b + stage * Kernel<T>::kStageElemsB, t, k0);
 }
 
-// One thread: per tile and K block, wait for a free stage, then the A box and the B boxes.
+// One thread: the drows form's producer loop (fused/tma_loads.cuh).
 template <class T>
 __device__ void produce(const SwigluDgradParams& p, typename Kernel<T>::Shared& s, int total_tiles, int slices) {
-  using K = Kernel<T>;
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
-  StageRing<kStages> ring;
-  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "dgrad TMA producer, empty");
-      const int stage = ring.stage;
-      // TMA counts every byte of a box, zero-filled ones included: the stage is always full.
-      Barrier::arrive_and_expect_tx(&s.full[stage], K::kStageBytes);
-      const int k0 = kb * kTileK;
-      SM90_TMA_LOAD_2D::copy(&p.drows_map, &s.full[stage], kEvictNormal, s.a + stage * K::kStageElemsA, k0, t.row0);
-      load_weights<T>(p, s, stage, t, k0);
-      ring.advance();
-    }
-  }
+  static_assert(Kernel<T>::kStageBytes == (kTileM + kTileN) * kTileK * sizeof(T), "produce_drows arms the whole stage");
+  produce_drows<kTileM, kTileN, kBoxN, kTileK, kStages>(
+      p, s.full, s.empty, s.a, s.b, total_tiles,
+      [&](int tile) { return locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts); },
+      "dgrad TMA producer, empty");
 }
 
 // The gathered form's producer warpgroup: the 128 threads copy the tile's rows
