@@ -23,8 +23,8 @@ namespace capmoe::fused {
 // producer use: lane l of producer warp w copies 16-byte chunk l % 8 of tile rows
 // w * 4 + l / 8 + 16 * i (i < kTileM / 16). A warp-wide copy then reads four whole 128-byte
 // rows, every L2 sector it touches in full (one row per thread would read halves of 32 rows'
-// sectors per copy and fetch each sector twice). The 128 threads cover the
-// tile's 128 rows x 8 chunks of a K block, and each thread still arrives once per stage.
+// sectors per copy and fetch each sector twice). The 128 threads cover the tile's 128 rows x 8
+// chunks of a K block, and each thread still arrives once per stage.
 template <int kTileM>
 struct GatherRows {
   static constexpr int kThreads = 128;

@@ -1,5 +1,6 @@
 //! The expert path's choices between fused kernels ([`crate::fused`]) and the unfused chains
-//! they replace ([`MoeOptions::fc1`], [`MoeOptions::swiglu_dgrad`], [`MoeOptions::fc1_wgrad`]).
+//! they replace ([`MoeOptions::fc1`], [`MoeOptions::swiglu_dgrad`], [`MoeOptions::fc1_wgrad`],
+//! [`MoeOptions::prob_in_fc1`]).
 //!
 //! Forward, [`crate::fused::FusedFc1`] (x rows gathered in the GEMM's operand load, SwiGLU in
 //! its epilogue) for permute -> fc1 -> SwiGLU. It writes the same `act` and `h` bits as the

@@ -912,7 +912,7 @@ impl<T: MoeElement> Path<T> {
     }
 
     /// From dy to dh, dprobs and dW2 when fc1 applied the probabilities: fc2's output rows got
-    /// plain dy[token] as their gradient, so the fused fc2 dgrad gathers dy (its epilogue
+    /// plain `dy[token]` as their gradient, so the fused fc2 dgrad gathers dy (its epilogue
     /// applies p and writes the dprob partials, summed per route after it), and fc2's wgrad
     /// reads dy gathered against act.
     #[allow(clippy::too_many_arguments)]
