@@ -1,6 +1,6 @@
 //! CUDA graphs of the expert path: capture, a memory pool shared by graphs of different
 //! shapes ([`MemoryPool`]), re-pointing a graph at other buffers without re-instantiating it
-//! ([`update`](mod@update), [`GraphTemplate`]), the guard every host-side call of the crate runs first
+//! ([`update`](fn@update), [`GraphTemplate`]), the guard every host-side call of the crate runs first
 //! ([`ensure_not_capturing`]) and the device flag words read back into one report
 //! ([`FlagReport`]).
 //!
