@@ -21,6 +21,26 @@ inline capmoe_status_t device_compute_capability(int* major, int* minor) {
   return cuda_status(cudaDeviceGetAttribute(minor, cudaDevAttrComputeCapabilityMinor, device));
 }
 
+// The archs a fused kernel can have a variant for.
+enum class FusedArch { Sm90, Sm100 };
+
+// The variant for the current device: sm_90a on compute capability 9.0, sm_100a on 10.0, each
+// only when the calling entry TU has it built (it passes its own CAPMOE_HAS_SM90 / _SM100, which
+// build.rs defines only for TUs whose text names them); UNSUPPORTED otherwise.
+inline capmoe_status_t built_device_arch(bool has_sm90, bool has_sm100, FusedArch* arch) {
+  int major = 0, minor = 0;
+  CAPMOE_TRY(device_compute_capability(&major, &minor));
+  if (has_sm90 && major == 9 && minor == 0) {
+    *arch = FusedArch::Sm90;
+    return CAPMOE_OK;
+  }
+  if (has_sm100 && major == 10 && minor == 0) {
+    *arch = FusedArch::Sm100;
+    return CAPMOE_OK;
+  }
+  return CAPMOE_ERR_UNSUPPORTED;
+}
+
 // Whether the current device is compute capability 9.0 (the sm_90a kernels' only target).
 inline capmoe_status_t check_sm90_device() {
   int major = 0, minor = 0;

@@ -42,27 +42,21 @@ capmoe_status_t check_desc(const capmoe_fused_fc1_desc_t* d) {
   return CAPMOE_OK;
 }
 
-enum class Fc1Kernel { Sm90, Sm100 };
+using Fc1Kernel = FusedArch;
 
-// The kernel of the current device: sm_90a on compute capability 9.0, sm_100a on 10.0, each
-// only when built into this binary; UNSUPPORTED otherwise.
+// The kernel of the current device (built_device_arch, fused/entry.h).
 capmoe_status_t device_kernel(Fc1Kernel* kernel) {
-  int major = 0, minor = 0;
-  CAPMOE_TRY(device_compute_capability(&major, &minor));
 #if defined(CAPMOE_HAS_SM90)
-  if (major == 9 && minor == 0) {
-    *kernel = Fc1Kernel::Sm90;
-    return CAPMOE_OK;
-  }
+  constexpr bool kHasSm90 = true;
+#else
+  constexpr bool kHasSm90 = false;
 #endif
 #if defined(CAPMOE_HAS_SM100)
-  if (major == 10 && minor == 0) {
-    *kernel = Fc1Kernel::Sm100;
-    return CAPMOE_OK;
-  }
+  constexpr bool kHasSm100 = true;
+#else
+  constexpr bool kHasSm100 = false;
 #endif
-  (void)kernel;
-  return CAPMOE_ERR_UNSUPPORTED;
+  return built_device_arch(kHasSm90, kHasSm100, kernel);
 }
 
 // The gather form a launch runs. AUTO: the form within the documented TMA rules until measured
