@@ -5,39 +5,40 @@
 //! `token_of_row` (no permuted copy of x is written or read) and SwiGLU in its epilogue:
 //! `act [capacity, F]` (and, on request, the pre-activation `h [capacity, 2F]` the unfused
 //! SwiGLU backward reads) in one persistent sm_90a kernel, or its sm_100a (Blackwell, tcgen05)
-//! variant on a compute capability 10.0 device (compiled only: no Blackwell GPU has run it). `act` and `h` are in routing row
-//! order, exactly where the unfused permute -> fc1 -> SwiGLU path puts them, and equal to it
-//! (gate and up are rounded to the activation type before SwiGLU, as the unfused path does).
+//! variant on a compute capability 10.0 device (compiled only: no Blackwell GPU has run it).
+//! `act` and `h` are in routing row order, exactly where the unfused permute -> fc1 -> SwiGLU
+//! path puts them, and equal to it (gate and up are rounded to the activation type before
+//! SwiGLU, as the unfused path does).
 //!
 //! [`FusedSwigluDgrad`]: the backward's fc2 dgrad with the SwiGLU backward in its epilogue:
 //! `dh [capacity, 2F]` from `drows [capacity, H]`, the fc2 weight and the forward's `h`, in one
 //! persistent sm_90a kernel, or its sm_100a variant on a compute capability 10.0 device (both
-//! forms; compiled only: no Blackwell GPU has run it); the `[capacity, F]` dact never goes through memory (written only
-//! on request). Same fp32 math as the unfused SwiGLU backward on the rounded dact; bitwise equal
-//! to the unfused path only where both GEMMs sum in the same order (not guaranteed: its tests
-//! hold it to the fp64 reference and report the bitwise comparison).
-//! [`FusedSwigluDgrad::run_gathered`] is its second form, for a forward whose fc1 epilogue
-//! weighted act by the route probability (an unweighted combine): A rows gathered from `dy`
-//! through `token_of_row`, `dh` of `prob · dact`, and dprob's per-slice partials from the
+//! forms; compiled only: no Blackwell GPU has run it); the `[capacity, F]` dact never goes
+//! through memory (written only on request). Same fp32 math as the unfused SwiGLU backward on
+//! the rounded dact; bitwise equal to the unfused path only where both GEMMs sum in the same
+//! order (not guaranteed: its tests hold it to the fp64 reference and report the bitwise
+//! comparison). [`FusedSwigluDgrad::run_gathered`] is its second form, for a forward whose fc1
+//! epilogue weighted act by the route probability (an unweighted combine): A rows gathered from
+//! `dy` through `token_of_row`, `dh` of `prob · dact`, and dprob's per-slice partials from the
 //! epilogue (no `drows` buffer).
 //!
 //! [`GatherWgrad`]: a grouped weight gradient that reads an operand's rows through
 //! `token_of_row` (fc1's `dW1` straight from `x`, no permuted copy); its own contract is on the
 //! type. Design, tests and limits of all three: `docs/fused.md`.
 //!
-//! Invariants of every launch of the first two: rows at or past the device-side total `offsets[E]` (clamped to
-//! `capacity`) are never written, and read only by [`FusedSwigluDgrad`] (an expert's last tile
-//! loads whole 128-row blocks of `drows`, never past `capacity`, and discards the rows beyond
-//! the expert's end; its gathered form reads `dy` only through `token_of_row` of stored rows);
-//! no allocation, no host sync, no host read of
-//! device data, so a launch can be captured in a CUDA graph and replayed with new routing.
+//! Invariants of every launch of the first two: rows at or past the device-side total
+//! `offsets[E]` (clamped to `capacity`) are never written, and read only by
+//! [`FusedSwigluDgrad`] (an expert's last tile loads whole 128-row blocks of `drows`, never past
+//! `capacity`, and discards the rows beyond the expert's end; its gathered form reads `dy` only
+//! through `token_of_row` of stored rows); no allocation, no host sync, no host read of device
+//! data, so a launch can be captured in a CUDA graph and replayed with new routing.
 //!
 //! Where they apply (`new` says why not otherwise, before any launch): an sm_90a build on a
 //! compute capability 9.0 device (fc1 and the dgrad also: an sm_100a build on 10.0; fc1 there
-//! with the cp.async gather only; the gathered wgrad has no sm_100a kernel),
-//! weights as one tensor (`[E, 2F, H]` / `[E, H, F]`), `F` a
-//! multiple of [`FC1_TILE_N`] / [`SWIGLU_DGRAD_TILE_N`], `E <=` [`MAX_EXPERTS`], a 16-bit
-//! activation type. Elsewhere use the unfused path.
+//! with the cp.async gather only; the gathered wgrad has no sm_100a kernel), weights as one
+//! tensor (`[E, 2F, H]` / `[E, H, F]`), `F` a multiple of [`FC1_TILE_N`] /
+//! [`SWIGLU_DGRAD_TILE_N`], `E <=` [`MAX_EXPERTS`], a 16-bit activation type. Elsewhere use the
+//! unfused path.
 
 use std::ffi::c_void;
 
