@@ -36,6 +36,7 @@
 #include <type_traits>
 
 #include "common/launch.cuh"
+#include "fused/launch_large_smem.cuh"
 #include "common/swiglu_math.cuh"
 #include "fused/epilogue.cuh"
 #include "fused/fc1_launch.h"
@@ -263,10 +264,7 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_swiglu_sm100_kernel(const __g
 
 template <class T>
 capmoe_status_t launch_typed(const Fc1Params& params, int grid, cudaStream_t stream) {
-  auto kernel = fc1_swiglu_sm100_kernel<T>;
-  constexpr size_t smem = Kernel<T>::kSmemBytes;
-  CAPMOE_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem))));
-  return launch(kernel, dim3(grid), kThreads, smem, stream, params);
+  return launch_large_smem(fc1_swiglu_sm100_kernel<T>, dim3(grid), kThreads, Kernel<T>::kSmemBytes, stream, params);
 }
 
 }  // namespace

@@ -44,6 +44,7 @@
 #include <cutlass/half.h>
 
 #include "common/launch.cuh"
+#include "fused/launch_large_smem.cuh"
 #include "fused/epilogue.cuh"
 #include "fused/pipeline.cuh"
 #include "common/swiglu_math.cuh"
@@ -276,10 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_swiglu_kernel(const __grid_co
 
 template <class T, Gather kGather>
 capmoe_status_t launch_typed(const Fc1Params& params, int grid, cudaStream_t stream) {
-  auto kernel = fc1_swiglu_kernel<T, kGather>;
-  constexpr size_t smem = Kernel<T>::kSmemBytes;
-  CAPMOE_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem))));
-  return launch(kernel, dim3(grid), kThreads, smem, stream, params);
+  return launch_large_smem(fc1_swiglu_kernel<T, kGather>, dim3(grid), kThreads, Kernel<T>::kSmemBytes, stream, params);
 }
 
 }  // namespace

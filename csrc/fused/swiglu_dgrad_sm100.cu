@@ -46,6 +46,7 @@
 #include <type_traits>
 
 #include "common/launch.cuh"
+#include "fused/launch_large_smem.cuh"
 #include "common/swiglu_math.cuh"
 #include "fused/gather_rows.cuh"
 #include "fused/pair.cuh"
@@ -375,10 +376,8 @@ __global__ void __launch_bounds__(kThreads, 1) swiglu_dgrad_sm100_kernel(const _
 
 template <class T, ASource kA>
 capmoe_status_t launch_typed(const SwigluDgradParams& params, int grid, cudaStream_t stream) {
-  auto kernel = swiglu_dgrad_sm100_kernel<T, kA>;
-  constexpr size_t smem = Kernel<T>::kSmemBytes;
-  CAPMOE_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem))));
-  return launch(kernel, dim3(grid), kThreads, smem, stream, params);
+  return launch_large_smem(swiglu_dgrad_sm100_kernel<T, kA>, dim3(grid), kThreads, Kernel<T>::kSmemBytes, stream,
+                           params);
 }
 
 }  // namespace

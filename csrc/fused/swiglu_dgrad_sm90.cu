@@ -47,6 +47,7 @@
 #include <cutlass/half.h>
 
 #include "common/launch.cuh"
+#include "fused/launch_large_smem.cuh"
 #include "fused/pipeline.cuh"
 #include "common/swiglu_math.cuh"
 #include "fused/gather_rows.cuh"
@@ -355,10 +356,7 @@ __global__ void __launch_bounds__(kThreads, 1) swiglu_dgrad_kernel(const __grid_
 
 template <class T, ASource kA>
 capmoe_status_t launch_typed(const SwigluDgradParams& params, int grid, cudaStream_t stream) {
-  auto kernel = swiglu_dgrad_kernel<T, kA>;
-  constexpr size_t smem = Kernel<T>::kSmemBytes;
-  CAPMOE_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem))));
-  return launch(kernel, dim3(grid), kThreads, smem, stream, params);
+  return launch_large_smem(swiglu_dgrad_kernel<T, kA>, dim3(grid), kThreads, Kernel<T>::kSmemBytes, stream, params);
 }
 
 }  // namespace

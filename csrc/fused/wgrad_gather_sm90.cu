@@ -50,6 +50,7 @@
 #include <cutlass/half.h>
 
 #include "common/launch.cuh"
+#include "fused/launch_large_smem.cuh"
 #include "fused/epilogue.cuh"
 #include "fused/pipeline.cuh"
 #include "fused/wgrad_gather_launch.h"
@@ -262,10 +263,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgrad_gather_kernel(const __grid_
 
 template <class T, class Out>
 capmoe_status_t launch_typed(const WgradGatherParams& params, int grid, cudaStream_t stream) {
-  auto kernel = wgrad_gather_kernel<T, Out>;
-  constexpr size_t smem = Kernel<T>::kSmemBytes;
-  CAPMOE_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem))));
-  return launch(kernel, dim3(grid), kThreads, smem, stream, params);
+  return launch_large_smem(wgrad_gather_kernel<T, Out>, dim3(grid), kThreads, Kernel<T>::kSmemBytes, stream, params);
 }
 
 }  // namespace

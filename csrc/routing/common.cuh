@@ -61,6 +61,16 @@ inline capmoe_status_t check_tokens(const capmoe_routing_desc_t* d, int64_t num_
   return check_aligned(4, {num_tokens_device});
 }
 
+// The checks of every entry that walks the routes: descriptor, token count, and the map
+// (non-null when the plan has tokens, 4-byte aligned).
+inline capmoe_status_t check_routes(const capmoe_routing_desc_t* d, int64_t num_tokens,
+                                    const int32_t* num_tokens_device, const int32_t* row_of_route) {
+  CAPMOE_TRY(check_desc(d));
+  CAPMOE_TRY(check_tokens(d, num_tokens, num_tokens_device));
+  if (d->max_tokens > 0 && row_of_route == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
+  return check_aligned(4, {row_of_route});
+}
+
 // The token count of this launch: the device value clamped into [0, t_max] when given,
 // else the (host-checked) host value. `flags` gets CAPMOE_ROUTING_BAD_TOKENS when the device
 // value was out of range; pass nullptr from all but one thread.

@@ -188,14 +188,6 @@ struct UnpermuteBackward {
   }
 };
 
-capmoe_status_t check_common(const capmoe_routing_desc_t* d, int64_t num_tokens,
-                             const int32_t* device_tokens, const int32_t* row_of_route) {
-  CAPMOE_TRY(check_desc(d));
-  CAPMOE_TRY(check_tokens(d, num_tokens, device_tokens));
-  if (d->max_tokens > 0 && row_of_route == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
-  return check_aligned(4, {row_of_route});
-}
-
 // Activation pointers: non-null and 16-byte aligned whenever the plan has tokens.
 capmoe_status_t check_act(const capmoe_routing_desc_t* d, const void* p) {
   if (d->max_tokens == 0) return CAPMOE_OK;
@@ -214,7 +206,7 @@ extern "C" capmoe_status_t capmoe_routing_permute(const capmoe_routing_desc_t* d
                                                   const int32_t* num_tokens_device, void* rows,
                                                   void* stream) {
   return capmoe::guarded([&]() -> capmoe_status_t {
-    CAPMOE_TRY(check_common(desc, num_tokens, num_tokens_device, row_of_route));
+    CAPMOE_TRY(check_routes(desc, num_tokens, num_tokens_device, row_of_route));
     CAPMOE_TRY(check_act(desc, x));
     if (desc->capacity > 0) CAPMOE_TRY(check_act(desc, rows));
     Launch l{desc, num_tokens, num_tokens_device, static_cast<cudaStream_t>(stream)};
@@ -232,7 +224,7 @@ extern "C" capmoe_status_t capmoe_routing_permute_backward(const capmoe_routing_
                                                            const int32_t* num_tokens_device,
                                                            void* dx, void* stream) {
   return capmoe::guarded([&]() -> capmoe_status_t {
-    CAPMOE_TRY(check_common(desc, num_tokens, num_tokens_device, row_of_route));
+    CAPMOE_TRY(check_routes(desc, num_tokens, num_tokens_device, row_of_route));
     CAPMOE_TRY(check_act(desc, dx));
     if (desc->capacity > 0) CAPMOE_TRY(check_act(desc, drows));
     Launch l{desc, num_tokens, num_tokens_device, static_cast<cudaStream_t>(stream)};
@@ -246,7 +238,7 @@ extern "C" capmoe_status_t capmoe_routing_unpermute(const capmoe_routing_desc_t*
                                                     const int32_t* num_tokens_device, void* y,
                                                     void* stream) {
   return capmoe::guarded([&]() -> capmoe_status_t {
-    CAPMOE_TRY(check_common(desc, num_tokens, num_tokens_device, row_of_route));
+    CAPMOE_TRY(check_routes(desc, num_tokens, num_tokens_device, row_of_route));
     CAPMOE_TRY(check_act(desc, y));
     if (desc->capacity > 0) CAPMOE_TRY(check_act(desc, rows));
     if (desc->max_tokens > 0 && probs == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
@@ -261,7 +253,7 @@ extern "C" capmoe_status_t capmoe_routing_unpermute_backward(
     const int32_t* row_of_route, const void* probs, int64_t num_tokens,
     const int32_t* num_tokens_device, void* drows, void* dprobs, void* stream) {
   return capmoe::guarded([&]() -> capmoe_status_t {
-    CAPMOE_TRY(check_common(desc, num_tokens, num_tokens_device, row_of_route));
+    CAPMOE_TRY(check_routes(desc, num_tokens, num_tokens_device, row_of_route));
     CAPMOE_TRY(check_act(desc, dy));
     if (desc->capacity > 0) {
       CAPMOE_TRY(check_act(desc, rows));

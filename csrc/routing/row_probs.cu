@@ -95,16 +95,6 @@ struct RouteDprobs {
   }
 };
 
-// The checks both entries share: descriptor, token count, the map (non-null when the plan has
-// routes) and its alignment.
-capmoe_status_t check_routes(const capmoe_routing_desc_t* d, int64_t num_tokens, const int32_t* device_tokens,
-                             const int32_t* row_of_route) {
-  CAPMOE_TRY(check_desc(d));
-  CAPMOE_TRY(check_tokens(d, num_tokens, device_tokens));
-  if (d->max_tokens > 0 && row_of_route == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
-  return check_aligned(4, {row_of_route});
-}
-
 }  // namespace
 }  // namespace routing
 }  // namespace capmoe
