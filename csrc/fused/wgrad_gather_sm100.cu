@@ -50,8 +50,9 @@
 // after each full barrier (the stages came through the generic proxy), tcgen05 fences around
 // every mbarrier hand-off of TMEM, tcgen05.wait::ld before loaded registers are used or the
 // buffer released, TMEM freed after the CTA's final barrier.
-// Shared memory: 4 stages x 48 KB (A 16 KB + B 32 KB) + barriers; one CTA per SM, so
-// tcgen05.alloc of all 512 columns never waits on a second CTA of this kernel.
+// Shared memory: 4 stages x 48 KB (A 16 KB + B 32 KB) + barriers, 198,656 B with the alignment
+// slack; one CTA per SM, so tcgen05.alloc of all 512 columns never waits on a second CTA of
+// this kernel. ptxas (nvcc 13.0): 72 registers (16-bit dW) / 74 (fp32 dW), 0 spills, 0 stack.
 #include <cute/atom/mma_traits_sm100.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
