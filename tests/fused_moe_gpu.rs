@@ -472,7 +472,7 @@ fn plan_gathered(stream: &Arc<CudaStream>, capacity: Option<usize>, fc1: FusedKe
 /// with the unfused plan's and with the fp64 reference.
 #[test]
 fn fused_moe_gathered_fc1_wgrad_matches_unfused_and_the_fp64_reference() {
-    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
     let (w1, w2) = weights(15);
     for (fc1, capacity) in [(FusedKernel::Unfused, None), (FusedKernel::Fused, None), (FusedKernel::Fused, Some(150))] {
         let mut gathered = plan_gathered(&stream, capacity, fc1);
@@ -516,7 +516,7 @@ fn fused_moe_gathered_fc1_wgrad_matches_unfused_and_the_fp64_reference() {
 /// once and replayed.
 #[test]
 fn fused_moe_every_fused_kernel_graph_replays_equal_eager() {
-    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
     let opts = MoeOptions {
         fc1: FusedKernel::Fused,
         swiglu_dgrad: FusedKernel::Fused,
@@ -528,7 +528,7 @@ fn fused_moe_every_fused_kernel_graph_replays_equal_eager() {
 
 #[test]
 fn fused_moe_gathered_fc1_wgrad_plan_choices() {
-    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
     // Auto keeps the grouped GEMM's WGRAD until the gathered kernel's GPU suite has passed.
     assert!(!MoeExperts::<bf16>::new(config(None), &stream).unwrap().fc1_wgrad_is_gathered());
     // Pointer weights (dW1 a pointer table): a forced gather is an error before anything runs.
@@ -580,7 +580,7 @@ fn plan_prob_in_fc1(stream: &Arc<CudaStream>, capacity: Option<usize>, fc1_wgrad
 /// fp64 reference (every written element; the poisoned rest of y, dx and dprobs untouched).
 #[test]
 fn fused_moe_prob_in_fc1_matches_unfused_and_the_fp64_reference() {
-    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
     let (w1, w2) = weights(21);
     for (fc1_wgrad, capacity) in
         [(FusedKernel::Unfused, None), (FusedKernel::Fused, None), (FusedKernel::Fused, Some(150))]
@@ -626,7 +626,7 @@ fn fused_moe_prob_in_fc1_matches_unfused_and_the_fp64_reference() {
 /// A forward-only plan with the probability in fc1 gives the training plan's y bit for bit.
 #[test]
 fn fused_moe_prob_in_fc1_forward_only_equals_training_forward() {
-    let stream = gpu_of_arch_or_skip!("the gathered wgrad (the training plan)", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad (the training plan)", Arch::Sm90, Arch::Sm100);
     let (w1, w2) = weights(23);
     let opts = MoeOptions {
         fc1: FusedKernel::Fused,
@@ -653,7 +653,7 @@ fn fused_moe_prob_in_fc1_forward_only_equals_training_forward() {
 /// Every fused kernel with the probability in fc1, captured once and replayed.
 #[test]
 fn fused_moe_prob_in_fc1_graph_replays_equal_eager() {
-    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
     let opts = MoeOptions {
         fc1: FusedKernel::Fused,
         swiglu_dgrad: FusedKernel::Fused,
@@ -674,7 +674,7 @@ fn fused_moe_prob_in_fc1_f16_matches_unfused() {
         prob_in_fc1: FusedKernel::Fused,
         ..MoeOptions::default()
     };
-    f16_matches_unfused(opts, YBits::Close, &[Arch::Sm90], 27);
+    f16_matches_unfused(opts, YBits::Close, &[Arch::Sm90, Arch::Sm100], 27);
 }
 
 #[test]

@@ -1,5 +1,7 @@
-//! The gathered wgrad (`fused::GatherWgrad`, sm_90a) against an fp64 CPU reference and against
-//! the grouped GEMM's WGRAD on an explicitly permuted x; eager against CUDA-graph replays.
+//! The gathered wgrad (`fused::GatherWgrad`: sm_90a, or its sm_100a variant on a compute
+//! capability 10.0 device, where every test below runs too) against an fp64 CPU reference and
+//! against the grouped GEMM's WGRAD on an explicitly permuted x; eager against CUDA-graph
+//! replays.
 //!
 //! The reference cases use small-integer data: every product and partial sum is an integer far
 //! below 2^24, so the fp32 accumulation is exact whatever its order and each output is one
@@ -388,7 +390,7 @@ fn exact_cases(rng: &mut StdRng) -> Vec<(&'static str, Case)> {
 
 #[test]
 fn fused_wgrad_matches_exact_reference_bf16() {
-    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
     let mut rng = StdRng::seed_from_u64(1);
     for (what, case) in exact_cases(&mut rng) {
         check_exact::<bf16>(&stream, what, &case);
@@ -397,7 +399,7 @@ fn fused_wgrad_matches_exact_reference_bf16() {
 
 #[test]
 fn fused_wgrad_matches_exact_reference_f16() {
-    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
     let mut rng = StdRng::seed_from_u64(2);
     for (what, case) in exact_cases(&mut rng) {
         check_exact::<f16>(&stream, what, &case);
@@ -527,7 +529,7 @@ fn check_against_cutlass<T: Operand>(
 
 #[test]
 fn fused_wgrad_matches_cutlass_on_permuted_x() {
-    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
     // Small enough for quick runs, with partial tiles: E 8, 2F = 272, H = 200, 300 tokens of 320.
     check_against_cutlass::<bf16>(&stream, "E8 H200 F136 k3 T300", 8, 200, 136, 3, 300, 320);
     check_against_cutlass::<f16>(&stream, "E8 H200 F136 k3 T300", 8, 200, 136, 3, 300, 320);
@@ -535,7 +537,7 @@ fn fused_wgrad_matches_cutlass_on_permuted_x() {
 
 #[test]
 fn fused_wgrad_model_shape_against_cutlass() {
-    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
     let start = Instant::now();
     // The benchmark's training shape, T short of T_max so rows past the total exist.
     check_against_cutlass::<bf16>(&stream, "E128 H2048 F768 k8 T4000", 128, 2048, 768, 8, 4000, 4096);
@@ -546,7 +548,7 @@ fn fused_wgrad_model_shape_against_cutlass() {
 /// buffers; every replay equals an eager launch bit for bit, and the exact reference.
 #[test]
 fn fused_wgrad_graph_replays_match_eager() {
-    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
     let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let (m, n, capacity, max_tokens) = (256, 264, 600, 200);
     let case = |rng: &mut StdRng, i: usize| -> Case {
@@ -615,7 +617,7 @@ fn fused_wgrad_graph_replays_match_eager() {
 
 #[test]
 fn fused_wgrad_checks_buffers_before_launch() {
-    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
     let mut rng = StdRng::seed_from_u64(5);
     let c = Case::new(&mut rng, (128, 256), &[10, 20], 64, (16, 16), FC1, &mut small_int);
     let dev = DeviceCase::<bf16>::upload(&stream, &c);
@@ -639,7 +641,7 @@ fn fused_wgrad_checks_buffers_before_launch() {
 #[test]
 #[ignore]
 fn fused_wgrad_timing() {
-    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90);
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
     if common::skip_under_sanitizer() {
         return;
     }

@@ -1,6 +1,6 @@
 //! Host-only checks of the gathered wgrad (no GPU needed): the plan's shape rules, the C ABI's
 //! refusals before any launch, and the shared-memory layout its producer writes against the
-//! one cute builds the wgmma descriptors from.
+//! ones cute builds the wgmma (sm_90a) and UMMA (sm_100a) descriptors from.
 
 mod common;
 
@@ -197,4 +197,14 @@ mod abi {
 #[test]
 fn fused_wgrad_smem_layout_matches_cute() {
     common::layout::run_check("wgrad_smem_layout.cu");
+}
+
+/// The sm_100a kernel (csrc/fused/wgrad_gather_sm100.cu, compiled only): the shared producer's
+/// chunk offsets against cute's addressing of the MN-major UMMA stage layouts, both operands'
+/// shared-memory descriptors read through the PTX ISA's canonical form, the instruction
+/// descriptor's bits, and the accumulator's TMEM layout (lane = tile row m, column = n):
+/// compiles and runs tests/layout/wgrad_sm100_layout.cu on the host (no Blackwell GPU needed).
+#[test]
+fn fused_wgrad_sm100_layouts_match_cute() {
+    common::layout::run_check("wgrad_sm100_layout.cu");
 }

@@ -1,5 +1,5 @@
-// The host half shared by the fused kernels' C ABI entries (fc1.cu, swiglu_dgrad.cu): the
-// device check and the TMA descriptor encoding.
+// The host half shared by the fused kernels' C ABI entries (fc1.cu, swiglu_dgrad.cu,
+// wgrad_gather.cu): the device check and the TMA descriptor encoding.
 // NOTE: build.rs defines CAPMOE_HAS_SM90 only for TUs whose own text names it, so each entry
 // TU tests it itself; nothing here depends on it.
 #pragma once
@@ -39,13 +39,6 @@ inline capmoe_status_t built_device_arch(bool has_sm90, bool has_sm100, FusedArc
     return CAPMOE_OK;
   }
   return CAPMOE_ERR_UNSUPPORTED;
-}
-
-// Whether the current device is compute capability 9.0 (the sm_90a kernels' only target).
-inline capmoe_status_t check_sm90_device() {
-  int major = 0, minor = 0;
-  CAPMOE_TRY(device_compute_capability(&major, &minor));
-  return major == 9 && minor == 0 ? CAPMOE_OK : CAPMOE_ERR_UNSUPPORTED;
 }
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (the crate does not link

@@ -1,7 +1,8 @@
 // The Blackwell (sm_100a) scaffolding the fused kernels share (fc1_sm100.cu,
-// swiglu_dgrad_sm100.cu): tensor memory (TMEM) allocation, the MMA warp's loop that feeds the
-// shared-memory stage ring to tcgen05.mma and hands finished accumulators to the epilogue, the
-// epilogue's side of that hand-off and its TMEM loads, and the producers' tail.
+// swiglu_dgrad_sm100.cu, wgrad_gather_sm100.cu): tensor memory (TMEM) allocation, the MMA
+// warp's loop that feeds the shared-memory stage ring to tcgen05.mma and hands finished
+// accumulators to the epilogue, the epilogue's side of that hand-off and its TMEM loads, and
+// the producers' tail.
 //
 // The pipelines: the stage ring of fused/pipeline.cuh, whose stages go back to the producer
 // through tcgen05.commit (once the UMMAs that read a stage have completed), and a ring of
@@ -88,43 +89,54 @@ __device__ __forceinline__ void drain_stage_ring(uint64_t* empty, int64_t fills,
   }
 }
 
-// The MMA warp: per tile, waits for a free accumulator (kAccColumns TMEM columns each, from
-// tmem_base), then per K block for the stage, issues its k16 UMMAs from one elected thread
-// (cute's SM100 atom elects inside; umma_arrive elects the same lane, so its tcgen05.commit
-// tracks that thread's UMMAs) and gives the stage back by tcgen05.commit; after a tile's last
-// K block, commits the accumulator to acc_full. kAfterCpAsync: the stages were written through
-// the generic proxy. tCrA / tCrB: UMMA descriptors (MMA, MMA_M|N, k16 steps, stage); acc: the
-// accumulator fragment, whose address is set per tile.
+// The MMA warp's work on one tile: waits for a free accumulator (kAccColumns TMEM columns
+// each, from tmem_base), then per K block for the stage, issues its k16 UMMAs from one elected
+// thread (cute's SM100 atom elects inside; umma_arrive elects the same lane, so its
+// tcgen05.commit tracks that thread's UMMAs) and gives the stage back by tcgen05.commit; after
+// the tile's last K block (k_blocks >= 1: the first UMMA overwrites the accumulator, so a tile
+// without one would hand over stale TMEM), commits the accumulator to acc_full. kAfterCpAsync:
+// the stages were written through the generic proxy. tCrA / tCrB: UMMA descriptors (MMA,
+// MMA_M|N, k16 steps, stage); acc: the accumulator fragment, whose address is set here.
+template <int kStages, int kAccStages, int kAccColumns, bool kAfterCpAsync, class Mma, class FragA, class FragB,
+          class Acc>
+__device__ __forceinline__ void issue_umma_tile(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
+                                                uint64_t* full, uint64_t* empty, uint64_t* acc_full,
+                                                uint64_t* acc_empty, uint32_t tmem_base, StageRing<kStages>& ring,
+                                                StageRing<kAccStages>& acc_ring, int k_blocks) {
+  using namespace cute;
+  wait_barrier(&acc_empty[acc_ring.stage], acc_ring.phase ^ 1, "sm100 MMA warp, accumulator empty");
+  tmem_fence_after_thread_sync();
+  acc.data() = tmem_base + uint32_t(acc_ring.stage * kAccColumns);
+  mma.accumulate_ = UMMA::ScaleOut::Zero;
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    wait_barrier(&full[ring.stage], ring.phase, "sm100 MMA warp, full");
+    if constexpr (kAfterCpAsync) cutlass::arch::fence_view_async_shared();
+#pragma unroll
+    for (int k = 0; k < size<2>(tCrA); ++k) {
+      cute::gemm(mma, tCrA(_, _, k, ring.stage), tCrB(_, _, k, ring.stage), acc);
+      mma.accumulate_ = UMMA::ScaleOut::One;
+    }
+    // The stage goes back to the producer once these UMMAs have read it.
+    cutlass::arch::umma_arrive(&empty[ring.stage]);
+    ring.advance();
+  }
+  // The accumulator is complete once every UMMA issued so far has.
+  cutlass::arch::umma_arrive(&acc_full[acc_ring.stage]);
+  acc_ring.advance();
+}
+
+// The MMA warp's loop over this CTA's tiles, each of k_blocks K blocks (issue_umma_tile).
 template <int kStages, int kAccStages, int kAccColumns, bool kAfterCpAsync, class Mma, class FragA, class FragB,
           class Acc>
 __device__ __forceinline__ void issue_umma_tiles(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc,
                                                  uint64_t* full, uint64_t* empty, uint64_t* acc_full,
                                                  uint64_t* acc_empty, uint32_t tmem_base, int total_tiles,
                                                  int k_blocks) {
-  using namespace cute;
   StageRing<kStages> ring;
   StageRing<kAccStages> acc_ring;
-  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    wait_barrier(&acc_empty[acc_ring.stage], acc_ring.phase ^ 1, "sm100 MMA warp, accumulator empty");
-    tmem_fence_after_thread_sync();
-    acc.data() = tmem_base + uint32_t(acc_ring.stage * kAccColumns);
-    mma.accumulate_ = UMMA::ScaleOut::Zero;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      wait_barrier(&full[ring.stage], ring.phase, "sm100 MMA warp, full");
-      if constexpr (kAfterCpAsync) cutlass::arch::fence_view_async_shared();
-#pragma unroll
-      for (int k = 0; k < size<2>(tCrA); ++k) {
-        cute::gemm(mma, tCrA(_, _, k, ring.stage), tCrB(_, _, k, ring.stage), acc);
-        mma.accumulate_ = UMMA::ScaleOut::One;
-      }
-      // The stage goes back to the producer once these UMMAs have read it.
-      cutlass::arch::umma_arrive(&empty[ring.stage]);
-      ring.advance();
-    }
-    // The accumulator is complete once every UMMA issued so far has.
-    cutlass::arch::umma_arrive(&acc_full[acc_ring.stage]);
-    acc_ring.advance();
-  }
+  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x)
+    issue_umma_tile<kStages, kAccStages, kAccColumns, kAfterCpAsync>(mma, tCrA, tCrB, acc, full, empty, acc_full,
+                                                                      acc_empty, tmem_base, ring, acc_ring, k_blocks);
 }
 
 // The epilogue's side of the accumulator ring: wait until the accumulator of `ring`'s stage

@@ -1,14 +1,20 @@
 // capmoe-archs: 90a 100a
 // The gathered wgrad's C ABI (capturable_moe/wgrad_gather.h): host checks and the dispatch to
-// the sm_90a kernel (csrc/fused/wgrad_gather_sm90.cu). Built for every arch so the entry points
-// always exist; a device or binary without the kernel gets CAPMOE_ERR_UNSUPPORTED. Only
-// kernels of archs compiled into this binary are referenced (CAPMOE_HAS_SM90).
+// the sm_90a kernel (csrc/fused/wgrad_gather_sm90.cu) on compute capability 9.0 or the sm_100a
+// one (csrc/fused/wgrad_gather_sm100.cu; the same parameters) on 10.0. Built for every arch so
+// the entry points always exist; a device or binary without the kernel gets
+// CAPMOE_ERR_UNSUPPORTED. Only kernels of archs compiled into this binary are referenced
+// (CAPMOE_HAS_SM90 / CAPMOE_HAS_SM100).
 #include <cstdint>
 
 #include "common/alignment.h"
 #include "common/boundary.cuh"
 #include "fused/entry.h"
 #include "fused/wgrad_gather_launch.h"
+
+#if defined(CAPMOE_HAS_SM90) || defined(CAPMOE_HAS_SM100)
+#define CAPMOE_WGRAD_HAS_KERNEL 1
+#endif
 
 namespace capmoe::fused {
 namespace {
@@ -40,13 +46,21 @@ capmoe_status_t check_desc(const capmoe_wgrad_gather_desc_t* d) {
   return CAPMOE_OK;
 }
 
-// The kernel exists for the current device: an sm_90a build running on compute capability 9.0.
-capmoe_status_t check_device() {
+using WgradKernel = FusedArch;
+
+// The kernel of the current device (built_device_arch, fused/entry.h).
+capmoe_status_t check_device(WgradKernel* kernel) {
 #if defined(CAPMOE_HAS_SM90)
-  return check_sm90_device();
+  constexpr bool kHasSm90 = true;
 #else
-  return CAPMOE_ERR_UNSUPPORTED;
+  constexpr bool kHasSm90 = false;
 #endif
+#if defined(CAPMOE_HAS_SM100)
+  constexpr bool kHasSm100 = true;
+#else
+  constexpr bool kHasSm100 = false;
+#endif
+  return built_device_arch(kHasSm90, kHasSm100, kernel);
 }
 
 // The pointer checks of a launch, before any CUDA call.
@@ -71,7 +85,8 @@ using namespace capmoe::fused;
 extern "C" capmoe_status_t capmoe_wgrad_gather_supported(const capmoe_wgrad_gather_desc_t* desc) {
   return capmoe::guarded([&]() -> capmoe_status_t {
     CAPMOE_TRY(check_desc(desc));
-    return check_device();
+    WgradKernel kernel{};
+    return check_device(&kernel);
   });
 }
 
@@ -82,8 +97,9 @@ extern "C" capmoe_status_t capmoe_wgrad_gather(const capmoe_wgrad_gather_desc_t*
     CAPMOE_TRY(check_desc(desc));
     const capmoe_wgrad_gather_desc_t& d = *desc;
     CAPMOE_TRY(check_pointers(d, a, b, offsets, token_of_row, dw));
-    CAPMOE_TRY(check_device());
-#if defined(CAPMOE_HAS_SM90)
+    WgradKernel kernel{};
+    CAPMOE_TRY(check_device(&kernel));
+#if defined(CAPMOE_WGRAD_HAS_KERNEL)
     // Accumulating with no row anywhere leaves dW as it is.
     if (d.accumulate && d.capacity == 0) return CAPMOE_OK;
     WgradGatherParams p{};
@@ -104,7 +120,14 @@ extern "C" capmoe_status_t capmoe_wgrad_gather(const capmoe_wgrad_gather_desc_t*
     p.n_tiles = int32_t(tiles_of(d.n, CAPMOE_WGRAD_GATHER_TILE_N));
     const int64_t tiles = total_tiles(d);
     const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
-    return launch_wgrad_gather_sm90(p, d.dtype, d.out_dtype, grid, static_cast<cudaStream_t>(stream));
+    const cudaStream_t s = static_cast<cudaStream_t>(stream);
+#if defined(CAPMOE_HAS_SM100)
+    if (kernel == WgradKernel::Sm100) return launch_wgrad_gather_sm100(p, d.dtype, d.out_dtype, grid, s);
+#endif
+#if defined(CAPMOE_HAS_SM90)
+    if (kernel == WgradKernel::Sm90) return launch_wgrad_gather_sm90(p, d.dtype, d.out_dtype, grid, s);
+#endif
+    return CAPMOE_ERR_UNSUPPORTED;
 #else
     return CAPMOE_ERR_UNSUPPORTED;
 #endif

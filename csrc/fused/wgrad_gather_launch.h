@@ -1,5 +1,6 @@
 // The seam between the gathered wgrad's C ABI entry (csrc/fused/wgrad_gather.cu, built for
-// every arch) and its sm_90a kernel TU (csrc/fused/wgrad_gather_sm90.cu).
+// every arch) and its kernel TUs (csrc/fused/wgrad_gather_sm90.cu, sm_90a, and
+// csrc/fused/wgrad_gather_sm100.cu, sm_100a): both take the same parameters.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,5 +26,9 @@ struct WgradGatherParams {
 // Launches the sm_90a kernel on `grid` persistent CTAs (wgrad_gather_sm90.cu).
 capmoe_status_t launch_wgrad_gather_sm90(const WgradGatherParams& params, capmoe_dtype_t dtype,
                                          capmoe_dtype_t out_dtype, int grid, cudaStream_t stream);
+
+// The same on the sm_100a kernel (wgrad_gather_sm100.cu, compiled only: never run).
+capmoe_status_t launch_wgrad_gather_sm100(const WgradGatherParams& params, capmoe_dtype_t dtype,
+                                          capmoe_dtype_t out_dtype, int grid, cudaStream_t stream);
 
 }  // namespace capmoe::fused

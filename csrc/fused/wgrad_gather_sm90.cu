@@ -15,7 +15,8 @@
 // m tiles of one n column consecutive. CTAs stride over the list; the CTAs running together
 // work on one or two experts, whose a and b rows stay in L2 across their tiles.
 // Plain output: an expert with no rows still runs its tiles (zero K blocks) to write zeros.
-// Accumulate: such tiles are skipped by producer and consumers alike.
+// Accumulate: such tiles are skipped by producer and consumers alike. The tile list and the
+// producer below are shared with the sm_100a kernel (fused/wgrad_tiles.cuh).
 //
 // Loads: all of a K block comes by 16-byte cp.async from a producer warpgroup (128 threads),
 // for both operands, zero-filled for rows past the expert's end, rows whose token is invalid
@@ -25,7 +26,8 @@
 // need masking as well; one cp.async path keeps both operands' masking identical.
 // The chunks go where a 128B-swizzled TMA box would put them (16-byte chunk c of 128-byte line
 // L lands at chunk c XOR (L % 8)); wgrad_smem_offset() (fused/wgrad_gather_layout.h) is that
-// layout, checked against cute's addressing of the SmemLayout below by tests/fused_wgrad_host.rs.
+// layout, checked against cute's addressing of the SmemLayout below by tests/fused_wgrad_host.rs
+// (tests/layout/wgrad_smem_layout.cu).
 // Each producer thread's copies arrive on the stage's barrier when they land
 // (cp.async.mbarrier.arrive.noinc); consumers fence the generic proxy against the async one
 // before wgmma reads.
@@ -41,7 +43,6 @@
 // ~2.4 GB in all, about what the tensor cores take to do the math); TMA multicast across a
 // cluster (as CUTLASS's 2x1 cooperative WGRAD does for one operand) would halve one of the
 // two, but a gathered row cannot be multicast by cp.async.
-#include <cute/arch/copy_sm80.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -54,19 +55,19 @@
 #include "fused/epilogue.cuh"
 #include "fused/pipeline.cuh"
 #include "fused/wgrad_gather_launch.h"
-#include "fused/wgrad_gather_layout.h"
+#include "fused/wgrad_tiles.cuh"
 
 namespace capmoe::fused {
 namespace {
 
 using namespace cute;
 
-constexpr int kTileM = CAPMOE_WGRAD_GATHER_TILE_M;
-constexpr int kTileN = CAPMOE_WGRAD_GATHER_TILE_N;
-constexpr int kTileK = 64;  // routing rows per K block
+constexpr int kTileM = kWgradTileM;
+constexpr int kTileN = kWgradTileN;
+constexpr int kTileK = kWgradTileK;  // routing rows per K block
 constexpr int kStages = 4;
 constexpr int kThreads = 384;
-constexpr int kProducerThreads = 128;
+constexpr int kProducerThreads = kWgradProducerThreads;
 constexpr int kConsumerWarps = 8;
 
 template <class T>
@@ -89,8 +90,6 @@ struct Kernel {
                                              Shape<Int<kTileM>, Int<kTileK>, Int<kStages>>{}, Step<_2, _1, _3>{}));
   using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
                                              Shape<Int<kTileN>, Int<kTileK>, Int<kStages>>{}, Step<_2, _1, _3>{}));
-  static constexpr int kStageBytesA = kTileM * kTileK * 2;
-  static constexpr int kStageBytesB = kTileN * kTileK * 2;
 
   struct Shared {
     alignas(1024) T a[cosize_v<SmemLayoutA>];
@@ -101,87 +100,11 @@ struct Kernel {
   static constexpr size_t kSmemBytes = sizeof(Shared) + 1024;  // + room to align the base
 };
 
-__device__ __forceinline__ int clamp_wgrad_row(int64_t r, int capacity) {
-  return int(r < 0 ? 0 : (r > capacity ? capacity : r));
-}
-
-// One tile of the list: expert, its clamped rows [row_begin, row_end), output corner.
-struct WgradTile {
-  int expert, row_begin, row_end, m0, n0;
-  __device__ int k_blocks() const { return (row_end - row_begin + kTileK - 1) / kTileK; }
-};
-
-__device__ __forceinline__ WgradTile locate(const WgradGatherParams& p, int tile) {
-  const int per_expert = p.m_tiles * p.n_tiles;
-  const int e = tile / per_expert;
-  const int local = tile - e * per_expert;
-  const int n_tile = local / p.m_tiles;
-  const int m_tile = local - n_tile * p.m_tiles;
-  const int begin = clamp_wgrad_row(__ldg(p.offsets + e), p.capacity);
-  const int end = max(begin, clamp_wgrad_row(__ldg(p.offsets + e + 1), p.capacity));
-  return WgradTile{e, begin, end, m_tile * kTileM, n_tile * kTileN};
-}
-
-// Accumulate mode leaves an expert without rows untouched: no loads, no MMA, no store.
-__device__ __forceinline__ bool skipped(const WgradGatherParams& p, const WgradTile& t) {
-  return p.accumulate && t.row_end == t.row_begin;
-}
-
-// One operand's K block: kRowsMN values (a tile's m or n extent) of each of 64 rows, copied by
-// the 128 producer threads, consecutive threads on consecutive 16-byte chunks of a row, so a
-// warp's copy instruction reads whole rows (two 256-byte A rows, one 512-byte B row).
-template <class T, int kRowsMN>
-__device__ __forceinline__ void copy_block(const T* src, int ld, int cols, bool gathered, int src_rows,
-                                           const int32_t* token_of_row, int row, int row_end, int mn0,
-                                           uint8_t* stage) {
-  using Copy16 = SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint128_t>;
-  constexpr int kChunksPerRow = kRowsMN / 8;
-  constexpr int kRowsPerPass = kProducerThreads / kChunksPerRow;
-  const int c = threadIdx.x % kChunksPerRow;
-  const int col = mn0 + c * 8;
-  const bool col_inside = col < cols;  // M and N are multiples of 8: a chunk is all in or all out
-  // NOTE: unrolled by 4, not fully: the producer runs under setmaxnreg 40, and 16 row lookups
-  // hoisted at once spill.
-#pragma unroll 4
-  for (int pass = 0; pass < kTileK / kRowsPerPass; ++pass) {
-    const int k = threadIdx.x / kChunksPerRow + pass * kRowsPerPass;
-    const int r = row + k;
-    int src_row = -1;
-    if (r < row_end) {
-      src_row = gathered ? __ldg(token_of_row + r) : r;
-      if (src_row >= src_rows) src_row = -1;  // a negative token stays negative
-    }
-    const bool inside = col_inside && src_row >= 0;
-    // A zero-size copy reads nothing; its address only has to be formed.
-    const T* from = inside ? src + int64_t(src_row) * ld + col : src;
-    Copy16::copy(*reinterpret_cast<const uint128_t*>(from), *reinterpret_cast<uint128_t*>(stage + wgrad_smem_offset(k, c)),
-                 inside);
-  }
-}
-
+// The producer warpgroup: the shared loop (fused/wgrad_tiles.cuh).
 template <class T>
 __device__ void produce(const WgradGatherParams& p, typename Kernel<T>::Shared& s, int total_tiles) {
-  using K = Kernel<T>;
-  const T* a = static_cast<const T*>(p.a);
-  const T* b = static_cast<const T*>(p.b);
-  const int a_rows = p.a_gathered ? p.max_tokens : p.capacity;
-  const int b_rows = p.b_gathered ? p.max_tokens : p.capacity;
-  StageRing<kStages> ring;
-  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const WgradTile t = locate(p, tile);
-    if (skipped(p, t)) continue;
-    for (int row = t.row_begin; row < t.row_end; row += kTileK) {
-      wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "wgrad producer, empty");
-      const int stage = ring.stage;
-      copy_block<T, kTileM>(a, p.m, p.m, p.a_gathered, a_rows, p.token_of_row, row, t.row_end, t.m0,
-                            reinterpret_cast<uint8_t*>(s.a) + stage * K::kStageBytesA);
-      copy_block<T, kTileN>(b, p.n, p.n, p.b_gathered, b_rows, p.token_of_row, row, t.row_end, t.n0,
-                            reinterpret_cast<uint8_t*>(s.b) + stage * K::kStageBytesB);
-      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
-      ring.advance();
-    }
-  }
-  cp_async_wait<0>();  // no thread exits with copies in flight
+  produce_wgrad_stages<T, kStages>(p, reinterpret_cast<uint8_t*>(s.a), reinterpret_cast<uint8_t*>(s.b), s.full,
+                                   s.empty, total_tiles);
 }
 
 // Stores this thread's accumulators of tile t (only m < M, n < N): rounded to Out, or, for an

@@ -24,15 +24,16 @@
 //! a launch can be captured in a CUDA graph and replayed with new routing.
 //!
 //! Where it applies ([`GatherWgrad::new`] says why not otherwise, before any launch): an
-//! sm_90a build on a compute capability 9.0 device, `M` and `N` multiples of 8, 16-bit
-//! operands. Elsewhere permute and use the grouped GEMM's WGRAD.
+//! sm_90a build on a compute capability 9.0 device, or an sm_100a build on 10.0 (its Blackwell
+//! kernel, tcgen05 with TMEM accumulators, is compiled only: no Blackwell GPU has run it), `M`
+//! and `N` multiples of 8, 16-bit operands. Elsewhere permute and use the grouped GEMM's WGRAD.
 
 use std::ffi::c_void;
 
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
-use super::{ensure_aligned16, ensure_dtype, sm90_device};
+use super::{ensure_aligned16, ensure_dtype, kernel_device, WGRAD_BUILDS};
 use crate::device::ensure_buffer;
 use crate::dtype::DType;
 use crate::error::check;
@@ -173,7 +174,7 @@ impl GatherWgrad {
         // Plan time: never while capturing (the capture guards of module `graph`).
         crate::graph::ensure_not_capturing(stream, OP)?;
         Self::check_shapes(&config)?;
-        let device = sm90_device(stream, "9.0 (sm_90a) for the gathered wgrad", "gathered wgrad (sm_90a)")?;
+        let device = kernel_device(stream, &WGRAD_BUILDS, "9.0 (sm_90a) or 10.0 (sm_100a) for the gathered wgrad")?;
         let desc = Self::abi_desc(&config, device.sm_count);
         stream.context().bind_to_thread()?;
         check(unsafe { sys::capmoe_wgrad_gather_supported(&desc) }, OP)?;

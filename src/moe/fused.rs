@@ -39,9 +39,10 @@ pub enum FusedKernel {
     /// The unfused path for now. NOTE: the fused kernels have not run on a GPU yet (no device
     /// was available when they were written); once `tests/fused_gpu.rs`,
     /// `tests/fused_dgrad_gpu.rs` and `tests/fused_moe_gpu.rs` pass on an H100, Auto takes a
-    /// fused kernel where it applies (sm_90a device and build, or sm_100a for fc1 and the fc2
-    /// dgrad once a B200 has run them, [`WeightForm::Tensor`], `F` a multiple of the kernel's
-    /// column tile, 128).
+    /// fused kernel where it applies (sm_90a device and build, or sm_100a once a B200 has run
+    /// those kernels too, [`WeightForm::Tensor`], `F` a multiple of the kernel's column tile,
+    /// 128). A forced `Fused` takes the sm_100a kernels on a 10.0 device today (all four
+    /// options; compiled only, never run).
     #[default]
     Auto,
     /// The fused kernel; a plan where it does not apply is an error.

@@ -13,12 +13,11 @@
 //    ((128,16),1,4,stages), K first), for every (column, k, stage).
 //  - B's UMMA descriptor as the hardware reads it: cute's make_umma_desc<MN> of a k16 step gives
 //    the layout type and the two byte offsets; the PTX ISA's canonical MN-major SW128 form
-//    (in 16-byte units ((8, n), (8, k)) : ((1, LBO), (8, SBO)), then the 128B swizzle; cute's
-//    make_umma_desc states the same form) must put every (column, k) of the step where the W2
-//    boxes put it. (The start address is not computed on the host: cute's shared-pointer
-//    conversion exists on the device only, and prints "ERROR: cast_smem_ptr_to_uint not
-//    supported" once per descriptor here, harmlessly; the k16 steps' bases come from the layout
-//    above.)
+//    (umma_mn_sw128.h; cute's make_umma_desc states the same form) must put every (column, k)
+//    of the step where the W2 boxes put it. (The start address is not computed on the host:
+//    cute's shared-pointer conversion exists on the device only, and prints "ERROR:
+//    cast_smem_ptr_to_uint not supported" once per descriptor here, harmlessly; the k16 steps'
+//    bases come from the layout above.)
 //  - The accumulator: element (m, n) of the 128 x 128 tile at TMEM lane m, column n (the
 //    address lane << 16 | column), which the epilogue's tcgen05.ld addresses are computed from.
 // Exit 0 with "0 mismatches" when all hold, for bf16 and f16.
@@ -30,6 +29,7 @@
 
 #include "fused/fc1_layout.h"
 #include "fused/swiglu_dgrad_sm100_layout.h"
+#include "umma_mn_sw128.h"
 
 using namespace cute;
 
@@ -67,18 +67,6 @@ void check_operand(const char* what, int extent, int stages, Want want) {
       }
 }
 
-// The MN-major SW128 descriptor's reading of (column n, K row k < 16) of one k16 step: the
-// canonical layout in 16-byte units, then the 128B swizzle (16-byte chunk bits [4,7) XOR the
-// 128-byte row bits [7,10) of the byte offset), relative to the step's 1024-byte aligned base.
-long descriptor_offset(int n, int k, long lbo, long sbo, int elem_bytes) {
-  const int per_chunk = 16 / elem_bytes;  // elements in 16 bytes
-  const int atom_columns = 8 * per_chunk;  // 128 bytes of columns
-  const int m = n % atom_columns;
-  const long unit = (m / per_chunk) + (n / atom_columns) * lbo + (k % 8) * 8 + (k / 8) * sbo;
-  const long plain = unit * 16 + (m % per_chunk) * elem_bytes;
-  return plain ^ (((plain >> 7) & 7) << 4);
-}
-
 template <class T>
 void check_b_descriptor(const char* type) {
   using L = capmoe::fused::SwigluDgradSm100Layout<T>;
@@ -99,7 +87,7 @@ void check_b_descriptor(const char* type) {
     const long base = long(reinterpret_cast<char*>(&s(make_coord(0, 0), 0, step, 0)) - reinterpret_cast<char*>(buffer));
     for (int n = 0; n < L::kTileN; ++n)
       for (int k = 0; k < 16; ++k) {
-        const long got = base + descriptor_offset(n, k, lbo, sbo, int(sizeof(T)));
+        const long got = base + mn_sw128_descriptor_offset(n, k, lbo, sbo, int(sizeof(T)));
         const long want = w2_box_offset<T>(n, 16 * step + k, L::kBoxN);
         if (got != want && ++bad <= 10)
           std::printf("%s B descriptor (column %d, k %d): reads %ld, box wrote %ld\n", type, n, 16 * step + k, got,

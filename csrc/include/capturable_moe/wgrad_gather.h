@@ -26,8 +26,9 @@
  * dtype or F32, accumulate only with F32 (else UNSUPPORTED).
  * Alignment: a, b, dw 16 bytes; offsets 8; token_of_row 4 (else MISALIGNED). a, b and
  * token_of_row (needed only when an operand is GATHERED) may be NULL only when capacity is 0.
- * Only sm_90a has a kernel: on another device, or in a binary built without 90a, the launch
- * returns CAPMOE_ERR_UNSUPPORTED before anything is launched.
+ * Kernels: sm_90a on a compute capability 9.0 device, sm_100a (tcgen05; compiled, never run)
+ * on 10.0, each only in a binary built with that arch; elsewhere the launch returns
+ * CAPMOE_ERR_UNSUPPORTED before anything is launched.
  * No workspace, no allocation, no synchronisation, no host read of device data: capturable. */
 #ifndef CAPTURABLE_MOE_WGRAD_GATHER_H
 #define CAPTURABLE_MOE_WGRAD_GATHER_H

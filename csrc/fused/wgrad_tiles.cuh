@@ -1,0 +1,127 @@
+// What the gathered wgrad's two kernels (wgrad_gather_sm90.cu, wgrad_gather_sm100.cu) share:
+// the tile list and the cp.async producer of the MN-major operand stages. Both kernels lay a
+// stage out the same way (wgrad_smem_offset, fused/wgrad_gather_layout.h; checked against
+// cute's GMMA layout by tests/layout/wgrad_smem_layout.cu and against UMMA's by
+// tests/layout/wgrad_sm100_layout.cu), so one producer serves both.
+//
+// Tile list: every expert owns the same m_tiles * n_tiles output tiles (M and N are fixed), so
+// tile t is expert t / (m_tiles * n_tiles), the m tiles of one n column consecutive; CTAs
+// stride over the list. K runs over the expert's rows in blocks of 64.
+#pragma once
+
+#include <cstdint>
+
+#include <cute/arch/copy_sm80.hpp>
+#include <cute/numeric/int.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "fused/pipeline.cuh"
+#include "fused/wgrad_gather_launch.h"
+#include "fused/wgrad_gather_layout.h"
+
+namespace capmoe::fused {
+
+constexpr int kWgradTileM = CAPMOE_WGRAD_GATHER_TILE_M;
+constexpr int kWgradTileN = CAPMOE_WGRAD_GATHER_TILE_N;
+constexpr int kWgradTileK = 64;  // routing rows per K block: one 128-byte line per 64 m (n) values
+constexpr int kWgradProducerThreads = 128;
+
+__device__ __forceinline__ int clamp_wgrad_row(int64_t r, int capacity) {
+  return int(r < 0 ? 0 : (r > capacity ? capacity : r));
+}
+
+// One tile of the list: expert, its clamped rows [row_begin, row_end), output corner.
+struct WgradTile {
+  int expert, row_begin, row_end, m0, n0;
+  __device__ int k_blocks() const { return (row_end - row_begin + kWgradTileK - 1) / kWgradTileK; }
+};
+
+__device__ __forceinline__ WgradTile locate(const WgradGatherParams& p, int tile) {
+  const int per_expert = p.m_tiles * p.n_tiles;
+  const int e = tile / per_expert;
+  const int local = tile - e * per_expert;
+  const int n_tile = local / p.m_tiles;
+  const int m_tile = local - n_tile * p.m_tiles;
+  const int begin = clamp_wgrad_row(__ldg(p.offsets + e), p.capacity);
+  const int end = max(begin, clamp_wgrad_row(__ldg(p.offsets + e + 1), p.capacity));
+  return WgradTile{e, begin, end, m_tile * kWgradTileM, n_tile * kWgradTileN};
+}
+
+// Accumulate mode leaves an expert without rows untouched: no loads, no MMA, no store.
+__device__ __forceinline__ bool skipped(const WgradGatherParams& p, const WgradTile& t) {
+  return p.accumulate && t.row_end == t.row_begin;
+}
+
+// One operand's K block: kRowsMN values (a tile's m or n extent) of each of 64 rows, copied by
+// the 128 producer threads (threadIdx.x < 128), consecutive threads on consecutive 16-byte
+// chunks of a row, so a warp's copy instruction reads whole rows (two 256-byte A rows, one
+// 512-byte B row). Zero-filled: rows past row_end, rows whose token is invalid, columns past
+// `cols`. Zero-filling BOTH operands matters: a row past offsets[E] may hold NaN, and
+// 0 * NaN is NaN.
+template <class T, int kRowsMN>
+__device__ __forceinline__ void copy_wgrad_block(const T* src, int ld, int cols, bool gathered, int src_rows,
+                                                 const int32_t* token_of_row, int row, int row_end, int mn0,
+                                                 uint8_t* stage) {
+  using Copy16 = cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>;
+  constexpr int kChunksPerRow = kRowsMN / 8;
+  constexpr int kRowsPerPass = kWgradProducerThreads / kChunksPerRow;
+  const int c = threadIdx.x % kChunksPerRow;
+  const int col = mn0 + c * 8;
+  const bool col_inside = col < cols;  // M and N are multiples of 8: a chunk is all in or all out
+  // NOTE: unrolled by 4, not fully: the sm_90a producer runs under setmaxnreg 40, and 16 row
+  // lookups hoisted at once spill.
+#pragma unroll 4
+  for (int pass = 0; pass < kWgradTileK / kRowsPerPass; ++pass) {
+    const int k = threadIdx.x / kChunksPerRow + pass * kRowsPerPass;
+    const int r = row + k;
+    int src_row = -1;
+    if (r < row_end) {
+      src_row = gathered ? __ldg(token_of_row + r) : r;
+      if (src_row >= src_rows) src_row = -1;  // a negative token stays negative
+    }
+    const bool inside = col_inside && src_row >= 0;
+    // A zero-size copy reads nothing; its address only has to be formed.
+    const T* from = inside ? src + int64_t(src_row) * ld + col : src;
+    Copy16::copy(*reinterpret_cast<const cute::uint128_t*>(from),
+                 *reinterpret_cast<cute::uint128_t*>(stage + wgrad_smem_offset(k, c)), inside);
+  }
+}
+
+// The producer's loop, run by the 128 producer threads: per tile of this CTA and K block, wait
+// for a free stage, copy both operands' blocks, and arrive on the stage's full barrier when the
+// copies land (cp.async.mbarrier.arrive.noinc: the full barriers take 128 arrivals). Tiles
+// skipped in accumulate mode load nothing. Returns the stage fills it made (the sm_100a
+// producer's tail needs them; drain_stage_ring).
+template <class T, int kStages>
+__device__ __forceinline__ int64_t produce_wgrad_stages(const WgradGatherParams& p, uint8_t* a_stages,
+                                                        uint8_t* b_stages, uint64_t* full, uint64_t* empty,
+                                                        int total_tiles) {
+  constexpr int kStageBytesA = kWgradTileM * kWgradTileK * 2;
+  constexpr int kStageBytesB = kWgradTileN * kWgradTileK * 2;
+  static_assert(sizeof(T) == 2, "16-bit operands: one 128-byte line holds 64 values");
+  const T* a = static_cast<const T*>(p.a);
+  const T* b = static_cast<const T*>(p.b);
+  const int a_rows = p.a_gathered ? p.max_tokens : p.capacity;
+  const int b_rows = p.b_gathered ? p.max_tokens : p.capacity;
+  StageRing<kStages> ring;
+  int64_t fills = 0;
+  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+    const WgradTile t = locate(p, tile);
+    if (skipped(p, t)) continue;
+    for (int row = t.row_begin; row < t.row_end; row += kWgradTileK) {
+      wait_barrier(&empty[ring.stage], ring.phase ^ 1, "wgrad producer, empty");
+      const int stage = ring.stage;
+      copy_wgrad_block<T, kWgradTileM>(a, p.m, p.m, p.a_gathered, a_rows, p.token_of_row, row, t.row_end, t.m0,
+                                       a_stages + stage * kStageBytesA);
+      copy_wgrad_block<T, kWgradTileN>(b, p.n, p.n, p.b_gathered, b_rows, p.token_of_row, row, t.row_end, t.n0,
+                                       b_stages + stage * kStageBytesB);
+      cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
+      ring.advance();
+      ++fills;
+    }
+  }
+  cute::cp_async_wait<0>();  // no thread exits with copies in flight
+  return fills;
+}
+
+}  // namespace capmoe::fused
