@@ -10,7 +10,7 @@ mod toolchain;
 use std::path::Path;
 use std::process::Command;
 
-/// Compiles and runs `tests/layout/<name>`; returns its output, which must end in
+/// Compiles and runs `tests/layout/<name>`; returns its output, whose last line must be exactly
 /// "0 mismatches" (else the test fails with it), or `None` after printing `skipping: <reason>`
 /// where there is no nvcc / CUTLASS, or no checkout (a test binary carried to the GPU machine).
 pub fn run_check(name: &str) -> Option<String> {
@@ -46,6 +46,8 @@ pub fn run_check(name: &str) -> Option<String> {
     let ran = Command::new(&exe).output().unwrap();
     let _ = std::fs::remove_file(&exe);
     let out = String::from_utf8_lossy(&ran.stdout).into_owned();
-    assert!(ran.status.success() && out.contains("0 mismatches"), "{name}: layout mismatch:\n{out}");
+    // The exact last line: "10 mismatches" must not pass for "0 mismatches".
+    let verdict = out.lines().last().map(str::trim);
+    assert!(ran.status.success() && verdict == Some("0 mismatches"), "{name}: layout mismatch:\n{out}");
     Some(out)
 }
