@@ -41,10 +41,10 @@ use capturable_moe::fused::FusedSwigluDgrad;
 use capturable_moe::graph::capture;
 use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
 use capturable_moe::moe::MoeElement;
-use capturable_moe::routing::{self, RouteMaps, RoutingConfig, RoutingPlan, Tokens};
+use capturable_moe::routing::{self, RouteMaps, RoutingPlan, Tokens};
 use capturable_moe::Error;
+use common::fused::{replay_tokens, sample_rows, Routes, Shape};
 use common::moe::{assert_bits, assert_close};
-use common::routing::topk_ids;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::{bf16, f16};
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -113,32 +113,6 @@ const GUARD_ROWS: usize = 3;
 /// A quiet NaN no kernel computes, for the fp32 partials.
 const POISON_F32: u32 = 0x7FC0_1234;
 
-#[derive(Clone, Copy, Debug)]
-struct Shape {
-    e: usize,
-    h: usize,
-    f: usize,
-    k: usize,
-    t_max: usize,
-    capacity: Option<usize>,
-}
-
-impl Shape {
-    fn routing(&self, dtype: DType) -> RoutingConfig {
-        RoutingConfig {
-            num_experts: self.e,
-            hidden: self.h,
-            ffn: self.f,
-            topk: self.k,
-            max_tokens: self.t_max,
-            capacity: self.capacity,
-            expert_capacity: None,
-            dtype,
-            prob_dtype: DType::F32,
-        }
-    }
-}
-
 /// Which entry point of the kernel a test drives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Form {
@@ -149,42 +123,6 @@ enum Form {
 }
 
 // ---- the case table ----
-
-/// What one launch routes.
-#[derive(Clone, Copy, Debug)]
-enum Routes {
-    /// [`messy_ids`].
-    Messy,
-    /// All k routes of every token to this expert.
-    AllTo(i32),
-    /// k distinct experts per token.
-    TopK,
-}
-
-impl Routes {
-    fn ids(self, rng: &mut StdRng, shape: Shape) -> Vec<i32> {
-        match self {
-            Routes::Messy => messy_ids(rng, shape),
-            Routes::AllTo(expert) => vec![expert; shape.t_max * shape.k],
-            Routes::TopK => topk_ids(rng, shape.t_max, shape.e, shape.k),
-        }
-    }
-}
-
-/// Routes with everything the routing allows: duplicates within a token, empty slots (-1),
-/// out-of-range ids (dropped), a heavy expert, and experts that get nothing.
-fn messy_ids(rng: &mut StdRng, shape: Shape) -> Vec<i32> {
-    (0..shape.t_max * shape.k)
-        .map(|_| match rng.random_range(0..20) {
-            0 => -1,
-            1 => shape.e as i32 + rng.random_range(0..3),
-            2 => -7,
-            3..=6 => 0, // a heavy expert
-            // Only even experts otherwise: the odd ones stay empty.
-            _ => 2 * rng.random_range(0..shape.e as i32 / 2),
-        })
-        .collect()
-}
 
 #[derive(Clone, Copy, Debug)]
 struct Launch {
@@ -218,11 +156,11 @@ const MESSY: Case = Case {
     shape: Shape { e: 8, h: 200, f: 256, k: 3, t_max: 300, capacity: None },
     seed: 1,
     launches: &[
-        launch(300, Routes::Messy, true),
-        launch(0, Routes::Messy, false),
-        launch(1, Routes::Messy, true),
-        launch(137, Routes::Messy, false),
-        launch(299, Routes::Messy, true),
+        launch(300, Routes::MessyEvenExperts, true),
+        launch(0, Routes::MessyEvenExperts, false),
+        launch(1, Routes::MessyEvenExperts, true),
+        launch(137, Routes::MessyEvenExperts, false),
+        launch(299, Routes::MessyEvenExperts, true),
     ],
     overflows: false,
 };
@@ -615,21 +553,6 @@ fn report_bitwise<T: Act>(what: &str, name: &str, got: &[T], want: &[T], n: usiz
     diffs.len()
 }
 
-/// The rows the fp64 references check: every row of `[0, total)`, or `n` spread over it plus
-/// both ends, the first tile boundary and the middle.
-fn reference_rows(total: usize, sample: Option<usize>) -> Vec<usize> {
-    let Some(n) = sample else {
-        return (0..total).collect();
-    };
-    let last = total.saturating_sub(1);
-    let mut rows: Vec<usize> = (0..n).map(|i| i * total / n.max(1)).collect();
-    rows.extend([last, 127.min(last), 128.min(last), total / 2]);
-    rows.retain(|&r| r < total);
-    rows.sort_unstable();
-    rows.dedup();
-    rows
-}
-
 /// What the fp64 references read: the clamped offsets, the drows form's A, h and w2.
 struct RefInputs<'a, T> {
     offsets: &'a [i64],
@@ -799,7 +722,7 @@ fn check_case<T: Act>(
     let dact = stream.clone_dtoh(&runner.dact_drows).unwrap();
     assert_rows_written(&format!("{what}: drows form dh"), &dh, 2 * s.f, total);
     assert_rows_written(&format!("{what}: drows form dact"), &dact, s.f, total);
-    let rows = reference_rows(total, sample);
+    let rows = sample_rows(total, sample);
     if !rows.is_empty() {
         let r = RefInputs { offsets: &inp.maps.offsets, drows: &inp.drows, h: &inp.h, w2 };
         check_drows_reference(&format!("{what}: drows form"), s, &r, &dact, &dh, &rows);
@@ -974,18 +897,14 @@ fn graph_replays_match_eager(form: Form) {
         let mut eager = Runner::new(&stream, form, shape, &w2);
         let cap = eager.capacity();
         let mut rng = StdRng::seed_from_u64(seed + 1);
-        let first = inputs::<bf16>(form, shape, cap, &mut rng, launch(100, Routes::Messy, false));
+        let first = inputs::<bf16>(form, shape, cap, &mut rng, launch(100, Routes::MessyEvenExperts, false));
         graph_runner.load(&stream, &first);
         stream.synchronize().unwrap();
         let graph = capture(&stream, || graph_runner.build_and_launch(&stream)).unwrap();
         let replays = if common::under_sanitizer() { 8 } else { 40 };
         for i in 0..replays {
-            let t = match i % 5 {
-                0 => 0,
-                1 => shape.t_max,
-                _ => rng.random_range(1..=shape.t_max),
-            };
-            let routes = if i % 7 == 3 { Routes::AllTo(5) } else { Routes::Messy };
+            let t = replay_tokens(&mut rng, i, shape.t_max);
+            let routes = Routes::of_replay(i, Routes::MessyEvenExperts);
             // No invalid tokens here: the graph's token_of_row comes from its own build.
             let inp = inputs::<bf16>(form, shape, cap, &mut rng, launch(t, routes, false));
             graph_runner.load(&stream, &inp);
