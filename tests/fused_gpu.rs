@@ -23,39 +23,14 @@ use capturable_moe::dtype::DType;
 use capturable_moe::fused::{FusedFc1, Gather};
 use capturable_moe::graph::capture;
 use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
-use capturable_moe::routing::{self, flags, RouteMaps, RoutingConfig, RoutingPlan, Tokens};
+use capturable_moe::routing::{self, flags, RouteMaps, RoutingPlan, Tokens};
 use capturable_moe::Error;
+use common::fused::{replay_tokens, sample_rows, Routes, Shape};
 use common::moe::{assert_close, assert_written_bf16, poison_bf16};
 use common::routing::topk_ids;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
-
-#[derive(Clone, Copy, Debug)]
-struct Shape {
-    e: usize,
-    h: usize,
-    f: usize,
-    k: usize,
-    t_max: usize,
-    capacity: Option<usize>,
-}
-
-impl Shape {
-    fn routing(&self) -> RoutingConfig {
-        RoutingConfig {
-            num_experts: self.e,
-            hidden: self.h,
-            ffn: self.f,
-            topk: self.k,
-            max_tokens: self.t_max,
-            capacity: self.capacity,
-            expert_capacity: None,
-            dtype: DType::Bf16,
-            prob_dtype: DType::F32,
-        }
-    }
-}
 
 fn random_bf16(rng: &mut StdRng, n: usize, scale: f32) -> Vec<bf16> {
     (0..n).map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0) * scale)).collect()
@@ -101,7 +76,7 @@ struct Outputs {
 
 impl Runner {
     fn new(stream: &Arc<CudaStream>, shape: Shape, w1: &[bf16], gather: Gather) -> Runner {
-        let plan = RoutingPlan::new(shape.routing()).unwrap();
+        let plan = RoutingPlan::new(shape.routing(DType::Bf16)).unwrap();
         let cap = plan.capacity();
         let fused = FusedFc1::with_gather(&plan, stream, gather).unwrap();
         let spec = GroupedGemmSpec::new(GemmOp::Fprop, shape.e, 2 * shape.f, shape.h, cap).with_dtype(DType::Bf16);
@@ -263,18 +238,7 @@ fn check_case(
     assert_bits_bf16(&format!("{what}: h"), &out.h_fused, &out.h_unfused, total * 2 * s.f);
     assert_bits_bf16(&format!("{what}: act"), &out.act_fused, &out.act_unfused, total * s.f);
 
-    let rows: Vec<usize> = match sample {
-        None => (0..total).collect(),
-        // Every tile boundary region is hit: rows spread over the whole range plus both ends.
-        Some(n) => {
-            let mut r: Vec<usize> = (0..n).map(|i| i * total / n.max(1)).collect();
-            r.extend([total.saturating_sub(1), 127.min(total.saturating_sub(1)), 128.min(total.saturating_sub(1))]);
-            r.retain(|&v| v < total);
-            r.sort_unstable();
-            r.dedup();
-            r
-        }
-    };
+    let rows = sample_rows(total, sample);
     if rows.is_empty() {
         return;
     }
@@ -328,67 +292,83 @@ fn inputs(shape: Shape, rng: &mut StdRng, t: usize, ids: Vec<i32>) -> Inputs {
     Inputs { t, ids, x }
 }
 
-/// Routes with everything the routing allows: duplicates within a token, empty slots (-1),
-/// out-of-range ids (dropped), and skewed experts.
-fn messy_ids(rng: &mut StdRng, shape: Shape) -> Vec<i32> {
-    (0..shape.t_max * shape.k)
-        .map(|_| match rng.random_range(0..20) {
-            0 => -1,
-            1 => shape.e as i32 + rng.random_range(0..3),
-            2 => -7,
-            3..=6 => 0, // a heavy expert
-            _ => rng.random_range(0..shape.e as i32),
-        })
-        .collect()
+/// One test's shape and launches (T and routes), run under every gather form of
+/// [`gathers`], each with the same inputs.
+struct Case {
+    name: &'static str,
+    shape: Shape,
+    /// Seeds the weights; `seed + 1` the launches' inputs.
+    seed: u64,
+    launches: &'static [(usize, Routes)],
+    /// Routing flags every launch must raise (each launch also checks the flags equal the
+    /// CPU reference's).
+    raises: i32,
+}
+
+/// Every launch of `case` under every gather form, each checked by check_case.
+fn check_launches(case: &Case) {
+    let stream = gpu_or_skip!();
+    let shape = case.shape;
+    let w1 = weights(shape, case.seed);
+    for gather in gathers(&stream) {
+        let mut runner = Runner::new(&stream, shape, &w1, gather);
+        let mut rng = StdRng::seed_from_u64(case.seed + 1);
+        for (i, &(t, routes)) in case.launches.iter().enumerate() {
+            let ids = routes.ids(&mut rng, shape);
+            let inputs = inputs(shape, &mut rng, t, ids);
+            let what = format!("{gather:?}: {} case {i} (T={t})", case.name);
+            check_case(&what, &stream, &mut runner, &inputs, &w1, None);
+            let fl = stream.clone_dtoh(&runner.maps.flags).unwrap()[0];
+            assert_eq!(
+                fl & case.raises,
+                case.raises,
+                "{what}: the routing build must raise {:#x} (flags {fl:#x})",
+                case.raises
+            );
+        }
+    }
 }
 
 #[test]
 fn fused_fc1_matches_unfused_on_messy_routing() {
-    let stream = gpu_or_skip!();
     // H = 200: the last K block is partial (TMA zero-fills columns past H in x and W1).
-    let shape = Shape { e: 8, h: 200, f: 256, k: 3, t_max: 300, capacity: None };
-    let w1 = weights(shape, 1);
-    for gather in gathers(&stream) {
-        let mut runner = Runner::new(&stream, shape, &w1, gather);
-        let mut rng = StdRng::seed_from_u64(2);
-        for (i, t) in [300usize, 0, 1, 137, 299].into_iter().enumerate() {
-            let ids = messy_ids(&mut rng, shape);
-            let inputs = inputs(shape, &mut rng, t, ids);
-            check_case(&format!("{gather:?}: messy case {i} (T={t})"), &stream, &mut runner, &inputs, &w1, None);
-        }
-    }
+    check_launches(&Case {
+        name: "messy",
+        shape: Shape { e: 8, h: 200, f: 256, k: 3, t_max: 300, capacity: None },
+        seed: 1,
+        launches: &[
+            (300, Routes::Messy),
+            (0, Routes::Messy),
+            (1, Routes::Messy),
+            (137, Routes::Messy),
+            (299, Routes::Messy),
+        ],
+        raises: 0,
+    });
 }
 
 #[test]
 fn fused_fc1_one_expert_takes_every_route() {
-    let stream = gpu_or_skip!();
-    let shape = Shape { e: 16, h: 256, f: 128, k: 4, t_max: 200, capacity: None };
-    let w1 = weights(shape, 3);
-    for gather in gathers(&stream) {
-        let mut runner = Runner::new(&stream, shape, &w1, gather);
-        let mut rng = StdRng::seed_from_u64(4);
-        for expert in [0i32, 15] {
-            // k duplicates of one expert per token: 800 rows, 7 M tiles, the last one partial.
-            let inputs = inputs(shape, &mut rng, 200, vec![expert; 200 * 4]);
-            check_case(&format!("{gather:?}: all routes to expert {expert}"), &stream, &mut runner, &inputs, &w1, None);
-        }
-    }
+    // k duplicates of one expert per token: 800 rows, 7 M tiles, the last one partial.
+    check_launches(&Case {
+        name: "all routes to one expert",
+        shape: Shape { e: 16, h: 256, f: 128, k: 4, t_max: 200, capacity: None },
+        seed: 3,
+        launches: &[(200, Routes::AllTo(0)), (200, Routes::AllTo(15))],
+        raises: 0,
+    });
 }
 
 #[test]
 fn fused_fc1_capacity_overflow_drops_like_the_unfused_path() {
-    let stream = gpu_or_skip!();
-    let shape = Shape { e: 4, h: 128, f: 128, k: 2, t_max: 256, capacity: Some(300) };
-    let w1 = weights(shape, 5);
-    for gather in gathers(&stream) {
-        let mut runner = Runner::new(&stream, shape, &w1, gather);
-        let mut rng = StdRng::seed_from_u64(6);
-        let ids = topk_ids(&mut rng, 256, 4, 2);
-        let inputs = inputs(shape, &mut rng, 256, ids);
-        check_case(&format!("{gather:?}: capacity 300 of 512 routes"), &stream, &mut runner, &inputs, &w1, None);
-        let fl = stream.clone_dtoh(&runner.maps.flags).unwrap()[0];
-        assert!(fl & flags::CAPACITY != 0, "the routing build must flag the dropped routes (flags {fl:#x})");
-    }
+    // 512 routes into capacity 300: the routing build must flag the dropped routes.
+    check_launches(&Case {
+        name: "capacity 300 of 512 routes",
+        shape: Shape { e: 4, h: 128, f: 128, k: 2, t_max: 256, capacity: Some(300) },
+        seed: 5,
+        launches: &[(256, Routes::TopK)],
+        raises: flags::CAPACITY,
+    });
 }
 
 #[test]
@@ -430,18 +410,14 @@ fn fused_fc1_graph_replays_match_eager() {
         let mut graph_runner = Runner::new(&stream, shape, &w1, gather);
         let mut eager = Runner::new(&stream, shape, &w1, gather);
         let mut rng = StdRng::seed_from_u64(10);
-        let first_ids = messy_ids(&mut rng, shape);
+        let first_ids = Routes::Messy.ids(&mut rng, shape);
         let first = inputs(shape, &mut rng, 100, first_ids);
         graph_runner.load(&stream, &first);
         stream.synchronize().unwrap();
         let graph = capture(&stream, || graph_runner.fused(&stream)).unwrap();
         for i in 0..50 {
-            let t = match i % 5 {
-                0 => 0,
-                1 => shape.t_max,
-                _ => rng.random_range(1..=shape.t_max),
-            };
-            let ids = if i % 7 == 3 { vec![5; shape.t_max * shape.k] } else { messy_ids(&mut rng, shape) };
+            let t = replay_tokens(&mut rng, i, shape.t_max);
+            let ids = Routes::of_replay(i, Routes::Messy).ids(&mut rng, shape);
             let inp = inputs(shape, &mut rng, t, ids);
             graph_runner.load(&stream, &inp);
             graph_runner.poison(&stream);
@@ -478,7 +454,7 @@ fn fused_fc1_weighted_epilogue_scales_each_row_by_its_route_probability() {
         let mut rng = StdRng::seed_from_u64(32);
         for (i, t) in [300usize, 0, 1, 137].into_iter().enumerate() {
             let what = format!("{gather:?}: weighted case {i} (T={t})");
-            let ids = messy_ids(&mut rng, shape);
+            let ids = Routes::Messy.ids(&mut rng, shape);
             let inputs = inputs(shape, &mut rng, t, ids);
             let choices = [0.125f32, 0.25, 0.5, 1.0, 2.0];
             let probs: Vec<f32> = (0..shape.t_max * shape.k).map(|_| choices[rng.random_range(0..5)]).collect();
@@ -528,11 +504,11 @@ fn fused_fc1_weighted_epilogue_scales_each_row_by_its_route_probability() {
 fn fused_fc1_refuses_what_it_does_not_take() {
     let stream = gpu_or_skip!();
     let shape = Shape { e: 4, h: 128, f: 96, k: 2, t_max: 16, capacity: None };
-    let plan = RoutingPlan::new(shape.routing()).unwrap();
+    let plan = RoutingPlan::new(shape.routing(DType::Bf16)).unwrap();
     assert!(matches!(FusedFc1::new(&plan, &stream), Err(Error::Unsupported { .. })), "F = 96 is not a multiple of 128");
     // Wrong lengths are shape errors before any launch.
     let shape = Shape { e: 4, h: 128, f: 128, k: 2, t_max: 16, capacity: None };
-    let plan = RoutingPlan::new(shape.routing()).unwrap();
+    let plan = RoutingPlan::new(shape.routing(DType::Bf16)).unwrap();
     let fused = FusedFc1::new(&plan, &stream).unwrap();
     let maps = plan.alloc_maps(&stream).unwrap();
     let x = stream.alloc_zeros::<bf16>(16 * 128).unwrap();
@@ -551,7 +527,7 @@ fn fused_fc1_gather_forms_of_the_device() {
     const OK: i32 = capturable_moe::sys::CAPMOE_OK as i32;
     let stream = gpu_or_skip!();
     let shape = Shape { e: 4, h: 128, f: 128, k: 2, t_max: 16, capacity: None };
-    let plan = RoutingPlan::new(shape.routing()).unwrap();
+    let plan = RoutingPlan::new(shape.routing(DType::Bf16)).unwrap();
     let auto = FusedFc1::new(&plan, &stream).unwrap();
     assert_eq!(unsafe { capturable_moe::sys::capmoe_fused_fc1_supported(auto.desc()) }, OK, "AUTO");
     FusedFc1::with_gather(&plan, &stream, Gather::CpAsync).unwrap();

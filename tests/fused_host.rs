@@ -64,15 +64,16 @@ mod abi {
 
     use capturable_moe::sys;
 
-    const OK: i32 = sys::CAPMOE_OK as i32;
-    const INVALID: i32 = sys::CAPMOE_ERR_INVALID_ARGUMENT as i32;
-    const MISALIGNED: i32 = sys::CAPMOE_ERR_MISALIGNED as i32;
-    const UNSUPPORTED: i32 = sys::CAPMOE_ERR_UNSUPPORTED as i32;
+    pub(super) const OK: i32 = sys::CAPMOE_OK as i32;
+    pub(super) const INVALID: i32 = sys::CAPMOE_ERR_INVALID_ARGUMENT as i32;
+    pub(super) const MISALIGNED: i32 = sys::CAPMOE_ERR_MISALIGNED as i32;
+    pub(super) const UNSUPPORTED: i32 = sys::CAPMOE_ERR_UNSUPPORTED as i32;
 
     /// One change to a valid descriptor, for a table of refused descriptors.
     type EditDesc = fn(&mut sys::capmoe_fused_fc1_desc_t);
 
-    fn fake(offset: usize) -> *mut c_void {
+    /// A fake device address, 16-byte aligned for a 16-aligned `offset` (never dereferenced).
+    pub(super) fn fake(offset: usize) -> *mut c_void {
         (0x7f00_0000_0000usize + offset) as *mut c_void
     }
 
@@ -164,31 +165,35 @@ mod abi {
     }
 }
 
-// ---- the fused fc2 dgrad + SwiGLU backward's C ABI checks, as above: fake device addresses,
-// never dereferenced (every call below returns before any CUDA call) ----
+// ---- the fused fc2 dgrad + SwiGLU backward's C ABI checks, both forms (drows, and dy rows
+// gathered through token_of_row with prob and dprob partials) from one table each where they
+// share a rule: fake device addresses as above, never dereferenced ----
 
 mod dgrad_abi {
     use std::ffi::c_void;
     use std::ptr::{null, null_mut};
 
+    use super::abi::{fake, INVALID, MISALIGNED, OK, UNSUPPORTED};
     use capturable_moe::sys;
 
-    const OK: i32 = sys::CAPMOE_OK as i32;
-    const INVALID: i32 = sys::CAPMOE_ERR_INVALID_ARGUMENT as i32;
-    const MISALIGNED: i32 = sys::CAPMOE_ERR_MISALIGNED as i32;
-    const UNSUPPORTED: i32 = sys::CAPMOE_ERR_UNSUPPORTED as i32;
     /// Not a status: a case the pointer checks must let through (to the device check).
     const PAST_POINTER_CHECKS: i32 = i32::MIN;
 
-    type EditDesc = fn(&mut sys::capmoe_fused_swiglu_dgrad_desc_t);
+    type Desc = sys::capmoe_fused_swiglu_dgrad_desc_t;
+    type EditDesc = fn(&mut Desc);
     type EditPtrs = fn(&mut Ptrs);
 
-    fn fake(offset: usize) -> *mut c_void {
-        (0x7f00_0000_0000usize + offset) as *mut c_void
+    /// Which entry point a case calls.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Form {
+        /// `capmoe_fused_swiglu_dgrad`.
+        Drows,
+        /// `capmoe_fused_swiglu_dgrad_gathered`.
+        Gathered,
     }
 
-    fn desc() -> sys::capmoe_fused_swiglu_dgrad_desc_t {
-        sys::capmoe_fused_swiglu_dgrad_desc_t {
+    fn desc() -> Desc {
+        Desc {
             num_experts: 8,
             hidden: 256,
             ffn: 256,
@@ -199,242 +204,191 @@ mod dgrad_abi {
         }
     }
 
-    /// The pointers of one call, all valid (16-byte aligned fakes) unless edited.
+    /// The pointers of a call of either form, all valid (aligned fakes) unless edited. `rows`
+    /// is drows or dy; the drows form also reads `dact` (optional: NULL here), the gathered
+    /// form `token_of_row`, `prob_of_row` and `dprob_partials`.
     struct Ptrs {
-        drows: *const c_void,
+        rows: *const c_void,
         w2: *const c_void,
         h: *const c_void,
         offsets: *const i64,
         dh: *mut c_void,
         dact: *mut c_void,
+        token_of_row: *const i32,
+        prob_of_row: *const f32,
+        dprob_partials: *mut f32,
     }
 
     fn ptrs() -> Ptrs {
         Ptrs {
-            drows: fake(0x1_0000),
+            rows: fake(0x1_0000),
             w2: fake(0x2_0000),
             h: fake(0x3_0000),
             offsets: fake(0x4_0000) as *const i64,
             dh: fake(0x5_0000),
             dact: null_mut(),
-        }
-    }
-
-    fn call(d: &sys::capmoe_fused_swiglu_dgrad_desc_t, p: &Ptrs) -> i32 {
-        unsafe { sys::capmoe_fused_swiglu_dgrad(d, p.drows, p.w2, p.h, p.offsets, p.dh, p.dact, null_mut()) }
-    }
-
-    #[test]
-    fn fused_swiglu_dgrad_c_abi_refuses_bad_descriptors() {
-        let p = ptrs();
-        assert_eq!(
-            unsafe { sys::capmoe_fused_swiglu_dgrad(null(), p.drows, p.w2, p.h, p.offsets, p.dh, p.dact, null_mut()) },
-            INVALID,
-            "NULL descriptor"
-        );
-        assert_eq!(unsafe { sys::capmoe_fused_swiglu_dgrad_supported(null()) }, INVALID, "NULL descriptor (supported)");
-        let cases: [(&str, EditDesc, i32); 10] = [
-            ("E = 0", |d| d.num_experts = 0, INVALID),
-            ("E = 1025", |d| d.num_experts = 1025, INVALID),
-            ("H = 0", |d| d.hidden = 0, INVALID),
-            ("H = 260 (not a multiple of 8)", |d| d.hidden = 260, MISALIGNED),
-            ("F = 200 (not a multiple of 128)", |d| d.ffn = 200, UNSUPPORTED),
-            ("F = 192 (a multiple of 64, not of 128)", |d| d.ffn = 192, UNSUPPORTED),
-            ("fp32 activations", |d| d.dtype = sys::CAPMOE_DTYPE_F32 as i32, UNSUPPORTED),
-            ("sm_count 0", |d| d.sm_count = 0, INVALID),
-            ("negative capacity", |d| d.capacity = -1, INVALID),
-            ("capacity 2^31", |d| d.capacity = 1 << 31, INVALID),
-        ];
-        for (what, edit, want) in cases {
-            let mut d = desc();
-            edit(&mut d);
-            assert_eq!(call(&d, &p), want, "{what}");
-            assert_eq!(unsafe { sys::capmoe_fused_swiglu_dgrad_supported(&d) }, want, "{what} (supported)");
-        }
-    }
-
-    #[test]
-    fn fused_swiglu_dgrad_c_abi_checks_pointers_before_any_launch() {
-        let d = desc();
-        let cases: [(&str, EditPtrs, i32); 11] = [
-            ("NULL offsets", |p| p.offsets = null(), INVALID),
-            ("offsets not 8-aligned", |p| p.offsets = fake(0x4_0004) as *const i64, MISALIGNED),
-            ("NULL drows", |p| p.drows = null(), INVALID),
-            ("NULL w2", |p| p.w2 = null(), INVALID),
-            ("NULL h", |p| p.h = null(), INVALID),
-            ("NULL dh", |p| p.dh = null_mut(), INVALID),
-            ("drows not 16-aligned", |p| p.drows = fake(0x1_0008), MISALIGNED),
-            ("w2 not 16-aligned", |p| p.w2 = fake(0x2_0002), MISALIGNED),
-            ("h not 16-aligned", |p| p.h = fake(0x3_0004), MISALIGNED),
-            ("dh not 16-aligned", |p| p.dh = fake(0x5_0008), MISALIGNED),
-            ("dact not 16-aligned", |p| p.dact = fake(0x6_0008), MISALIGNED),
-        ];
-        for (what, edit, want) in cases {
-            let mut p = ptrs();
-            edit(&mut p);
-            assert_eq!(call(&d, &p), want, "{what}");
-        }
-        // Capacity 0: no row can be written; OK without a launch (and without other pointers),
-        // but the offsets are still checked.
-        let empty = sys::capmoe_fused_swiglu_dgrad_desc_t { capacity: 0, ..d };
-        let bare = Ptrs { drows: null(), w2: null(), h: null(), dh: null_mut(), ..ptrs() };
-        assert_eq!(call(&empty, &bare), OK, "capacity 0");
-        assert_eq!(call(&empty, &Ptrs { offsets: null(), ..bare }), INVALID, "capacity 0, NULL offsets");
-    }
-
-    // ---- the gathered form (dy rows through token_of_row, prob-weighted, dprob partials) ----
-
-    type EditGathered = fn(&mut Gathered);
-
-    /// The pointers of one gathered call, all valid (aligned fakes) unless edited.
-    struct Gathered {
-        dy: *const c_void,
-        w2: *const c_void,
-        h: *const c_void,
-        offsets: *const i64,
-        token_of_row: *const i32,
-        prob_of_row: *const f32,
-        dh: *mut c_void,
-        dprob_partials: *mut f32,
-    }
-
-    fn gathered() -> Gathered {
-        Gathered {
-            dy: fake(0x1_0000),
-            w2: fake(0x2_0000),
-            h: fake(0x3_0000),
-            offsets: fake(0x4_0000) as *const i64,
             token_of_row: fake(0x6_0000) as *const i32,
             prob_of_row: fake(0x7_0000) as *const f32,
-            dh: fake(0x5_0000),
             dprob_partials: fake(0x8_0000) as *mut f32,
         }
     }
 
-    fn call_gathered(d: &sys::capmoe_fused_swiglu_dgrad_desc_t, g: &Gathered) -> i32 {
-        unsafe {
-            sys::capmoe_fused_swiglu_dgrad_gathered(
-                d,
-                g.dy,
-                g.w2,
-                g.h,
-                g.offsets,
-                g.token_of_row,
-                g.prob_of_row,
-                g.dh,
-                g.dprob_partials,
-                null_mut(),
-            )
+    /// Only the offsets: what a capacity-0 call needs.
+    fn bare() -> Ptrs {
+        Ptrs {
+            rows: null(),
+            w2: null(),
+            h: null(),
+            dh: null_mut(),
+            dact: null_mut(),
+            token_of_row: null(),
+            prob_of_row: null(),
+            dprob_partials: null_mut(),
+            ..ptrs()
         }
     }
 
-    #[test]
-    fn fused_swiglu_dgrad_gathered_c_abi_refuses_bad_descriptors() {
-        let g = gathered();
-        let null_desc = unsafe {
-            sys::capmoe_fused_swiglu_dgrad_gathered(
-                null(),
-                g.dy,
-                g.w2,
-                g.h,
-                g.offsets,
-                g.token_of_row,
-                g.prob_of_row,
-                g.dh,
-                g.dprob_partials,
-                null_mut(),
-            )
-        };
-        assert_eq!(null_desc, INVALID, "NULL descriptor");
-        let cases: [(&str, EditDesc, i32); 12] = [
-            ("E = 0", |d| d.num_experts = 0, INVALID),
-            ("E = 1025", |d| d.num_experts = 1025, INVALID),
-            ("H = 0", |d| d.hidden = 0, INVALID),
-            ("H = 260 (not a multiple of 8)", |d| d.hidden = 260, MISALIGNED),
-            ("F = 200 (not a multiple of 128)", |d| d.ffn = 200, UNSUPPORTED),
-            ("F = 192 (a multiple of 64, not of 128)", |d| d.ffn = 192, UNSUPPORTED),
-            ("fp32 activations", |d| d.dtype = sys::CAPMOE_DTYPE_F32 as i32, UNSUPPORTED),
-            ("sm_count 0", |d| d.sm_count = 0, INVALID),
-            ("negative capacity", |d| d.capacity = -1, INVALID),
-            ("capacity 2^31", |d| d.capacity = 1 << 31, INVALID),
-            ("negative max_tokens", |d| d.max_tokens = -1, INVALID),
-            ("max_tokens 2^31", |d| d.max_tokens = 1 << 31, INVALID),
-        ];
-        for (what, edit, want) in cases {
+    fn call(form: Form, d: *const Desc, p: &Ptrs) -> i32 {
+        unsafe {
+            match form {
+                Form::Drows => {
+                    sys::capmoe_fused_swiglu_dgrad(d, p.rows, p.w2, p.h, p.offsets, p.dh, p.dact, null_mut())
+                }
+                Form::Gathered => sys::capmoe_fused_swiglu_dgrad_gathered(
+                    d,
+                    p.rows,
+                    p.w2,
+                    p.h,
+                    p.offsets,
+                    p.token_of_row,
+                    p.prob_of_row,
+                    p.dh,
+                    p.dprob_partials,
+                    null_mut(),
+                ),
+            }
+        }
+    }
+
+    /// The descriptor rules of both forms, and of `capmoe_fused_swiglu_dgrad_supported`.
+    const SHARED_DESC_CASES: [(&str, EditDesc, i32); 10] = [
+        ("E = 0", |d| d.num_experts = 0, INVALID),
+        ("E = 1025", |d| d.num_experts = 1025, INVALID),
+        ("H = 0", |d| d.hidden = 0, INVALID),
+        ("H = 260 (not a multiple of 8)", |d| d.hidden = 260, MISALIGNED),
+        ("F = 200 (not a multiple of 128)", |d| d.ffn = 200, UNSUPPORTED),
+        ("F = 192 (a multiple of 64, not of 128)", |d| d.ffn = 192, UNSUPPORTED),
+        ("fp32 activations", |d| d.dtype = sys::CAPMOE_DTYPE_F32 as i32, UNSUPPORTED),
+        ("sm_count 0", |d| d.sm_count = 0, INVALID),
+        ("negative capacity", |d| d.capacity = -1, INVALID),
+        ("capacity 2^31", |d| d.capacity = 1 << 31, INVALID),
+    ];
+
+    /// A NULL descriptor, then [`SHARED_DESC_CASES`] (each through `supported` too) and the
+    /// form's own `cases`, all refused by `form`'s entry.
+    fn assert_refuses_descriptors(form: Form, cases: &[(&str, EditDesc, i32)]) {
+        assert_eq!(call(form, null(), &ptrs()), INVALID, "{form:?}: NULL descriptor");
+        assert_eq!(unsafe { sys::capmoe_fused_swiglu_dgrad_supported(null()) }, INVALID, "NULL descriptor (supported)");
+        for (i, &(what, edit, want)) in SHARED_DESC_CASES.iter().chain(cases).enumerate() {
             let mut d = desc();
             edit(&mut d);
-            assert_eq!(call_gathered(&d, &g), want, "{what}");
+            assert_eq!(call(form, &d, &ptrs()), want, "{form:?}: {what}");
+            if i < SHARED_DESC_CASES.len() {
+                assert_eq!(unsafe { sys::capmoe_fused_swiglu_dgrad_supported(&d) }, want, "{what} (supported)");
+            }
         }
-        // max_tokens is the gathered launch's alone: the drows form and `supported` ignore it.
-        let d = sys::capmoe_fused_swiglu_dgrad_desc_t { max_tokens: -1, capacity: 0, ..desc() };
-        assert_eq!(call(&d, &ptrs()), OK, "drows form, capacity 0, max_tokens -1");
-        // max_tokens is checked before the capacity-0 shortcut.
-        assert_eq!(call_gathered(&d, &g), INVALID, "gathered, capacity 0, max_tokens -1");
     }
 
-    #[test]
-    fn fused_swiglu_dgrad_gathered_c_abi_checks_pointers_before_any_launch() {
+    /// The pointer rules of both forms (`rows` is drows or dy).
+    const SHARED_POINTER_CASES: [(&str, EditPtrs, i32); 11] = [
+        ("NULL offsets", |p| p.offsets = null(), INVALID),
+        ("offsets not 8-aligned", |p| p.offsets = fake(0x4_0004) as *const i64, MISALIGNED),
+        ("NULL drows / dy", |p| p.rows = null(), INVALID),
+        ("NULL w2", |p| p.w2 = null(), INVALID),
+        ("NULL h", |p| p.h = null(), INVALID),
+        ("NULL dh", |p| p.dh = null_mut(), INVALID),
+        ("drows / dy not 16-aligned", |p| p.rows = fake(0x1_0008), MISALIGNED),
+        ("w2 not 16-aligned", |p| p.w2 = fake(0x2_0002), MISALIGNED),
+        ("h not 16-aligned", |p| p.h = fake(0x3_0004), MISALIGNED),
+        ("dh not 16-aligned", |p| p.dh = fake(0x5_0008), MISALIGNED),
+        ("all valid", |_| {}, PAST_POINTER_CHECKS),
+    ];
+
+    /// [`SHARED_POINTER_CASES`] and the form's own `cases` through `form`'s entry, then the
+    /// capacity-0 shortcut: OK without a launch (and without other pointers, without a
+    /// device), but the offsets are still checked.
+    fn assert_checks_pointers(form: Form, cases: &[(&str, EditPtrs, i32)]) {
         let d = desc();
-        let cases: [(&str, EditGathered, i32); 18] = [
-            ("NULL offsets", |g| g.offsets = null(), INVALID),
-            ("offsets not 8-aligned", |g| g.offsets = fake(0x4_0004) as *const i64, MISALIGNED),
-            ("NULL dy", |g| g.dy = null(), INVALID),
-            ("NULL w2", |g| g.w2 = null(), INVALID),
-            ("NULL h", |g| g.h = null(), INVALID),
-            ("NULL token_of_row", |g| g.token_of_row = null(), INVALID),
-            ("NULL prob_of_row", |g| g.prob_of_row = null(), INVALID),
-            ("NULL dh", |g| g.dh = null_mut(), INVALID),
-            ("NULL dprob_partials", |g| g.dprob_partials = null_mut(), INVALID),
-            ("dy not 16-aligned", |g| g.dy = fake(0x1_0008), MISALIGNED),
-            ("w2 not 16-aligned", |g| g.w2 = fake(0x2_0002), MISALIGNED),
-            ("h not 16-aligned", |g| g.h = fake(0x3_0004), MISALIGNED),
-            ("dh not 16-aligned", |g| g.dh = fake(0x5_0008), MISALIGNED),
-            ("token_of_row not 4-aligned", |g| g.token_of_row = fake(0x6_0002) as *const i32, MISALIGNED),
-            ("prob_of_row not 4-aligned", |g| g.prob_of_row = fake(0x7_0001) as *const f32, MISALIGNED),
-            ("dprob_partials not 4-aligned", |g| g.dprob_partials = fake(0x8_0002) as *mut f32, MISALIGNED),
-            // 4-byte alignment is enough for the fp32 and int32 buffers (the checks above
-            // are not 16-byte checks in disguise): these get past the pointer checks.
-            (
-                "token_of_row, prob_of_row, dprob_partials only 4-aligned",
-                |g| {
-                    g.token_of_row = fake(0x6_0004) as *const i32;
-                    g.prob_of_row = fake(0x7_0004) as *const f32;
-                    g.dprob_partials = fake(0x8_0004) as *mut f32;
-                },
-                PAST_POINTER_CHECKS,
-            ),
-            ("all valid", |_| {}, PAST_POINTER_CHECKS),
-        ];
         // Past the pointer checks the entry asks for the device. Without a GPU the answer is
         // UNSUPPORTED or a CUDA error, never a pointer refusal; with one, the call would launch
         // on fake addresses, so those cases are only made where no GPU opens.
         let no_gpu = capturable_moe::device::open(0).is_err();
-        for (what, edit, want) in cases {
-            let mut g = gathered();
-            edit(&mut g);
+        for &(what, edit, want) in SHARED_POINTER_CASES.iter().chain(cases) {
+            let mut p = ptrs();
+            edit(&mut p);
             if want != PAST_POINTER_CHECKS {
-                assert_eq!(call_gathered(&d, &g), want, "{what}");
+                assert_eq!(call(form, &d, &p), want, "{form:?}: {what}");
             } else if no_gpu {
-                let got = call_gathered(&d, &g);
-                assert!(got != OK && got != INVALID && got != MISALIGNED, "{what}: {got}");
+                let got = call(form, &d, &p);
+                assert!(got != OK && got != INVALID && got != MISALIGNED, "{form:?}: {what}: {got}");
             }
         }
-        // Capacity 0: OK without a launch (and without other pointers, without a device), but
-        // the offsets are still checked.
-        let empty = sys::capmoe_fused_swiglu_dgrad_desc_t { capacity: 0, ..d };
-        let bare = Gathered {
-            dy: null(),
-            w2: null(),
-            h: null(),
-            token_of_row: null(),
-            prob_of_row: null(),
-            dh: null_mut(),
-            dprob_partials: null_mut(),
-            ..gathered()
-        };
-        assert_eq!(call_gathered(&empty, &bare), OK, "capacity 0");
-        let no_offsets = Gathered { offsets: null(), ..bare };
-        assert_eq!(call_gathered(&empty, &no_offsets), INVALID, "capacity 0, NULL offsets");
+        let empty = Desc { capacity: 0, ..d };
+        assert_eq!(call(form, &empty, &bare()), OK, "{form:?}: capacity 0");
+        let no_offsets = Ptrs { offsets: null(), ..bare() };
+        assert_eq!(call(form, &empty, &no_offsets), INVALID, "{form:?}: capacity 0, NULL offsets");
+    }
+
+    #[test]
+    fn fused_swiglu_dgrad_c_abi_refuses_bad_descriptors() {
+        assert_refuses_descriptors(Form::Drows, &[]);
+    }
+
+    #[test]
+    fn fused_swiglu_dgrad_c_abi_checks_pointers_before_any_launch() {
+        assert_checks_pointers(Form::Drows, &[("dact not 16-aligned", |p| p.dact = fake(0x6_0008), MISALIGNED)]);
+    }
+
+    #[test]
+    fn fused_swiglu_dgrad_gathered_c_abi_refuses_bad_descriptors() {
+        assert_refuses_descriptors(
+            Form::Gathered,
+            &[
+                ("negative max_tokens", |d| d.max_tokens = -1, INVALID),
+                ("max_tokens 2^31", |d| d.max_tokens = 1 << 31, INVALID),
+            ],
+        );
+        // max_tokens is the gathered launch's alone: the drows form and `supported` ignore it.
+        let d = Desc { max_tokens: -1, capacity: 0, ..desc() };
+        assert_eq!(call(Form::Drows, &d, &ptrs()), OK, "drows form, capacity 0, max_tokens -1");
+        // max_tokens is checked before the capacity-0 shortcut.
+        assert_eq!(call(Form::Gathered, &d, &ptrs()), INVALID, "gathered, capacity 0, max_tokens -1");
+    }
+
+    #[test]
+    fn fused_swiglu_dgrad_gathered_c_abi_checks_pointers_before_any_launch() {
+        assert_checks_pointers(
+            Form::Gathered,
+            &[
+                ("NULL token_of_row", |p| p.token_of_row = null(), INVALID),
+                ("NULL prob_of_row", |p| p.prob_of_row = null(), INVALID),
+                ("NULL dprob_partials", |p| p.dprob_partials = null_mut(), INVALID),
+                ("token_of_row not 4-aligned", |p| p.token_of_row = fake(0x6_0002) as *const i32, MISALIGNED),
+                ("prob_of_row not 4-aligned", |p| p.prob_of_row = fake(0x7_0001) as *const f32, MISALIGNED),
+                ("dprob_partials not 4-aligned", |p| p.dprob_partials = fake(0x8_0002) as *mut f32, MISALIGNED),
+                // 4-byte alignment is enough for the fp32 and int32 buffers (the checks above
+                // are not 16-byte checks in disguise): these get past the pointer checks.
+                (
+                    "token_of_row, prob_of_row, dprob_partials only 4-aligned",
+                    |p| {
+                        p.token_of_row = fake(0x6_0004) as *const i32;
+                        p.prob_of_row = fake(0x7_0004) as *const f32;
+                        p.dprob_partials = fake(0x8_0004) as *mut f32;
+                    },
+                    PAST_POINTER_CHECKS,
+                ),
+            ],
+        );
     }
 }
 

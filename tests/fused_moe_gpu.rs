@@ -25,7 +25,9 @@ use capturable_moe::moe::{FusedKernel, MoeConfig, MoeExperts, MoeOptions, Weight
 use capturable_moe::routing::Tokens;
 use capturable_moe::Error;
 use common::expert_io::{layer_config, ExpertIo as Io, Step};
-use common::moe::{assert_bits, assert_close, assert_written_bf16, assert_written_f32, bf, f64s, reference, Dims};
+use common::moe::{
+    assert_bits, assert_close, assert_written_bf16, assert_written_f32, bf, f64s, reference, Dims, Reference,
+};
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -85,6 +87,13 @@ fn weights(seed: u64) -> (Vec<bf16>, Vec<bf16>) {
     )
 }
 
+/// The fp64 reference of step `s`: ids out of range are dropped by the GPU and ignored by
+/// the reference alike.
+fn reference_of(s: &Step, w1: &[bf16], w2: &[bf16]) -> Reference {
+    let ids: Vec<i32> = s.ids.iter().map(|&e| if (0..E as i32).contains(&e) { e } else { -1 }).collect();
+    reference(DIMS, s.t, &ids, &s.probs, &s.x, &s.dy, w1, w2)
+}
+
 #[test]
 fn fused_moe_equals_unfused_bitwise_and_the_fp64_reference() {
     let stream = gpu_of_arch_or_skip!("the fused fc1", Arch::Sm90, Arch::Sm100);
@@ -110,9 +119,7 @@ fn fused_moe_equals_unfused_bitwise_and_the_fp64_reference() {
             assert_written_bf16(&format!("{what}: y"), &y, s.t * H);
             assert_written_f32(&format!("{what}: dprobs"), &stream.clone_dtoh(&fio.dprobs).unwrap(), s.t * K);
             if capacity.is_none() {
-                // Ids out of range are dropped by the GPU and ignored by the reference alike.
-                let ids: Vec<i32> = s.ids.iter().map(|&e| if (0..E as i32).contains(&e) { e } else { -1 }).collect();
-                let r = reference(DIMS, s.t, &ids, &s.probs, &s.x, &s.dy, &w1, &w2);
+                let r = reference_of(&s, &w1, &w2);
                 assert_close(&format!("{what}: y vs fp64"), &f64s(&y[..s.t * H]), &r.y[..s.t * H], 2e-2);
                 let dx = stream.clone_dtoh(&fio.dx).unwrap();
                 assert_close(&format!("{what}: dx vs fp64"), &f64s(&dx[..s.t * H]), &r.dx[..s.t * H], 2e-2);
@@ -192,49 +199,8 @@ fn fused_moe_plan_choices() {
 /// for bit (y poisoned first: rows past T stay the poison in both).
 #[test]
 fn fused_moe_f16_equals_unfused() {
-    use half::f16;
-    let stream = gpu_of_arch_or_skip!("the fused fc1", Arch::Sm90, Arch::Sm100);
-    let cfg = MoeConfig { dtype: DType::F16, ..config(None) };
-    let mk = |fc1| {
-        MoeExperts::<f16>::with_options(cfg.clone(), MoeOptions { fc1, ..MoeOptions::default() }, &stream).unwrap()
-    };
-    let (mut fused, mut unfused) = (mk(FusedKernel::Fused), mk(FusedKernel::Unfused));
-    assert!(fused.fc1_is_fused() && !unfused.fc1_is_fused());
-    let mut rng = StdRng::seed_from_u64(7);
-    let h16 = |n: usize, s: f32, rng: &mut StdRng| -> Vec<f16> {
-        (0..n).map(|_| f16::from_f32(rng.random_range(-s..s))).collect()
-    };
-    let w1 = stream.clone_htod(&h16(E * 2 * F * H, 1.0 / (H as f32).sqrt(), &mut rng)).unwrap();
-    let w2 = stream.clone_htod(&h16(E * H * F, 1.0 / (F as f32).sqrt(), &mut rng)).unwrap();
-    let poison = vec![f16::from_bits(0x7E01); T_MAX * H];
-    for i in 0..6 {
-        let s = step(&mut rng, i);
-        let x = stream.clone_htod(&h16(T_MAX * H, 1.0, &mut rng)).unwrap();
-        let dy = stream.clone_htod(&h16(T_MAX * H, 1.0, &mut rng)).unwrap();
-        let ids = stream.clone_htod(&s.ids).unwrap();
-        let probs = stream.clone_htod(&s.probs).unwrap();
-        let tokens = Tokens::Host(s.t);
-        let mut outs = Vec::new();
-        for moe in [&mut fused, &mut unfused] {
-            let mut y = stream.clone_htod(&poison).unwrap();
-            let mut dx = stream.clone_htod(&poison).unwrap();
-            let mut dprobs = stream.alloc_zeros::<f32>(T_MAX * K).unwrap();
-            let mut dw1 = stream.alloc_zeros::<f16>(E * 2 * F * H).unwrap();
-            let mut dw2 = stream.alloc_zeros::<f16>(E * H * F).unwrap();
-            moe.forward(&stream, &x, &ids, &probs, tokens, &w1, &w2, &mut y).unwrap();
-            moe.backward(&stream, &x, &dy, &probs, tokens, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2).unwrap();
-            let mut bits: Vec<u16> = Vec::new();
-            for v in [&y, &dx, &dw1, &dw2] {
-                bits.extend(stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()));
-            }
-            let y_host = stream.clone_dtoh(&y).unwrap();
-            assert!(y_host[..s.t * H].iter().all(|v| v.is_finite()), "step {i}: y rows < T written and finite");
-            assert!(y_host[s.t * H..].iter().all(|v| v.to_bits() == 0x7E01), "step {i}: y rows >= T untouched");
-            outs.push((bits, stream.clone_dtoh(&dprobs).unwrap().iter().map(|f| f.to_bits()).collect::<Vec<u32>>()));
-        }
-        assert_bits(&format!("f16 step {i} (T={}): y, dx, dw1, dw2", s.t), &outs[0].0, &outs[1].0);
-        assert_bits(&format!("f16 step {i} (T={}): dprobs", s.t), &outs[0].1, &outs[1].1);
-    }
+    let opts = MoeOptions { fc1: FusedKernel::Fused, ..MoeOptions::default() };
+    f16_matches_unfused(opts, Match::Bits, Match::Bits, &[Arch::Sm90, Arch::Sm100], 7);
 }
 
 // ---- the fused fc2 dgrad + SwiGLU backward ----
@@ -272,6 +238,59 @@ fn backward_outputs(what: &str, stream: &Arc<CudaStream>, io: &Io, t: usize) -> 
     [f64s(&dx[..t * H]), dprobs[..t * K].iter().map(|&v| v as f64).collect(), f64s(&dw1), f64s(&dw2)]
 }
 
+/// `plan` against an unfused plan of the same capacity over 12 steps of fresh routing (seeded
+/// by `seed`): y written on its T rows (the poison past them), bit for bit or within tolerance
+/// of the unfused y as `y` says; dx, dprobs, dW1 and dW2 written and within tolerance of the
+/// unfused backward, their bitwise agreement reported; without a capacity, y, dx, dprobs, dW1
+/// and dW2 against the fp64 reference.
+fn assert_matches_unfused_and_fp64(
+    stream: &Arc<CudaStream>,
+    label: &str,
+    plan: &mut MoeExperts<bf16>,
+    capacity: Option<usize>,
+    y: Match,
+    (w1, w2): (&[bf16], &[bf16]),
+    seed: u64,
+) {
+    let mut unfused = plan_with(stream, capacity, FusedKernel::Unfused, FusedKernel::Unfused);
+    let (mut pio, mut uio) = (layer_io(stream, w1, w2), layer_io(stream, w1, w2));
+    let mut rng = StdRng::seed_from_u64(seed);
+    for i in 0..12 {
+        let s = step(&mut rng, i);
+        let what = format!("{label}, step {i} (T={})", s.t);
+        pio.load(stream, &s);
+        uio.load(stream, &s);
+        pio.step(plan, stream).unwrap();
+        uio.step(&mut unfused, stream).unwrap();
+        let (py, uy) = (stream.clone_dtoh(&pio.y).unwrap(), stream.clone_dtoh(&uio.y).unwrap());
+        assert_written_bf16(&format!("{what}: y"), &py, s.t * H);
+        match y {
+            Match::Bits => {
+                let bits = |v: &[bf16]| v.iter().map(|b| b.to_bits()).collect::<Vec<_>>();
+                assert_bits(&format!("{what}: y vs the unfused plan"), &bits(&py), &bits(&uy));
+            }
+            Match::Close => {
+                let (py, uy) = (f64s(&py[..s.t * H]), f64s(&uy[..s.t * H]));
+                assert_close(&format!("{what}: y vs the unfused plan"), &py, &uy, 1e-2);
+            }
+        }
+        let got = backward_outputs(&format!("{what}: {label}"), stream, &pio, s.t);
+        let want = backward_outputs(&format!("{what}: unfused"), stream, &uio, s.t);
+        for (j, name) in ["dx", "dprobs", "dw1", "dw2"].into_iter().enumerate() {
+            assert_close(&format!("{what}: {name} vs the unfused plan"), &got[j], &want[j], 1e-2);
+        }
+        report_bits(&what, &pio.bits(stream), &uio.bits(stream));
+        if capacity.is_none() {
+            let r = reference_of(&s, w1, w2);
+            assert_close(&format!("{what}: y vs fp64"), &f64s(&py[..s.t * H]), &r.y[..s.t * H], 2e-2);
+            let fp64 = [&r.dx[..s.t * H], &r.dprobs[..s.t * K], &r.dw1, &r.dw2];
+            for (j, name) in ["dx", "dprobs", "dw1", "dw2"].into_iter().enumerate() {
+                assert_close(&format!("{what}: {name} vs fp64"), &got[j], fp64[j], 2e-2);
+            }
+        }
+    }
+}
+
 #[test]
 fn fused_moe_swiglu_dgrad_matches_unfused_and_the_fp64_reference() {
     let stream = gpu_of_arch_or_skip!("the fused fc1 and fc2 dgrad", Arch::Sm90, Arch::Sm100);
@@ -282,41 +301,10 @@ fn fused_moe_swiglu_dgrad_matches_unfused_and_the_fp64_reference() {
         (FusedKernel::Fused, None),
         (FusedKernel::Fused, Some(150)),
     ] {
+        // The forward does not change: y bit for bit.
         let mut fused = plan_with(&stream, capacity, fc1, FusedKernel::Fused);
-        let mut unfused = plan_with(&stream, capacity, FusedKernel::Unfused, FusedKernel::Unfused);
-        let (mut fio, mut uio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
-        let mut rng = StdRng::seed_from_u64(12);
-        for i in 0..12 {
-            let s = step(&mut rng, i);
-            let what = format!("fc1 {fc1:?}, capacity {capacity:?}, step {i} (T={})", s.t);
-            fio.load(&stream, &s);
-            uio.load(&stream, &s);
-            fio.step(&mut fused, &stream).unwrap();
-            uio.step(&mut unfused, &stream).unwrap();
-            // The forward does not change.
-            let (fy, uy) = (stream.clone_dtoh(&fio.y).unwrap(), stream.clone_dtoh(&uio.y).unwrap());
-            let bits = |v: &[bf16]| v.iter().map(|b| b.to_bits()).collect::<Vec<_>>();
-            assert_bits(&format!("{what}: y fused-backward plan vs unfused"), &bits(&fy), &bits(&uy));
-            let got = backward_outputs(&format!("{what}: fused"), &stream, &fio, s.t);
-            let want = backward_outputs(&format!("{what}: unfused"), &stream, &uio, s.t);
-            for (name, g, w) in [
-                ("dx", &got[0], &want[0]),
-                ("dprobs", &got[1], &want[1]),
-                ("dw1", &got[2], &want[2]),
-                ("dw2", &got[3], &want[3]),
-            ] {
-                assert_close(&format!("{what}: {name} vs the unfused backward"), g, w, 1e-2);
-            }
-            report_bits(&what, &fio.bits(&stream), &uio.bits(&stream));
-            if capacity.is_none() {
-                let ids: Vec<i32> = s.ids.iter().map(|&e| if (0..E as i32).contains(&e) { e } else { -1 }).collect();
-                let r = reference(DIMS, s.t, &ids, &s.probs, &s.x, &s.dy, &w1, &w2);
-                assert_close(&format!("{what}: dx vs fp64"), &got[0], &r.dx[..s.t * H], 2e-2);
-                assert_close(&format!("{what}: dprobs vs fp64"), &got[1], &r.dprobs[..s.t * K], 2e-2);
-                assert_close(&format!("{what}: dw1 vs fp64"), &got[2], &r.dw1, 2e-2);
-                assert_close(&format!("{what}: dw2 vs fp64"), &got[3], &r.dw2, 2e-2);
-            }
-        }
+        let label = format!("fc1 {fc1:?}, capacity {capacity:?}");
+        assert_matches_unfused_and_fp64(&stream, &label, &mut fused, capacity, Match::Bits, (&w1, &w2), 12);
     }
 }
 
@@ -377,21 +365,24 @@ fn fused_moe_swiglu_dgrad_plan_choices() {
 #[test]
 fn fused_moe_swiglu_dgrad_f16_matches_unfused() {
     let opts = MoeOptions { swiglu_dgrad: FusedKernel::Fused, ..MoeOptions::default() };
-    f16_matches_unfused(opts, YBits::Equal, &[Arch::Sm90, Arch::Sm100], 15);
+    f16_matches_unfused(opts, Match::Bits, Match::Close, &[Arch::Sm90, Arch::Sm100], 15);
 }
 
-/// Whether a fused f16 plan's forward keeps the unfused y bits.
-#[derive(Clone, Copy, PartialEq)]
-enum YBits {
-    Equal,
-    /// Within tolerance (the probability moved into fc1 changes the rounding).
+/// How an output of a fused plan compares with the unfused plan's.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Match {
+    /// Bit for bit, every element.
+    Bits,
+    /// Normwise within tolerance on the written elements (the fused kernels' sum order or
+    /// rounding differs).
     Close,
 }
 
 /// A plan with `opts` against the unfused plan in f16, forward and backward over 6 steps: y
-/// bitwise or within tolerance as `y_bits` says, dx / dprobs / dW1 / dW2 within tolerance, dx
-/// written on its T rows and the poison past them.
-fn f16_matches_unfused(opts: MoeOptions, y_bits: YBits, archs: &[Arch], seed: u64) {
+/// and the backward outputs (dx, dprobs, dW1, dW2) bit for bit or within tolerance as `y` and
+/// `backward` say; in both plans y and dx written and finite on their T rows, the poison past
+/// them.
+fn f16_matches_unfused(opts: MoeOptions, y: Match, backward: Match, archs: &[Arch], seed: u64) {
     use half::f16;
     let stream = gpu_or_skip!();
     if !common::device_is(&stream, archs, "the plan's fused kernels") {
@@ -399,7 +390,14 @@ fn f16_matches_unfused(opts: MoeOptions, y_bits: YBits, archs: &[Arch], seed: u6
     }
     let cfg = MoeConfig { dtype: DType::F16, ..config(None) };
     let mut fused = MoeExperts::<f16>::with_options(cfg.clone(), opts, &stream).unwrap();
-    let unfused_opts = MoeOptions { gemm_config: opts.gemm_config, ..MoeOptions::default() };
+    assert!(opts.fc1 != FusedKernel::Fused || fused.fc1_is_fused(), "{opts:?}: fc1");
+    assert!(opts.swiglu_dgrad != FusedKernel::Fused || fused.swiglu_dgrad_is_fused(), "{opts:?}: swiglu_dgrad");
+    let unfused_opts = MoeOptions {
+        fc1: FusedKernel::Unfused,
+        swiglu_dgrad: FusedKernel::Unfused,
+        gemm_config: opts.gemm_config,
+        ..MoeOptions::default()
+    };
     let mut unfused = MoeExperts::<f16>::with_options(cfg, unfused_opts, &stream).unwrap();
     assert!(!unfused.swiglu_dgrad_is_fused() && !unfused.fc1_is_fused());
     let mut rng = StdRng::seed_from_u64(seed);
@@ -410,6 +408,7 @@ fn f16_matches_unfused(opts: MoeOptions, y_bits: YBits, archs: &[Arch], seed: u6
     let w2 = stream.clone_htod(&h16(E * H * F, 1.0 / (F as f32).sqrt(), &mut rng)).unwrap();
     let poison = vec![f16::from_bits(0x7E01); T_MAX * H];
     let to_f64 = |v: &[f16]| v.iter().map(|x| x.to_f64()).collect::<Vec<f64>>();
+    let bits = |v: &[f16]| v.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
     for i in 0..6 {
         let s = step(&mut rng, i);
         let x = stream.clone_htod(&h16(T_MAX * H, 1.0, &mut rng)).unwrap();
@@ -417,8 +416,9 @@ fn f16_matches_unfused(opts: MoeOptions, y_bits: YBits, archs: &[Arch], seed: u6
         let ids = stream.clone_htod(&s.ids).unwrap();
         let probs = stream.clone_htod(&s.probs).unwrap();
         let tokens = Tokens::Host(s.t);
+        let what = format!("f16 {opts:?} step {i} (T={})", s.t);
         let mut outs = Vec::new();
-        for moe in [&mut fused, &mut unfused] {
+        for (plan, moe) in [("fused", &mut fused), ("unfused", &mut unfused)] {
             let mut y = stream.clone_htod(&poison).unwrap();
             let mut dx = stream.clone_htod(&poison).unwrap();
             let mut dprobs = stream.alloc_zeros::<f32>(T_MAX * K).unwrap();
@@ -427,32 +427,46 @@ fn f16_matches_unfused(opts: MoeOptions, y_bits: YBits, archs: &[Arch], seed: u6
             moe.forward(&stream, &x, &ids, &probs, tokens, &w1, &w2, &mut y).unwrap();
             moe.backward(&stream, &x, &dy, &probs, tokens, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2).unwrap();
             let (y, dx) = (stream.clone_dtoh(&y).unwrap(), stream.clone_dtoh(&dx).unwrap());
-            assert!(dx[..s.t * H].iter().all(|v| v.is_finite()), "step {i}: dx rows < T written and finite");
-            assert!(dx[s.t * H..].iter().all(|v| v.to_bits() == 0x7E01), "step {i}: dx rows >= T untouched");
-            assert!(y[s.t * H..].iter().all(|v| v.to_bits() == 0x7E01), "step {i}: y rows >= T untouched");
-            let dprobs = stream.clone_dtoh(&dprobs).unwrap();
-            outs.push((
-                y,
-                [
-                    to_f64(&dx[..s.t * H]),
-                    dprobs[..s.t * K].iter().map(|&v| v as f64).collect(),
-                    to_f64(&stream.clone_dtoh(&dw1).unwrap()),
-                    to_f64(&stream.clone_dtoh(&dw2).unwrap()),
-                ],
-            ));
+            for (name, v) in [("y", &y), ("dx", &dx)] {
+                assert!(
+                    v[..s.t * H].iter().all(|v| v.is_finite()),
+                    "{what}: {plan} {name} rows < T written and finite"
+                );
+                assert!(
+                    v[s.t * H..].iter().all(|v| v.to_bits() == 0x7E01),
+                    "{what}: {plan} {name} rows >= T untouched"
+                );
+            }
+            let (dw1, dw2) = (stream.clone_dtoh(&dw1).unwrap(), stream.clone_dtoh(&dw2).unwrap());
+            outs.push((y, dx, stream.clone_dtoh(&dprobs).unwrap(), dw1, dw2));
         }
-        let what = format!("f16 {opts:?} step {i} (T={})", s.t);
-        let bits = |v: &[f16]| v.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
-        match y_bits {
-            YBits::Equal => assert_bits(&format!("{what}: y"), &bits(&outs[0].0), &bits(&outs[1].0)),
-            YBits::Close => {
-                let (fy, uy) = (to_f64(&outs[0].0[..s.t * H]), to_f64(&outs[1].0[..s.t * H]));
-                assert!(fy.iter().all(|v| v.is_finite()), "{what}: y rows < T written and finite");
-                assert_close(&format!("{what}: y vs the unfused forward"), &fy, &uy, 1e-2);
+        let ((fy, fdx, fdp, fdw1, fdw2), (uy, udx, udp, udw1, udw2)) = (&outs[0], &outs[1]);
+        let n = s.t * H;
+        match y {
+            Match::Bits => assert_bits(&format!("{what}: y"), &bits(fy), &bits(uy)),
+            Match::Close => {
+                assert_close(&format!("{what}: y vs the unfused forward"), &to_f64(&fy[..n]), &to_f64(&uy[..n]), 1e-2)
             }
         }
-        for (j, name) in ["dx", "dprobs", "dw1", "dw2"].iter().enumerate() {
-            assert_close(&format!("{what}: {name} vs the unfused backward"), &outs[0].1[j], &outs[1].1[j], 1e-2);
+        match backward {
+            Match::Bits => {
+                for (name, f, u) in [("dx", fdx, udx), ("dw1", fdw1, udw1), ("dw2", fdw2, udw2)] {
+                    assert_bits(&format!("{what}: {name}"), &bits(f), &bits(u));
+                }
+                let fbits = |v: &[f32]| v.iter().map(|b| b.to_bits()).collect::<Vec<u32>>();
+                assert_bits(&format!("{what}: dprobs"), &fbits(fdp), &fbits(udp));
+            }
+            Match::Close => {
+                let dprobs = |v: &[f32]| v[..s.t * K].iter().map(|&v| v as f64).collect::<Vec<f64>>();
+                for (name, f, u) in [
+                    ("dx", to_f64(&fdx[..n]), to_f64(&udx[..n])),
+                    ("dprobs", dprobs(fdp), dprobs(udp)),
+                    ("dw1", to_f64(fdw1), to_f64(udw1)),
+                    ("dw2", to_f64(fdw2), to_f64(udw2)),
+                ] {
+                    assert_close(&format!("{what}: {name} vs the unfused backward"), &f, &u, 1e-2);
+                }
+            }
         }
     }
 }
@@ -504,11 +518,20 @@ fn fused_moe_gathered_fc1_wgrad_matches_unfused_and_the_fp64_reference() {
                 dw1_bits.0.len()
             );
             if capacity.is_none() {
-                let ids: Vec<i32> = s.ids.iter().map(|&e| if (0..E as i32).contains(&e) { e } else { -1 }).collect();
-                let r = reference(DIMS, s.t, &ids, &s.probs, &s.x, &s.dy, &w1, &w2);
+                let r = reference_of(&s, &w1, &w2);
                 assert_close(&format!("{what}: dw1 vs fp64"), &got[2], &r.dw1, 2e-2);
             }
         }
+    }
+}
+
+/// Every fused kernel: fc1, fc2 dgrad + SwiGLU backward, gathered fc1 wgrad.
+fn every_fused_kernel() -> MoeOptions {
+    MoeOptions {
+        fc1: FusedKernel::Fused,
+        swiglu_dgrad: FusedKernel::Fused,
+        fc1_wgrad: FusedKernel::Fused,
+        ..MoeOptions::default()
     }
 }
 
@@ -517,13 +540,7 @@ fn fused_moe_gathered_fc1_wgrad_matches_unfused_and_the_fp64_reference() {
 #[test]
 fn fused_moe_every_fused_kernel_graph_replays_equal_eager() {
     let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
-    let opts = MoeOptions {
-        fc1: FusedKernel::Fused,
-        swiglu_dgrad: FusedKernel::Fused,
-        fc1_wgrad: FusedKernel::Fused,
-        ..MoeOptions::default()
-    };
-    assert_replays_equal_eager(&stream, opts, 17);
+    assert_replays_equal_eager(&stream, every_fused_kernel(), 17);
 }
 
 #[test]
@@ -563,13 +580,7 @@ fn fused_moe_gathered_fc1_wgrad_plan_choices() {
 /// Every fused kernel with the probability applied in fc1's epilogue; fc1's wgrad gathered
 /// or not.
 fn plan_prob_in_fc1(stream: &Arc<CudaStream>, capacity: Option<usize>, fc1_wgrad: FusedKernel) -> MoeExperts<bf16> {
-    let opts = MoeOptions {
-        fc1: FusedKernel::Fused,
-        swiglu_dgrad: FusedKernel::Fused,
-        fc1_wgrad,
-        prob_in_fc1: FusedKernel::Fused,
-        ..MoeOptions::default()
-    };
+    let opts = MoeOptions { fc1_wgrad, prob_in_fc1: FusedKernel::Fused, ..every_fused_kernel() };
     let moe = MoeExperts::<bf16>::with_options(config(capacity), opts, stream).unwrap();
     assert!(moe.prob_is_in_fc1());
     moe
@@ -586,40 +597,8 @@ fn fused_moe_prob_in_fc1_matches_unfused_and_the_fp64_reference() {
         [(FusedKernel::Unfused, None), (FusedKernel::Fused, None), (FusedKernel::Fused, Some(150))]
     {
         let mut weighted = plan_prob_in_fc1(&stream, capacity, fc1_wgrad);
-        let mut unfused = plan_with(&stream, capacity, FusedKernel::Unfused, FusedKernel::Unfused);
-        let (mut wio, mut uio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
-        let mut rng = StdRng::seed_from_u64(22);
-        for i in 0..12 {
-            let s = step(&mut rng, i);
-            let what = format!("fc1_wgrad {fc1_wgrad:?}, capacity {capacity:?}, step {i} (T={})", s.t);
-            wio.load(&stream, &s);
-            uio.load(&stream, &s);
-            wio.step(&mut weighted, &stream).unwrap();
-            uio.step(&mut unfused, &stream).unwrap();
-            let (wy, uy) = (stream.clone_dtoh(&wio.y).unwrap(), stream.clone_dtoh(&uio.y).unwrap());
-            assert_written_bf16(&format!("{what}: y"), &wy, s.t * H);
-            assert_close(&format!("{what}: y vs the unfused plan"), &f64s(&wy[..s.t * H]), &f64s(&uy[..s.t * H]), 1e-2);
-            let got = backward_outputs(&format!("{what}: prob in fc1"), &stream, &wio, s.t);
-            let want = backward_outputs(&format!("{what}: unfused"), &stream, &uio, s.t);
-            for (name, g, w) in [
-                ("dx", &got[0], &want[0]),
-                ("dprobs", &got[1], &want[1]),
-                ("dw1", &got[2], &want[2]),
-                ("dw2", &got[3], &want[3]),
-            ] {
-                assert_close(&format!("{what}: {name} vs the unfused plan"), g, w, 1e-2);
-            }
-            report_bits(&what, &wio.bits(&stream), &uio.bits(&stream));
-            if capacity.is_none() {
-                let ids: Vec<i32> = s.ids.iter().map(|&e| if (0..E as i32).contains(&e) { e } else { -1 }).collect();
-                let r = reference(DIMS, s.t, &ids, &s.probs, &s.x, &s.dy, &w1, &w2);
-                assert_close(&format!("{what}: y vs fp64"), &f64s(&wy[..s.t * H]), &r.y[..s.t * H], 2e-2);
-                assert_close(&format!("{what}: dx vs fp64"), &got[0], &r.dx[..s.t * H], 2e-2);
-                assert_close(&format!("{what}: dprobs vs fp64"), &got[1], &r.dprobs[..s.t * K], 2e-2);
-                assert_close(&format!("{what}: dw1 vs fp64"), &got[2], &r.dw1, 2e-2);
-                assert_close(&format!("{what}: dw2 vs fp64"), &got[3], &r.dw2, 2e-2);
-            }
-        }
+        let label = format!("fc1_wgrad {fc1_wgrad:?}, capacity {capacity:?}");
+        assert_matches_unfused_and_fp64(&stream, &label, &mut weighted, capacity, Match::Close, (&w1, &w2), 22);
     }
 }
 
@@ -654,27 +633,15 @@ fn fused_moe_prob_in_fc1_forward_only_equals_training_forward() {
 #[test]
 fn fused_moe_prob_in_fc1_graph_replays_equal_eager() {
     let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
-    let opts = MoeOptions {
-        fc1: FusedKernel::Fused,
-        swiglu_dgrad: FusedKernel::Fused,
-        fc1_wgrad: FusedKernel::Fused,
-        prob_in_fc1: FusedKernel::Fused,
-        ..MoeOptions::default()
-    };
+    let opts = MoeOptions { prob_in_fc1: FusedKernel::Fused, ..every_fused_kernel() };
     assert_replays_equal_eager(&stream, opts, 25);
 }
 
 /// The probability in fc1 on f16 plans, against the unfused plan.
 #[test]
 fn fused_moe_prob_in_fc1_f16_matches_unfused() {
-    let opts = MoeOptions {
-        fc1: FusedKernel::Fused,
-        swiglu_dgrad: FusedKernel::Fused,
-        fc1_wgrad: FusedKernel::Fused,
-        prob_in_fc1: FusedKernel::Fused,
-        ..MoeOptions::default()
-    };
-    f16_matches_unfused(opts, YBits::Close, &[Arch::Sm90, Arch::Sm100], 27);
+    let opts = MoeOptions { prob_in_fc1: FusedKernel::Fused, ..every_fused_kernel() };
+    f16_matches_unfused(opts, Match::Close, Match::Close, &[Arch::Sm90, Arch::Sm100], 27);
 }
 
 #[test]

@@ -4,6 +4,7 @@
 pub mod echo_moe;
 pub mod emulation;
 pub mod expert_io;
+pub mod fused;
 pub mod gemm;
 pub mod layout;
 pub mod moe;
