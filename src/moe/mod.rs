@@ -297,6 +297,23 @@ fn ensure_tokens_context(op: &'static str, stream: &CudaStream, tokens: Tokens<'
     }
 }
 
+/// The contexts every forward form shares (its routing inputs are checked by the caller).
+fn ensure_forward_contexts<T, W>(
+    op: &'static str,
+    stream: &CudaStream,
+    x: &impl DevicePtr<T>,
+    tokens: Tokens<'_>,
+    fc1_weight: &impl DevicePtr<W>,
+    fc2_weight: &impl DevicePtr<W>,
+    y: &impl DevicePtrMut<T>,
+) -> Result<()> {
+    ensure_same_context(op, "x", stream, x)?;
+    ensure_tokens_context(op, stream, tokens)?;
+    ensure_same_context(op, "fc1_weight", stream, fc1_weight)?;
+    ensure_same_context(op, "fc2_weight", stream, fc2_weight)?;
+    ensure_same_context(op, "y", stream, y)
+}
+
 /// The context of every caller buffer of a backward call, before its first launch.
 #[allow(clippy::too_many_arguments)]
 fn ensure_backward_contexts<T, P, W, G>(
@@ -486,13 +503,9 @@ impl<T: MoeElement> MoeExperts<T> {
         self.check_forward::<P, W>(OP, x.len(), probs.len(), fc1_weight.len(), fc2_weight.len(), y.len())?;
         // Every context before the first launch (the launchers check again, too late to
         // leave nothing half-done).
-        ensure_same_context(OP, "x", stream, x)?;
         ensure_same_context(OP, "expert_ids", stream, expert_ids)?;
         ensure_same_context(OP, "probs", stream, probs)?;
-        ensure_tokens_context(OP, stream, tokens)?;
-        ensure_same_context(OP, "fc1_weight", stream, fc1_weight)?;
-        ensure_same_context(OP, "fc2_weight", stream, fc2_weight)?;
-        ensure_same_context(OP, "y", stream, y)?;
+        ensure_forward_contexts(OP, stream, x, tokens, fc1_weight, fc2_weight, y)?;
         self.path.forward(
             stream,
             &mut self.maps,
@@ -589,13 +602,9 @@ impl<T: MoeElement> MoeExperts<T> {
         ensure_len(OP, "map_probs [T_max, E]", map_probs.len(), map_len, "")?;
         let routes = self.path.routing.routes_len();
         self.check_forward::<P, W>(OP, x.len(), routes, fc1_weight.len(), fc2_weight.len(), y.len())?;
-        ensure_same_context(OP, "x", stream, x)?;
         ensure_same_context(OP, "routing_map", stream, routing_map)?;
         ensure_same_context(OP, "map_probs", stream, map_probs)?;
-        ensure_tokens_context(OP, stream, tokens)?;
-        ensure_same_context(OP, "fc1_weight", stream, fc1_weight)?;
-        ensure_same_context(OP, "fc2_weight", stream, fc2_weight)?;
-        ensure_same_context(OP, "y", stream, y)?;
+        ensure_forward_contexts(OP, stream, x, tokens, fc1_weight, fc2_weight, y)?;
         let mr = &mut self.map_routes;
         {
             // SAFETY: every prob dtype (bf16, f16, f32) is at most 4 bytes and valid as any
