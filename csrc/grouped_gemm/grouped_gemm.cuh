@@ -5,10 +5,11 @@
 //   1. write_arguments (one block) turns m_splits into clamped 64-bit row offsets and writes
 //      CUTLASS's per-group problem sizes, A/B/C/D pointers and strides into the workspace;
 //   2. the CUTLASS pointer-array grouped GEMM runs with host problem shapes = nullptr, so its
-//      persistent tile scheduler reads the sizes on the device. On SM90 it is a programmatic
-//      dependent launch of step 1 (sm90::Traits::launch): its CTAs become resident while the
-//      argument kernel runs and wait for it before reading anything, so the few microseconds
-//      of that serial one-block kernel overlap the GEMM's launch instead of preceding it;
+//      persistent tile scheduler reads the sizes on the device. It is a programmatic dependent
+//      launch of step 1 on both archs (grouped_gemm/dependent_launch.cuh): its CTAs become
+//      resident while the argument kernel runs and wait for it before reading anything, so the
+//      few microseconds of that serial one-block kernel overlap the GEMM's launch instead of
+//      preceding it;
 //   3. (WGRAD, plain mode only) zero_empty_experts writes dW_e = 0 for experts with no rows.
 // Every step is an asynchronous launch on the caller's stream: no allocation, no host sync.
 #pragma once

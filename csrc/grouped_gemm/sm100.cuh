@@ -1,6 +1,7 @@
 // SM100 (Blackwell datacenter) kernel types for the grouped GEMM: CUTLASS pointer-array
 // tcgen05 kernels, 1-SM and 2-SM (an SM pair shares one 256-row MMA), with a runtime cluster
-// shape and a fallback. Compiled for sm_100a. NOTE: no Blackwell GPU was available to this
+// shape and a fallback, launched (like SM90's) as a programmatic dependent launch of the argument
+// kernel. Compiled for sm_100a. NOTE: no Blackwell GPU was available to this
 // project; these kernels are compiled in CI but have never been run.
 #pragma once
 
@@ -9,6 +10,7 @@
 #include "cutlass/epilogue/fusion/operations.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "grouped_gemm/dependent_launch.cuh"
 #include "grouped_gemm/grouped_gemm.cuh"
 
 namespace capmoe::gg::sm100 {
@@ -58,16 +60,19 @@ struct Traits {
     return info;
   }
 
-  // CUTLASS's own sequence: initialize (workspace, params, the shared-memory attribute of the
-  // kernel it launches), then run.
-  // NOTE: a plain launch, not a programmatic dependent one. CUTLASS 4.2's SM100 array kernel
-  // (with CUTLASS_ENABLE_GDC_FOR_SM100) reads its first work tile and that group's problem
-  // shape before it waits on the previous grid, and those are exactly what the argument
-  // kernel writes, so an early start would race with it.
+  // A programmatic dependent launch of the argument kernel (grouped_gemm/dependent_launch.cuh)
+  // through CUTLASS's own cluster launcher: the preferred cluster shape, with the fallback
+  // where the GPU cannot place it.
   static capmoe_status_t launch(const typename Gemm::Arguments& args, void* workspace, cudaStream_t stream) {
-    Gemm gemm;
-    if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess) return CAPMOE_ERR_CUTLASS;
-    return gemm.run(stream) == cutlass::Status::kSuccess ? CAPMOE_OK : CAPMOE_ERR_CUTLASS;
+    using Kernel = typename Gemm::GemmKernel;
+    typename Kernel::Params params;
+    CAPMOE_TRY(prepare_dependent_launch<Gemm>(args, workspace, stream, &params));
+    void* kernel_params[] = {&params};
+    const cutlass::Status status = cutlass::ClusterLauncher::launch_with_fallback_cluster(
+        Kernel::get_grid_shape(params), Config::kCluster, Config::kClusterFallback, Kernel::get_block_shape(),
+        Kernel::SharedStorageSize, stream, reinterpret_cast<const void*>(&dependent_gemm_kernel<Kernel>),
+        kernel_params, /*launch_with_pdl=*/true);
+    return status == cutlass::Status::kSuccess ? CAPMOE_OK : CAPMOE_ERR_CUTLASS;
   }
 };
 

@@ -10,7 +10,7 @@
 #include "cutlass/epilogue/fusion/operations.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "common/device_primitives.cuh"
+#include "grouped_gemm/dependent_launch.cuh"
 #include "grouped_gemm/grouped_gemm.cuh"
 
 namespace capmoe::gg::sm90 {
@@ -71,41 +71,15 @@ struct Traits {
   static capmoe_status_t launch(const typename Gemm::Arguments& args, void* workspace, cudaStream_t stream);
 };
 
-// CUTLASS's SM90 pointer-array kernels never wait on a programmatic dependency, so they cannot
-// be launched as one. This entry waits first, then runs the kernel unchanged: the grid becomes
-// resident (and its CTAs get their shared memory) while the argument kernel still runs, and
-// reads nothing (problem sizes, pointers, operands) before that kernel has finished and flushed.
-template <class Kernel>
-__global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksPerMultiprocessor)
-    dependent_gemm_kernel(CUTLASS_GRID_CONSTANT typename Kernel::Params const params) {
-  extern __shared__ char smem[];
-  capmoe::grid_dependency_wait();
-  Kernel op;
-  op(params, smem);
-}
-
-// Initializes CUTLASS's workspace and kernel parameters for `args` and launches the kernel as a
-// programmatic dependent launch of the previous kernel on `stream` (the argument kernel), with
-// the config's static cluster shape.
-// NOTE: GemmUniversalAdapter::initialize (CUTLASS 4.2, no CUDA host adapter) is exactly
-// Kernel::initialize_workspace + Kernel::to_underlying_arguments + a cudaFuncSetAttribute of the
-// dynamic shared memory of CUTLASS's own entry `device_kernel<Kernel>`. That entry is never
-// launched here (dependent_gemm_kernel is), so the first two are called directly and the third
-// is made for dependent_gemm_kernel instead; `device_kernel<Kernel>` is then not referenced, and
-// not compiled, at all.
+// Launches the kernel for `args` as a programmatic dependent launch of the previous kernel on
+// `stream` (the argument kernel; see grouped_gemm/dependent_launch.cuh), with the config's
+// static cluster shape.
 template <class ElementIn, class LayoutA, class LayoutB, class ElementC, class ElementD, class Config>
 capmoe_status_t Traits<ElementIn, LayoutA, LayoutB, ElementC, ElementD, Config>::launch(
     const typename Gemm::Arguments& args, void* workspace, cudaStream_t stream) {
   using Kernel = typename Gemm::GemmKernel;
-  if (Kernel::initialize_workspace(args, workspace, stream, nullptr) != cutlass::Status::kSuccess) {
-    return CAPMOE_ERR_CUTLASS;
-  }
-  const typename Kernel::Params params = Kernel::to_underlying_arguments(args, workspace);
-  constexpr int kSmemBytes = Kernel::SharedStorageSize;
-  auto* kernel = &dependent_gemm_kernel<Kernel>;
-  // NOTE: set on every launch (a cheap host call, legal during capture) rather than cached, so
-  // a new context or a device reset never finds the attribute missing.
-  CAPMOE_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes)));
+  typename Kernel::Params params;
+  CAPMOE_TRY(prepare_dependent_launch<Gemm>(args, workspace, stream, &params));
   cudaLaunchAttribute attrs[2] = {};
   attrs[0].id = cudaLaunchAttributeClusterDimension;
   attrs[0].val.clusterDim.x = Config::kClusterM;
@@ -116,11 +90,11 @@ capmoe_status_t Traits<ElementIn, LayoutA, LayoutB, ElementC, ElementD, Config>:
   cudaLaunchConfig_t config = {};
   config.gridDim = Kernel::get_grid_shape(params);
   config.blockDim = Kernel::get_block_shape();
-  config.dynamicSmemBytes = kSmemBytes;
+  config.dynamicSmemBytes = Kernel::SharedStorageSize;
   config.stream = stream;
   config.attrs = attrs;
   config.numAttrs = 2;
-  return cuda_status(cudaLaunchKernelEx(&config, kernel, params));
+  return cuda_status(cudaLaunchKernelEx(&config, &dependent_gemm_kernel<Kernel>, params));
 }
 
 }  // namespace capmoe::gg::sm90
