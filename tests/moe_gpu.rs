@@ -241,21 +241,35 @@ fn smaller_capacity_drops_the_later_rows_and_matches_the_reference_on_the_kept_r
         stream.memset_zeros(&mut moe.maps.flags).unwrap();
         io.load(&stream, &s);
         io.step(&mut moe, &stream).unwrap();
-        assert_eq!(stream.clone_dtoh(&moe.maps.flags).unwrap()[0], want.flags, "{what}: routing flags");
         assert_eq!(stream.clone_dtoh(&moe.gemm_flags).unwrap()[0], 0, "{what}: GEMM flags (the kept rows fit)");
-        assert_bits(
-            &format!("{what}: row_of_route"),
-            &stream.clone_dtoh(&moe.maps.row_of_route).unwrap(),
-            &want.row_of_route,
-        );
-        let splits: Vec<i32> = want.m_splits.iter().map(|&m| m as i32).collect();
-        assert_bits(&format!("{what}: m_splits"), &stream.clone_dtoh(&moe.maps.m_splits_i32).unwrap(), &splits);
-        // The reference over the kept routes only: a dropped route becomes an empty slot (-1).
-        let ids = s.ids.iter().zip(&want.row_of_route).map(|(&id, &row)| if row >= 0 { id } else { -1 }).collect();
-        let kept = Step { ids, ..s.clone() };
-        check_against_reference(&what, &read(&io, &stream), &kept, &w);
+        check_kept_routes(&what, &stream, &moe, &io, &s, &want, &w);
     }
     assert!(dropping_steps >= 1, "no step dropped anything");
+}
+
+/// After a step that may drop routes: the routing flags, `row_of_route` and `m_splits` equal the
+/// CPU routing reference's, and every output equals the fp64 reference over the kept routes
+/// alone (a dropped route becomes an empty slot, -1).
+fn check_kept_routes(
+    what: &str,
+    stream: &Arc<CudaStream>,
+    moe: &MoeExperts<bf16>,
+    io: &Io,
+    s: &Step,
+    want: &routing::reference::RouteMaps,
+    w: &Weights,
+) {
+    assert_eq!(stream.clone_dtoh(&moe.maps.flags).unwrap()[0], want.flags, "{what}: routing flags");
+    assert_bits(
+        &format!("{what}: row_of_route"),
+        &stream.clone_dtoh(&moe.maps.row_of_route).unwrap(),
+        &want.row_of_route,
+    );
+    let splits: Vec<i32> = want.m_splits.iter().map(|&m| m as i32).collect();
+    assert_bits(&format!("{what}: m_splits"), &stream.clone_dtoh(&moe.maps.m_splits_i32).unwrap(), &splits);
+    let ids = s.ids.iter().zip(&want.row_of_route).map(|(&id, &row)| if row >= 0 { id } else { -1 }).collect();
+    let kept = Step { ids, ..s.clone() };
+    check_against_reference(what, &read(io, stream), &kept, w);
 }
 
 /// A per-expert capacity (`MoeConfig::expert_capacity`): each expert keeps at most `ECAP` of
@@ -283,17 +297,7 @@ fn expert_capacity_drops_each_experts_later_routes_and_matches_the_reference_gpu
         stream.memset_zeros(&mut moe.maps.flags).unwrap();
         io.load(&stream, &s);
         io.step(&mut moe, &stream).unwrap();
-        assert_eq!(stream.clone_dtoh(&moe.maps.flags).unwrap()[0], want.flags, "{what}: routing flags");
-        assert_bits(
-            &format!("{what}: row_of_route"),
-            &stream.clone_dtoh(&moe.maps.row_of_route).unwrap(),
-            &want.row_of_route,
-        );
-        let splits: Vec<i32> = want.m_splits.iter().map(|&m| m as i32).collect();
-        assert_bits(&format!("{what}: m_splits"), &stream.clone_dtoh(&moe.maps.m_splits_i32).unwrap(), &splits);
-        let ids = s.ids.iter().zip(&want.row_of_route).map(|(&id, &row)| if row >= 0 { id } else { -1 }).collect();
-        let kept = Step { ids, ..s.clone() };
-        check_against_reference(&what, &read(&io, &stream), &kept, &w);
+        check_kept_routes(&what, &stream, &moe, &io, &s, &want, &w);
     }
     assert!(dropping_steps >= 2, "only {dropping_steps} steps dropped anything");
 }
