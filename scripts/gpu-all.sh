@@ -35,6 +35,8 @@ for m in echo_moe_gpu fused_gpu fused_dgrad_gpu fused_wgrad_gpu fused_moe_gpu ep
   echo "memcheck $m rc=$?" >> /tmp/logs/memcheck_$m.txt; save
 done
 cat /tmp/logs/gpu.txt /tmp/logs/suite.txt
+# The per-binary lines, also when the suite step was cut short before its own table.
+echo "== suite, binary by binary =="; cat /tmp/logs/summary.txt 2>/dev/null
 tail -n 4 /tmp/logs/c_example.txt; tail -n 12 /tmp/logs/candle_moe.txt
 tail -n 30 /tmp/logs/timing_*.txt 2>/dev/null
 cat /tmp/logs/sweep/sweep_table_enk.txt 2>/dev/null
