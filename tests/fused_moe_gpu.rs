@@ -12,7 +12,8 @@
 //! With the route probability in fc1's epilogue (`MoeOptions::prob_in_fc1`, every fused kernel,
 //! no drows, dy gathered by the fc2 dgrad, dprobs from its epilogue): every output within
 //! tolerance of the unfused plan and the fp64 reference, forward-only y equal to the training
-//! plan's, 200 graph replays bit-equal to eager, and the plan's refusals of incomplete choices.
+//! plan's, 200 graph replays bit-equal to eager, the plan's refusals of incomplete choices, and
+//! the same against the unfused plan with fp32 gradients added into, bf16 probabilities and a host T.
 
 mod common;
 
@@ -26,7 +27,8 @@ use capturable_moe::routing::Tokens;
 use capturable_moe::Error;
 use common::expert_io::{layer_config, ExpertIo as Io, Step};
 use common::moe::{
-    assert_bits, assert_close, assert_written_bf16, assert_written_f32, bf, f64s, reference, Dims, Reference,
+    assert_bits, assert_close, assert_written_bf16, assert_written_f32, bf, f64s, poison_bf16, reference, Dims,
+    Reference,
 };
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
@@ -661,4 +663,87 @@ fn fused_moe_prob_in_fc1_plan_choices() {
     // A forward-only plan has no backward: the fused fc1 is enough.
     let fwd_only = MoeOptions { fc1: FusedKernel::Fused, forward_only: true, ..base };
     assert!(MoeExperts::<bf16>::with_options(config(None), fwd_only, &stream).unwrap().prob_is_in_fc1());
+    // Pointer weights have no fused kernel at all: Unsupported, named as such, before the
+    // missing fc1 / fc2 dgrad choices are looked at.
+    let pointers = MoeOptions { weights: WeightForm::Pointers, ..base };
+    let r = MoeExperts::<bf16>::with_options(config(None), pointers, &stream);
+    assert!(matches!(r, Err(Error::Unsupported { .. })), "pointer weights: {:?}", r.err());
+}
+
+/// The probability in fc1 with the options the tests above leave at their defaults: fp32 weight
+/// gradients added into (`wgrad_accumulate`: fc2's gathered wgrad then accumulates), bf16
+/// probabilities (so `route_dprobs` writes bf16) and a host token count. Against an unfused plan
+/// of the same config: y, dx, dprobs and the weight gradients' increments within tolerance, and
+/// dprobs past T left alone.
+#[test]
+fn fused_moe_prob_in_fc1_accumulates_with_bf16_probs_and_host_tokens() {
+    let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
+    let (w1, w2) = weights(31);
+    let cfg = MoeConfig { wgrad_accumulate: true, prob_dtype: DType::Bf16, ..config(None) };
+    let fused_opts = MoeOptions { prob_in_fc1: FusedKernel::Fused, ..every_fused_kernel() };
+    let unfused_opts = MoeOptions {
+        fc1: FusedKernel::Unfused,
+        swiglu_dgrad: FusedKernel::Unfused,
+        fc1_wgrad: FusedKernel::Unfused,
+        prob_in_fc1: FusedKernel::Unfused,
+        ..MoeOptions::default()
+    };
+    let mut plans = [
+        MoeExperts::<bf16>::with_options(cfg.clone(), fused_opts, &stream).unwrap(),
+        MoeExperts::<bf16>::with_options(cfg, unfused_opts, &stream).unwrap(),
+    ];
+    assert!(plans[0].prob_is_in_fc1() && !plans[1].prob_is_in_fc1());
+    let mut io = layer_io(&stream, &w1, &w2);
+    let mut rng = StdRng::seed_from_u64(32);
+    let init1: Vec<f32> = (0..E * 2 * F * H).map(|_| rng.random_range(-0.5f32..0.5)).collect();
+    let init2: Vec<f32> = (0..E * H * F).map(|_| rng.random_range(-0.5f32..0.5)).collect();
+    for i in 0..6 {
+        let s = step(&mut rng, i);
+        let what = format!("step {i} (T={})", s.t);
+        io.load(&stream, &s);
+        let probs = stream.clone_htod(&bf(&s.probs)).unwrap();
+        let tokens = Tokens::Host(s.t);
+        // [y, dx, dprobs] as f64, and dW1, dW2 minus their initial values, of each plan.
+        let mut outputs: Vec<[Vec<f64>; 5]> = Vec::new();
+        for plan in plans.iter_mut() {
+            let mut y = stream.clone_htod(&poison_bf16(T_MAX * H)).unwrap();
+            let mut dx = stream.clone_htod(&poison_bf16(T_MAX * H)).unwrap();
+            let mut dprobs = stream.clone_htod(&poison_bf16(T_MAX * K)).unwrap();
+            let mut dw1 = stream.clone_htod(&init1).unwrap();
+            let mut dw2 = stream.clone_htod(&init2).unwrap();
+            plan.forward(&stream, &io.x, &io.ids, &probs, tokens, &io.w1, &io.w2, &mut y).unwrap();
+            plan.backward(
+                &stream,
+                &io.x,
+                &io.dy,
+                &probs,
+                tokens,
+                &io.w1,
+                &io.w2,
+                &mut dx,
+                &mut dprobs,
+                &mut dw1,
+                &mut dw2,
+            )
+            .unwrap();
+            let (y, dx, dprobs) =
+                (stream.clone_dtoh(&y).unwrap(), stream.clone_dtoh(&dx).unwrap(), stream.clone_dtoh(&dprobs).unwrap());
+            assert_written_bf16(&format!("{what}: y"), &y, s.t * H);
+            assert_written_bf16(&format!("{what}: dx"), &dx, s.t * H);
+            assert_written_bf16(&format!("{what}: dprobs"), &dprobs, s.t * K);
+            let increment = |after: Vec<f32>, before: &[f32]| -> Vec<f64> {
+                after.iter().zip(before).map(|(&a, &b)| a as f64 - b as f64).collect()
+            };
+            outputs.push([
+                f64s(&y[..s.t * H]),
+                f64s(&dx[..s.t * H]),
+                f64s(&dprobs[..s.t * K]),
+                increment(stream.clone_dtoh(&dw1).unwrap(), &init1),
+                increment(stream.clone_dtoh(&dw2).unwrap(), &init2),
+            ]);
+        }
+        for (j, name) in ["y", "dx", "dprobs", "dW1 increment", "dW2 increment"].into_iter().enumerate() {
+            assert_close(&format!("{what}: {name} vs the unfused plan"), &outputs[0][j], &outputs[1][j], 2e-2);
+        }
+    }
 }

@@ -115,6 +115,8 @@ impl FusedPlans {
 /// and the backward's fused fc2 dgrad gathers dy and makes dprobs.
 fn ensure_prob_in_fc1_kernels(options: &MoeOptions, fc1: bool, swiglu_dgrad: bool) -> Result<()> {
     const OP: &str = "MoeExperts::new (probability in fc1)";
+    // Pointer weights first: with them no fused kernel exists, whatever fc1 / swiglu_dgrad say.
+    ensure_tensor_weights(options, OP, "fc1 and fc2")?;
     let invalid = |why: &str| Err(Error::InvalidArgument { op: OP, why: why.into() });
     if !fc1 {
         return invalid("MoeOptions::prob_in_fc1 = Fused needs MoeOptions::fc1 = Fused (its epilogue applies it)");
