@@ -56,22 +56,12 @@ constexpr int kTileM = kFc1Sm100TileM;
 constexpr int kTileN = kFc1Sm100TileN;  // act columns per tile (B holds 2x)
 constexpr int kTileK = kFc1Sm100TileK;  // 64 16-bit elements = one 128-byte row
 constexpr int kStages = kFc1Sm100Stages;
-constexpr int kAccStages = 2;                // TMEM accumulator buffers
-constexpr int kAccColumns = 2 * kTileN;      // fp32 TMEM columns of one accumulator: gate | up
+using namespace sm100_roles;  // kThreads, the role warps, kAccStages, kColumnsPerLoad
+constexpr int kAccColumns = 2 * kTileN;  // fp32 TMEM columns of one accumulator: gate | up
 constexpr int kTmemColumns = kAccStages * kAccColumns;
-constexpr int kProducerThreads = 128;  // warps 0-3 (produce_gathered_a indexes by threadIdx.x)
-constexpr int kEpilogueWarps = 8;
-constexpr int kEpilogueThreads = 32 * kEpilogueWarps;
-constexpr int kFirstEpilogueWarp = kProducerThreads / 32;
-constexpr int kMmaWarp = kFirstEpilogueWarp + kEpilogueWarps;
-constexpr int kThreads = 32 * (kMmaWarp + 1);
-constexpr int kColumnsPerLoad = 32;  // one tcgen05.ld 32x32b.x32: 32 fp32 columns of a lane
 constexpr int kEpilogueColumns = kTileN / (kEpilogueWarps / 4);  // act columns per thread
 
-static_assert(kThreads == 416 && kMmaWarp == 12, "roles: 8 epilogue warps, 4 producer warps, 1 MMA warp");
 static_assert(GatherRows<kTileM>::kThreads == kProducerThreads, "the gather's thread -> (row, chunk) map covers the tile");
-static_assert(kEpilogueWarps % 4 == 0 && kFirstEpilogueWarp % 4 == 0,
-              "the epilogue is whole warpgroups, each covering all 128 TMEM lanes, a quarter per warp");
 static_assert(kTmemColumns == 512, "two accumulators fill TMEM (tcgen05.alloc: a power of 2, 32 ..= 512)");
 static_assert(kEpilogueColumns % kColumnsPerLoad == 0, "whole tcgen05.ld loads per thread");
 

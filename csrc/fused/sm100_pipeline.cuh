@@ -46,6 +46,25 @@
 
 namespace capmoe::fused {
 
+// The roles of every sm_100a fused kernel (416 threads, 13 warps): warps 0-3 the producer (the
+// shared producers index by threadIdx.x), warps 4-11 the epilogue (two warpgroups, each covering
+// all 128 TMEM lanes, a quarter per warp), warp 12 the MMA warp. Two TMEM accumulators, so a
+// tile's epilogue overlaps the next tile's UMMAs; the epilogue reads them 32 fp32 columns of a
+// lane per tcgen05.ld (32x32b.x32).
+namespace sm100_roles {
+constexpr int kProducerThreads = 128;
+constexpr int kEpilogueWarps = 8;
+constexpr int kEpilogueThreads = 32 * kEpilogueWarps;
+constexpr int kFirstEpilogueWarp = kProducerThreads / 32;
+constexpr int kMmaWarp = kFirstEpilogueWarp + kEpilogueWarps;
+constexpr int kThreads = 32 * (kMmaWarp + 1);
+constexpr int kAccStages = 2;
+constexpr int kColumnsPerLoad = 32;
+static_assert(kThreads == 416 && kMmaWarp == 12, "roles: 4 producer warps, 8 epilogue warps, 1 MMA warp");
+static_assert(kEpilogueWarps % 4 == 0 && kFirstEpilogueWarp % 4 == 0,
+              "the epilogue is whole warpgroups, each covering all 128 TMEM lanes, a quarter per warp");
+}  // namespace sm100_roles
+
 __device__ __forceinline__ void tmem_fence_before_thread_sync() {
   asm volatile("tcgen05.fence::before_thread_sync;" ::: "memory");
 }

@@ -67,16 +67,9 @@ constexpr int kTileN = kDgradSm100TileN;
 constexpr int kTileK = kDgradSm100TileK;
 constexpr int kBoxN = kDgradSm100BoxN;
 constexpr int kStages = kDgradSm100Stages;
-constexpr int kAccStages = 2;           // TMEM accumulator buffers
-constexpr int kAccColumns = kTileN;     // fp32 TMEM columns of one accumulator
+using namespace sm100_roles;  // kThreads, the role warps, kAccStages, kColumnsPerLoad
+constexpr int kAccColumns = kTileN;  // fp32 TMEM columns of one accumulator
 constexpr int kTmemColumns = kAccStages * kAccColumns;
-constexpr int kProducerThreads = 128;   // warps 0-3 (produce_gathered_a indexes by threadIdx.x)
-constexpr int kEpilogueWarps = 8;
-constexpr int kEpilogueThreads = 32 * kEpilogueWarps;
-constexpr int kFirstEpilogueWarp = kProducerThreads / 32;
-constexpr int kMmaWarp = kFirstEpilogueWarp + kEpilogueWarps;
-constexpr int kThreads = 32 * (kMmaWarp + 1);
-constexpr int kColumnsPerLoad = 32;  // one tcgen05.ld 32x32b.x32: 32 fp32 columns of a lane
 constexpr int kEpilogueColumns = kTileN / (kEpilogueWarps / 4);  // columns per thread
 constexpr int kLoads = kEpilogueColumns / kColumnsPerLoad;
 constexpr int kPairsPerLoad = kColumnsPerLoad / 2;
@@ -84,7 +77,6 @@ constexpr int kPairsPerLoad = kColumnsPerLoad / 2;
 constexpr uint32_t kEpilogueBarrier = 1;
 
 static_assert(kTileN == 128 && kTileM == kSwigluDgradTileM, "the entry's tiles (swiglu_dgrad.cu, fused.h)");
-static_assert(kThreads == 416 && kMmaWarp == 12, "roles: 4 producer warps, 8 epilogue warps, 1 MMA warp");
 static_assert(GatherRows<kTileM>::kThreads == kProducerThreads, "the gather's thread -> (row, chunk) map covers the tile");
 static_assert(kEpilogueWarps == 8 && kFirstEpilogueWarp % 4 == 0,
               "two epilogue warpgroups, each covering all 128 TMEM lanes, a quarter per warp, and half the "

@@ -79,24 +79,15 @@ constexpr int kTileM = kWgradSm100TileM;
 constexpr int kTileN = kWgradSm100TileN;
 constexpr int kTileK = kWgradSm100TileK;
 constexpr int kStages = kWgradSm100Stages;
-constexpr int kAccStages = 2;            // TMEM accumulator buffers
-constexpr int kAccColumns = kTileN;      // fp32 TMEM columns of one accumulator
+using namespace sm100_roles;  // kThreads, the role warps, kAccStages, kColumnsPerLoad
+constexpr int kAccColumns = kTileN;  // fp32 TMEM columns of one accumulator
 constexpr int kTmemColumns = kAccStages * kAccColumns;
-constexpr int kProducerThreads = kWgradProducerThreads;  // warps 0-3 (the producer indexes by threadIdx.x)
-constexpr int kEpilogueWarps = 8;
-constexpr int kEpilogueThreads = 32 * kEpilogueWarps;
-constexpr int kFirstEpilogueWarp = kProducerThreads / 32;
-constexpr int kMmaWarp = kFirstEpilogueWarp + kEpilogueWarps;
-constexpr int kThreads = 32 * (kMmaWarp + 1);
-constexpr int kColumnsPerLoad = 32;  // one tcgen05.ld 32x32b.x32: 32 fp32 columns of a lane
 constexpr int kEpilogueColumns = kTileN / (kEpilogueWarps / 4);  // columns per thread
 constexpr int kLoads = kEpilogueColumns / kColumnsPerLoad;
 
+static_assert(kWgradProducerThreads == kProducerThreads, "the shared producer (fused/wgrad_tiles.cuh) is warps 0-3");
 static_assert(kTileM == kWgradTileM && kTileN == kWgradTileN && kTileK == kWgradTileK,
               "the shared tile list and producer's tile (fused/wgrad_tiles.cuh)");
-static_assert(kThreads == 416 && kMmaWarp == 12, "roles: 4 producer warps, 8 epilogue warps, 1 MMA warp");
-static_assert(kEpilogueWarps % 4 == 0 && kFirstEpilogueWarp % 4 == 0,
-              "the epilogue is whole warpgroups, each covering all 128 TMEM lanes, a quarter per warp");
 static_assert(kTmemColumns == 512, "two accumulators fill TMEM (tcgen05.alloc: a power of 2, 32 ..= 512)");
 static_assert(kEpilogueColumns % kColumnsPerLoad == 0, "whole tcgen05.ld loads per thread");
 
