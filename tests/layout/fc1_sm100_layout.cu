@@ -17,6 +17,7 @@
 
 #include "fused/fc1_layout.h"
 #include "fused/fc1_sm100_layout.h"
+#include "tmem_accumulator.h"
 
 using namespace cute;
 
@@ -54,16 +55,7 @@ void check(const char* type) {
   std::printf("\n");
   check_operand<T, typename L::SmemA>("A", L::kTileM, L::kStages);
   check_operand<T, typename L::SmemB>("B", 2 * L::kTileN, L::kStages);
-  auto acc = L::TiledMma::make_fragment_C(typename L::AccShape{});
-  std::printf("%s: accumulator ", type);
-  print(acc.layout());
-  std::printf("\n");
-  for (int m = 0; m < L::kTileM; ++m)
-    for (int n = 0; n < 2 * L::kTileN; ++n) {
-      const long got = long(acc.layout()(make_coord(make_coord(m, n), 0, 0)));
-      const long want = (long(m) << 16) + n;
-      if (got != want && ++bad <= 20) std::printf("%s accumulator (%d, %d): cute %ld, lane << 16 | column %ld\n", type, m, n, got, want);
-    }
+  bad += tmem_accumulator_mismatches<typename L::TiledMma, typename L::AccShape>(type, L::kTileM, 2 * L::kTileN);
 }
 
 }  // namespace

@@ -28,6 +28,7 @@
 
 #include "fused/wgrad_gather_layout.h"
 #include "fused/wgrad_gather_sm100_layout.h"
+#include "tmem_accumulator.h"
 #include "umma_mn_sw128.h"
 
 using namespace cute;
@@ -123,17 +124,7 @@ void check(const char* type) {
   check_descriptor<T, typename L::SmemA>("A", L::kTileM);
   check_descriptor<T, typename L::SmemB>("B", L::kTileN);
   check_instruction_descriptor<T>(type);
-  auto acc = L::TiledMma::make_fragment_C(typename L::AccShape{});
-  std::printf("%s: accumulator ", type);
-  print(acc.layout());
-  std::printf("\n");
-  for (int m = 0; m < L::kTileM; ++m)
-    for (int n = 0; n < L::kTileN; ++n) {
-      const long got = long(acc.layout()(make_coord(make_coord(m, n), 0, 0)));
-      const long want = (long(m) << 16) + n;
-      if (got != want && ++bad <= 20)
-        std::printf("%s accumulator (%d, %d): cute %ld, lane << 16 | column %ld\n", type, m, n, got, want);
-    }
+  bad += tmem_accumulator_mismatches<typename L::TiledMma, typename L::AccShape>(type, L::kTileM, L::kTileN);
 }
 
 }  // namespace
