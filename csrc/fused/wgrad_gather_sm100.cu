@@ -290,14 +290,9 @@ capmoe_status_t launch_typed(const WgradGatherParams& params, int grid, cudaStre
 
 capmoe_status_t launch_wgrad_gather_sm100(const WgradGatherParams& params, capmoe_dtype_t dtype,
                                           capmoe_dtype_t out_dtype, int grid, cudaStream_t stream) {
-  const bool f32 = out_dtype == CAPMOE_DTYPE_F32;
-  if (dtype == CAPMOE_DTYPE_BF16)
-    return f32 ? launch_typed<cutlass::bfloat16_t, float>(params, grid, stream)
-               : launch_typed<cutlass::bfloat16_t, cutlass::bfloat16_t>(params, grid, stream);
-  if (dtype == CAPMOE_DTYPE_F16)
-    return f32 ? launch_typed<cutlass::half_t, float>(params, grid, stream)
-               : launch_typed<cutlass::half_t, cutlass::half_t>(params, grid, stream);
-  return CAPMOE_ERR_UNSUPPORTED;
+  return dispatch_wgrad_types(dtype, out_dtype, [&](auto in, auto out) {
+    return launch_typed<decltype(in), decltype(out)>(params, grid, stream);
+  });
 }
 
 }  // namespace capmoe::fused

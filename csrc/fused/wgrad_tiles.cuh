@@ -14,6 +14,8 @@
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/numeric/int.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/bfloat16.h>
+#include <cutlass/half.h>
 
 #include "fused/pipeline.cuh"
 #include "fused/wgrad_gather_launch.h"
@@ -25,6 +27,18 @@ constexpr int kWgradTileM = CAPMOE_WGRAD_GATHER_TILE_M;
 constexpr int kWgradTileN = CAPMOE_WGRAD_GATHER_TILE_N;
 constexpr int kWgradTileK = 64;  // routing rows per K block: one 128-byte line per 64 m (n) values
 constexpr int kWgradProducerThreads = 128;
+
+// Calls launch(T{}, Out{}) with the element types of a launch: T the 16-bit input type, Out
+// the dW type (T, or float for fp32 and fp32-accumulate output), as the entry checked them.
+template <class Launch>
+capmoe_status_t dispatch_wgrad_types(capmoe_dtype_t dtype, capmoe_dtype_t out_dtype, Launch&& launch) {
+  const bool f32 = out_dtype == CAPMOE_DTYPE_F32;
+  if (dtype == CAPMOE_DTYPE_BF16)
+    return f32 ? launch(cutlass::bfloat16_t{}, float{}) : launch(cutlass::bfloat16_t{}, cutlass::bfloat16_t{});
+  if (dtype == CAPMOE_DTYPE_F16)
+    return f32 ? launch(cutlass::half_t{}, float{}) : launch(cutlass::half_t{}, cutlass::half_t{});
+  return CAPMOE_ERR_UNSUPPORTED;
+}
 
 __device__ __forceinline__ int clamp_wgrad_row(int64_t r, int capacity) {
   return int(r < 0 ? 0 : (r > capacity ? capacity : r));
