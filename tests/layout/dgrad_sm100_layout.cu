@@ -30,6 +30,7 @@
 #include "fused/fc1_layout.h"
 #include "fused/swiglu_dgrad_sm100_layout.h"
 #include "tmem_accumulator.h"
+#include "umma_stages.h"
 #include "umma_mn_sw128.h"
 
 using namespace cute;
@@ -45,27 +46,6 @@ long w2_box_offset(int n, int k, int box_n) {
   const int box = n / box_n, col = n % box_n;
   return long(box) * box_n * kK * sizeof(T) + k * 128 + (((col * long(sizeof(T))) / 16) ^ (k % 8)) * 16 +
          (col * long(sizeof(T))) % 16;
-}
-
-// Byte offsets of cute's shared-memory tensor with layout L over the (rows|columns x 64 K x
-// stages) operand, against the producers' placement want(i, k).
-template <class T, class L, class Want>
-void check_operand(const char* what, int extent, int stages, Want want) {
-  alignas(1024) static T buffer[128 * kK * 8];
-  Tensor s = make_tensor(make_smem_ptr(buffer), L{});
-  if (long(cosize(L{})) != long(extent) * kK * stages && ++bad)
-    std::printf("%s: cosize %ld, want %ld\n", what, long(cosize(L{})), long(extent) * kK * stages);
-  const long stage_bytes = long(extent) * kK * sizeof(T);
-  for (int stage = 0; stage < stages; ++stage)
-    for (int i = 0; i < extent; ++i)
-      for (int k = 0; k < kK; ++k) {
-        // ((row|column, k16), block, k16 step, stage)
-        const long got = long(reinterpret_cast<char*>(&s(make_coord(i, k % 16), 0, k / 16, stage)) -
-                              reinterpret_cast<char*>(buffer));
-        const long expected = stage * stage_bytes + want(i, k);
-        if (got != expected && ++bad <= 10)
-          std::printf("%s (%d, k %d, stage %d): cute %ld, producer %ld\n", what, i, k, stage, got, expected);
-      }
 }
 
 template <class T>
@@ -103,11 +83,11 @@ void check(const char* type) {
   std::printf("%s: B stages ", type);
   print(typename L::SmemB{});
   std::printf("\n");
-  check_operand<T, typename L::SmemA>("A", L::kTileM, L::kStages, [](int r, int k) {
+  bad += umma_stage_mismatches<T, typename L::SmemA>("A", L::kTileM, L::kStages, [](int r, int k) {
     return long(capmoe::fused::fc1_smem_offset(r, k / 8)) + (k % 8) * long(sizeof(T));
   });
-  check_operand<T, typename L::SmemB>("B", L::kTileN, L::kStages,
-                                      [](int n, int k) { return w2_box_offset<T>(n, k, L::kBoxN); });
+  bad += umma_stage_mismatches<T, typename L::SmemB>("B", L::kTileN, L::kStages,
+                                                     [](int n, int k) { return w2_box_offset<T>(n, k, L::kBoxN); });
   check_b_descriptor<T>(type);
   bad += tmem_accumulator_mismatches<typename L::TiledMma, typename L::AccShape>(type, L::kTileM, L::kTileN);
 }

@@ -18,6 +18,7 @@
 #include "fused/fc1_layout.h"
 #include "fused/fc1_sm100_layout.h"
 #include "tmem_accumulator.h"
+#include "umma_stages.h"
 
 using namespace cute;
 
@@ -25,26 +26,10 @@ namespace {
 
 int bad = 0;
 
-// Byte offsets of cute's shared-memory tensor with layout L over the (rows x 64 K x stages)
-// operand, against fc1_smem_offset.
-template <class T, class L>
-void check_operand(const char* what, int rows, int stages) {
-  constexpr int kK = 64;
-  alignas(1024) static T buffer[256 * kK * 4];
-  Tensor s = make_tensor(make_smem_ptr(buffer), L{});
-  if (long(cosize(L{})) != long(rows) * kK * stages && ++bad)
-    std::printf("%s: cosize %ld, want %ld\n", what, long(cosize(L{})), long(rows) * kK * stages);
-  const long stage_bytes = long(rows) * kK * sizeof(T);
-  for (int stage = 0; stage < stages; ++stage)
-    for (int r = 0; r < rows; ++r)
-      for (int k = 0; k < kK; ++k) {
-        // ((row, k16), block, k16 step, stage)
-        const long got = long(reinterpret_cast<char*>(&s(make_coord(r, k % 16), 0, k / 16, stage)) -
-                              reinterpret_cast<char*>(buffer));
-        const long want = stage * stage_bytes + capmoe::fused::fc1_smem_offset(r, k / 8) + (k % 8) * sizeof(T);
-        if (got != want && ++bad <= 10)
-          std::printf("%s (row %d, k %d, stage %d): cute %ld, fc1_smem_offset %ld\n", what, r, k, stage, got, want);
-      }
+// Where the gather (A) and the W1 boxes (B) put row r, K element k, of a stage.
+template <class T>
+long fc1_offset(int r, int k) {
+  return long(capmoe::fused::fc1_smem_offset(r, k / 8)) + (k % 8) * long(sizeof(T));
 }
 
 template <class T>
@@ -53,8 +38,8 @@ void check(const char* type) {
   std::printf("%s: A stages ", type);
   print(typename L::SmemA{});
   std::printf("\n");
-  check_operand<T, typename L::SmemA>("A", L::kTileM, L::kStages);
-  check_operand<T, typename L::SmemB>("B", 2 * L::kTileN, L::kStages);
+  bad += umma_stage_mismatches<T, typename L::SmemA>("A", L::kTileM, L::kStages, fc1_offset<T>);
+  bad += umma_stage_mismatches<T, typename L::SmemB>("B", 2 * L::kTileN, L::kStages, fc1_offset<T>);
   bad += tmem_accumulator_mismatches<typename L::TiledMma, typename L::AccShape>(type, L::kTileM, 2 * L::kTileN);
 }
 

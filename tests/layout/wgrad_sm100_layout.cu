@@ -29,6 +29,7 @@
 #include "fused/wgrad_gather_layout.h"
 #include "fused/wgrad_gather_sm100_layout.h"
 #include "tmem_accumulator.h"
+#include "umma_stages.h"
 #include "umma_mn_sw128.h"
 
 using namespace cute;
@@ -44,28 +45,6 @@ using Layouts = capmoe::fused::WgradSm100Layout<T>;
 template <class T>
 long producer_offset(int mn, int k) {
   return long(capmoe::fused::wgrad_smem_offset(k, mn / 8)) + (mn % 8) * long(sizeof(T));
-}
-
-// Byte offsets of cute's shared-memory tensor with layout L over the (MN x 64 K x stages)
-// operand, against the producer's placement.
-template <class T, class L>
-void check_operand(const char* what, int extent) {
-  constexpr int kK = Layouts<T>::kTileK, kStages = Layouts<T>::kStages;
-  alignas(1024) static T buffer[256 * kK * kStages];
-  Tensor s = make_tensor(make_smem_ptr(buffer), L{});
-  if (long(cosize(L{})) != long(extent) * kK * kStages && ++bad)
-    std::printf("%s: cosize %ld, want %ld\n", what, long(cosize(L{})), long(extent) * kK * kStages);
-  const long stage_bytes = long(extent) * kK * sizeof(T);
-  for (int stage = 0; stage < kStages; ++stage)
-    for (int i = 0; i < extent; ++i)
-      for (int k = 0; k < kK; ++k) {
-        // ((mn, k16), block, k16 step, stage)
-        const long got = long(reinterpret_cast<char*>(&s(make_coord(i, k % 16), 0, k / 16, stage)) -
-                              reinterpret_cast<char*>(buffer));
-        const long want = stage * stage_bytes + producer_offset<T>(i, k);
-        if (got != want && ++bad <= 10)
-          std::printf("%s (mn %d, k %d, stage %d): cute %ld, producer %ld\n", what, i, k, stage, got, want);
-      }
 }
 
 // Each k16 step's descriptor (cute's make_umma_desc<MN>) read through the canonical form.
@@ -119,8 +98,8 @@ void check(const char* type) {
   std::printf("\n%s: B stages ", type);
   print(typename L::SmemB{});
   std::printf("\n");
-  check_operand<T, typename L::SmemA>("A", L::kTileM);
-  check_operand<T, typename L::SmemB>("B", L::kTileN);
+  bad += umma_stage_mismatches<T, typename L::SmemA>("A", L::kTileM, L::kStages, producer_offset<T>);
+  bad += umma_stage_mismatches<T, typename L::SmemB>("B", L::kTileN, L::kStages, producer_offset<T>);
   check_descriptor<T, typename L::SmemA>("A", L::kTileM);
   check_descriptor<T, typename L::SmemB>("B", L::kTileN);
   check_instruction_descriptor<T>(type);
