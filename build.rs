@@ -167,8 +167,10 @@ fn debug_defines() -> Vec<String> {
 fn built_arch_defines(archs: &[String]) -> Vec<String> {
     KNOWN_ARCHS
         .iter()
-        .filter(|(arch, _)| archs.iter().any(|a| a == arch))
-        .map(|(_, cfg)| format!("-DCAPMOE_{}=1", cfg.to_uppercase()))
+        .map(|(arch, cfg)| {
+            let built = archs.iter().any(|a| a == arch);
+            format!("-DCAPMOE_{}={}", cfg.to_uppercase(), u8::from(built))
+        })
         .collect()
 }
 
@@ -268,8 +270,8 @@ fn compile_cached(
     let mut flags = common_flags.to_vec();
     flags.extend(unit.archs.iter().map(|a| gencode(a)));
     // A TU that asks which archs the binary carries (the dispatcher, which must reference only
-    // built variants) is told with CAPMOE_HAS_SM90 / CAPMOE_HAS_SM100; other TUs' flags (and so
-    // their cached objects) stay the same whatever the arch list.
+    // built variants) is told with CAPMOE_HAS_SM90 / CAPMOE_HAS_SM100 (1 or 0); other TUs'
+    // flags (and so their cached objects) stay the same whatever the arch list.
     if read(&unit.source)?.contains("CAPMOE_HAS_") {
         flags.extend(built_arch_defines(all_archs));
     }

@@ -1,8 +1,15 @@
 // The host half shared by the fused kernels' C ABI entries (fc1.cu, swiglu_dgrad.cu,
 // wgrad_gather.cu): the device check and the TMA descriptor encoding.
-// NOTE: build.rs defines CAPMOE_HAS_SM90 only for TUs whose own text names it, so each entry
-// TU tests it itself; nothing here depends on it.
+// NOTE: build.rs defines CAPMOE_HAS_SM90 and CAPMOE_HAS_SM100 (1: this binary carries that
+// arch's kernels, 0: it does not) only for TUs whose own text names them; every entry TU does,
+// in its device check, so that other TUs' cached objects stay the same whatever the arch list.
 #pragma once
+
+#if !defined(CAPMOE_HAS_SM90) || !defined(CAPMOE_HAS_SM100)
+#error "fused entry TUs are built by build.rs, which defines CAPMOE_HAS_SM90 / CAPMOE_HAS_SM100"
+#endif
+// Whether this binary has a fused kernel for any arch (the launch code exists only then).
+#define CAPMOE_FUSED_HAS_KERNEL (CAPMOE_HAS_SM90 || CAPMOE_HAS_SM100)
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
@@ -25,8 +32,8 @@ inline capmoe_status_t device_compute_capability(int* major, int* minor) {
 enum class FusedArch { Sm90, Sm100 };
 
 // The variant for the current device: sm_90a on compute capability 9.0, sm_100a on 10.0, each
-// only when the calling entry TU has it built (it passes its own CAPMOE_HAS_SM90 / _SM100, which
-// build.rs defines only for TUs whose text names them); UNSUPPORTED otherwise.
+// only when the binary has it built (the caller passes CAPMOE_HAS_SM90 / _SM100); UNSUPPORTED
+// otherwise.
 inline capmoe_status_t built_device_arch(bool has_sm90, bool has_sm100, FusedArch* arch) {
   int major = 0, minor = 0;
   CAPMOE_TRY(device_compute_capability(&major, &minor));

@@ -13,10 +13,6 @@
 #include "fused/fc1_launch.h"
 #include "fused/tile_list.cuh"
 
-#if defined(CAPMOE_HAS_SM90) || defined(CAPMOE_HAS_SM100)
-#define CAPMOE_FC1_HAS_KERNEL 1
-#endif
-
 namespace capmoe::fused {
 namespace {
 
@@ -46,17 +42,7 @@ using Fc1Kernel = FusedArch;
 
 // The kernel of the current device (built_device_arch, fused/entry.h).
 capmoe_status_t device_kernel(Fc1Kernel* kernel) {
-#if defined(CAPMOE_HAS_SM90)
-  constexpr bool kHasSm90 = true;
-#else
-  constexpr bool kHasSm90 = false;
-#endif
-#if defined(CAPMOE_HAS_SM100)
-  constexpr bool kHasSm100 = true;
-#else
-  constexpr bool kHasSm100 = false;
-#endif
-  return built_device_arch(kHasSm90, kHasSm100, kernel);
+  return built_device_arch(CAPMOE_HAS_SM90, CAPMOE_HAS_SM100, kernel);
 }
 
 // The gather form a launch runs. AUTO: the form within the documented TMA rules until measured
@@ -84,7 +70,7 @@ extern "C" capmoe_status_t capmoe_fused_fc1_supported(const capmoe_fused_fc1_des
     Fc1Kernel kernel{};
     capmoe_fused_gather_t gather{};
     CAPMOE_TRY(check_device(*desc, &kernel, &gather));
-#if defined(CAPMOE_FC1_HAS_KERNEL)
+#if CAPMOE_FUSED_HAS_KERNEL
     // Resolve the driver's encoder now (plan time), not inside a first launch under capture.
     if (tma_encode_fn() == nullptr) return CAPMOE_ERR_UNSUPPORTED;
 #endif
@@ -108,7 +94,7 @@ extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc,
     Fc1Kernel kernel{};
     capmoe_fused_gather_t gather{};
     CAPMOE_TRY(check_device(d, &kernel, &gather));
-#if defined(CAPMOE_FC1_HAS_KERNEL)
+#if CAPMOE_FUSED_HAS_KERNEL
     if (d.max_tokens == 0) return CAPMOE_OK;  // capacity > 0 but no token: build maps nothing
     Fc1Params p{};
     const cuuint64_t elem = 2;
@@ -134,10 +120,10 @@ extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc,
     const int64_t tiles = fc1_max_tiles(d.num_experts, d.capacity, d.ffn);
     const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
-#if defined(CAPMOE_HAS_SM100)
+#if CAPMOE_HAS_SM100
     if (kernel == Fc1Kernel::Sm100) return launch_fc1_sm100(p, d.dtype, grid, s);
 #endif
-#if defined(CAPMOE_HAS_SM90)
+#if CAPMOE_HAS_SM90
     if (kernel == Fc1Kernel::Sm90) return launch_fc1_sm90(p, d.dtype, gather, grid, s);
 #endif
     return CAPMOE_ERR_UNSUPPORTED;

@@ -14,10 +14,6 @@
 #include "fused/swiglu_dgrad_launch.h"
 #include "fused/tile_list.cuh"
 
-#if defined(CAPMOE_HAS_SM90) || defined(CAPMOE_HAS_SM100)
-#define CAPMOE_DGRAD_HAS_KERNEL 1
-#endif
-
 namespace capmoe::fused {
 namespace {
 
@@ -45,20 +41,10 @@ using DgradKernel = FusedArch;
 
 // The kernel of the current device (built_device_arch, fused/entry.h).
 capmoe_status_t check_device(DgradKernel* kernel) {
-#if defined(CAPMOE_HAS_SM90)
-  constexpr bool kHasSm90 = true;
-#else
-  constexpr bool kHasSm90 = false;
-#endif
-#if defined(CAPMOE_HAS_SM100)
-  constexpr bool kHasSm100 = true;
-#else
-  constexpr bool kHasSm100 = false;
-#endif
-  return built_device_arch(kHasSm90, kHasSm100, kernel);
+  return built_device_arch(CAPMOE_HAS_SM90, CAPMOE_HAS_SM100, kernel);
 }
 
-#if defined(CAPMOE_DGRAD_HAS_KERNEL)
+#if CAPMOE_FUSED_HAS_KERNEL
 // The W2 map and the pointers and sizes both forms share.
 capmoe_status_t make_common_params(const capmoe_fused_swiglu_dgrad_desc_t& d, const void* w2, const void* h,
                                    const int64_t* offsets, void* dh, SwigluDgradParams* p) {
@@ -109,7 +95,7 @@ extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad_supported(const capmoe_fuse
     CAPMOE_TRY(check_desc(desc));
     DgradKernel kernel{};
     CAPMOE_TRY(check_device(&kernel));
-#if defined(CAPMOE_DGRAD_HAS_KERNEL)
+#if CAPMOE_FUSED_HAS_KERNEL
     // Resolve the driver's encoder now (plan time), not inside a first launch under capture.
     if (tma_encode_fn() == nullptr) return CAPMOE_ERR_UNSUPPORTED;
 #endif
@@ -131,14 +117,14 @@ extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad(const capmoe_fused_swiglu_d
     CAPMOE_TRY(capmoe::check_aligned(16, {drows, w2, h, dh, dact}));
     DgradKernel kernel{};
     CAPMOE_TRY(check_device(&kernel));
-#if defined(CAPMOE_DGRAD_HAS_KERNEL)
+#if CAPMOE_FUSED_HAS_KERNEL
     SwigluDgradParams p{};
     CAPMOE_TRY(make_params(d, drows, w2, h, offsets, dh, dact, &p));
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
-#if defined(CAPMOE_HAS_SM100)
+#if CAPMOE_HAS_SM100
     if (kernel == DgradKernel::Sm100) return launch_swiglu_dgrad_sm100(p, d.dtype, grid_of(d), s);
 #endif
-#if defined(CAPMOE_HAS_SM90)
+#if CAPMOE_HAS_SM90
     if (kernel == DgradKernel::Sm90) return launch_swiglu_dgrad_sm90(p, d.dtype, grid_of(d), s);
 #endif
     return CAPMOE_ERR_UNSUPPORTED;
@@ -170,7 +156,7 @@ extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad_gathered(const capmoe_fused
     CAPMOE_TRY(capmoe::check_aligned(4, {token_of_row, prob_of_row, dprob_partials}));
     DgradKernel kernel{};
     CAPMOE_TRY(check_device(&kernel));
-#if defined(CAPMOE_DGRAD_HAS_KERNEL)
+#if CAPMOE_FUSED_HAS_KERNEL
     SwigluDgradParams p{};
     CAPMOE_TRY(make_common_params(d, w2, h, offsets, dh, &p));
     p.dy = dy;
@@ -179,10 +165,10 @@ extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad_gathered(const capmoe_fused
     p.dprob_partials = dprob_partials;
     p.max_tokens = int32_t(d.max_tokens);
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
-#if defined(CAPMOE_HAS_SM100)
+#if CAPMOE_HAS_SM100
     if (kernel == DgradKernel::Sm100) return launch_swiglu_dgrad_gathered_sm100(p, d.dtype, grid_of(d), s);
 #endif
-#if defined(CAPMOE_HAS_SM90)
+#if CAPMOE_HAS_SM90
     if (kernel == DgradKernel::Sm90) return launch_swiglu_dgrad_gathered_sm90(p, d.dtype, grid_of(d), s);
 #endif
     return CAPMOE_ERR_UNSUPPORTED;

@@ -12,10 +12,6 @@
 #include "fused/entry.h"
 #include "fused/wgrad_gather_launch.h"
 
-#if defined(CAPMOE_HAS_SM90) || defined(CAPMOE_HAS_SM100)
-#define CAPMOE_WGRAD_HAS_KERNEL 1
-#endif
-
 namespace capmoe::fused {
 namespace {
 
@@ -50,17 +46,7 @@ using WgradKernel = FusedArch;
 
 // The kernel of the current device (built_device_arch, fused/entry.h).
 capmoe_status_t check_device(WgradKernel* kernel) {
-#if defined(CAPMOE_HAS_SM90)
-  constexpr bool kHasSm90 = true;
-#else
-  constexpr bool kHasSm90 = false;
-#endif
-#if defined(CAPMOE_HAS_SM100)
-  constexpr bool kHasSm100 = true;
-#else
-  constexpr bool kHasSm100 = false;
-#endif
-  return built_device_arch(kHasSm90, kHasSm100, kernel);
+  return built_device_arch(CAPMOE_HAS_SM90, CAPMOE_HAS_SM100, kernel);
 }
 
 // The pointer checks of a launch, before any CUDA call.
@@ -99,7 +85,7 @@ extern "C" capmoe_status_t capmoe_wgrad_gather(const capmoe_wgrad_gather_desc_t*
     CAPMOE_TRY(check_pointers(d, a, b, offsets, token_of_row, dw));
     WgradKernel kernel{};
     CAPMOE_TRY(check_device(&kernel));
-#if defined(CAPMOE_WGRAD_HAS_KERNEL)
+#if CAPMOE_FUSED_HAS_KERNEL
     // Accumulating with no row anywhere leaves dW as it is.
     if (d.accumulate && d.capacity == 0) return CAPMOE_OK;
     WgradGatherParams p{};
@@ -121,10 +107,10 @@ extern "C" capmoe_status_t capmoe_wgrad_gather(const capmoe_wgrad_gather_desc_t*
     const int64_t tiles = total_tiles(d);
     const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
-#if defined(CAPMOE_HAS_SM100)
+#if CAPMOE_HAS_SM100
     if (kernel == WgradKernel::Sm100) return launch_wgrad_gather_sm100(p, d.dtype, d.out_dtype, grid, s);
 #endif
-#if defined(CAPMOE_HAS_SM90)
+#if CAPMOE_HAS_SM90
     if (kernel == WgradKernel::Sm90) return launch_wgrad_gather_sm90(p, d.dtype, d.out_dtype, grid, s);
 #endif
     return CAPMOE_ERR_UNSUPPORTED;

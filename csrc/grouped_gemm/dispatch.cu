@@ -8,6 +8,10 @@
 #include "common/boundary.cuh"
 #include "grouped_gemm/variants.h"
 
+#if !defined(CAPMOE_HAS_SM90) || !defined(CAPMOE_HAS_SM100)
+#error "dispatch.cu is built by build.rs, which defines CAPMOE_HAS_SM90 / CAPMOE_HAS_SM100"
+#endif
+
 namespace capmoe::gg {
 namespace {
 
@@ -25,10 +29,10 @@ struct Variant {
   {arch, config, Majorness::majorness, CAPMOE_DTYPE_##in, CAPMOE_DTYPE_##out, reads_c != 0, &variant_##name},
 
 constexpr Variant kVariants[] = {
-#if defined(CAPMOE_HAS_SM90)
+#if CAPMOE_HAS_SM90
     CAPMOE_GG_SM90_VARIANTS(CAPMOE_GG_ENTRY)
 #endif
-#if defined(CAPMOE_HAS_SM100)
+#if CAPMOE_HAS_SM100
         CAPMOE_GG_SM100_VARIANTS(CAPMOE_GG_ENTRY)
 #endif
             {0, CAPMOE_CONFIG_AUTO, Majorness::RC, -1, -1, false, nullptr}};  // sentinel
