@@ -25,6 +25,21 @@ failed=0
 binaries=()
 for test in "$bundle"/run/tests/*; do [[ "$(basename "$test")" != fused_* ]] && binaries+=("$test"); done
 for test in "$bundle"/run/tests/fused_*; do [[ -e "$test" ]] && binaries+=("$test"); done
+# Runs one test binary as row `$1` of the summary, the rest of the command after it; sets rc.
+run_one() {
+  local run="$1"; shift
+  local start ms secs result
+  start=$(date +%s%N)
+  "$@" >"$logs/$run.log" 2>&1
+  rc=$?
+  [[ $rc -eq 124 || $rc -eq 137 ]] && echo "TIMEOUT after ${limit}s (a hang?)" | tee -a "$logs/$run.log"
+  ms=$(( ($(date +%s%N) - start) / 1000000 ))
+  secs="$((ms / 1000)).$(( (ms % 1000) / 100 ))"
+  result="$(grep -E '^test result:' "$logs/$run.log" | tail -n 1)"
+  [[ $rc -ne 0 ]] && failed=1 && grep -E '^(---- |thread .* panicked|  left|  right|.*assert)' "$logs/$run.log" | head -n 20
+  summary+=("$(printf '%-28s rc=%-3s %6ss  %s' "$run" "$rc" "$secs" "$result")")
+  echo "${summary[-1]}" >>"$logs/summary.txt"
+}
 for test in "${binaries[@]}"; do
   name="$(basename "$test")"
   [[ -n "$filter" && "$name" != *"$filter"* ]] && continue
@@ -37,22 +52,19 @@ for test in "${binaries[@]}"; do
   [[ "$name" == fused_gpu ]] && gathers=(cp_async tma_rows)
   for gather in "${gathers[@]}"; do
     run="$name${gather:+.$gather}"
-    start=$(date +%s%N)
     # Every wait of the persistent kernels spins unbounded, so a protocol bug hangs instead of
     # failing: cap each binary so that one hang cannot take the later binaries' results with it.
     # (The fused binaries had a tighter cap; their case tables now run every case in both
     # forms, so they get the common one unless FUSED_TEST_TIMEOUT says otherwise.)
     limit="${TEST_TIMEOUT:-150}"
     [[ "$name" == fused_* ]] && limit="${FUSED_TEST_TIMEOUT:-$limit}"
-    CAPMOE_FUSED_GATHERS="$gather" timeout -k 5 "$limit" "$test" --test-threads=1 >"$logs/$run.log" 2>&1
-    rc=$?
-    [[ $rc -eq 124 || $rc -eq 137 ]] && echo "TIMEOUT after ${limit}s (a hang?)" | tee -a "$logs/$run.log"
-    ms=$(( ($(date +%s%N) - start) / 1000000 ))
-    secs="$((ms / 1000)).$(( (ms % 1000) / 100 ))"
-    result="$(grep -E '^test result:' "$logs/$run.log" | tail -n 1)"
-    [[ $rc -ne 0 ]] && failed=1 && grep -E '^(---- |thread .* panicked|  left|  right|.*assert)' "$logs/$run.log" | head -n 20
-    summary+=("$(printf '%-28s rc=%-3s %6ss  %s' "$run" "$rc" "$secs" "$result")")
-    echo "${summary[-1]}" >>"$logs/summary.txt"
+    run_one "$run" env CAPMOE_FUSED_GATHERS="$gather" timeout -k 5 "$limit" "$test" --test-threads=1
+    # A failure (not a hang) runs again with the GEMM as an ordinary launch (CAPMOE_GEMM_PDL=0,
+    # grouped_gemm/dependent_launch.cuh), so the same call tells a fault of the programmatic
+    # launch from one of the kernels.
+    if [[ $rc -ne 0 && $rc -ne 124 && $rc -ne 137 ]]; then
+      run_one "$run.no_pdl" env CAPMOE_GEMM_PDL=0 CAPMOE_FUSED_GATHERS="$gather" timeout -k 5 "$limit" "$test" --test-threads=1
+    fi
   done
 done
 echo "== GPU suite on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1) =="

@@ -5,6 +5,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+
 #include "common/boundary.cuh"
 #include "common/device_primitives.cuh"
 #include "cutlass/cutlass.h"
@@ -24,6 +26,18 @@ __global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksP
   capmoe::grid_dependency_wait();
   Kernel op;
   op(params, smem);
+}
+
+// Whether the GEMM is launched as a dependent at all. CAPMOE_GEMM_PDL=0 in the environment
+// (read once per process) makes it an ordinary launch, which waits for the argument kernel to
+// finish as any stream order does, and the entry's wait a no-op: a diagnostic switch, so that
+// one GPU run can tell a fault of the programmatic launch from one of the kernel.
+inline bool gemm_pdl_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("CAPMOE_GEMM_PDL");
+    return value == nullptr || value[0] != '0';
+  }();
+  return enabled;
 }
 
 // CUTLASS's GemmUniversalAdapter::initialize (4.2, no CUDA host adapter) is exactly

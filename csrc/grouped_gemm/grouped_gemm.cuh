@@ -21,6 +21,7 @@
 
 #include "common/boundary.cuh"
 #include "grouped_gemm/arguments.cuh"
+#include "grouped_gemm/dependent_launch.cuh"
 #include "grouped_gemm/launch.h"
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
@@ -142,8 +143,12 @@ struct Runner {
     (void)cudaGetLastError();
     arr.carve(launch.workspace, desc.num_experts);
     args = cutlass_arguments(launch, arr);
-    // A host-side check (problem sizes live on the device): before anything is launched.
+    // Host-side checks and preparation (problem sizes live on the device), all before anything
+    // is launched: a failure here must not leave the argument kernel alone on the stream (or in
+    // a graph being captured) without its GEMM.
     if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return CAPMOE_ERR_CUTLASS;
+    typename Gemm::GemmKernel::Params kernel_params;
+    CAPMOE_TRY(prepare_dependent_launch<Gemm>(args, arr.cutlass_workspace, launch.stream, &kernel_params));
     ArgumentParams<Arrays> params{arr,
                                   launch.m_splits,
                                   desc.split_dtype == CAPMOE_DTYPE_I64,
@@ -160,8 +165,8 @@ struct Runner {
                                   launch.overflow_flags};
     CAPMOE_TRY(launch_write_arguments(params, launch.stream));
 
-    // CUTLASS's workspace and kernel parameters, then the kernel (each arch's own way).
-    CAPMOE_TRY(Traits::launch(args, arr.cutlass_workspace, launch.stream));
+    // The kernel, right behind the argument kernel it depends on (each arch's own way).
+    CAPMOE_TRY(Traits::launch(kernel_params, launch.stream));
     CAPMOE_TRY(launch_status());
 
     if (desc.op == CAPMOE_GEMM_WGRAD && !desc.accumulate) {

@@ -60,18 +60,16 @@ struct Traits {
     return info;
   }
 
-  // A programmatic dependent launch of the argument kernel (grouped_gemm/dependent_launch.cuh)
-  // through CUTLASS's own cluster launcher: the preferred cluster shape, with the fallback
-  // where the GPU cannot place it.
-  static capmoe_status_t launch(const typename Gemm::Arguments& args, void* workspace, cudaStream_t stream) {
+  // The prepared kernel (prepare_dependent_launch) as a programmatic dependent launch of the
+  // argument kernel (grouped_gemm/dependent_launch.cuh) through CUTLASS's own cluster launcher:
+  // the preferred cluster shape, with the fallback where the GPU cannot place it.
+  static capmoe_status_t launch(const typename Gemm::GemmKernel::Params& params, cudaStream_t stream) {
     using Kernel = typename Gemm::GemmKernel;
-    typename Kernel::Params params;
-    CAPMOE_TRY(prepare_dependent_launch<Gemm>(args, workspace, stream, &params));
-    void* kernel_params[] = {&params};
+    void* kernel_params[] = {const_cast<typename Kernel::Params*>(&params)};
     const cutlass::Status status = cutlass::ClusterLauncher::launch_with_fallback_cluster(
         Kernel::get_grid_shape(params), Config::kCluster, Config::kClusterFallback, Kernel::get_block_shape(),
         Kernel::SharedStorageSize, stream, reinterpret_cast<const void*>(&dependent_gemm_kernel<Kernel>),
-        kernel_params, /*launch_with_pdl=*/true);
+        kernel_params, /*launch_with_pdl=*/gemm_pdl_enabled());
     return status == cutlass::Status::kSuccess ? CAPMOE_OK : CAPMOE_ERR_CUTLASS;
   }
 };

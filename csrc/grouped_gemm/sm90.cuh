@@ -68,18 +68,16 @@ struct Traits {
     return info;
   }
 
-  static capmoe_status_t launch(const typename Gemm::Arguments& args, void* workspace, cudaStream_t stream);
+  static capmoe_status_t launch(const typename Gemm::GemmKernel::Params& params, cudaStream_t stream);
 };
 
-// Launches the kernel for `args` as a programmatic dependent launch of the previous kernel on
-// `stream` (the argument kernel; see grouped_gemm/dependent_launch.cuh), with the config's
-// static cluster shape.
+// Launches the prepared kernel (prepare_dependent_launch) as a programmatic dependent launch of
+// the previous kernel on `stream` (the argument kernel; see grouped_gemm/dependent_launch.cuh),
+// with the config's static cluster shape.
 template <class ElementIn, class LayoutA, class LayoutB, class ElementC, class ElementD, class Config>
 capmoe_status_t Traits<ElementIn, LayoutA, LayoutB, ElementC, ElementD, Config>::launch(
-    const typename Gemm::Arguments& args, void* workspace, cudaStream_t stream) {
+    const typename Gemm::GemmKernel::Params& params, cudaStream_t stream) {
   using Kernel = typename Gemm::GemmKernel;
-  typename Kernel::Params params;
-  CAPMOE_TRY(prepare_dependent_launch<Gemm>(args, workspace, stream, &params));
   cudaLaunchAttribute attrs[2] = {};
   attrs[0].id = cudaLaunchAttributeClusterDimension;
   attrs[0].val.clusterDim.x = Config::kClusterM;
@@ -93,7 +91,7 @@ capmoe_status_t Traits<ElementIn, LayoutA, LayoutB, ElementC, ElementD, Config>:
   config.dynamicSmemBytes = Kernel::SharedStorageSize;
   config.stream = stream;
   config.attrs = attrs;
-  config.numAttrs = 2;
+  config.numAttrs = gemm_pdl_enabled() ? 2 : 1;
   return cuda_status(cudaLaunchKernelEx(&config, &dependent_gemm_kernel<Kernel>, params));
 }
 
