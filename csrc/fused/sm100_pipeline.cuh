@@ -129,6 +129,9 @@ __device__ __forceinline__ void issue_umma_tile(Mma& mma, const FragA& tCrA, con
   mma.accumulate_ = UMMA::ScaleOut::Zero;
   for (int kb = 0; kb < k_blocks; ++kb) {
     wait_barrier(&full[ring.stage], ring.phase, "sm100 MMA warp, full");
+    // The UMMA atom's and umma_arrive's elect.sync need the warp converged after the per-lane
+    // spin of the wait.
+    __syncwarp();
     if constexpr (kAfterCpAsync) cutlass::arch::fence_view_async_shared();
 #pragma unroll
     for (int k = 0; k < size<2>(tCrA); ++k) {
@@ -180,8 +183,11 @@ __device__ __forceinline__ uint32_t tmem_lane_quarter(uint32_t tmem_base, int qu
 }
 
 // Issues the load of 32 consecutive fp32 TMEM columns of this thread's lane; the registers
-// are valid only after tmem_wait_loads.
+// are valid only after tmem_wait_loads. tcgen05.ld is .sync.aligned: the whole warp must issue
+// it converged, and the per-row branches and per-lane barrier spins before it may have split
+// the warp, so it reconverges here rather than relying on the compiler to.
 __device__ __forceinline__ void tmem_load_32(uint32_t address, uint32_t (&v)[32]) {
+  __syncwarp();
   cute::SM100_TMEM_LOAD_32dp32b32x::copy(address, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10],
                                          v[11], v[12], v[13], v[14], v[15], v[16], v[17], v[18], v[19], v[20], v[21],
                                          v[22], v[23], v[24], v[25], v[26], v[27], v[28], v[29], v[30], v[31]);
