@@ -139,7 +139,7 @@ mod abi {
         );
         assert_eq!(unsafe { sys::capmoe_wgrad_gather_supported(null()) }, INVALID);
         let f32 = sys::CAPMOE_DTYPE_F32 as i32;
-        let cases: [(&str, EditDesc, i32); 15] = [
+        let cases: [(&str, EditDesc, i32); 16] = [
             ("E = 0", |d| d.num_experts = 0, INVALID),
             ("M = 0", |d| d.m = 0, INVALID),
             ("N past i32", |d| d.n = 1 << 31, INVALID),
@@ -155,6 +155,8 @@ mod abi {
             ("f16 output of bf16", |d| d.out_dtype = sys::CAPMOE_DTYPE_F16 as i32, UNSUPPORTED),
             ("accumulate into bf16", |d| d.accumulate = 1, UNSUPPORTED),
             ("too many tiles", |d| (d.num_experts, d.m, d.n) = (1 << 24, 1 << 16, 8), UNSUPPORTED),
+            // i32::MAX tiles fit an int, but the persistent loop's last step (tile + grid) does not.
+            ("loop index past i32", |d| (d.num_experts, d.m, d.n) = (i32::MAX as i64, 8, 8), UNSUPPORTED),
         ];
         for (what, edit, want) in cases {
             let mut d = desc();

@@ -12,6 +12,7 @@
 #define CAPMOE_FUSED_HAS_KERNEL (CAPMOE_HAS_SM90 || CAPMOE_HAS_SM100)
 
 #include <cuda.h>
+#include <cstdint>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
@@ -46,6 +47,15 @@ inline capmoe_status_t built_device_arch(bool has_sm90, bool has_sm100, FusedArc
     return CAPMOE_OK;
   }
   return CAPMOE_ERR_UNSUPPORTED;
+}
+
+// The persistent grid for `tiles` tiles: one CTA per SM, fewer when there are fewer tiles.
+inline int persistent_grid(int64_t tiles, int32_t sm_count) { return int(tiles < sm_count ? tiles : sm_count); }
+
+// Whether the kernels' persistent loop (`tile = blockIdx.x; tile < tiles; tile += gridDim.x`)
+// keeps in int every index it computes, the last being up to tiles - 1 + grid.
+inline bool persistent_loop_fits_int(int64_t tiles, int32_t sm_count) {
+  return tiles - 1 + persistent_grid(tiles, sm_count) <= INT32_MAX;
 }
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (the crate does not link

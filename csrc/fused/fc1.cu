@@ -33,7 +33,8 @@ capmoe_status_t check_desc(const capmoe_fused_fc1_desc_t* d) {
   if (d->dtype != CAPMOE_DTYPE_BF16 && d->dtype != CAPMOE_DTYPE_F16) return CAPMOE_ERR_UNSUPPORTED;
   if (d->ffn % CAPMOE_FUSED_FC1_TILE_N != 0) return CAPMOE_ERR_UNSUPPORTED;
   // The kernel indexes tiles with int32.
-  if (fc1_max_tiles(d->num_experts, d->capacity, d->ffn) > INT32_MAX) return CAPMOE_ERR_UNSUPPORTED;
+  if (!persistent_loop_fits_int(fc1_max_tiles(d->num_experts, d->capacity, d->ffn), d->sm_count))
+    return CAPMOE_ERR_UNSUPPORTED;
   if (d->gather < CAPMOE_FUSED_GATHER_AUTO || d->gather > CAPMOE_FUSED_GATHER_CP_ASYNC) return CAPMOE_ERR_INVALID_ARGUMENT;
   return CAPMOE_OK;
 }
@@ -117,8 +118,7 @@ extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc,
     p.ffn = int32_t(d.ffn);
     p.max_tokens = int32_t(d.max_tokens);
     p.capacity = int32_t(d.capacity);
-    const int64_t tiles = fc1_max_tiles(d.num_experts, d.capacity, d.ffn);
-    const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
+    const int grid = persistent_grid(fc1_max_tiles(d.num_experts, d.capacity, d.ffn), d.sm_count);
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
 #if CAPMOE_HAS_SM100
     if (kernel == Fc1Kernel::Sm100) return launch_fc1_sm100(p, d.dtype, grid, s);

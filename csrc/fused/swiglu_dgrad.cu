@@ -33,7 +33,8 @@ capmoe_status_t check_desc(const capmoe_fused_swiglu_dgrad_desc_t* d) {
   if (d->dtype != CAPMOE_DTYPE_BF16 && d->dtype != CAPMOE_DTYPE_F16) return CAPMOE_ERR_UNSUPPORTED;
   if (d->ffn % CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N != 0) return CAPMOE_ERR_UNSUPPORTED;
   // The kernel indexes tiles with int32.
-  if (dgrad_max_tiles(d->num_experts, d->capacity, d->ffn) > INT32_MAX) return CAPMOE_ERR_UNSUPPORTED;
+  if (!persistent_loop_fits_int(dgrad_max_tiles(d->num_experts, d->capacity, d->ffn), d->sm_count))
+    return CAPMOE_ERR_UNSUPPORTED;
   return CAPMOE_OK;
 }
 
@@ -80,8 +81,7 @@ capmoe_status_t make_params(const capmoe_fused_swiglu_dgrad_desc_t& d, const voi
 }
 
 int grid_of(const capmoe_fused_swiglu_dgrad_desc_t& d) {
-  const int64_t tiles = dgrad_max_tiles(d.num_experts, d.capacity, d.ffn);
-  return int(tiles < d.sm_count ? tiles : d.sm_count);
+  return persistent_grid(dgrad_max_tiles(d.num_experts, d.capacity, d.ffn), d.sm_count);
 }
 #endif
 

@@ -38,7 +38,7 @@ capmoe_status_t check_desc(const capmoe_wgrad_gather_desc_t* d) {
   if (d->dtype != CAPMOE_DTYPE_BF16 && d->dtype != CAPMOE_DTYPE_F16) return CAPMOE_ERR_UNSUPPORTED;
   if (d->out_dtype != d->dtype && d->out_dtype != CAPMOE_DTYPE_F32) return CAPMOE_ERR_UNSUPPORTED;
   if (d->accumulate && d->out_dtype != CAPMOE_DTYPE_F32) return CAPMOE_ERR_UNSUPPORTED;
-  if (total_tiles(*d) > INT32_MAX) return CAPMOE_ERR_UNSUPPORTED;
+  if (!persistent_loop_fits_int(total_tiles(*d), d->sm_count)) return CAPMOE_ERR_UNSUPPORTED;
   return CAPMOE_OK;
 }
 
@@ -104,8 +104,7 @@ extern "C" capmoe_status_t capmoe_wgrad_gather(const capmoe_wgrad_gather_desc_t*
     p.accumulate = d.accumulate;
     p.m_tiles = int32_t(tiles_of(d.m, CAPMOE_WGRAD_GATHER_TILE_M));
     p.n_tiles = int32_t(tiles_of(d.n, CAPMOE_WGRAD_GATHER_TILE_N));
-    const int64_t tiles = total_tiles(d);
-    const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
+    const int grid = persistent_grid(total_tiles(d), d.sm_count);
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
 #if CAPMOE_HAS_SM100
     if (kernel == WgradKernel::Sm100) return launch_wgrad_gather_sm100(p, d.dtype, d.out_dtype, grid, s);
