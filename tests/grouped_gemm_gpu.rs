@@ -230,6 +230,31 @@ fn repeated_runs_are_bit_identical() {
     }
 }
 
+/// Two runs back to back on one workspace, with different m_splits and no host sync between
+/// them: the second argument kernel rewrites the problem sizes and pointers while the first
+/// GEMM may still be queued, and with 4096 experts it runs for long enough that a GEMM reading
+/// its arguments before its dependency wait (grouped_gemm/dependent_launch.cuh) would see the
+/// other run's. Both outputs must match the reference.
+#[test]
+fn back_to_back_runs_on_one_workspace_read_their_own_arguments() {
+    let stream = gpu_or_skip!();
+    let experts = 4096;
+    for op in OPS {
+        let s = spec(op, experts, 64, 64, 8192);
+        let first_case = HostCase::new(s.clone(), skewed_splits(experts, 8000, 21), Data::Random, 22);
+        let second_case = HostCase::new(s, skewed_splits(experts, 5000, 23), Data::Random, 24);
+        let mut first = DeviceCase::upload(&first_case, &stream);
+        let mut second = DeviceCase::upload(&second_case, &stream);
+        stream.synchronize().unwrap();
+        first.launch(&stream).unwrap();
+        // The second run takes the workspace the first one is using.
+        std::mem::swap(&mut first.workspace, &mut second.workspace);
+        second.launch(&stream).unwrap();
+        first.outcome(&first_case, &stream).assert_close(&format!("{op:?} first run"), 1e-2);
+        second.outcome(&second_case, &stream).assert_close(&format!("{op:?} second run"), 1e-2);
+    }
+}
+
 #[test]
 fn safe_run_checks_operands() {
     let stream = gpu_or_skip!();

@@ -79,19 +79,28 @@ capmoe_status_t Traits<ElementIn, LayoutA, LayoutB, ElementC, ElementD, Config>:
     const typename Gemm::GemmKernel::Params& params, cudaStream_t stream) {
   using Kernel = typename Gemm::GemmKernel;
   cudaLaunchAttribute attrs[2] = {};
-  attrs[0].id = cudaLaunchAttributeClusterDimension;
-  attrs[0].val.clusterDim.x = Config::kClusterM;
-  attrs[0].val.clusterDim.y = 1;
-  attrs[0].val.clusterDim.z = 1;
-  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attrs[1].val.programmaticStreamSerializationAllowed = 1;
+  unsigned count = 0;
+  // A cluster only where the config has one: the 1x1x1 kernels launch without the attribute,
+  // as CUTLASS's own adapter launches them.
+  if (Config::kClusterM > 1) {
+    attrs[count].id = cudaLaunchAttributeClusterDimension;
+    attrs[count].val.clusterDim.x = Config::kClusterM;
+    attrs[count].val.clusterDim.y = 1;
+    attrs[count].val.clusterDim.z = 1;
+    ++count;
+  }
+  if (gemm_pdl_enabled()) {
+    attrs[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[count].val.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = Kernel::get_grid_shape(params);
   config.blockDim = Kernel::get_block_shape();
   config.dynamicSmemBytes = Kernel::SharedStorageSize;
   config.stream = stream;
   config.attrs = attrs;
-  config.numAttrs = gemm_pdl_enabled() ? 2 : 1;
+  config.numAttrs = count;
   return cuda_status(cudaLaunchKernelEx(&config, &dependent_gemm_kernel<Kernel>, params));
 }
 
