@@ -32,7 +32,11 @@
  * 256-byte, m_splits and overflow_flags at their element's size (CAPMOE_ERR_MISALIGNED).
  * Whatever the host can check is checked before anything is launched.
  *
- * capmoe_grouped_gemm_run allocates nothing and never synchronises with the host. */
+ * capmoe_grouped_gemm_run allocates nothing and never synchronises with the host. It enqueues
+ * the argument kernel and, right behind it, the GEMM as its programmatic dependent launch (the
+ * GEMM's blocks wait for it before reading anything; the kernels before and after the pair are
+ * ordered as usual). CAPMOE_GEMM_PDL=0 in the environment (read once) makes the GEMM an
+ * ordinary launch, for diagnosis. */
 #ifndef CAPTURABLE_MOE_GROUPED_GEMM_H
 #define CAPTURABLE_MOE_GROUPED_GEMM_H
 
