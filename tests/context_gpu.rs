@@ -27,7 +27,7 @@ const K: usize = 32;
 const CAPACITY: usize = 24;
 
 fn lock() -> std::sync::MutexGuard<'static, ()> {
-    common::CAPTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner())
+    common::capture_lock()
 }
 
 fn small_ints(len: usize, seed: usize) -> Vec<bf16> {

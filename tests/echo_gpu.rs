@@ -331,7 +331,7 @@ fn target_shape_matches_reference() {
 #[test]
 fn graph_capture_replays_with_new_data() {
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let _lock = common::capture_lock();
     let ctx = stream.context();
     // SAFETY: every buffer of this test lives on `stream` only.
     unsafe { ctx.disable_event_tracking() };
@@ -390,7 +390,7 @@ fn graph_capture_replays_with_new_data() {
 #[test]
 fn graph_replays_with_a_device_token_count() {
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let _lock = common::capture_lock();
     // SAFETY: every buffer of this test lives on `stream` only.
     unsafe { stream.context().disable_event_tracking() };
     let cfg = EchoConfig {

@@ -509,7 +509,7 @@ fn run_case(stream: &Arc<CudaStream>, case: &Case, seed: u64) {
 #[test]
 fn echo_plan_reroute_slots_and_expert_path_in_one_graph() {
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let _lock = common::capture_lock();
     let arch = DeviceInfo::of_stream(&stream).unwrap().arch;
     for (i, case) in cases(arch).iter().enumerate() {
         run_case(&stream, case, 100 + i as u64);

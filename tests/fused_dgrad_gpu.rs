@@ -889,7 +889,7 @@ fn fused_dgrad_gathered_model_shapes() {
 /// 192 (whole K blocks) and H = 200 (a partial last one).
 fn graph_replays_match_eager(form: Form) {
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     for (h, seed) in [(192, 9), (200, 29)] {
         let shape = Shape { e: 8, h, f: 256, k: 2, t_max: 160, capacity: None };
         let w2 = weights::<bf16>(shape, seed);
@@ -1079,7 +1079,7 @@ fn fused_dgrad_timing() {
     if common::skip_under_sanitizer() {
         return;
     }
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     let mut r = timing_runner(&stream, Form::Drows, 11);
     let fused_graph = capture(&stream, || r.drows_launch(&stream, false)).unwrap();
     let unfused_graph = capture(&stream, || r.unfused(&stream)).unwrap();
@@ -1105,7 +1105,7 @@ fn fused_dgrad_gathered_timing() {
     if common::skip_under_sanitizer() {
         return;
     }
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     let mut r = timing_runner(&stream, Form::Gathered, 31);
     let gathered_graph = capture(&stream, || r.launch(&stream)).unwrap();
     let drows_graph = capture(&stream, || r.drows_launch(&stream, false)).unwrap();

@@ -403,7 +403,7 @@ fn fused_fc1_model_shapes() {
 #[test]
 fn fused_fc1_graph_replays_match_eager() {
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     let shape = Shape { e: 8, h: 192, f: 256, k: 2, t_max: 160, capacity: None };
     let w1 = weights(shape, 9);
     for gather in gathers(&stream) {
@@ -555,7 +555,7 @@ fn fused_fc1_gather_forms_of_the_device() {
 #[ignore]
 fn fused_fc1_timing() {
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     let shape = Shape { e: 128, h: 2048, f: 768, k: 8, t_max: 4096, capacity: None };
     let w1 = weights(shape, 11);
     // The runner's plan: TMA rows where the device has them (sm_100a: cp.async, timed twice).

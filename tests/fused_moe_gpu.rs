@@ -137,7 +137,7 @@ fn fused_moe_equals_unfused_bitwise_and_the_fp64_reference() {
 #[test]
 fn fused_moe_graph_replays_equal_eager_unfused() {
     let stream = gpu_of_arch_or_skip!("the fused fc1", Arch::Sm90, Arch::Sm100);
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     let (w1, w2) = weights(3);
     let mut graph_moe = plan(&stream, None, FusedKernel::Fused, false);
     let mut eager_moe = plan(&stream, None, FusedKernel::Unfused, false);
@@ -314,7 +314,7 @@ fn fused_moe_swiglu_dgrad_matches_unfused_and_the_fp64_reference() {
 /// routing, x, dy and T, and asserts every replay bit-equal to an eager run of an identical plan
 /// (dx written on its T rows, the poison past them).
 fn assert_replays_equal_eager(stream: &Arc<CudaStream>, opts: MoeOptions, seed: u64) {
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     let (w1, w2) = weights(seed);
     let mut graph_moe = MoeExperts::<bf16>::with_options(config(None), opts, stream).unwrap();
     let mut eager_moe = MoeExperts::<bf16>::with_options(config(None), opts, stream).unwrap();

@@ -549,7 +549,7 @@ fn fused_wgrad_model_shape_against_cutlass() {
 #[test]
 fn fused_wgrad_graph_replays_match_eager() {
     let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     let (m, n, capacity, max_tokens) = (256, 264, 600, 200);
     let case = |rng: &mut StdRng, i: usize| -> Case {
         let e = 8;
@@ -645,7 +645,7 @@ fn fused_wgrad_timing() {
     if common::skip_under_sanitizer() {
         return;
     }
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     let (e, h, f, k, t) = (128, 2048, 768, 8, 4096);
     let routing = RoutingPlan::new(RoutingConfig {
         num_experts: e,

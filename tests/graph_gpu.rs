@@ -200,7 +200,7 @@ fn steps() -> usize {
 #[test]
 fn pooled_bucket_graphs_equal_graphs_captured_alone_over_interleaved_replays_gpu() {
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     let pool = MemoryPool::new(&stream, 64 << 20).unwrap();
     let buckets = [16usize, 32, 48, 64];
     struct Bucket {
@@ -259,7 +259,7 @@ fn pooled_bucket_graphs_equal_graphs_captured_alone_over_interleaved_replays_gpu
 #[test]
 fn updated_graph_equals_a_freshly_captured_one_gpu() {
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     let mut moe = MoeExperts::<bf16>::new(config(SMALL), &stream).unwrap();
     let (mut layer_a, mut layer_b) = (layer_io(&stream, SMALL, 1), layer_io(&stream, SMALL, 2));
     stream.synchronize().unwrap();
@@ -291,7 +291,7 @@ fn updated_graph_equals_a_freshly_captured_one_gpu() {
 #[test]
 fn update_to_another_topology_is_refused_gpu() {
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     let mut moe = MoeExperts::<bf16>::new(config(SMALL), &stream).unwrap();
     let mut io = layer_io(&stream, SMALL, 4);
     stream.synchronize().unwrap();
@@ -318,9 +318,12 @@ fn assert_refused_while_capturing(
 ) {
     tracking_off(stream);
     stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
-    let result = call();
+    // A panic inside `call` must not leave a global-mode capture open: it would fail every
+    // later test of the binary. End the capture first, then let the panic go on.
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(call));
     let status = stream.capture_status();
     let _ = stream.end_capture(CUgraphInstantiate_flags(0));
+    let result = result.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
     match result {
         Err(Error::Capturing { op: got }) => assert_eq!(got, op),
         other => panic!("{op} while capturing: expected Error::Capturing, got {:?}", other.err()),
@@ -338,7 +341,7 @@ macro_rules! guard_test {
         #[test]
         fn $name() {
             let $stream = gpu_or_skip!();
-            let _lock = common::CAPTURE_LOCK.lock().unwrap();
+            let _lock = common::capture_lock();
             let $s = $setup;
             assert_refused_while_capturing(&$stream, $op, || $call.map(|_| ()));
         }
@@ -370,7 +373,7 @@ fn tiny_graph(stream: &Arc<CudaStream>) -> (CudaGraph, GraphTemplate, CudaSlice<
 guard_test!(guard_capture_gpu, "graph::capture", |stream| (), |_s| capture(&stream, || Ok(())));
 guard_test!(guard_capture_with_gpu, "graph::capture", |stream| (), |_s| capture_with(
     &stream,
-    CaptureOptions { upload: false },
+    CaptureOptions { upload: false, ..Default::default() },
     || Ok(())
 ));
 guard_test!(guard_graph_template_capture_gpu, "GraphTemplate::capture", |stream| (), |_s| GraphTemplate::capture(
@@ -483,7 +486,7 @@ guard_test!(
 #[test]
 fn flag_report_names_the_bits_a_replay_raised_gpu() {
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     let cfg = MoeConfig { expert_capacity: Some(2), ..config(SMALL) };
     let mut moe = MoeExperts::<bf16>::new(cfg, &stream).unwrap();
     let mut io = layer_io(&stream, SMALL, 7);
@@ -538,7 +541,7 @@ fn timing_one_graph_for_every_t_gpu() {
         return;
     }
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     let t_max = env_usize("CAPMOE_GRAPH_TMAX", 16384);
     let reps = env_usize("CAPMOE_GRAPH_REPS", 20);
     let shape = qwen(t_max);
@@ -594,7 +597,7 @@ fn timing_update_vs_capture_and_instantiate_gpu() {
         return;
     }
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     let shape = qwen(env_usize("CAPMOE_GRAPH_TMAX", 4096));
     let reps = env_usize("CAPMOE_GRAPH_REPS", 20);
     let mut moe = MoeExperts::<bf16>::new(config(shape), &stream).unwrap();
@@ -606,7 +609,10 @@ fn timing_update_vs_capture_and_instantiate_gpu() {
     for i in 0..reps {
         let layer = &mut rest[i % rest.len()];
         let start = Instant::now();
-        let g = capture_with(&stream, CaptureOptions { upload: false }, || layer.step(&mut moe, &stream)).unwrap();
+        let g = capture_with(&stream, CaptureOptions { upload: false, ..Default::default() }, || {
+            layer.step(&mut moe, &stream)
+        })
+        .unwrap();
         fresh.push(start.elapsed().as_secs_f64() * 1e6);
         drop(g);
         let start = Instant::now();
@@ -651,7 +657,7 @@ fn timing_first_replay_with_and_without_upload_gpu() {
         return;
     }
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     let shape = qwen(env_usize("CAPMOE_GRAPH_TMAX", 4096));
     let mut moe = MoeExperts::<bf16>::new(config(shape), &stream).unwrap();
     let mut io = layer_io(&stream, shape, 40);
@@ -666,7 +672,10 @@ fn timing_first_replay_with_and_without_upload_gpu() {
     };
     let (mut cold, mut uploaded, mut steady) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..10 {
-        let g = capture_with(&stream, CaptureOptions { upload: false }, || io.step(&mut moe, &stream)).unwrap();
+        let g = capture_with(&stream, CaptureOptions { upload: false, ..Default::default() }, || {
+            io.step(&mut moe, &stream)
+        })
+        .unwrap();
         stream.synchronize().unwrap();
         cold.push(timed(&g));
         steady.push(timed(&g));
@@ -686,10 +695,18 @@ fn timing_first_replay_with_and_without_upload_gpu() {
 
 /// The memory target: eight expert-path plans for token buckets 128 ... 16384 in one
 /// pool, physical bytes against the largest bucket's buffers alone (target <= 1.05x) and the
-/// sum of all eight (what eight separate plans would allocate).
+/// sum of all eight (what eight separate plans would allocate). Besides the pool's own count,
+/// the device memory the driver reports taken: the eight pooled plans (their owned parts
+/// included: GEMM workspaces, maps, flags) against one plain plan of the largest bucket.
 #[test]
 fn pool_eight_buckets_memory_gpu() {
     let stream = gpu_or_skip!();
+    let alone_taken = {
+        let before = common::free_device_bytes(&stream);
+        let _plan = MoeExperts::<bf16>::with_options(config(qwen(16384)), MoeOptions::default(), &stream).unwrap();
+        before - common::free_device_bytes(&stream)
+    };
+    let free_before = common::free_device_bytes(&stream);
     let pool = MemoryPool::new(&stream, 8 << 30).unwrap();
     let mut used = Vec::new();
     let mut plans = Vec::new();
@@ -703,6 +720,17 @@ fn pool_eight_buckets_memory_gpu() {
         physical >> 20, largest >> 20, physical as f64 / largest as f64, sum >> 20);
     assert!(physical as f64 <= 1.05 * largest as f64, "physical {physical} > 1.05 x largest {largest}");
     assert!(physical * 3 / 2 < sum);
+    let pooled_taken = free_before - common::free_device_bytes(&stream);
+    println!(
+        "device memory taken: 8 pooled plans {} MiB, the largest plan alone {} MiB ({:.4}x)",
+        pooled_taken >> 20,
+        alone_taken >> 20,
+        pooled_taken as f64 / alone_taken as f64
+    );
+    assert!(
+        pooled_taken as f64 <= 1.05 * alone_taken as f64,
+        "8 pooled plans took {pooled_taken} bytes > 1.05 x {alone_taken} of the largest alone"
+    );
 }
 
 /// The fused kernels' plans (F = 128: a multiple of their column tile), each refused while

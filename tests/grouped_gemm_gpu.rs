@@ -281,7 +281,7 @@ fn safe_run_checks_operands() {
 #[test]
 fn graph_replay_with_new_m_splits_matches_eager() {
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     let ctx = stream.context().clone();
     for op in OPS {
         let experts = 8;

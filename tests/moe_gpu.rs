@@ -185,7 +185,7 @@ fn forward_and_backward_match_the_fp64_reference() {
 #[test]
 fn one_graph_replayed_1000_times_with_new_routing() {
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
+    let _lock = common::capture_lock();
     let w = weights(3);
     let mut graph_moe = MoeExperts::<bf16>::new(config(), &stream).unwrap();
     let mut eager_moe = MoeExperts::<bf16>::new(config(), &stream).unwrap();
@@ -365,7 +365,7 @@ fn map_step(rng: &mut StdRng, i: usize, allow_too_many: bool) -> MapStep {
 #[test]
 fn megatron_map_form_matches_topk_form() {
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let _lock = common::capture_lock();
     let w = weights(7);
     let mut map_moe = MoeExperts::<bf16>::new(config(), &stream).unwrap();
     let mut topk_moe = MoeExperts::<bf16>::new(config(), &stream).unwrap();

@@ -26,7 +26,7 @@ const POISON_I64: i64 = 0x5a5a_5a5a_5a5a_5a5a;
 /// GPU tests of this binary run one at a time: the graph test captures in global mode, which
 /// forbids allocations on other threads while it is open.
 fn serial() -> MutexGuard<'static, ()> {
-    common::CAPTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner())
+    common::capture_lock()
 }
 
 fn poison<T: Scalar>() -> T {

@@ -29,7 +29,7 @@ use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions};
 use capturable_moe::routing::{self, flags};
 use common::echo_moe::EchoExpertPath;
 use common::expert_io::{bits16, bits32, layer_config, ExpertIo};
-use common::moe::{assert_bits, poison_bf16, poison_f32, random_bf16, Dims};
+use common::moe::{assert_bits, poison_bf16, poison_f32, random_bf16, Dims, POISON_BF16};
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -115,11 +115,6 @@ fn word(stream: &Arc<CudaStream>, v: &CudaSlice<i32>) -> i32 {
     stream.clone_dtoh(v).unwrap()[0]
 }
 
-fn free_device_bytes(stream: &Arc<CudaStream>) -> usize {
-    stream.context().bind_to_thread().unwrap();
-    cudarc::driver::result::mem_get_info().unwrap().0
-}
-
 /// Wall time per block of 1000 replays and free device memory at each block's end: no block
 /// slower than twice the median block, free memory never below the first reading by more
 /// than 16 MiB.
@@ -132,7 +127,7 @@ struct Stability {
 
 impl Stability {
     fn new(name: &'static str, stream: &Arc<CudaStream>) -> Stability {
-        let free = free_device_bytes(stream) as f64 / (1 << 20) as f64;
+        let free = common::free_device_bytes(stream) as f64 / (1 << 20) as f64;
         Stability { name, block_start: Instant::now(), block_ms: Vec::new(), free_mb: vec![free] }
     }
 
@@ -140,7 +135,7 @@ impl Stability {
         if (i + 1).is_multiple_of(1000) {
             stream.synchronize().unwrap();
             self.block_ms.push(self.block_start.elapsed().as_secs_f64() * 1e3);
-            self.free_mb.push(free_device_bytes(stream) as f64 / (1 << 20) as f64);
+            self.free_mb.push(common::free_device_bytes(stream) as f64 / (1 << 20) as f64);
             self.block_start = Instant::now();
         }
     }
@@ -215,7 +210,7 @@ fn soak_expert_path_graph_gpu() {
         return;
     }
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let _lock = common::capture_lock();
     let mut rng = StdRng::seed_from_u64(19);
     let w1 = random_bf16(&mut rng, E * 2 * F * H, 1.0 / (H as f32).sqrt());
     let w2 = random_bf16(&mut rng, E * H * F, 1.0 / (F as f32).sqrt());
@@ -251,7 +246,7 @@ fn soak_expert_path_graph_gpu() {
             assert_bits(&format!("{what}: graph vs eager"), &graph_io.io.bits(&stream), &eager_io.io.bits(&stream));
             let y = stream.clone_dtoh(&graph_io.io.y).unwrap();
             assert!(y[..r.t * H].iter().all(|v| v.is_finite()), "{what}: y rows < T not all written");
-            assert!(y[r.t * H..].iter().all(|v| v.to_bits() == 0xFFFF), "{what}: y written past T");
+            assert!(y[r.t * H..].iter().all(|v| v.to_bits() == POISON_BF16), "{what}: y written past T");
             compared += 1;
         }
         stable.after_replay(&stream, i);
@@ -357,7 +352,7 @@ fn soak_echo_plan_reroute_and_expert_path_graph_gpu() {
         return;
     }
     let stream = gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let _lock = common::capture_lock();
     let mut rng = StdRng::seed_from_u64(1919);
     let w1 = random_bf16(&mut rng, EE * W1, 1.0 / (EH as f32).sqrt());
     let w2 = random_bf16(&mut rng, EE * W2, 1.0 / (EF as f32).sqrt());

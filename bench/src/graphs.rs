@@ -307,7 +307,9 @@ fn update_rows(stream: &Arc<CudaStream>, reps: usize, d: Dims, t: usize) -> Resu
         // through `update`, so every update changes the buffers.
         let layer = &mut layers[1 + i % (LAYERS as usize - 1)];
         let start = Instant::now();
-        let fresh_graph = capture_with(stream, CaptureOptions { upload: false }, || layer.run(&mut moe, stream, None))?;
+        let fresh_graph = capture_with(stream, CaptureOptions { upload: false, ..Default::default() }, || {
+            layer.run(&mut moe, stream, None)
+        })?;
         fresh.push(elapsed_us(start));
         drop(fresh_graph);
 
@@ -388,7 +390,9 @@ fn first_replay_rows(stream: &Arc<CudaStream>, reps: usize, d: Dims, t: usize) -
     let reps = reps.clamp(5, 20);
     let (mut cold, mut uploaded, mut steady) = (vec![], vec![], vec![]);
     for _ in 0..reps {
-        let graph = capture_with(stream, CaptureOptions { upload: false }, || layer.run(&mut moe, stream, None))?;
+        let graph = capture_with(stream, CaptureOptions { upload: false, ..Default::default() }, || {
+            layer.run(&mut moe, stream, None)
+        })?;
         stream.synchronize()?;
         cold.push(replay(&graph)?);
         steady.push(replay(&graph)?);

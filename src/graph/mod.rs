@@ -78,17 +78,42 @@ pub(crate) fn capture_state_to_result(
     }
 }
 
-/// How [`capture_with`] finishes a graph.
+/// Which threads a capture constrains (CUDA's stream capture mode).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum CaptureMode {
+    /// While the capture is open, a potentially unsafe call (a host sync, an allocation, a
+    /// legacy-stream use) from *any* thread fails and invalidates it. The safe choice when
+    /// one thread drives the device.
+    #[default]
+    Global,
+    /// Only the capturing thread is constrained. Use it when other threads keep running CUDA
+    /// work while one captures, such as one thread per GPU of an expert-parallel group: NCCL
+    /// requires this mode for a process with a thread per GPU.
+    ThreadLocal,
+}
+
+impl CaptureMode {
+    fn to_cuda(self) -> CUstreamCaptureMode {
+        match self {
+            CaptureMode::Global => CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            CaptureMode::ThreadLocal => CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        }
+    }
+}
+
+/// How [`capture_with`] captures and finishes a graph.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CaptureOptions {
     /// Upload the instantiated graph to the device on its stream (`cuGraphUpload`), so that
     /// the first launch costs what the later ones do instead of paying the upload itself.
     pub upload: bool,
+    /// The capture mode (default [`CaptureMode::Global`]).
+    pub mode: CaptureMode,
 }
 
 impl Default for CaptureOptions {
     fn default() -> Self {
-        CaptureOptions { upload: true }
+        CaptureOptions { upload: true, mode: CaptureMode::Global }
     }
 }
 
@@ -109,7 +134,7 @@ pub fn capture_with(
 ) -> Result<CudaGraph> {
     ensure_not_capturing(stream, "graph::capture")?;
     let _tracking_off = TrackingOff::new(stream.context().clone());
-    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)?;
+    stream.begin_capture(options.mode.to_cuda())?;
     let body_result = body();
     let graph = stream.end_capture(CUgraphInstantiate_flags(0));
     body_result?;
@@ -214,6 +239,14 @@ mod tests {
         assert!(matches!(capture_state_to_result(implicit, "x"), Err(Error::Capturing { op: "x" })));
         let other = Err(DriverError(cudaError_enum::CUDA_ERROR_INVALID_HANDLE));
         assert!(matches!(capture_state_to_result(other, "x"), Err(Error::Driver(_))));
+    }
+
+    /// Global by default (as `capture` always was); each mode is the CUDA mode of its name.
+    #[test]
+    fn capture_modes_map_to_cuda_modes_host() {
+        assert_eq!(CaptureOptions::default().mode, CaptureMode::Global);
+        assert_eq!(CaptureMode::Global.to_cuda(), CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL);
+        assert_eq!(CaptureMode::ThreadLocal.to_cuda(), CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
     }
 }
 

@@ -138,7 +138,9 @@ impl PoolShared {
         self.stream.context().ordinal() as i32
     }
 
-    /// Maps `chunk` into the range at `base` with read-write access for the pool's device.
+    /// Maps `chunk` into the range at `base` with read-write access for the pool's device. All
+    /// or nothing: when the access cannot be set, the mapping is undone, so the callers' rollbacks
+    /// (which unmap only the chunks that mapped) leave no mapping behind.
     fn map_into(&self, base: CUdeviceptr, chunk: &Chunk) -> Result<()> {
         let at = base + chunk.offset as u64;
         let access = CUmemAccessDesc {
@@ -149,7 +151,10 @@ impl PoolShared {
         // size, which never exceeds `range_bytes`) and is not mapped yet; the handle is live.
         unsafe {
             sys::cuMemMap(at, chunk.size, 0, chunk.handle, 0).result()?;
-            sys::cuMemSetAccess(at, chunk.size, &access, 1).result()?;
+            if let Err(e) = sys::cuMemSetAccess(at, chunk.size, &access, 1).result() {
+                sys::cuMemUnmap(at, chunk.size);
+                return Err(e.into());
+            }
         }
         Ok(())
     }

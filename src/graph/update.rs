@@ -47,7 +47,8 @@ impl GraphTemplate {
         let _tracking_off = TrackingOff::new(stream.context().clone());
         stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)?;
         let body_result = body();
-        stream.context().bind_to_thread()?;
+        // The capture is ended whatever happens: one left open would fail every later call.
+        let _ = stream.context().bind_to_thread();
         // SAFETY: the capture was begun on this stream above.
         let graph = unsafe { cudarc::driver::result::stream::end_capture(stream.cu_stream()) };
         let template = graph.map(|graph| GraphTemplate { graph, stream: stream.clone() });
@@ -78,7 +79,7 @@ impl GraphTemplate {
         Ok(())
     }
 
-    /// Kernel, memset and copy nodes of the template (what an update re-points).
+    /// Every node of the template (kernel, memset, copy, and any empty, event or wait node).
     pub fn node_count(&self) -> Result<usize> {
         let mut count = 0usize;
         // SAFETY: a null node array asks for the count only.

@@ -112,3 +112,16 @@ pub fn mean_gpu_us(stream: &Arc<CudaStream>, warmup: usize, reps: usize, mut run
 /// Graph-capture tests serialise on this lock: capture in global mode forbids unrelated
 /// CUDA work from other threads of the process while it is open.
 pub static CAPTURE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The device's free memory in bytes (`cuMemGetInfo`) as the driver sees it now.
+pub fn free_device_bytes(stream: &std::sync::Arc<cudarc::driver::CudaStream>) -> usize {
+    stream.synchronize().unwrap();
+    stream.context().bind_to_thread().unwrap();
+    cudarc::driver::result::mem_get_info().unwrap().0
+}
+
+/// Takes [`CAPTURE_LOCK`], also after a test that held it panicked: that test's failure is
+/// reported once, instead of as a `PoisonError` in every later capture test.
+pub fn capture_lock() -> std::sync::MutexGuard<'static, ()> {
+    CAPTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
