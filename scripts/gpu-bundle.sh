@@ -33,6 +33,8 @@ CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}" cargo build --release --man
 bash examples/c/build.sh
 cp "${CARGO_TARGET_DIR:-$root/target}/release/capmoe-c-example" gpu-bundle/stage/bin/
 strip gpu-bundle/stage/tests/* gpu-bundle/stage/bin/* 2>/dev/null || true
+# The commit the binaries were built from (reports and logs name it; "-dirty": uncommitted edits).
+git describe --always --dirty --abbrev=7 > gpu-bundle/stage/COMMIT 2>/dev/null || echo unknown > gpu-bundle/stage/COMMIT
 # xz with a 64 MiB dictionary: every binary carries the same kernel archive, so the
 # compressor finds one in the next (~280 MB of binaries pack into ~11 MB; gzip gave 71 MB,
 # past the device tool's 64 MiB transfer limit).
