@@ -34,7 +34,7 @@ for m in echo_moe_gpu fused_gpu fused_dgrad_gpu fused_wgrad_gpu fused_moe_gpu ep
     $T/$m --test-threads=1 > /tmp/logs/memcheck_$m.txt 2>&1
   echo "memcheck $m rc=$?" >> /tmp/logs/memcheck_$m.txt; save
 done
-cat /tmp/logs/gpu.txt /tmp/logs/suite.txt
+cat /tmp/logs/gpu.txt; echo "bundle commit: $(cat $BUNDLE/run/COMMIT 2>/dev/null || echo unknown)"; cat /tmp/logs/suite.txt
 # The per-binary lines, also when the suite step was cut short before its own table.
 echo "== suite, binary by binary =="; cat /tmp/logs/summary.txt 2>/dev/null
 tail -n 4 /tmp/logs/c_example.txt; tail -n 12 /tmp/logs/candle_moe.txt
