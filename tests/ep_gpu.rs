@@ -704,17 +704,26 @@ fn every_rank_replays_its_graph_bit_equal_to_eager_across_gpus() {
                         panic!("rank {r}: another rank's setup failed");
                     }
                     let (mut layer, mut b, mut t_dev) = setup.expect("checked by the gate");
-                    let captured = failure.attempt(|| {
+                    let warmed_up = failure.attempt(|| {
                         layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2).unwrap();
                         b.load(&stream, &fresh(&mut rng));
                         // The warm-up step connects the peers (collectives, all ranks).
                         step(&mut layer, &mut b, Tokens::Device(&t_dev)).unwrap();
+                    });
+                    // NOTE: no rank captures (global mode) while another still makes host
+                    // calls of its setup or warm-up (allocations, syncs); the ranks capture
+                    // one at a time and wait for each other before the first replay.
+                    if !gate.all_ok(warmed_up.is_some()) {
+                        failure.report();
+                        panic!("rank {r}: another rank's warm-up failed");
+                    }
+                    let captured = failure.attempt(|| {
                         let _one_at_a_time = RANK_CAPTURE.lock().unwrap_or_else(|e| e.into_inner());
                         capture(&stream, || step(&mut layer, &mut b, Tokens::Device(&t_dev))).unwrap()
                     });
                     if !gate.all_ok(captured.is_some()) {
                         failure.report();
-                        panic!("rank {r}: another rank's warm-up or capture failed");
+                        panic!("rank {r}: another rank's capture failed");
                     }
                     let graph = captured.expect("checked by the gate");
                     for i in 0..replays {
