@@ -15,7 +15,7 @@
 
 mod common;
 
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 use std::time::Duration;
 
 use bytemuck::Pod;
@@ -26,6 +26,13 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode, CUstrea
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr};
 use half::bf16;
 use rand::{rngs::StdRng, RngCore, SeedableRng};
+
+/// The tests of this binary run one at a time (also under a plain `cargo test`): the capture
+/// tests capture in global mode, which forbids allocations and syncs on other threads while a
+/// capture is open.
+fn serial() -> MutexGuard<'static, ()> {
+    common::CAPTURE_LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// The GPU stream, or returns from the test after printing why (no GPU, no libnccl).
 macro_rules! nccl_gpu_or_skip {
@@ -249,6 +256,7 @@ fn eager_step_r1(what: &str, group: &EpGroup, seed: u64) {
 
 #[test]
 fn r1_every_collective_is_bit_exact_gpu() {
+    let _serial = serial();
     let stream = nccl_gpu_or_skip!();
     let group = r1_group(&stream);
     let desc = group.desc();
@@ -263,6 +271,7 @@ fn r1_every_collective_is_bit_exact_gpu() {
 
 #[test]
 fn r1_from_id_file_makes_the_group_and_removes_the_file_gpu() {
+    let _serial = serial();
     let stream = nccl_gpu_or_skip!();
     let path = std::env::temp_dir().join(format!("capmoe-ep-gpu-{}.id", std::process::id()));
     let _ = std::fs::remove_file(&path);
@@ -273,6 +282,7 @@ fn r1_from_id_file_makes_the_group_and_removes_the_file_gpu() {
 
 #[test]
 fn r1_single_process_of_one_gpu_gpu() {
+    let _serial = serial();
     let stream = nccl_gpu_or_skip!();
     let groups = EpGroup::single_process(std::slice::from_ref(&stream)).unwrap();
     assert_eq!(groups.len(), 1);
@@ -283,6 +293,7 @@ fn r1_single_process_of_one_gpu_gpu() {
 /// Zero-sized collectives are no-ops that write nothing (a rank with no spare slots, E = 0).
 #[test]
 fn r1_empty_blocks_write_nothing_gpu() {
+    let _serial = serial();
     let stream = nccl_gpu_or_skip!();
     let group = r1_group(&stream);
     let send = stream.clone_htod(&[1.0f32; 4]).unwrap();
@@ -309,8 +320,8 @@ fn r1_empty_blocks_write_nothing_gpu() {
 /// replayed 100 times with new inputs, each replay checked in full.
 #[test]
 fn r1_captured_step_replays_with_new_inputs_gpu() {
+    let _serial = serial();
     let stream = nccl_gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let group = r1_group(&stream);
     let mut io = RankIo::new(&stream, 1, SIZES);
     let inputs = [Inputs::random(SIZES, 1, 100)];
@@ -332,6 +343,7 @@ fn r1_captured_step_replays_with_new_inputs_gpu() {
 
 #[test]
 fn refuses_short_buffers_and_another_stream_gpu() {
+    let _serial = serial();
     let stream = nccl_gpu_or_skip!();
     let group = r1_group(&stream);
     let send = stream.clone_htod(&[0u32; 8]).unwrap();
@@ -361,6 +373,7 @@ fn refuses_short_buffers_and_another_stream_gpu() {
 
 #[test]
 fn refuses_a_part_of_another_group_gpu() {
+    let _serial = serial();
     let stream = nccl_gpu_or_skip!();
     let (a, b) = (r1_group(&stream), r1_group(&stream));
     let send = stream.clone_htod(&[1u8; 8]).unwrap();
@@ -375,6 +388,7 @@ fn refuses_a_part_of_another_group_gpu() {
 
 #[test]
 fn refuses_two_ranks_on_one_gpu_gpu() {
+    let _serial = serial();
     let stream = nccl_gpu_or_skip!();
     let second = stream.context().new_stream().unwrap();
     match EpGroup::single_process(&[stream.clone(), second]) {
@@ -389,8 +403,8 @@ fn refuses_two_ranks_on_one_gpu_gpu() {
 /// capture (it stays active).
 #[test]
 fn construction_is_refused_while_capturing_gpu() {
+    let _serial = serial();
     let stream = nccl_gpu_or_skip!();
-    let _lock = common::CAPTURE_LOCK.lock().unwrap();
     let id = EpGroupId::new().unwrap();
     unsafe { stream.context().disable_event_tracking() };
     stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
@@ -410,6 +424,7 @@ fn construction_is_refused_while_capturing_gpu() {
 /// ranks are enqueued from this thread inside one `nccl_group`, then checked on every rank.
 #[test]
 fn single_process_over_every_gpu_gpu() {
+    let _serial = serial();
     let stream = nccl_gpu_or_skip!();
     let gpus = CudaContext::device_count().unwrap() as usize;
     if gpus < 2 {
@@ -444,6 +459,7 @@ fn single_process_over_every_gpu_gpu() {
 /// and checking its own receive buffers against every rank's inputs, rebuilt from the seeds.
 #[test]
 fn threads_over_every_gpu_join_through_the_id_file_gpu() {
+    let _serial = serial();
     let stream = nccl_gpu_or_skip!();
     let gpus = CudaContext::device_count().unwrap() as usize;
     if gpus < 2 {

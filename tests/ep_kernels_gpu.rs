@@ -363,6 +363,20 @@ fn launchers_reject_bad_buffers_before_launching() {
     let echo = EpKernels::new(EpConfig { spare_per_rank: 1, ..c }).unwrap();
     let err = echo.pack_spare_weights(&s, &slots, &w, 4, &mut out, &mut flags_d).unwrap_err();
     assert!(matches!(err, Error::Alignment { .. }), "8 bytes per expert: {err}");
+    // 16 matrices of 2^60 elements: the buffer sizes (16 x 2^60) wrap usize to 0, which a
+    // short buffer would pass; the host refuses them as an overflow (per-expert bytes fit int64).
+    let wide = config(2, 16, 8, 64, 2, 16, 8);
+    let wide_plan = EpKernels::new(wide.clone()).unwrap();
+    let slots16 = upload(&s, &vec![0i64; wide.global_slots()]);
+    let huge = 1usize << 60;
+    let overflow = |what: &str, err: Error| {
+        assert!(matches!(err, Error::InvalidArgument { .. }) && err.to_string().contains("overflow"), "{what}: {err}")
+    };
+    overflow("pack", wide_plan.pack_spare_weights(&s, &slots16, &w, huge, &mut out, &mut flags_d).unwrap_err());
+    overflow("select", wide_plan.select_spare_weights(&s, &slots16, &w, huge, &mut out, &mut flags_d).unwrap_err());
+    let grads = upload(&s, &[0f32; 64]);
+    let mut dw = upload(&s, &[0f32; 64]);
+    overflow("fold", wide_plan.fold_spare_grads(&s, &slots16, &grads, huge, &mut dw, &mut flags_d).unwrap_err());
 }
 
 /// count -> layout -> gather -> reduce -> route values captured once with T on the device, then

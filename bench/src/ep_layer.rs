@@ -10,6 +10,7 @@
 //!   worked out by `ep::simulate` (the CPU reference planner) for groups of 8 and 64 ranks.
 
 use std::rc::Rc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 
 use capturable_moe::dtype::DType;
@@ -138,16 +139,16 @@ fn time_case(
     case: &Case<'_>,
     reps: usize,
 ) -> capturable_moe::Result<(Vec<EpGroup>, capturable_moe::Result<Timing>)> {
-    let barrier = Barrier::new(groups.len());
+    let gate = RankGate { barrier: Barrier::new(groups.len()), failed: AtomicBool::new(false) };
     let results: Vec<std::thread::Result<(EpGroup, capturable_moe::Result<Timing>)>> = std::thread::scope(|scope| {
         let handles: Vec<_> = groups
             .into_iter()
             .enumerate()
             .map(|(rank, group)| {
-                let barrier = &barrier;
+                let gate = &gate;
                 scope.spawn(move || {
                     let group = Rc::new(group);
-                    let timing = time_rank(&group, case, rank, reps, barrier);
+                    let timing = time_rank(&group, case, rank, reps, gate);
                     let Ok(group) = Rc::try_unwrap(group) else {
                         unreachable!("the layer holding the group is dropped")
                     };
@@ -213,31 +214,71 @@ fn rank_buffers(
     })
 }
 
+/// Where the rank threads agree that every rank's setup worked, before their first collective.
+struct RankGate {
+    barrier: Barrier,
+    failed: AtomicBool,
+}
+
+impl RankGate {
+    /// `Ok` when every rank reached the gate with its setup done; a rank whose setup failed
+    /// still comes here, so that no rank waits at the barrier or in a collective for it.
+    fn pass<T>(&self, setup: capturable_moe::Result<T>) -> capturable_moe::Result<T> {
+        if setup.is_err() {
+            self.failed.store(true, Ordering::SeqCst);
+        }
+        self.barrier.wait();
+        let value = setup?;
+        if self.failed.load(Ordering::SeqCst) {
+            return Err(capturable_moe::Error::InvalidArgument {
+                op: "ep layer bench",
+                why: "another rank's setup failed".into(),
+            });
+        }
+        Ok(value)
+    }
+}
+
+/// The first error of a run, kept while the run goes on.
+///
+/// NOTE: a rank that stopped (or panicked) between two collectives would leave its peers
+/// waiting in the next one forever; every rank enqueues every rep, then reports.
+fn keep_first(first: &mut Option<capturable_moe::Error>, result: capturable_moe::Result<()>) {
+    if let Err(e) = result {
+        first.get_or_insert(e);
+    }
+}
+
 fn time_rank(
     group: &Rc<EpGroup>,
     case: &Case<'_>,
     rank: usize,
     reps: usize,
-    barrier: &Barrier,
+    gate: &RankGate,
 ) -> capturable_moe::Result<Timing> {
     let stream = group.stream().clone();
     let c = &case.config;
-    let mut layer = EpMoe::<bf16>::new(group.clone(), c.clone())?;
-    let mut b = rank_buffers(&stream, c, group.ranks(), &case.ids[rank])?;
-    layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2)?;
+    let setup = (|| {
+        let layer = EpMoe::<bf16>::new(group.clone(), c.clone())?;
+        let b = rank_buffers(&stream, c, group.ranks(), &case.ids[rank])?;
+        Ok((layer, b))
+    })()
+    .and_then(|(mut layer, b)| layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2).map(|()| (layer, b)));
+    let (mut layer, mut b) = gate.pass(setup)?;
     let tokens = Tokens::Host(c.max_tokens);
-    barrier.wait();
+    let mut first_error = None;
     let (dispatch_combine_us, _) = time(&stream, reps, |_| {
-        layer.dispatch(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2).unwrap();
-        layer.combine(tokens, &mut b.y).unwrap();
+        keep_first(&mut first_error, layer.dispatch(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2));
+        keep_first(&mut first_error, layer.combine(tokens, &mut b.y));
     });
-    barrier.wait();
+    gate.barrier.wait();
     let (step_us, _) = time(&stream, reps, |_| {
-        layer.forward(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2, &mut b.y).unwrap();
-        layer.backward(&b.x, tokens, &b.w1, &b.w2, &mut b.dx, &mut b.dprobs, &mut b.dw1, &mut b.dw2).unwrap();
+        keep_first(&mut first_error, layer.forward(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2, &mut b.y));
+        let backward = layer.backward(&b.x, tokens, &b.w1, &b.w2, &mut b.dx, &mut b.dprobs, &mut b.dw1, &mut b.dw2);
+        keep_first(&mut first_error, backward);
     });
     stream.synchronize()?;
-    Ok(Timing { dispatch_combine_us, step_us })
+    first_error.map_or(Ok(Timing { dispatch_combine_us, step_us }), Err)
 }
 
 /// The drop table: routing arithmetic of the CPU reference planner, no GPU involved.

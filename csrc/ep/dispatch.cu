@@ -31,8 +31,12 @@ constexpr int kValueThreads = 256;
 
 // ---------------------------------------------------------------- count_routes
 
+// NOTE: every strided loop index of this file is int64: its last step (`+= stride`,
+// `+= kChunk`, `+= blockDim.x`) may pass INT32_MAX when the bound (E, T_max * k, capacity,
+// H / 8) is near it, and a wrapped int32 index would be negative, still below the bound.
 __global__ void __launch_bounds__(kCountThreads) zero_counts_kernel(int64_t* counts, int experts) {
-  for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < experts; e += gridDim.x * blockDim.x)
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < experts; e += stride)
     counts[e] = 0;
 }
 
@@ -51,8 +55,8 @@ __global__ void __launch_bounds__(kCountThreads)
     __syncthreads();
   }
   int bits = 0;
-  const int stride = gridDim.x * blockDim.x;
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < routes; i += stride) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < routes; i += stride) {
     const int e = __ldg(expert_ids + i);
     if (e < 0 || e >= experts) {
       if (e != -1) bits |= CAPMOE_EP_BAD_EXPERT;
@@ -110,14 +114,14 @@ __global__ void __launch_bounds__(kLayoutThreads) dispatch_layout_kernel(LayoutP
   constexpr int kChunk = kLayoutThreads * kLayoutItems;
   int before = 0;  // routes to this peer in earlier chunks
   bool bad = false;
-  for (int base = 0; base < scanned; base += kChunk) {
-    const int first = base + threadIdx.x * kLayoutItems;
+  for (int64_t base = 0; base < scanned; base += kChunk) {
+    const int64_t first = base + threadIdx.x * kLayoutItems;
     int col[kLayoutItems];
     bool mine[kLayoutItems];
     int count = 0;
 #pragma unroll
     for (int i = 0; i < kLayoutItems; ++i) {
-      const int r = first + i;
+      const int64_t r = first + i;
       col[i] = r < routes ? __ldg(p.dest + r) : -1;
       const int to = peer_of(col[i], p.cols_per_rank, p.num_cols, bad);
       mine[i] = to == peer && r < routes;
@@ -130,7 +134,7 @@ __global__ void __launch_bounds__(kLayoutThreads) dispatch_layout_kernel(LayoutP
 #pragma unroll
     for (int i = 0; i < kLayoutItems; ++i) {
       if (!mine[i]) continue;
-      const int r = first + i;
+      const int64_t r = first + i;
       if (position < p.capacity) {
         p.slot_of_route[r] = peer * p.capacity + position;
         block_ids[position] = col[i] - peer * p.cols_per_rank;
@@ -144,7 +148,7 @@ __global__ void __launch_bounds__(kLayoutThreads) dispatch_layout_kernel(LayoutP
     __syncthreads();  // scan_storage is reused by the next chunk
   }
   const int used = before < p.capacity ? before : p.capacity;
-  for (int row = used + threadIdx.x; row < p.capacity; row += blockDim.x) {
+  for (int64_t row = used + threadIdx.x; row < p.capacity; row += blockDim.x) {
     block_ids[row] = -1;
     block_probs[row] = 0.0f;
   }
@@ -190,7 +194,7 @@ __global__ void __launch_bounds__(256)
   if (t >= resolve_tokens(p.host_tokens, p.device_tokens, p.t_max, nullptr, false)) return;
   const int n = stage_slots(p.slot_of_route, t, p.k, p.num_slots, slots_s);
   const uint4* src = x + static_cast<int64_t>(t) * p.h_vec;
-  for (int v = threadIdx.x; v < p.h_vec; v += blockDim.x) {
+  for (int64_t v = threadIdx.x; v < p.h_vec; v += blockDim.x) {
     const uint4 q = __ldg(src + v);
     for (int j = 0; j < n; ++j) rows[static_cast<int64_t>(slots_s[j]) * p.h_vec + v] = q;
   }
@@ -203,7 +207,7 @@ __global__ void __launch_bounds__(256)
   const int t = blockIdx.x;
   if (t >= resolve_tokens(p.host_tokens, p.device_tokens, p.t_max, nullptr, false)) return;
   const int n = stage_slots(p.slot_of_route, t, p.k, p.num_slots, slots_s);
-  for (int v = threadIdx.x; v < p.h_vec; v += blockDim.x) {
+  for (int64_t v = threadIdx.x; v < p.h_vec; v += blockDim.x) {
     float acc[kVec];
 #pragma unroll
     for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;

@@ -97,10 +97,19 @@ fn elements(op: &'static str, a: usize, b: usize) -> Result<usize> {
 /// Runs `body` inside one NCCL group (`ncclGroupStart` / `ncclGroupEnd`): every collective it
 /// enqueues, on any [`EpGroup`], is launched together when it returns.
 ///
-/// Needed where one thread drives several ranks ([`EpGroup::single_process`]): each rank's
-/// collective waits for its peers, so enqueueing them one after the other outside a group
-/// would deadlock. Groups nest (the exchanges and `broadcast_block` open their own inside).
-/// The group is ended also when `body` fails; its error is returned first.
+/// For bare collectives only ([`EpGroup::all_gather`], [`EpGroup::exchange`],
+/// [`EpGroup::exchange_many`], [`EpGroup::broadcast_block`]) where one thread drives several
+/// ranks ([`EpGroup::single_process`]): each rank's collective waits for its peers, so
+/// enqueueing them one after the other outside a group would deadlock. Groups nest (the
+/// exchanges and `broadcast_block` open their own inside). The group is ended also when `body`
+/// fails; its error is returned first.
+///
+/// NOT for [`super::EpMoe`] (or any sequence with kernels between collectives): inside the
+/// group NCCL only records its calls until the outermost `ncclGroupEnd`, while kernels launch
+/// at once, so a kernel that reads what a collective receives would read stale data. Drive an
+/// `EpMoe` per rank from its own thread (one process per GPU, or a thread per rank over
+/// `single_process`). `EpMoe::{dispatch, combine, backward}` return
+/// [`Error::InvalidArgument`] when called inside `nccl_group` on the same thread.
 ///
 /// NOTE: inside the group cudarc's event tracking records each buffer's "used here" event
 /// before NCCL has launched the transfer; work on other streams of the same context that
@@ -109,11 +118,47 @@ fn elements(op: &'static str, a: usize, b: usize) -> Result<usize> {
 pub fn nccl_group<R>(body: impl FnOnce() -> Result<R>) -> Result<R> {
     nccl_version()?;
     result::group_start().map_err(|e| nccl_error("ep::nccl_group (ncclGroupStart)", e, None))?;
-    let value = body();
+    let value = {
+        let _depth = GroupDepth::enter();
+        body()
+    };
     let end = result::group_end().map_err(|e| nccl_error("ep::nccl_group (ncclGroupEnd)", e, None));
     let value = value?;
     end?;
     Ok(value)
+}
+
+thread_local! {
+    /// How many [`nccl_group`] bodies this thread is inside.
+    static GROUP_DEPTH: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// One level of [`nccl_group`] on this thread, left on drop (also when the body panics).
+struct GroupDepth;
+
+impl GroupDepth {
+    fn enter() -> GroupDepth {
+        GROUP_DEPTH.with(|d| d.set(d.get() + 1));
+        GroupDepth
+    }
+}
+
+impl Drop for GroupDepth {
+    fn drop(&mut self) {
+        GROUP_DEPTH.with(|d| d.set(d.get() - 1));
+    }
+}
+
+/// [`Error::InvalidArgument`] inside an [`nccl_group`] body of this thread: `op` runs kernels
+/// on what its collectives receive, which an open NCCL group has not sent yet.
+pub(crate) fn ensure_outside_nccl_group(op: &'static str) -> Result<()> {
+    if GROUP_DEPTH.with(|d| d.get()) == 0 {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument {
+        op,
+        why: "called inside ep::nccl_group, where NCCL only records collectives until the group ends while kernels launch at once (they would read data not received yet); drive each rank's EpMoe from its own thread, outside nccl_group".into(),
+    })
 }
 
 impl EpGroup {
@@ -178,8 +223,9 @@ impl EpGroup {
 
     /// Every rank in this process (`ncclCommInitAll`): rank i on `streams[i]`'s GPU. NCCL
     /// refuses two ranks on one GPU, so the streams must be on distinct devices
-    /// ([`Error::InvalidArgument`] before NCCL is asked). Drive the ranks' collectives from one
-    /// thread inside [`nccl_group`].
+    /// ([`Error::InvalidArgument`] before NCCL is asked). Bare collectives of several ranks can
+    /// be driven from one thread inside [`nccl_group`]; an [`super::EpMoe`] per rank needs a
+    /// thread per rank (move each group to its thread; see [`nccl_group`] for why).
     pub fn single_process(streams: &[Arc<CudaStream>]) -> Result<Vec<EpGroup>> {
         const OP: &str = "EpGroup::single_process";
         if streams.is_empty() || streams.len() > i32::MAX as usize {
@@ -374,6 +420,10 @@ impl EpGroup {
             return Err(Error::InvalidArgument { op: OP, why: format!("part {i} was made by another EpGroup") });
         }
         stream.context().bind_to_thread()?;
+        // NOTE: a send / recv that fails partway through this loop (only bad arguments do)
+        // still leaves the calls recorded before it, which ncclGroupEnd launches: the peers
+        // then wait for transfers that never come. The arguments are checked by blocks() /
+        // blocks_raw(), so this is left as a documented hazard.
         self.in_group(OP, || {
             for part in parts.iter().filter(|p| p.block_bytes > 0) {
                 for peer in 0..self.ranks {
@@ -455,6 +505,8 @@ impl EpGroup {
         self.ensure_bound_stream(op, stream)?;
         ensure_buffer(op, "send", stream, send, n)?;
         ensure_buffer(op, "recv", stream, recv, elements(op, self.ranks, n)?)?;
+        // As the raw forms and the exchanges: a rank thread's first call may be this one.
+        stream.context().bind_to_thread()?;
         let (s, _g0) = send.device_ptr(stream);
         let (r, _g1) = recv.device_ptr_mut(stream);
         // SAFETY: both buffers checked above to hold n and R * n elements of the stream's context.
@@ -507,4 +559,33 @@ pub struct EpBlocks<'a> {
     recv: CUdeviceptr,
     block_bytes: usize,
     _guards: [SyncOnDrop<'a>; 2],
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ep_layer_calls_are_refused_inside_nccl_group_and_allowed_after() {
+        // The depth nccl_group keeps, without libnccl: entered and left as nccl_group does.
+        assert!(ensure_outside_nccl_group("op").is_ok());
+        {
+            let _outer = GroupDepth::enter();
+            let _inner = GroupDepth::enter();
+            let err = ensure_outside_nccl_group("EpMoe::dispatch").unwrap_err();
+            assert!(matches!(err, Error::InvalidArgument { op: "EpMoe::dispatch", .. }), "{err}");
+            assert!(err.to_string().contains("nccl_group"), "{err}");
+        }
+        assert!(ensure_outside_nccl_group("op").is_ok());
+        // Another thread has its own depth.
+        let _here = GroupDepth::enter();
+        assert!(std::thread::spawn(|| ensure_outside_nccl_group("op").is_ok()).join().unwrap());
+        drop(_here);
+        // Left also when the body panics.
+        let _ = std::panic::catch_unwind(|| {
+            let _depth = GroupDepth::enter();
+            panic!("body failed");
+        });
+        assert!(ensure_outside_nccl_group("op").is_ok());
+    }
 }

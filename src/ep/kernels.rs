@@ -66,6 +66,12 @@ fn invalid(op: &'static str, why: String) -> Error {
     Error::InvalidArgument { op, why }
 }
 
+/// `count * per_expert` elements, or [`Error::InvalidArgument`] where that overflows (a wrapped
+/// product would let a short buffer pass the size check).
+fn elements(op: &'static str, count: usize, per_expert: usize) -> Result<usize> {
+    count.checked_mul(per_expert).ok_or_else(|| invalid(op, format!("{count} x {per_expert} elements overflow usize")))
+}
+
 impl EpConfig {
     /// The C ABI descriptor of this configuration, fields as given (not validated: the C
     /// check, `capmoe_ep_check_desc`, judges it on its own).
@@ -544,8 +550,8 @@ impl EpKernels {
         let op = copy.op;
         let bytes = self.check_spare(op, per_expert, std::mem::size_of::<T>())?;
         ensure_buffer(op, "slot_expert", stream, slot_expert, self.config.global_slots())?;
-        ensure_buffer(op, copy.src.0, stream, src, copy.src.1 * per_expert)?;
-        ensure_buffer(op, copy.dst.0, stream, dst, copy.dst.1 * per_expert)?;
+        ensure_buffer(op, copy.src.0, stream, src, elements(op, copy.src.1, per_expert)?)?;
+        ensure_buffer(op, copy.dst.0, stream, dst, elements(op, copy.dst.1, per_expert)?)?;
         ensure_buffer(op, "flags", stream, flags, 1)?;
         stream.context().bind_to_thread()?;
         let (se, _g0) = slot_expert.device_ptr(stream);
@@ -586,8 +592,8 @@ impl EpKernels {
         let c = &self.config;
         self.check_spare(OP, per_expert, 4)?;
         ensure_buffer(OP, "slot_expert", stream, slot_expert, c.global_slots())?;
-        ensure_buffer(OP, "recv [R, S_per, per_expert]", stream, recv, c.global_slots() * per_expert)?;
-        ensure_buffer(OP, "dw_home [L, per_expert]", stream, dw_home, c.local_experts() * per_expert)?;
+        ensure_buffer(OP, "recv [R, S_per, per_expert]", stream, recv, elements(OP, c.global_slots(), per_expert)?)?;
+        ensure_buffer(OP, "dw_home [L, per_expert]", stream, dw_home, elements(OP, c.local_experts(), per_expert)?)?;
         ensure_buffer(OP, "flags", stream, flags, 1)?;
         stream.context().bind_to_thread()?;
         let (se, _g0) = slot_expert.device_ptr(stream);

@@ -7,13 +7,14 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut};
 
+use super::group::ensure_outside_nccl_group;
 use super::{DispatchLayout, EpConfig, EpGroup, EpKernels};
 use crate::device::ensure_same_context;
 use crate::dtype::DType;
 use crate::echo::{Algorithm, EchoConfig, EchoPlan};
 use crate::error::ensure_len;
 use crate::graph::{ensure_not_capturing, FlagReport, FlagWords};
-use crate::moe::{MoeConfig, MoeElement, MoeExperts, MoeOptions, WeightForm};
+use crate::moe::{FusedKernel, MoeConfig, MoeElement, MoeExperts, MoeOptions, WeightForm};
 use crate::routing::Tokens;
 use crate::{Error, Result};
 
@@ -60,9 +61,11 @@ pub struct EpMoeDesc {
 }
 
 /// The caller's weight and main-gradient buffers, as their device addresses, and the pointer
-/// tables of the receive side built from them.
+/// tables of the receive side built from them. The tables are allocated once, by the first
+/// [`EpMoe::bind_weights`]: a captured graph holds their addresses.
 struct BoundWeights {
-    addresses: [u64; 4],
+    /// `None` after a re-bind that failed halfway (the tables may mix old and new addresses).
+    addresses: Option<[u64; 4]>,
     w1_ptrs: CudaSlice<u64>,
     w2_ptrs: CudaSlice<u64>,
     dw1_ptrs: CudaSlice<u64>,
@@ -178,7 +181,17 @@ impl<T: MoeElement> EpMoe<T> {
                 prob_dtype: DType::F32,
                 wgrad_accumulate: true,
             },
-            MoeOptions { weights: WeightForm::Pointers, ..MoeOptions::default() },
+            // NOTE: the weights are pointer tables (home columns at the caller's buffers, spare
+            // columns at the layer's copies), which only the unfused kernels take: fixed here,
+            // so that a later `Auto` that picks fused kernels cannot make this fail.
+            MoeOptions {
+                weights: WeightForm::Pointers,
+                fc1: FusedKernel::Unfused,
+                swiglu_dgrad: FusedKernel::Unfused,
+                fc1_wgrad: FusedKernel::Unfused,
+                prob_in_fc1: FusedKernel::Unfused,
+                ..MoeOptions::default()
+            },
             &stream,
         )?;
         let echo = match &config.echo {
@@ -266,11 +279,20 @@ impl<T: MoeElement> EpMoe<T> {
     }
 
     /// Binds this rank's home weights `w1 [L, 2F, H]`, `w2 [L, H, F]` and fp32 main grads
-    /// `dw1`, `dw2` of the same shapes: uploads the receive side's pointer tables (home
+    /// `dw1`, `dw2` of the same shapes: writes the receive side's pointer tables (home
     /// columns at these buffers, spare columns at the layer's spare copies). Needs the host
     /// (not while capturing). Forward and backward then take the same buffers again and
     /// refuse others; the buffers must stay alive and unmoved while the layer or a graph of
     /// it runs.
+    ///
+    /// Binding again (other buffers) writes the new addresses into the same tables, in the
+    /// order of the group's stream, and waits for it: work enqueued before the call (a graph
+    /// launch included) has read the old addresses, later work reads the new ones. A graph
+    /// captured before then runs its expert GEMMs on the new weights and grads without being
+    /// captured again. Exception, Echo: its spare-weight pack reads `w1`, `w2` and its
+    /// gradient fold writes `dw1`, `dw2` at the addresses given at capture, so with Echo a
+    /// graph captured before a re-bind must be captured again (and is unsafe to launch once
+    /// the old buffers are freed).
     pub fn bind_weights(
         &mut self,
         w1: &CudaSlice<T>,
@@ -310,20 +332,29 @@ impl<T: MoeElement> EpMoe<T> {
             table(addresses[2], dspare1, p1 * 4),
             table(addresses[3], dspare2, p2 * 4),
         ];
-        let upload = |host: &[u64]| -> Result<CudaSlice<u64>> {
-            let mut dev = stream.alloc_zeros::<u64>(host.len())?;
-            stream.memcpy_htod(host, &mut dev)?;
-            Ok(dev)
+        let bound = match &mut self.bound {
+            Some(bound) => bound,
+            None => {
+                let table = || stream.alloc_zeros::<u64>(l + spare);
+                self.bound.insert(BoundWeights {
+                    addresses: None,
+                    w1_ptrs: table()?,
+                    w2_ptrs: table()?,
+                    dw1_ptrs: table()?,
+                    dw2_ptrs: table()?,
+                })
+            }
         };
-        let bound = BoundWeights {
-            addresses,
-            w1_ptrs: upload(&tables[0])?,
-            w2_ptrs: upload(&tables[1])?,
-            dw1_ptrs: upload(&tables[2])?,
-            dw2_ptrs: upload(&tables[3])?,
-        };
+        // NOTE: never reallocated: a graph captured earlier reads these very tables (F4 of the
+        // EP review). The copies are ordered on the group's stream after every launch made
+        // so far; the sync lets the host tables go and makes the new binding final.
+        bound.addresses = None;
+        stream.memcpy_htod(&tables[0], &mut bound.w1_ptrs)?;
+        stream.memcpy_htod(&tables[1], &mut bound.w2_ptrs)?;
+        stream.memcpy_htod(&tables[2], &mut bound.dw1_ptrs)?;
+        stream.memcpy_htod(&tables[3], &mut bound.dw2_ptrs)?;
         stream.synchronize()?;
-        self.bound = Some(bound);
+        bound.addresses = Some(addresses);
         Ok(())
     }
 
@@ -337,21 +368,21 @@ impl<T: MoeElement> EpMoe<T> {
         w2: &CudaSlice<T>,
         grads: Option<(&CudaSlice<f32>, &CudaSlice<f32>)>,
     ) -> Result<()> {
-        let bound = self.bound.as_ref().ok_or_else(|| Error::InvalidArgument {
+        let addresses = self.bound.as_ref().and_then(|b| b.addresses).ok_or_else(|| Error::InvalidArgument {
             op,
-            why: "no weights bound: call EpMoe::bind_weights first".into(),
+            why: "no weights bound (or the last EpMoe::bind_weights failed): call bind_weights first".into(),
         })?;
         let stream = self.group.stream();
         let mut given = vec![("w1", address(stream, w1)), ("w2", address(stream, w2))];
         if let Some((dw1, dw2)) = grads {
             given.extend([("dw1", address(stream, dw1)), ("dw2", address(stream, dw2))]);
         }
-        for ((name, got), want) in given.into_iter().zip(bound.addresses) {
+        for ((name, got), want) in given.into_iter().zip(addresses) {
             if got != want {
                 return Err(Error::InvalidArgument {
                     op,
                     why: format!(
-                        "{name} at {got:#x} is not the buffer bound by bind_weights ({want:#x}); bind it first"
+                        "{name} at {got:#x} is not the buffer bound by bind_weights ({want:#x}): pass the bound buffers, or bind the new ones first (see bind_weights on graphs captured before a re-bind)"
                     ),
                 });
             }
@@ -396,6 +427,7 @@ impl<T: MoeElement> EpMoe<T> {
         w2: &CudaSlice<T>,
     ) -> Result<()> {
         const OP: &str = "EpMoe::dispatch";
+        ensure_outside_nccl_group(OP)?;
         let stream = self.group.stream().clone();
         self.ensure_bound(OP, w1, w2, None)?;
         let routes = self.config.max_tokens * self.config.topk;
@@ -467,6 +499,7 @@ impl<T: MoeElement> EpMoe<T> {
     /// `y[t] = Σ_j` of the token's returned rows (fp32, ascending j, one rounding).
     pub fn combine(&mut self, tokens: Tokens<'_>, y: &mut impl DevicePtrMut<T>) -> Result<()> {
         const OP: &str = "EpMoe::combine";
+        ensure_outside_nccl_group(OP)?;
         let stream = self.group.stream().clone();
         ensure_len(OP, "y [T_max, H]", y.len(), self.config.max_tokens * self.config.hidden, "")?;
         ensure_same_context(OP, "y", &stream, y)?;
@@ -520,6 +553,7 @@ impl<T: MoeElement> EpMoe<T> {
         dw2: &mut CudaSlice<f32>,
     ) -> Result<()> {
         const OP: &str = "EpMoe::backward";
+        ensure_outside_nccl_group(OP)?;
         let stream = self.group.stream().clone();
         self.ensure_bound(OP, w1, w2, Some((dw1, dw2)))?;
         let (t, hd) = (self.config.max_tokens, self.config.hidden);

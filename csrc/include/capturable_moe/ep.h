@@ -39,6 +39,10 @@
  * Flags: a device int32, OR-ed with the bits below (sticky: the caller clears it). It is a
  * word of its own (the bit values overlap those of routing.h's word).
  *
+ * Limits: T_max * k, R * capacity and E + R * S_per are at most INT32_MAX (they are int32
+ * values: slots, columns, counts); the kernels run their loops over them with int64 indices,
+ * so every size up to those limits is valid, the largest included.
+ *
  * Alignment: rows / x / y and weight buffers 16-byte aligned, H a multiple of 8, bytes per
  * expert matrix a multiple of 16; other arrays naturally aligned. A violation is
  * CAPMOE_ERR_MISALIGNED before anything is launched. Every entry point allocates nothing,
