@@ -14,7 +14,7 @@ use std::sync::{Arc, Barrier, Mutex, MutexGuard};
 use capturable_moe::dtype::DType;
 use capturable_moe::echo::Algorithm;
 use capturable_moe::ep::{flags, nccl_group, EpEcho, EpGroup, EpMoe, EpMoeConfig};
-use capturable_moe::graph::{capture, FlagReport, FlagSource};
+use capturable_moe::graph::{capture, capture_with, CaptureMode, CaptureOptions, FlagReport, FlagSource};
 use capturable_moe::routing::Tokens;
 use common::moe::{assert_bits, assert_close, bf, f64s, poison_bf16, poison_f32, reference, Dims};
 use common::routing::topk_ids;
@@ -710,16 +710,19 @@ fn every_rank_replays_its_graph_bit_equal_to_eager_across_gpus() {
                         // The warm-up step connects the peers (collectives, all ranks).
                         step(&mut layer, &mut b, Tokens::Device(&t_dev)).unwrap();
                     });
-                    // NOTE: no rank captures (global mode) while another still makes host
-                    // calls of its setup or warm-up (allocations, syncs); the ranks capture
-                    // one at a time and wait for each other before the first replay.
+                    // NOTE: a thread per GPU captures in thread-local mode (NCCL's rule for
+                    // that layout); besides, no rank captures while another still makes host
+                    // calls of its setup or warm-up, and the ranks capture one at a time and
+                    // wait for each other before the first replay.
                     if !gate.all_ok(warmed_up.is_some()) {
                         failure.report();
                         panic!("rank {r}: another rank's warm-up failed");
                     }
                     let captured = failure.attempt(|| {
                         let _one_at_a_time = RANK_CAPTURE.lock().unwrap_or_else(|e| e.into_inner());
-                        capture(&stream, || step(&mut layer, &mut b, Tokens::Device(&t_dev))).unwrap()
+                        let thread_local = CaptureOptions { mode: CaptureMode::ThreadLocal, ..Default::default() };
+                        capture_with(&stream, thread_local, || step(&mut layer, &mut b, Tokens::Device(&t_dev)))
+                            .unwrap()
                     });
                     if !gate.all_ok(captured.is_some()) {
                         failure.report();
