@@ -4,8 +4,8 @@
 //! each context; `MoeExperts` is bound to its stream; overlapping captures keep event tracking
 //! off until the last one ends.
 //!
-//! Every test holds `common::CAPTURE_LOCK`: one of them captures in global mode, during which
-//! unrelated CUDA calls from other test threads would fail.
+//! Every test holds `common::CAPTURE_LOCK`, as every capturing test of the crate does: a
+//! capture (global mode elsewhere) fails when another test thread makes an unsafe CUDA call.
 
 mod common;
 
@@ -13,7 +13,7 @@ use std::sync::{Arc, Barrier};
 
 use capturable_moe::dtype::DType;
 use capturable_moe::echo::{Algorithm, EchoConfig, EchoPlan};
-use capturable_moe::graph::capture;
+use capturable_moe::graph::{capture_with, CaptureMode, CaptureOptions};
 use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
 use capturable_moe::moe::{MoeConfig, MoeExperts};
 use capturable_moe::routing::{RoutingConfig, RoutingPlan, Tokens};
@@ -291,9 +291,13 @@ fn overlapping_captures_keep_event_tracking_off_until_the_last_ends_gpu() {
     stream.synchronize().unwrap();
     second.synchronize().unwrap();
     let (b_started, a_ended) = (Barrier::new(2), Barrier::new(2));
+    // Thread-local mode: with global mode, the first thread's end of capture (instantiate,
+    // destroy) could count as an unsafe call during the second thread's capture. The tracking
+    // count under test does not depend on the mode.
+    let options = CaptureOptions { upload: false, mode: CaptureMode::ThreadLocal };
     std::thread::scope(|scope| {
         let first = scope.spawn(|| {
-            capture(&stream, || {
+            capture_with(&stream, options, || {
                 stream.memset_zeros(&mut a_buf)?;
                 b_started.wait();
                 Ok(())
@@ -301,7 +305,7 @@ fn overlapping_captures_keep_event_tracking_off_until_the_last_ends_gpu() {
             .map(|_| ())
         });
         let other = scope.spawn(|| {
-            capture(&second, || {
+            capture_with(&second, options, || {
                 second.memset_zeros(&mut b_buf)?;
                 b_started.wait();
                 a_ended.wait();

@@ -187,9 +187,15 @@ fn pool_buffers_refuse_another_stream_gpu() {
     }
 }
 
-/// Reads `range_bytes` etc. from the environment for the replay count.
+/// Replays of the pooled-bucket test: `CAPMOE_GRAPH_STEPS` (default 1000; at least 1).
 fn steps() -> usize {
-    std::env::var("CAPMOE_GRAPH_STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(1000)
+    match std::env::var("CAPMOE_GRAPH_STEPS") {
+        Err(_) => 1000,
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n >= 1 => n,
+            _ => panic!("CAPMOE_GRAPH_STEPS={v:?}: need a whole number >= 1"),
+        },
+    }
 }
 
 /// Four bucket graphs in one pool (each in its own range) and the same four captured alone
@@ -342,7 +348,10 @@ macro_rules! guard_test {
         fn $name() {
             let $stream = gpu_or_skip!();
             let _lock = common::capture_lock();
-            let $s = $setup;
+            // Mutable and borrowed by the call: what the setup made is dropped after the
+            // capture ends (a buffer freed inside a capture would invalidate it).
+            #[allow(unused_mut)]
+            let mut $s = $setup;
             assert_refused_while_capturing(&$stream, $op, || $call.map(|_| ()));
         }
     };
@@ -381,12 +390,12 @@ guard_test!(guard_graph_template_capture_gpu, "GraphTemplate::capture", |stream|
     || Ok(())
 ));
 guard_test!(guard_graph_template_apply_to_gpu, "GraphTemplate::apply_to", |stream| { tiny_graph(&stream) }, |s| {
-    let (mut graph, template, _buf) = s;
-    template.apply_to(&mut graph)
+    let (graph, template, _buf) = &mut s;
+    template.apply_to(graph)
 });
 guard_test!(guard_update_gpu, "GraphTemplate::capture", |stream| { tiny_graph(&stream) }, |s| {
-    let (mut graph, _template, _buf) = s;
-    update(&mut graph, &stream, || Ok(()))
+    let (graph, _template, _buf) = &mut s;
+    update(graph, &stream, || Ok(()))
 });
 guard_test!(guard_memory_pool_new_gpu, "MemoryPool::new", |stream| (), |_s| MemoryPool::new(&stream, 1 << 20));
 guard_test!(
@@ -727,6 +736,10 @@ fn pool_eight_buckets_memory_gpu() {
         alone_taken >> 20,
         pooled_taken as f64 / alone_taken as f64
     );
+    // A sanitizer keeps device bookkeeping of its own per allocation and mapping.
+    if common::under_sanitizer() {
+        return;
+    }
     assert!(
         pooled_taken as f64 <= 1.05 * alone_taken as f64,
         "8 pooled plans took {pooled_taken} bytes > 1.05 x {alone_taken} of the largest alone"

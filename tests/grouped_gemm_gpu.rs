@@ -231,10 +231,12 @@ fn repeated_runs_are_bit_identical() {
 }
 
 /// Two runs back to back on one workspace, with different m_splits and no host sync between
-/// them: the second argument kernel rewrites the problem sizes and pointers while the first
-/// GEMM may still be queued, and with 4096 experts it runs for long enough that a GEMM reading
-/// its arguments before its dependency wait (grouped_gemm/dependent_launch.cuh) would see the
-/// other run's. Both outputs must match the reference.
+/// them. Only each GEMM is a dependent launch (of its own argument kernel), so a correct GEMM
+/// reads the arguments its argument kernel just wrote. One that read them before its
+/// dependency wait (grouped_gemm/dependent_launch.cuh) would, with 4096 experts' arguments
+/// still being written, see the zeroed workspace (first run) or the first run's arguments
+/// (second run), and leave its output poisoned. Both outputs must match the reference.
+/// (Timing-dependent by nature; under CAPMOE_GEMM_PDL=0 it cannot fail that way.)
 #[test]
 fn back_to_back_runs_on_one_workspace_read_their_own_arguments() {
     let stream = gpu_or_skip!();

@@ -29,7 +29,7 @@ use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions};
 use capturable_moe::routing::{self, flags};
 use common::echo_moe::EchoExpertPath;
 use common::expert_io::{bits16, bits32, layer_config, ExpertIo};
-use common::moe::{assert_bits, poison_bf16, poison_f32, random_bf16, Dims, POISON_BF16};
+use common::moe::{assert_bits, poison_bf16, poison_f32, random_bf16, Dims, POISON_BF16, POISON_F32};
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -38,8 +38,8 @@ fn replays() -> usize {
     match std::env::var("CAPMOE_SOAK_REPLAYS") {
         Err(_) => 10_000,
         Ok(v) => match v.trim().parse::<usize>() {
-            Ok(n) if n >= 1000 => n,
-            _ => panic!("CAPMOE_SOAK_REPLAYS={v:?}: need a whole number >= 1000 (one timing block)"),
+            Ok(n) if n >= 3000 => n,
+            _ => panic!("CAPMOE_SOAK_REPLAYS={v:?}: need a whole number >= 3000 (three timing blocks to compare)"),
         },
     }
 }
@@ -302,6 +302,9 @@ fn load_echo(io: &mut EchoExpertPath, stream: &Arc<CudaStream>, r: &Routes, coun
     stream.memcpy_htod(&poison_bf16(ET_MAX * EH), &mut io.dx).unwrap();
     stream.memcpy_htod(&poison_f32(ET_MAX * EK), &mut io.dprobs).unwrap();
     stream.memcpy_htod(&vec![-7777i32; ET_MAX * EK], &mut io.dest).unwrap();
+    // The reroute leaves rows past T unwritten: poisoned here, they compare equal between the
+    // graph and the eager instance (which run different numbers of steps).
+    stream.memcpy_htod(&poison_f32(ET_MAX * EK), &mut io.dest_probs).unwrap();
     stream.memset_zeros(&mut io.dw1).unwrap();
     stream.memset_zeros(&mut io.dw2).unwrap();
     stream.memset_zeros(&mut io.moe.maps.flags).unwrap();
@@ -406,6 +409,8 @@ fn soak_echo_plan_reroute_and_expert_path_graph_gpu() {
             assert_bits(&format!("{what}: graph vs eager"), &got, &echo_bits(&eager_io, &stream));
             let dest = &got[..ET_MAX * EK];
             assert!(dest[r.t * EK..].iter().all(|&c| c as i32 == -7777), "{what}: reroute wrote past T");
+            let dest_probs = &got[ET_MAX * EK..2 * ET_MAX * EK];
+            assert!(dest_probs[r.t * EK..].iter().all(|&p| p == POISON_F32), "{what}: reroute wrote a prob past T");
             let slot_cols: Vec<u32> = (0..s).map(|j| echo_config().slot_column(j) as u32).collect();
             moved += dest[..r.t * EK].iter().any(|c| slot_cols.contains(c)) as usize;
             compared += 1;
