@@ -23,13 +23,18 @@ pub fn gpu_stream() -> Option<Arc<CudaStream>> {
     match capturable_moe::device::open(0) {
         Ok(ctx) => Some(ctx.new_stream().expect("creating a CUDA stream")),
         Err(reason) => {
-            if std::env::var("CAPMOE_REQUIRE_GPU").as_deref() == Ok("1") {
-                panic!("CAPMOE_REQUIRE_GPU=1 but no usable GPU: {reason}");
-            }
-            println!("skipping: {reason}");
+            skip_unless_gpu_required(&reason);
             None
         }
     }
+}
+
+/// Prints `skipping: <reason>` for a GPU that cannot be used, or panics with `CAPMOE_REQUIRE_GPU=1`.
+fn skip_unless_gpu_required(reason: &dyn std::fmt::Display) {
+    if std::env::var("CAPMOE_REQUIRE_GPU").as_deref() == Ok("1") {
+        panic!("CAPMOE_REQUIRE_GPU=1 but no usable GPU: {reason}");
+    }
+    println!("skipping: {reason}");
 }
 
 /// Takes the GPU stream or returns from the calling test after printing why.
@@ -59,7 +64,8 @@ macro_rules! gpu_of_arch_or_skip {
 }
 
 /// Whether the device of `stream` is one of `archs` (and built into this binary); prints
-/// `skipping: ...` otherwise.
+/// `skipping: ...` otherwise. A device whose properties cannot be read is an unusable GPU:
+/// that fails the test under `CAPMOE_REQUIRE_GPU=1`, as in [`gpu_stream`].
 pub fn device_is(stream: &CudaStream, archs: &[capturable_moe::device::Arch], what: &str) -> bool {
     match capturable_moe::device::DeviceInfo::of_stream(stream) {
         Ok(info) if archs.contains(&info.arch) => true,
@@ -68,7 +74,7 @@ pub fn device_is(stream: &CudaStream, archs: &[capturable_moe::device::Arch], wh
             false
         }
         Err(reason) => {
-            println!("skipping: {what}: {reason}");
+            skip_unless_gpu_required(&format!("{what}: {reason}"));
             false
         }
     }
