@@ -2,7 +2,7 @@
 //! shared by the expert-path tests.
 #![allow(dead_code)]
 
-use half::bf16;
+use half::{bf16, f16};
 use rand::{rngs::StdRng, Rng};
 
 /// Shapes of one layer: E experts, model width H, FFN width F, k routes per token.
@@ -132,6 +132,14 @@ pub fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
     assert!(rel <= tol, "{what}: normwise relative error {rel:.3e} > {tol:.0e}");
 }
 
+/// One ulp at `v` of a 16-bit float with `mantissa` significand bits below the leading one
+/// (7: bf16, 10: f16); the subnormal spacing for tiny values.
+pub fn ulp16(v: f64, mantissa: i32) -> f64 {
+    let min_exp = if mantissa == 7 { -126 } else { -14 };
+    let exp = if v == 0.0 { min_exp } else { (v.abs().log2().floor() as i32).max(min_exp) };
+    2f64.powi(exp - mantissa)
+}
+
 /// Bit-for-bit equality, reporting the first differing index.
 pub fn assert_bits<B: PartialEq + std::fmt::Debug>(what: &str, got: &[B], want: &[B]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
@@ -146,6 +154,8 @@ pub fn assert_bits<B: PartialEq + std::fmt::Debug>(what: &str, got: &[B], want: 
 pub const POISON_BF16: u16 = 0x7FC0;
 /// The fp32 form of [`POISON_BF16`].
 pub const POISON_F32: u32 = 0x7FC0_0000;
+/// The f16 poison (f16's canonical CUDA NaN is 0x7FFF too).
+pub const POISON_F16: u16 = 0x7E01;
 
 pub fn poison_bf16(n: usize) -> Vec<bf16> {
     vec![bf16::from_bits(POISON_BF16); n]
@@ -155,12 +165,25 @@ pub fn poison_f32(n: usize) -> Vec<f32> {
     vec![f32::from_bits(POISON_F32); n]
 }
 
+pub fn poison_f16(n: usize) -> Vec<f16> {
+    vec![f16::from_bits(POISON_F16); n]
+}
+
 /// Elements `[0, written)` were written (finite: a NaN left means unwritten or a NaN result),
 /// elements `[written, len)` still hold the poison bit for bit (not written).
 pub fn assert_written_bf16(what: &str, got: &[bf16], written: usize) {
     assert_written(
         what,
         &got.iter().map(|b| (b.is_finite(), b.to_bits() == POISON_BF16, b.to_bits() as u32)).collect::<Vec<_>>(),
+        written,
+    );
+}
+
+/// [`assert_written_bf16`] for f16 outputs.
+pub fn assert_written_f16(what: &str, got: &[f16], written: usize) {
+    assert_written(
+        what,
+        &got.iter().map(|b| (b.is_finite(), b.to_bits() == POISON_F16, b.to_bits() as u32)).collect::<Vec<_>>(),
         written,
     );
 }
