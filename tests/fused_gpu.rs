@@ -5,13 +5,16 @@
 //! routing.
 //!
 //! Equality with the unfused path is asserted bit for bit: both accumulate each output in fp32
-//! over the same sequence of k16 wgmma steps in ascending K (the sum order of an element does
-//! not depend on the tile shape), both round gate / up to bf16, and the fused epilogue computes
-//! SwiGLU with the same fp32 expression as the SwiGLU kernel. On a mismatch the message gives
-//! the number of differing elements and the largest difference in bf16 ulps. On 10.0 both
-//! sides are k16 UMMA (tcgen05) steps instead, the fused one 128x256, CUTLASS's its own tile:
-//! that the sum of an element is the same bits whatever the UMMA's N is has not been checked
-//! on a Blackwell GPU (a bitwise failure with the fp64 checks passing points there).
+//! over the same sequence of k16 wgmma steps in ascending K, both round gate / up to bf16, and
+//! the fused epilogue computes SwiGLU with the same fp32 expression as the SwiGLU kernel. The
+//! tile shapes differ (fused 128x256; CUTLASS's AUTO config picks its own, and so its own MMA
+//! N): that the hardware sums the products of one element inside a k16 step in the same order
+//! whatever the MMA's N is assumed here, not documented. A failure of the bitwise assertion
+//! alone (largest difference 1 ulp) with the fp64 checks passing points at that per-N sum
+//! order, not at the kernel; fused_moe_gpu's bitwise checks across fused and unfused fc1 plans
+//! then fail with it. fused_dgrad_gpu rests on the same assumption for dact. On a mismatch the
+//! message gives the number of differing elements and the largest difference in bf16 ulps. On
+//! 10.0 both sides are k16 UMMA (tcgen05) steps instead, with the same open question.
 
 mod common;
 
@@ -384,6 +387,11 @@ fn fused_fc1_model_shapes() {
         ),
         ("E64 H2048 F1408 k8 T128", Shape { e: 64, h: 2048, f: 1408, k: 8, t_max: 128, capacity: None }, 128),
     ] {
+        // Under a sanitizer (10-100x slower) only the decode shape runs.
+        if common::under_sanitizer() && shape.e == 128 {
+            println!("skipping: {name} under a sanitizer (CAPMOE_SANITIZER=1)");
+            continue;
+        }
         let w1 = weights(shape, 7);
         let mut rng = StdRng::seed_from_u64(8);
         let ids = topk_ids(&mut rng, shape.t_max, shape.e, shape.k);
@@ -415,7 +423,8 @@ fn fused_fc1_graph_replays_match_eager() {
         graph_runner.load(&stream, &first);
         stream.synchronize().unwrap();
         let graph = capture(&stream, || graph_runner.fused(&stream)).unwrap();
-        for i in 0..50 {
+        let replays = if common::under_sanitizer() { 8 } else { 50 };
+        for i in 0..replays {
             let t = replay_tokens(&mut rng, i, shape.t_max);
             let ids = Routes::of_replay(i, Routes::Messy).ids(&mut rng, shape);
             let inp = inputs(shape, &mut rng, t, ids);
