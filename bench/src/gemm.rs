@@ -12,7 +12,7 @@ use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr};
 use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use crate::measure::{median, random_bf16, sampled_relerr, time, time_synced, Row};
+use crate::measure::{median, random_bf16, time, time_synced, Row, Sample};
 use crate::Args;
 
 /// A named grouped GEMM shape: E experts, `rows` routed rows, layer K -> N.
@@ -159,11 +159,13 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     drop(graphs);
     // The reference output for the other configs and the baselines: operand set 0.
     run_capmoe(0, std::slice::from_mut(&mut reference));
+    // Its sampled elements, copied to the host once for every check below.
+    let reference = Sample::of(stream, &reference, d_len).expect("copying the reference sample");
 
     // Other kernel configurations asked for with --configs, each checked against Auto's output.
     for &config in &args.configs {
         let (us, note) =
-            match time_config(stream, args, &spec, config, &a, &b, &m_splits, &mut d, &mut check, &reference, d_len) {
+            match time_config(stream, args, &spec, config, &a, &b, &m_splits, &mut d, &mut check, &reference) {
                 // Different tiles sum in a different order: agreement within bf16 rounding.
                 Ok((us, err)) if err <= 1e-2 => (us, format!("relerr vs auto {err:.1e}")),
                 Ok((_, err)) => {
@@ -179,7 +181,7 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
     let mut verify = |launch: &mut dyn FnMut(Operands) -> Result<(), String>| {
         stream.memset_zeros(&mut check).map_err(|e| format!("zeroing the check buffer: {e}"))?;
         launch(ops_at(0, &check))?;
-        let err = sampled_relerr(stream, &check, &reference, d_len);
+        let err = reference.relerr_of(stream, &check).map_err(|e| format!("reading the output sample: {e}"))?;
         if err <= 1e-2 {
             Ok(())
         } else {
@@ -358,7 +360,7 @@ fn traffic_bytes(spec: &GroupedGemmSpec, splits: &[i64], traffic: Traffic) -> f6
 
 /// Graph-replay time of one explicit configuration over the rotated operand sets, its output
 /// rotated over `outs` exactly as the `Auto` rows do, and the normwise error of its set-0 output
-/// (computed into `check`) against `reference` (set 0 under `Auto`).
+/// (computed into `check`) against `reference` (the sample of set 0 under `Auto`).
 #[allow(clippy::too_many_arguments)]
 fn time_config(
     stream: &Arc<CudaStream>,
@@ -370,8 +372,7 @@ fn time_config(
     m_splits: &CudaSlice<i32>,
     outs: &mut [CudaSlice<bf16>],
     check: &mut CudaSlice<bf16>,
-    reference: &CudaSlice<bf16>,
-    len: usize,
+    reference: &Sample,
 ) -> Result<(f64, f64), String> {
     let plan = GroupedGemm::new(GroupedGemmSpec { config, ..spec.clone() }, stream).map_err(|e| e.to_string())?;
     let mut workspace = stream.alloc_zeros::<u8>(plan.workspace_bytes().max(1)).map_err(|e| e.to_string())?;
@@ -389,7 +390,7 @@ fn time_config(
     drop(graphs);
     stream.memset_zeros(check).map_err(|e| e.to_string())?;
     plan.run(stream, &a[0], &b[0], check, m_splits, None, &mut workspace).map_err(|e| e.to_string())?;
-    Ok((us, sampled_relerr(stream, check, reference, len)))
+    Ok((us, reference.relerr_of(stream, check).map_err(|e| e.to_string())?))
 }
 
 /// Why the cuBLASLt grouped matmul with device-side sizes is not in the report.
@@ -462,5 +463,8 @@ fn time_with_readback(
             failed.get_or_insert(e.to_string());
         }
     });
-    failed.map_or(Ok((us, host, median(&mut readback_us))), Err)
+    match failed {
+        Some(e) => Err(e),
+        None => Ok((us, host, median(&mut readback_us))),
+    }
 }

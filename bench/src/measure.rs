@@ -1,9 +1,10 @@
 //! Timing, test data and row bookkeeping shared by every benchmarked operation.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream, DriverError};
 use half::bf16;
 
 pub use crate::data::random_bf16;
@@ -80,14 +81,68 @@ pub struct Row {
     pub note: Option<String>,
 }
 
-/// Normwise relative error of `got` against `want` over a deterministic sample of elements.
-pub fn sampled_relerr(stream: &Arc<CudaStream>, got: &CudaSlice<bf16>, want: &CudaSlice<bf16>, valid: usize) -> f64 {
-    let g = stream.clone_dtoh(got).unwrap();
-    let w = stream.clone_dtoh(want).unwrap();
-    let step = (valid / 4_000_000).max(1);
+/// Elements [`Sample`] compares: 1024 blocks of 4096 contiguous elements (4M, the old strided
+/// sample's size), evenly spaced over `[0, valid)` from its start to its end, or every element
+/// when there are no more than that. Blocks, not single strided elements, so that a sample is
+/// 1024 small copies instead of a copy of the whole buffer (up to 1.9 GB for a wgrad dW); the
+/// spacing (valid / 1024) is shorter than one expert's slice of an [E, N, K] gradient for
+/// E <= 1024, so every expert is sampled.
+pub fn sample_ranges(valid: usize) -> Vec<Range<usize>> {
+    const BLOCKS: usize = 1024;
+    const BLOCK: usize = 4096;
+    if valid <= BLOCKS * BLOCK {
+        return std::iter::once(0..valid).collect();
+    }
+    // Start i * (valid - BLOCK) / (BLOCKS - 1): the first at 0, the last ending at `valid`,
+    // spaced at least BLOCK apart since valid > BLOCKS * BLOCK.
+    (0..BLOCKS)
+        .map(|i| {
+            let start = i * (valid - BLOCK) / (BLOCKS - 1);
+            start..start + BLOCK
+        })
+        .collect()
+}
+
+/// The sampled elements ([`sample_ranges`]) of one device buffer, copied to the host once, to
+/// compare other outputs with.
+pub struct Sample {
+    ranges: Vec<Range<usize>>,
+    values: Vec<bf16>,
+}
+
+impl Sample {
+    /// Copies the sampled elements of the first `valid` elements of `buf`.
+    pub fn of(stream: &Arc<CudaStream>, buf: &CudaSlice<bf16>, valid: usize) -> Result<Sample, DriverError> {
+        let ranges = sample_ranges(valid);
+        let values = copy_ranges(stream, buf, &ranges)?;
+        Ok(Sample { ranges, values })
+    }
+
+    /// Normwise relative error of `got` against this sample, over the same elements.
+    pub fn relerr_of(&self, stream: &Arc<CudaStream>, got: &CudaSlice<bf16>) -> Result<f64, DriverError> {
+        Ok(relerr(&copy_ranges(stream, got, &self.ranges)?, &self.values))
+    }
+}
+
+fn copy_ranges(
+    stream: &Arc<CudaStream>,
+    buf: &CudaSlice<bf16>,
+    ranges: &[Range<usize>],
+) -> Result<Vec<bf16>, DriverError> {
+    let mut host = vec![bf16::ZERO; ranges.iter().map(|r| r.len()).sum()];
+    let mut at = 0;
+    for r in ranges {
+        stream.memcpy_dtoh(&buf.slice(r.clone()), &mut host[at..at + r.len()])?;
+        at += r.len();
+    }
+    Ok(host)
+}
+
+/// sqrt(sum (got - want)^2 / sum want^2); NaN when `got` holds a NaN.
+pub fn relerr(got: &[bf16], want: &[bf16]) -> f64 {
     let (mut diff, mut norm) = (0.0f64, 0.0f64);
-    for i in (0..valid).step_by(step) {
-        let (a, b) = (g[i].to_f64(), w[i].to_f64());
+    for (g, w) in got.iter().zip(want) {
+        let (a, b) = (g.to_f64(), w.to_f64());
         if a.is_nan() {
             return f64::NAN;
         }
@@ -95,4 +150,47 @@ pub fn sampled_relerr(stream: &Arc<CudaStream>, got: &CudaSlice<bf16>, want: &Cu
         norm += b * b;
     }
     (diff / norm.max(1e-30)).sqrt()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_buffers_are_compared_whole() {
+        for valid in [0, 1, 4096 * 1024] {
+            let ranges = sample_ranges(valid);
+            assert_eq!(ranges.len(), 1);
+            assert_eq!(ranges[0], 0..valid);
+        }
+    }
+
+    #[test]
+    fn large_buffers_are_sampled_in_spread_blocks() {
+        // A dsv3_ep8_fc1 wgrad dW: 32 * 4096 * 7168 elements.
+        let valid = 32 * 4096 * 7168;
+        let ranges = sample_ranges(valid);
+        assert_eq!(ranges.len(), 1024);
+        assert!(ranges.iter().all(|r| r.len() == 4096));
+        assert_eq!(ranges[0].start, 0);
+        assert_eq!(ranges[1023].end, valid);
+        assert!(ranges.windows(2).all(|w| w[0].end <= w[1].start));
+        // Every expert's [N, K] slice holds a sampled block.
+        let per_expert = valid / 32;
+        assert!((0..32).all(|e| ranges.iter().any(|r| r.start / per_expert == e)));
+        // Just above the threshold the blocks still do not overlap.
+        let ranges = sample_ranges(4096 * 1024 + 1);
+        assert!(ranges.windows(2).all(|w| w[0].end <= w[1].start));
+        assert_eq!(ranges[1023].end, 4096 * 1024 + 1);
+    }
+
+    #[test]
+    fn relerr_is_normwise_and_nan_never_passes() {
+        let want: Vec<bf16> = [3.0f32, 4.0].iter().map(|&v| bf16::from_f32(v)).collect();
+        let got: Vec<bf16> = [3.0f32, 4.5].iter().map(|&v| bf16::from_f32(v)).collect();
+        assert_eq!(relerr(&want, &want), 0.0);
+        assert!((relerr(&got, &want) - 0.1).abs() < 1e-12);
+        let nan = vec![bf16::NAN, bf16::from_f32(4.0)];
+        assert!(relerr(&nan, &want).is_nan());
+    }
 }
