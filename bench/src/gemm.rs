@@ -33,6 +33,9 @@ pub const SHAPES: &[Shape] = &[
     Shape { name: "decode_fc1", experts: 64, rows: 1024, k: 2048, n: 2816 },
 ];
 
+/// The routings [`routing`] draws (`--routing`).
+pub const ROUTINGS: &[&str] = &["uniform", "zipf", "onehot"];
+
 /// m_splits as the torch anchor script draws them: uniform or zipf (weight 1/(e+1)) sampling
 /// of every row's expert, or every row on one expert.
 pub fn routing(kind: &str, experts: usize, rows: usize, seed: u64) -> Result<Vec<i64>, String> {
@@ -66,8 +69,16 @@ pub fn op_name(op: GemmOp) -> &'static str {
     }
 }
 
-/// Every implementation on one (shape, routing, op).
-pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_kind: &str, op: GemmOp) -> Vec<Row> {
+/// Every implementation on one (shape, routing, op), each row pushed onto `rows` as soon as it
+/// is measured (so a later panic keeps it).
+pub fn bench_case(
+    stream: &Arc<CudaStream>,
+    args: &Args,
+    shape: &Shape,
+    routing_kind: &str,
+    op: GemmOp,
+    rows: &mut Vec<Row>,
+) {
     let splits = routing(routing_kind, shape.experts, shape.rows, 7).unwrap();
     let mut spec = GroupedGemmSpec::new(op, shape.experts, shape.n, shape.k, shape.rows);
     spec.weight_layout = args.weight_layout;
@@ -107,7 +118,6 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
         b: b[i % b.len()].device_ptr(stream).0,
         d: out.device_ptr(stream).0,
     };
-    let mut rows = Vec::new();
     let mut push = |imp: &str, us: f64, host: Option<f64>, note: Option<String>| {
         let bytes = match imp {
             "cublas-dense" => dense_bytes,
@@ -284,7 +294,6 @@ pub fn bench_case(stream: &Arc<CudaStream>, args: &Args, shape: &Shape, routing_
         }
         Err(e) => push("memcpy-floor", f64::NAN, None, Some(format!("unavailable: {e}"))),
     }
-    rows
 }
 
 /// The time the op needs at least: max(the bytes it must move at copy bandwidth, dense cuBLAS

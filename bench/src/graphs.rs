@@ -92,11 +92,7 @@ fn section(shape: &str, op: &str, imp: &str, body: impl FnOnce() -> Result<Vec<R
     let why = match std::panic::catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(rows)) => return rows,
         Ok(Err(e)) => e.to_string(),
-        Err(panic) => {
-            let message =
-                panic.downcast_ref::<String>().cloned().or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()));
-            format!("panicked: {}", message.unwrap_or_default())
-        }
+        Err(panic) => format!("panicked: {}", crate::runner::panic_message(&*panic)),
     };
     vec![row(shape, op, imp, f64::NAN, f64::NAN, format!("unavailable: {why}"))]
 }

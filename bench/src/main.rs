@@ -1,16 +1,27 @@
 //! capmoe-bench: the crate's benchmark report. On the GPU it times the grouped GEMM (eager and
-//! CUDA-graph replay) against the cuBLAS baselines on named MoE shapes and routings, prints
-//! `shape | routing | op | impl | us | TFLOP/s | GB/s | x multi-stream | x dense`, and writes
-//! `bench/results/<gpu>.json` and `<gpu>.png`. Without a GPU it says why and exits with status 2.
+//! CUDA-graph replay) against the cuBLAS baselines on named MoE shapes and routings, then the
+//! graph-module, EP, Echo planner and expert-path rows; prints
+//! `shape | routing | op | impl | us | TFLOP/s | GB/s | x multi-stream | x dense | x roofline`,
+//! and writes `<out>/<gpu>.json`, `<gpu>.txt` (that table) and `<gpu>.png`. Without a GPU it
+//! says why and exits with status 2.
 //!
 //!   capmoe-bench [--shapes a,b] [--routing uniform,zipf,onehot] [--ops fprop,dgrad,wgrad]
 //!                [--streams 4] [--reps 30] [--anchors torch_anchor.json] [--out DIR] [--quick]
-//!                [--no-paths]   (skip the expert-path, graph-module, EP and Echo planner rows)
+//!                [--only gemm,graphs,ep,echo,paths]  (these row families alone; default all)
+//!                [--no-paths]   (the GEMM rows alone: no graph, EP, Echo or expert-path rows)
 //!                [--configs sm90-coop,sm90-pingpong128,...]  (also time these kernel configs)
 //!                [--weight-layout enk|ekn]  (weights [E, N, K], the default, or [E, K, N])
-//!                [--only echo|graphs]  (the Echo planner rows, or the graph-module rows, alone)
 //!                [--sweep]  (a config sweep: graph rows, dense cuBLAS, floor and roofline only;
-//!                            no eager rows, no cuBLAS loops)
+//!                            no eager rows, no cuBLAS loops; GEMM rows alone)
+//!
+//! Families run in the order gemm, graphs, ep, echo, paths (the expert path last: its fused
+//! kernels are the likeliest to fault or hang). Each family, and each case of gemm, is one
+//! unit: its rows are printed to stderr when it ends and the JSON and the table file are
+//! rewritten, so a later panic, hang or kill keeps them. A unit that panics prints
+//! `capmoe-bench: <family>/<case> failed: <message>` and the run goes on; if the CUDA context
+//! no longer works after it, the later units are skipped. The sorted table goes to stdout at
+//! the end. Exit status: 0; 1 when a unit failed; 3 when the run stopped early (context
+//! unusable); 2 without a GPU; 64 on a bad argument.
 
 mod baseline;
 mod data;
@@ -23,12 +34,14 @@ mod measure;
 mod path;
 mod plot;
 mod report;
+mod runner;
 
 use capturable_moe::device::{open, DeviceInfo};
 use capturable_moe::grouped_gemm::{GemmConfig, GemmOp, WeightLayout};
 use cudarc::driver::sys::CUdevice_attribute;
 
-use gemm::{bench_case, op_name, Shape, SHAPES};
+use gemm::{bench_case, op_name, Shape, ROUTINGS, SHAPES};
+use runner::{Outputs, Runner};
 
 struct Args {
     pub shapes: Vec<String>,
@@ -38,31 +51,58 @@ struct Args {
     pub reps: usize,
     pub anchors: Option<String>,
     pub out: String,
-    /// Also time the whole expert path and the Echo planner.
+    /// Every family but the GEMM rows too (`--no-paths` clears it).
     pub paths: bool,
     /// Explicit kernel configurations timed beside `Auto` (`--configs`).
     pub configs: Vec<GemmConfig>,
     /// Weight layout of every GEMM row (`--weight-layout enk|ekn`).
     pub weight_layout: WeightLayout,
-    /// Only one family of rows (`--only`).
-    pub only: Option<Only>,
+    /// Only these families (`--only`).
+    pub only: Option<Vec<Family>>,
     /// A config sweep: skip the eager rows and the cuBLAS loop baselines (`--sweep`).
     pub sweep: bool,
 }
 
-/// The row families `--only` selects.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Only {
-    /// The Echo planner rows.
-    Echo,
+/// The report's row families, in the order they run.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Family {
+    /// Grouped GEMM against the cuBLAS baselines, a unit per (shape, routing, op).
+    Gemm,
     /// The graph-module rows (pool, one graph for every T, update, first replay).
     Graphs,
+    /// NCCL's all-to-all, the EP layer and the simulated drop table.
+    Ep,
+    /// The Echo planner rows.
+    Echo,
+    /// The whole expert path, unfused and fused.
+    Paths,
 }
 
-fn parse_args() -> Result<Args, String> {
+const FAMILIES: [(Family, &str); 5] = [
+    (Family::Gemm, "gemm"),
+    (Family::Graphs, "graphs"),
+    (Family::Ep, "ep"),
+    (Family::Echo, "echo"),
+    (Family::Paths, "paths"),
+];
+
+impl Args {
+    /// The families this run measures, in [`FAMILIES`] order.
+    fn families(&self) -> Vec<Family> {
+        FAMILIES
+            .iter()
+            .map(|&(family, _)| family)
+            .filter(|f| self.only.as_ref().is_none_or(|only| only.contains(f)))
+            .filter(|&f| self.paths || f == Family::Gemm)
+            .collect()
+    }
+}
+
+/// The arguments after the program's name.
+fn parse_args(command_line: impl IntoIterator<Item = String>) -> Result<Args, String> {
     let mut args = Args {
         shapes: SHAPES.iter().map(|s| s.name.to_string()).collect(),
-        routings: vec!["uniform".into(), "zipf".into(), "onehot".into()],
+        routings: ROUTINGS.iter().map(|r| r.to_string()).collect(),
         ops: vec![GemmOp::Fprop, GemmOp::Dgrad, GemmOp::Wgrad],
         streams: 4,
         reps: 30,
@@ -74,7 +114,7 @@ fn parse_args() -> Result<Args, String> {
         only: None,
         sweep: false,
     };
-    let mut it = std::env::args().skip(1);
+    let mut it = command_line.into_iter();
     let list = |v: Option<String>| -> Result<Vec<String>, String> {
         Ok(v.ok_or("missing value")?.split(',').map(str::to_string).collect())
     };
@@ -111,11 +151,21 @@ fn parse_args() -> Result<Args, String> {
                     .map(|name| GemmConfig::from_name(name).ok_or(format!("unknown config {name}")))
                     .collect::<Result<_, _>>()?
             }
-            "--only" => match it.next().as_deref() {
-                Some("echo") => args.only = Some(Only::Echo),
-                Some("graphs") => args.only = Some(Only::Graphs),
-                other => return Err(format!("--only takes `echo` or `graphs`, got {other:?}")),
-            },
+            "--only" => {
+                let names: Vec<&str> = FAMILIES.iter().map(|f| f.1).collect();
+                args.only = Some(
+                    list(it.next())?
+                        .iter()
+                        .map(|name| {
+                            FAMILIES
+                                .iter()
+                                .find(|f| f.1 == name)
+                                .map(|f| f.0)
+                                .ok_or(format!("--only takes a list of {}, got {name:?}", names.join(", ")))
+                        })
+                        .collect::<Result<_, _>>()?,
+                )
+            }
             "--sweep" => {
                 args.sweep = true;
                 args.paths = false;
@@ -139,11 +189,16 @@ fn parse_args() -> Result<Args, String> {
             return Err(format!("unknown shape {s}"));
         }
     }
+    for r in &args.routings {
+        if !ROUTINGS.contains(&r.as_str()) {
+            return Err(format!("unknown routing {r} (one of {})", ROUTINGS.join(", ")));
+        }
+    }
     Ok(args)
 }
 
 fn main() {
-    let args = match parse_args() {
+    let args = match parse_args(std::env::args().skip(1)) {
         Ok(args) => args,
         Err(e) => {
             eprintln!("capmoe-bench: {e}");
@@ -176,48 +231,70 @@ fn main() {
         max_clocks_khz.1 / 1000
     );
 
-    let mut rows = Vec::new();
-    let shapes: Vec<&Shape> = SHAPES.iter().filter(|s| args.shapes.iter().any(|n| n == s.name)).collect();
-    let total = shapes.len() * args.routings.len() * args.ops.len();
-    let mut done = 0;
-    let everything = args.only.is_none();
-    for shape in shapes.iter().filter(|_| everything) {
-        for routing_kind in &args.routings {
-            for &op in &args.ops {
-                done += 1;
-                eprintln!("[{done}/{total}] {} {routing_kind} {}", shape.name, op_name(op));
-                rows.extend(bench_case(&stream, &args, shape, routing_kind, op));
-            }
-        }
-    }
-    if args.paths && everything {
-        rows.extend(path::expert_rows(&stream, args.reps));
-    }
-    if (args.paths && everything) || args.only == Some(Only::Graphs) {
-        rows.extend(graphs::graph_rows(&stream, args.reps));
-    }
-    if args.paths && everything {
-        rows.extend(ep::ep_rows(&stream, args.reps));
-        rows.extend(ep_layer::ep_layer_rows(&stream, args.reps));
-    }
-    if (args.paths && everything) || args.only == Some(Only::Echo) {
-        rows.extend(path::echo_rows(&stream, args.reps));
-    }
+    let mut runner = Runner::new(stream.clone(), Outputs::new(&args.out, device, max_clocks_khz));
+    // The anchors first, so that every file written along the way holds them.
     if let Some(path) = &args.anchors {
         match report::anchor_rows(path) {
-            Ok(anchor) => rows.extend(anchor),
+            Ok(anchor) => runner.add(anchor),
             Err(e) => eprintln!("capmoe-bench: anchors not merged: {e}"),
         }
     }
-    rows.sort_by(|a, b| (&a.shape, &a.routing, &a.op).cmp(&(&b.shape, &b.routing, &b.op)));
-    let file: String = device.name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect();
-    let path = format!("{}/{file}.json", args.out);
-    match report::write_json(&path, &device, max_clocks_khz, &rows) {
-        Ok(()) => eprintln!("wrote {path}"),
-        Err(e) => eprintln!("capmoe-bench: could not write {path}: {e}"),
+    let reps = args.reps;
+    for family in args.families() {
+        match family {
+            Family::Gemm => gemm_rows(&mut runner, &stream, &args),
+            Family::Graphs => runner.run("graphs", |rows| rows.extend(graphs::graph_rows(&stream, reps))),
+            Family::Ep => runner.run("ep", |rows| {
+                rows.extend(ep::ep_rows(&stream, reps));
+                rows.extend(ep_layer::ep_layer_rows(&stream, reps));
+            }),
+            Family::Echo => runner.run("echo", |rows| rows.extend(path::echo_rows(&stream, reps))),
+            Family::Paths => runner.run("paths", |rows| rows.extend(path::expert_rows(&stream, reps))),
+        }
     }
-    let png = format!("{}/{file}.png", args.out);
-    plot::write_png(&png, &device.name, &rows)
-        .map_or_else(|e| eprintln!("capmoe-bench: no plot {png}: {e}"), |()| eprintln!("wrote {png}"));
-    report::print_table(&rows);
+    std::process::exit(runner.finish());
+}
+
+/// The GEMM rows, a unit per (shape, routing, op).
+fn gemm_rows(runner: &mut Runner, stream: &std::sync::Arc<cudarc::driver::CudaStream>, args: &Args) {
+    let shapes: Vec<&Shape> = SHAPES.iter().filter(|s| args.shapes.iter().any(|n| n == s.name)).collect();
+    let total = shapes.len() * args.routings.len() * args.ops.len();
+    let mut done = 0;
+    for shape in shapes {
+        for routing_kind in &args.routings {
+            for &op in &args.ops {
+                done += 1;
+                let case = format!("{} {routing_kind} {}", shape.name, op_name(op));
+                eprintln!("[{done}/{total}] {case}");
+                runner.run(&format!("gemm/{case}"), |rows| bench_case(stream, args, shape, routing_kind, op, rows));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn families(command_line: &str) -> Result<Vec<Family>, String> {
+        parse_args(command_line.split_whitespace().map(str::to_string)).map(|args| args.families())
+    }
+
+    #[test]
+    fn families_run_in_their_fixed_order() {
+        use Family::*;
+        assert_eq!(families("").unwrap(), [Gemm, Graphs, Ep, Echo, Paths]);
+        assert_eq!(families("--only paths,gemm").unwrap(), [Gemm, Paths]);
+        assert_eq!(families("--only ep").unwrap(), [Ep]);
+        assert_eq!(families("--no-paths").unwrap(), [Gemm]);
+        assert_eq!(families("--sweep").unwrap(), [Gemm]);
+        assert!(families("--only gemms").unwrap_err().contains("gemm, graphs, ep, echo, paths"));
+    }
+
+    #[test]
+    fn unknown_routings_and_shapes_are_refused() {
+        assert!(families("--routing zipf,onehot").is_ok());
+        assert!(families("--routing Zipf").unwrap_err().contains("unknown routing Zipf"));
+        assert!(families("--shapes nope").unwrap_err().contains("unknown shape"));
+    }
 }

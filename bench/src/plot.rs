@@ -23,14 +23,7 @@ const OPS: [&str; 3] = ["fprop", "dgrad", "wgrad"];
 pub fn write_png(path: &str, gpu: &str, rows: &[Row]) -> Result<(), String> {
     match std::panic::catch_unwind(|| draw(path, gpu, rows)) {
         Ok(result) => result,
-        Err(panic) => Err(format!(
-            "plotting panicked: {}",
-            panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_default()
-        )),
+        Err(panic) => Err(format!("plotting panicked: {}", crate::runner::panic_message(&*panic))),
     }
 }
 

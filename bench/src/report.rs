@@ -96,16 +96,23 @@ pub fn references(rows: &[Row]) -> impl Fn(&Row) -> References {
     move |r: &Row| by_group.get(&key(r)).copied().unwrap_or(none)
 }
 
-pub fn print_table(rows: &[Row]) {
+/// The table of `rows` as the report prints it, one line per row (a note instead of the
+/// figures where a row has no time).
+pub fn table(rows: &[Row]) -> String {
+    use std::fmt::Write;
     let reference = references(rows);
-    println!(
+    let mut out = String::new();
+    // Writing into a String cannot fail: the results are ignored.
+    let _ = writeln!(
+        out,
         "{:<14} | {:<8} | {:<6} | {:<22} | {:>9} | {:>8} | {:>7} | {:>14} | {:>7} | {:>10}",
         "shape", "routing", "op", "impl", "us", "TFLOP/s", "GB/s", "x multi-stream", "x dense", "x roofline"
     );
     for r in rows {
         let References { multistream_us: multi, dense_us: dense, roofline_us: roofline } = reference(r);
         if r.us.is_nan() {
-            println!(
+            let _ = writeln!(
+                out,
                 "{:<14} | {:<8} | {:<6} | {:<22} | {}",
                 r.shape,
                 r.routing,
@@ -119,7 +126,8 @@ pub fn print_table(rows: &[Row]) {
         let tflops = if r.tflops.is_finite() { format!("{:.1}", r.tflops) } else { "-".into() };
         // x roofline is this row's time over the roofline's (>= 1 for a real kernel); the
         // other two ratios are the reference's time over this row's (> 1 = faster).
-        println!(
+        let _ = writeln!(
+            out,
             "{:<14} | {:<8} | {:<6} | {:<22} | {:>9.1} | {:>8} | {:>7.0} | {:>14.2} | {:>7.2} | {:>10.2}",
             r.shape,
             r.routing,
@@ -133,6 +141,18 @@ pub fn print_table(rows: &[Row]) {
             r.us / roofline
         );
     }
+    out
+}
+
+/// Writes `text` to `path` through a temporary file and a rename, so that a run killed while
+/// writing (a `timeout`) leaves the previous complete file, never a truncated one.
+pub fn write_atomically(path: &str, text: &str) -> std::io::Result<()> {
+    if let Some(dir) = std::path::Path::new(path).parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let partial = format!("{path}.partial");
+    std::fs::write(&partial, text)?;
+    std::fs::rename(&partial, path)
 }
 
 pub fn write_json(path: &str, device: &DeviceInfo, max_clocks_khz: (i32, i32), rows: &[Row]) -> std::io::Result<()> {
@@ -162,10 +182,7 @@ pub fn write_json(path: &str, device: &DeviceInfo, max_clocks_khz: (i32, i32), r
         "date_unix": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         "rows": rows,
     });
-    if let Some(dir) = std::path::Path::new(path).parent() {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap())
+    write_atomically(path, &serde_json::to_string_pretty(&doc).unwrap())
 }
 
 #[cfg(test)]
