@@ -9,13 +9,15 @@
 //!                [--streams 4] [--reps 30] [--anchors torch_anchor.json] [--out DIR] [--quick]
 //!                [--only gemm,graphs,ep,echo,paths]  (these row families alone; default all)
 //!                [--no-paths]   (the GEMM rows alone: no graph, EP, Echo or expert-path rows)
+//!                [--no-fused]   (expert-path rows without the fused variants)
 //!                [--configs sm90-coop,sm90-pingpong128,...]  (also time these kernel configs)
 //!                [--weight-layout enk|ekn]  (weights [E, N, K], the default, or [E, K, N])
 //!                [--sweep]  (a config sweep: graph rows, dense cuBLAS, floor and roofline only;
 //!                            no eager rows, no cuBLAS loops; GEMM rows alone)
 //!
 //! Families run in the order gemm, graphs, ep, echo, paths (the expert path last: its fused
-//! kernels are the likeliest to fault or hang). Each family, and each case of gemm, is one
+//! kernels are the likeliest to fault or hang; within it the unfused variant of every shape
+//! runs before any fused one). Each family, and each case of gemm and paths, is one
 //! unit: its rows are printed to stderr when it ends and the JSON and the table file are
 //! rewritten, so a later panic, hang or kill keeps them. A unit that panics prints
 //! `capmoe-bench: <family>/<case> failed: <message>` and the run goes on; if the CUDA context
@@ -53,6 +55,8 @@ struct Args {
     pub out: String,
     /// Every family but the GEMM rows too (`--no-paths` clears it).
     pub paths: bool,
+    /// The expert path's fused variants (`--no-fused` clears it).
+    pub fused: bool,
     /// Explicit kernel configurations timed beside `Auto` (`--configs`).
     pub configs: Vec<GemmConfig>,
     /// Weight layout of every GEMM row (`--weight-layout enk|ekn`).
@@ -74,7 +78,7 @@ enum Family {
     Ep,
     /// The Echo planner rows.
     Echo,
-    /// The whole expert path, unfused and fused.
+    /// The whole expert path, unfused and fused, a unit per (shape, variant).
     Paths,
 }
 
@@ -109,6 +113,7 @@ fn parse_args(command_line: impl IntoIterator<Item = String>) -> Result<Args, St
         anchors: None,
         out: "bench/results".into(),
         paths: true,
+        fused: true,
         configs: Vec::new(),
         weight_layout: WeightLayout::Enk,
         only: None,
@@ -138,6 +143,7 @@ fn parse_args(command_line: impl IntoIterator<Item = String>) -> Result<Args, St
             "--anchors" => args.anchors = Some(it.next().ok_or("--anchors FILE")?),
             "--out" => args.out = it.next().ok_or("--out DIR")?,
             "--no-paths" => args.paths = false,
+            "--no-fused" => args.fused = false,
             "--weight-layout" => {
                 args.weight_layout = match it.next().as_deref() {
                     Some("enk") => WeightLayout::Enk,
@@ -248,8 +254,8 @@ fn main() {
                 rows.extend(ep::ep_rows(&stream, reps));
                 rows.extend(ep_layer::ep_layer_rows(&stream, reps));
             }),
-            Family::Echo => runner.run("echo", |rows| rows.extend(path::echo_rows(&stream, reps))),
-            Family::Paths => runner.run("paths", |rows| rows.extend(path::expert_rows(&stream, reps))),
+            Family::Echo => runner.run("echo", |rows| path::echo_rows(&stream, reps, rows)),
+            Family::Paths => path::expert_rows(&mut runner, &stream, reps, args.fused),
         }
     }
     std::process::exit(runner.finish());
@@ -289,6 +295,14 @@ mod tests {
         assert_eq!(families("--no-paths").unwrap(), [Gemm]);
         assert_eq!(families("--sweep").unwrap(), [Gemm]);
         assert!(families("--only gemms").unwrap_err().contains("gemm, graphs, ep, echo, paths"));
+    }
+
+    #[test]
+    fn no_fused_keeps_the_expert_path() {
+        let args = parse_args(["--no-fused".to_string()]).unwrap();
+        assert!(!args.fused);
+        assert!(args.families().contains(&Family::Paths));
+        assert!(parse_args([]).unwrap().fused);
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Rows for the whole expert path (`expert_fwd`, `expert_bwd`) and the Echo planner
 //! (`echo_plan`), all as CUDA-graph replays.
 
+use std::cell::Cell;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -16,6 +17,7 @@ use half::bf16;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use crate::measure::{median, random_bf16, time, Row};
+use crate::runner::Runner;
 
 /// An expert-path configuration: (E, T, k, H, F).
 pub type PathShape = (usize, usize, usize, usize, usize);
@@ -132,54 +134,115 @@ fn all_path_shapes() -> impl Iterator<Item = PathShape> {
     PATHS.iter().copied().chain(PUBLISHED.iter().map(|p| p.shape))
 }
 
-pub fn expert_rows(stream: &Arc<CudaStream>, reps: usize) -> Vec<Row> {
-    let mut rows = Vec::new();
+/// Every expert-path shape and variant, a runner unit each (`paths/<shape>/<variant>`): first
+/// the unfused variant of every shape, with its grouped GEMMs alone, routing stages and
+/// published figures; then, when `fused`, the fused variants, whose kernels are the likeliest
+/// to fault or hang: that loses no unfused row.
+pub fn expert_rows(runner: &mut Runner, stream: &Arc<CudaStream>, reps: usize, fused: bool) {
+    let [unfused, fused_variants @ ..] = variants();
+    // (forward, backward) GEMMs-alone times of each shape, for the fused rows' notes.
+    let mut gemm_us: Vec<(PathShape, (f64, f64))> = Vec::new();
     for shape in all_path_shapes() {
-        let (e, t, k, h, f) = shape;
-        let name = &path_name(e, t, k, h, f);
-        eprintln!("[expert path] {name}");
-        let mut shape_rows = Vec::new();
-        for (imp, options) in variants() {
-            match expert_case(stream, reps, name, shape, options, imp) {
-                Ok(r) => shape_rows.extend(r),
-                Err(err) => shape_rows.push(unavailable(name, imp, &err)),
+        let name = shape_name(shape);
+        eprintln!("[expert path] {name} {}", unfused.0);
+        runner.run(&format!("paths/{name}/{}", unfused.0), |rows| {
+            variant_rows(stream, reps, shape, unfused, rows);
+            let measured = rows.len();
+            match gemms_and_stages(stream, reps, &name, shape, rows) {
+                Ok(us) => {
+                    note_gemm_ratio(&mut rows[..measured], us);
+                    gemm_us.push((shape, us));
+                }
+                Err(err) => rows.push(unavailable(&name, "expert_fwd", "capmoe-gemms-graph", &err)),
             }
-        }
-        if let Err(err) = gemms_and_stages(stream, reps, name, shape, &mut shape_rows) {
-            shape_rows.push(unavailable(name, "capmoe-gemms-graph", &err));
-        }
-        compare_with_published(shape, name, &mut shape_rows);
-        rows.extend(shape_rows);
+            rows.extend(published_rows(shape, &name));
+        });
     }
-    rows
+    for shape in all_path_shapes().filter(|_| fused) {
+        let name = shape_name(shape);
+        for variant in fused_variants {
+            eprintln!("[expert path] {name} {}", variant.0);
+            runner.run(&format!("paths/{name}/{}", variant.0), |rows| {
+                variant_rows(stream, reps, shape, variant, rows);
+                if let Some(&(_, us)) = gemm_us.iter().find(|(s, _)| *s == shape) {
+                    note_gemm_ratio(rows, us);
+                }
+            });
+        }
+    }
 }
 
-fn unavailable(name: &str, imp: &str, err: &capturable_moe::Error) -> Row {
-    row(name, "expert_fwd", imp, f64::NAN, 0.0, None, Some(format!("unavailable: {err}")))
+fn shape_name((e, t, k, h, f): PathShape) -> String {
+    path_name(e, t, k, h, f)
 }
 
-/// Adds a `published-<name>` row per published figure of `shape` (its time at that TFLOP/s)
-/// and, to each measured row of the same op, a note with its TFLOP/s over the published one.
-fn compare_with_published(shape: PathShape, name: &str, rows: &mut Vec<Row>) {
+/// The forward, backward and forward + backward rows of one variant on one shape, each with
+/// its TFLOP/s over any published figure in its note; or one "unavailable" row, under the op
+/// whose setup, capture or replay failed.
+fn variant_rows(
+    stream: &Arc<CudaStream>,
+    reps: usize,
+    shape: PathShape,
+    (imp, options): (&str, MoeOptions),
+    rows: &mut Vec<Row>,
+) {
+    let name = shape_name(shape);
+    match expert_case(stream, reps, &name, shape, options, imp) {
+        Ok(mut measured) => {
+            note_published_ratio(shape, &mut measured);
+            rows.extend(measured);
+        }
+        Err((op, err)) => rows.push(unavailable(&name, op, imp, &err)),
+    }
+}
+
+fn unavailable(name: &str, op: &str, imp: &str, err: &capturable_moe::Error) -> Row {
+    row(name, op, imp, f64::NAN, 0.0, None, Some(format!("unavailable: {err}")))
+}
+
+/// Adds to the note of each timed forward / backward row its time over the grouped GEMMs'
+/// alone (`gemm_us`: forward, backward).
+fn note_gemm_ratio(rows: &mut [Row], (fwd_gemm_us, bwd_gemm_us): (f64, f64)) {
+    for r in rows.iter_mut().filter(|r| r.us.is_finite()) {
+        let (gemms_us, what) = match r.op.as_str() {
+            "expert_fwd" => (fwd_gemm_us, "its two grouped GEMMs"),
+            "expert_bwd" => (bwd_gemm_us, "its four grouped GEMMs"),
+            _ => continue,
+        };
+        r.note = Some(format!("{:.2}x {what}; {}", r.us / gemms_us, r.note.take().unwrap_or_default()));
+    }
+}
+
+/// Adds to the note of each measured expert-path row its TFLOP/s over each published figure
+/// of `shape` for the same op.
+fn note_published_ratio(shape: PathShape, rows: &mut [Row]) {
     for published in PUBLISHED.iter().filter(|p| p.shape == shape) {
         for &(op, tflops) in published.figures {
             let measured = |r: &Row| r.op == op && variants().iter().any(|(imp, _)| *imp == r.imp);
-            for r in rows.iter_mut().filter(|r| measured(r)) {
-                if r.us.is_finite() {
-                    let ratio = r.tflops / tflops;
-                    let note = format!("{ratio:.2}x {} published TFLOP/s", published.name);
-                    r.note = Some(match r.note.take() {
-                        Some(old) => format!("{old}; {note}"),
-                        None => note,
-                    });
-                }
+            for r in rows.iter_mut().filter(|r| measured(r) && r.us.is_finite()) {
+                let ratio = r.tflops / tflops;
+                let note = format!("{ratio:.2}x {} published TFLOP/s", published.name);
+                r.note = Some(match r.note.take() {
+                    Some(old) => format!("{old}; {note}"),
+                    None => note,
+                });
             }
+        }
+    }
+}
+
+/// A `published-<name>` row per published figure of `shape`: its time at that TFLOP/s.
+fn published_rows(shape: PathShape, name: &str) -> Vec<Row> {
+    let mut rows = Vec::new();
+    for published in PUBLISHED.iter().filter(|p| p.shape == shape) {
+        for &(op, tflops) in published.figures {
             let flops = op_flops(shape, op);
             let us = flops / (tflops * 1e6);
             let note = format!("published figure, not measured here: {}", published.source);
             rows.push(row(name, op, &format!("published-{}", published.name), us, flops, None, Some(note)));
         }
     }
+    rows
 }
 
 /// The synthetic inputs of one expert-path case, on the device.
@@ -223,7 +286,8 @@ fn path_config((e, t, k, h, f): PathShape) -> MoeConfig {
     }
 }
 
-/// Forward, backward and forward + backward of one plan, each captured once and replayed.
+/// Forward, backward and forward + backward of one plan, each captured once and replayed; on
+/// failure, the op whose part failed (setup counts as `expert_fwd`) and the error.
 fn expert_case(
     stream: &Arc<CudaStream>,
     reps: usize,
@@ -231,6 +295,20 @@ fn expert_case(
     shape: PathShape,
     options: MoeOptions,
     imp: &str,
+) -> Result<Vec<Row>, (&'static str, capturable_moe::Error)> {
+    let stage = Cell::new("expert_fwd");
+    timed_expert_case(stream, reps, name, shape, options, imp, &stage).map_err(|e| (stage.get(), e))
+}
+
+/// [`expert_case`]'s body; `stage` follows the op being set up, captured or replayed.
+fn timed_expert_case(
+    stream: &Arc<CudaStream>,
+    reps: usize,
+    name: &str,
+    shape: PathShape,
+    options: MoeOptions,
+    imp: &str,
+    stage: &Cell<&'static str>,
 ) -> capturable_moe::Result<Vec<Row>> {
     let (e, t, k, h, f) = shape;
     let mut moe = MoeExperts::<bf16>::with_options(path_config(shape), options, stream)?;
@@ -244,15 +322,20 @@ fn expert_case(
 
     moe.forward(stream, &x, &ids, &probs, tok, &w1, &w2, &mut y)?;
     let fwd = capture(stream, || moe.forward(stream, &x, &ids, &probs, tok, &w1, &w2, &mut y))?;
+    stage.set("expert_bwd");
     let bwd = capture(stream, || {
         moe.backward(stream, &x, &dy, &probs, tok, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2)
     })?;
+    stage.set("expert_fwd_bwd");
     let both = capture(stream, || {
         moe.forward(stream, &x, &ids, &probs, tok, &w1, &w2, &mut y)?;
         moe.backward(stream, &x, &dy, &probs, tok, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2)
     })?;
+    stage.set("expert_fwd");
     let (fwd_us, _) = time(stream, reps, |_| fwd.launch().unwrap());
+    stage.set("expert_bwd");
     let (bwd_us, _) = time(stream, reps, |_| bwd.launch().unwrap());
+    stage.set("expert_fwd_bwd");
     let (both_us, both_host) = time(stream, reps, |_| both.launch().unwrap());
 
     // Host cost of one replay of forward + backward, without waiting for the GPU.
@@ -289,15 +372,15 @@ fn expert_case(
 }
 
 /// The grouped GEMMs alone (on the routing of the shape's inputs, as graphs) and the
-/// unfused forward's routing stages alone; the notes of the `capmoe-*graph` rows of the same
-/// shape get their time over the GEMMs'.
+/// unfused forward's routing stages alone, pushed onto `rows`; returns the GEMMs' (forward,
+/// backward) times.
 fn gemms_and_stages(
     stream: &Arc<CudaStream>,
     reps: usize,
     name: &str,
     shape: PathShape,
     rows: &mut Vec<Row>,
-) -> capturable_moe::Result<()> {
+) -> capturable_moe::Result<(f64, f64)> {
     let (e, t, _k, h, f) = shape;
     let config = path_config(shape);
     let inputs = PathInputs::new(stream, shape)?;
@@ -351,14 +434,6 @@ fn gemms_and_stages(
         &mut y,
     )?;
 
-    for r in rows.iter_mut().filter(|r| r.imp.starts_with("capmoe-") && r.us.is_finite()) {
-        let (gemms_us, what) = match r.op.as_str() {
-            "expert_fwd" => (fwd_gemm_us, "its two grouped GEMMs"),
-            "expert_bwd" => (bwd_gemm_us, "its four grouped GEMMs"),
-            _ => continue,
-        };
-        r.note = Some(format!("{:.2}x {what}; {}", r.us / gemms_us, r.note.take().unwrap_or_default()));
-    }
     rows.push(row(
         name,
         "expert_fwd",
@@ -386,7 +461,7 @@ fn gemms_and_stages(
         None,
         Some(stages_note(&stages)),
     ));
-    Ok(())
+    Ok((fwd_gemm_us, bwd_gemm_us))
 }
 
 /// GPU time of each non-GEMM stage of the forward, each captured alone in a graph and
@@ -427,8 +502,7 @@ fn stages_note(stages: &[(&'static str, f64)]) -> String {
 
 /// Echo plan + reroute at the target shape, both assignment algorithms and forms: GPU
 /// time of a graph replay, and (`host_us`) the host time of one eager enqueue.
-pub fn echo_rows(stream: &Arc<CudaStream>, reps: usize) -> Vec<Row> {
-    let mut rows = Vec::new();
+pub fn echo_rows(stream: &Arc<CudaStream>, reps: usize, rows: &mut Vec<Row>) {
     for (spare, algorithm) in [(1usize, Algorithm::Approx), (2, Algorithm::Greedy)] {
         for (form, form_name) in [(Form::TopK, "topk"), (Form::Dense, "dense")] {
             let cfg = EchoConfig {
@@ -462,7 +536,6 @@ pub fn echo_rows(stream: &Arc<CudaStream>, reps: usize) -> Vec<Row> {
             rows.push(r);
         }
     }
-    rows
 }
 
 #[cfg(test)]
@@ -494,7 +567,8 @@ mod tests {
             measured(shape, "expert_fwd", "capmoe-fused-graph", fwd_us),
             measured(shape, "expert_fwd", "capmoe-gemms-graph", fwd_us),
         ];
-        compare_with_published(shape, &name, &mut rows);
+        note_published_ratio(shape, &mut rows);
+        rows.extend(published_rows(shape, &name));
 
         let published: Vec<&Row> = rows.iter().filter(|r| r.imp == "published-liger").collect();
         assert_eq!(published.len(), liger.figures.len());
@@ -509,7 +583,8 @@ mod tests {
     #[test]
     fn shapes_without_a_published_figure_get_no_rows() {
         let mut rows = vec![measured(PATHS[0], "expert_fwd", "capmoe-graph", 100.0)];
-        compare_with_published(PATHS[0], "x", &mut rows);
+        note_published_ratio(PATHS[0], &mut rows);
+        rows.extend(published_rows(PATHS[0], "x"));
         assert_eq!(rows.len(), 1);
         assert_eq!(rows[0].note, None);
     }
