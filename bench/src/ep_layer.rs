@@ -1,11 +1,13 @@
 //! Rows of the EP layer itself ([`EpMoe`]) at R = every GPU present (one process, a thread per
 //! rank, as `tests/ep_gpu.rs` runs it), and the drop table:
 //! - `ep_dispatch_combine`: the layer's dispatch + combine alone (layout, gather, the grouped
-//!   exchange of rows / ids / probs, the exchange back and the reduce; no expert GEMMs), at the
-//!   capacity and bytes of the `nccl-alltoall` rows (capacity factor 1.0), so the two compare
-//!   directly (target: bus bandwidth >= 80 % of NCCL's own all-to-all);
+//!   exchange of rows / ids / probs, the exchange back and the reduce; no expert GEMMs), plain,
+//!   uniform routing, at the capacity and bytes of the `nccl-alltoall` rows (capacity factor
+//!   1.0), so the two compare directly (target: bus bandwidth >= 80 % of NCCL's own
+//!   all-to-all);
 //! - `ep_step`: forward + backward of the whole layer, plain and with Echo, under uniform and
-//!   zipf routing, capacity factor 1.25;
+//!   zipf routing, capacity factor 1.25 (every one: a case of its own, apart from the
+//!   dispatch + combine one at 1.0);
 //! - `ep_drops`: dropped routes at capacity factors 1.0 / 1.25 / 1.5, plain and with Echo,
 //!   worked out by `ep::simulate` (the CPU reference planner) for groups of 8 and 64 ranks.
 
@@ -24,6 +26,7 @@ use half::bf16;
 use crate::ep::rank_streams;
 use crate::measure::{time, Row};
 use crate::path::PATHS;
+use crate::runner::Runner;
 
 fn row(shape: &str, routing: &str, op: &str, imp: &str, us: f64, gbps: f64, note: String) -> Row {
     Row {
@@ -39,40 +42,21 @@ fn row(shape: &str, routing: &str, op: &str, imp: &str, us: f64, gbps: f64, note
     }
 }
 
-pub fn ep_layer_rows(stream: &Arc<CudaStream>, reps: usize) -> Vec<Row> {
-    let mut rows = match layer_cases(stream, reps) {
-        Ok(rows) => rows,
-        Err(e) => {
-            vec![row("ep_layer", "uniform", "ep_step", "capmoe-ep", f64::NAN, f64::NAN, format!("unavailable: {e}"))]
-        }
-    };
-    rows.extend(drop_rows());
-    rows
-}
-
-/// One case of the layer: shape, routing of every rank, Echo or not, block capacity.
-struct Case<'a> {
-    config: EpMoeConfig,
-    ids: &'a [Vec<i32>],
-}
-
-/// Median microseconds on rank 0 of (dispatch + combine, forward + backward).
-struct Timing {
-    dispatch_combine_us: f64,
-    step_us: f64,
-}
-
-fn layer_cases(stream: &Arc<CudaStream>, reps: usize) -> capturable_moe::Result<Vec<Row>> {
-    let streams = rank_streams(stream)?;
-    let mut groups = Some(EpGroup::single_process(&streams)?);
-    let ranks = streams.len();
-    let mut rows = Vec::new();
+/// The layer's rows, a runner unit per case (`ep/layer <shape> <routing> ...`): a failing case
+/// gives one "unavailable" row and the next case runs, unless its ranks' groups are lost with
+/// it (a rank panicked), which ends the layer's rows.
+pub fn ep_layer_rows(runner: &mut Runner, stream: &Arc<CudaStream>, reps: usize) {
+    let mut groups = None;
+    runner.run("ep/layer setup", |rows| match rank_streams(stream).and_then(|s| EpGroup::single_process(&s)) {
+        Ok(g) => groups = Some(g),
+        Err(e) => rows.push(row("ep_layer", "uniform", "ep_step", "capmoe-ep", f64::NAN, f64::NAN, unavailable(&e))),
+    });
+    let Some(ranks) = groups.as_ref().map(Vec::len) else { return };
     for &(e, t, k, h, f) in PATHS.iter().filter(|p| p.0 % ranks == 0) {
         let shape = format!("ep_E{e}_T{t}_k{k}_H{h}_F{f}_R{ranks}");
         for (routing, exponent) in [("uniform", 0.0), ("zipf", 1.0)] {
             let ids = zipf_routing(ranks, t, e, k, exponent, 11);
-            for echo in [false, true] {
-                let factor = if routing == "uniform" && !echo { 1.0 } else { 1.25 };
+            for (echo, factor, timed) in cases(routing) {
                 let config = EpMoeConfig {
                     num_experts: e,
                     hidden: h,
@@ -87,60 +71,111 @@ fn layer_cases(stream: &Arc<CudaStream>, reps: usize) -> capturable_moe::Result<
                     }),
                     dtype: DType::Bf16,
                 };
-                eprintln!("[ep layer] {shape} {routing} echo={echo}");
-                let capacity = config.capacity;
-                let (back, timing) =
-                    time_case(groups.take().expect("groups returned"), &Case { config, ids: &ids }, reps)?;
-                groups = Some(back);
-                let timing = timing?;
+                let label = format!("ep/layer {shape} {routing} echo={echo} {}", timed.op());
+                eprintln!("[{label}]");
                 let imp = if echo { "capmoe-ep-echo" } else { "capmoe-ep" };
-                let cap_note = format!("capacity {capacity} rows per peer block, R = {ranks} in one process");
-                if factor == 1.0 {
-                    let bytes = (ranks * capacity * (4 * h + 8)) as f64;
-                    let algbw = bytes / timing.dispatch_combine_us * 1e-3;
-                    let (gbps, what) = if ranks > 1 {
-                        (algbw * (ranks - 1) as f64 / ranks as f64, "busbw")
-                    } else {
-                        (algbw, "algbw (R = 1: NCCL's self-copy path only)")
+                let capacity = config.capacity;
+                let cap_note =
+                    format!("capacity factor {factor}: {capacity} rows per peer block, R = {ranks} in one process");
+                let row_shape = match timed {
+                    Timed::DispatchCombine => format!("ep_E{e}_T{t}_k{k}_H{h}_R{ranks}"),
+                    Timed::Step => shape.clone(),
+                };
+                runner.run(&label, |rows| {
+                    let Some(taken) = groups.take() else { return };
+                    let case = Case { config, ids: &ids, timed };
+                    let (us, gbps, note) = match time_case(taken, &case, reps) {
+                        Ok((back, Ok(us))) => {
+                            groups = Some(back);
+                            let (gbps, what) = match timed {
+                                Timed::DispatchCombine => dispatch_combine_gbps(ranks, capacity, h, us),
+                                Timed::Step => (f64::NAN, "forward + backward".into()),
+                            };
+                            (us, gbps, format!("{what}; {cap_note}"))
+                        }
+                        Ok((back, Err(e))) => {
+                            groups = Some(back);
+                            (f64::NAN, f64::NAN, unavailable(&e))
+                        }
+                        Err(e) => {
+                            (f64::NAN, f64::NAN, format!("{}; the later EP layer cases are skipped", unavailable(&e)))
+                        }
                     };
-                    rows.push(row(
-                        &format!("ep_E{e}_T{t}_k{k}_H{h}_R{ranks}"),
-                        routing,
-                        "ep_dispatch_combine",
-                        imp,
-                        timing.dispatch_combine_us,
-                        gbps,
-                        format!(
-                            "GB/s = {what} over dispatch + combine bytes ({:.1} MB per rank); {cap_note}",
-                            bytes / 1e6
-                        ),
-                    ));
+                    rows.push(row(&row_shape, routing, timed.op(), imp, us, gbps, note));
+                });
+                if groups.is_none() {
+                    return;
                 }
-                rows.push(row(
-                    &shape,
-                    routing,
-                    "ep_step",
-                    imp,
-                    timing.step_us,
-                    f64::NAN,
-                    format!("forward + backward; {cap_note}"),
-                ));
             }
         }
     }
-    Ok(rows)
 }
 
-/// Runs one case on every rank (a thread each) and gives the groups back with rank 0's
-/// timing. A rank's panic ends the EP rows (its group is gone with it).
+fn unavailable(e: &capturable_moe::Error) -> String {
+    format!("unavailable: {e}")
+}
+
+/// What one case times.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Timed {
+    /// `EpMoe::dispatch` + `EpMoe::combine` (op `ep_dispatch_combine`).
+    DispatchCombine,
+    /// Forward + backward of the whole layer (op `ep_step`).
+    Step,
+}
+
+impl Timed {
+    fn op(self) -> &'static str {
+        match self {
+            Timed::DispatchCombine => "ep_dispatch_combine",
+            Timed::Step => "ep_step",
+        }
+    }
+}
+
+/// The cases of one routing: (Echo, capacity factor, what is timed). Dispatch + combine runs
+/// plain under uniform routing at factor 1.0, the capacity and bytes of the `nccl-alltoall`
+/// rows; every step at 1.25, plain and with Echo.
+fn cases(routing: &str) -> Vec<(bool, f64, Timed)> {
+    let mut cases = Vec::new();
+    if routing == "uniform" {
+        cases.push((false, 1.0, Timed::DispatchCombine));
+    }
+    cases.extend([(false, 1.25, Timed::Step), (true, 1.25, Timed::Step)]);
+    cases
+}
+
+/// GB/s of one dispatch + combine taking `us` and what they are: busbw for R > 1, algbw at
+/// R = 1 (no link is crossed).
+fn dispatch_combine_gbps(ranks: usize, capacity: usize, h: usize, us: f64) -> (f64, String) {
+    let bytes = (ranks * capacity * (4 * h + 8)) as f64;
+    let algbw = bytes / us * 1e-3;
+    let (gbps, what) = if ranks > 1 {
+        (algbw * (ranks - 1) as f64 / ranks as f64, "busbw")
+    } else {
+        (algbw, "algbw (R = 1: NCCL's self-copy path only)")
+    };
+    (gbps, format!("GB/s = {what} over dispatch + combine bytes ({:.1} MB per rank)", bytes / 1e6))
+}
+
+/// One case of the layer: shape, Echo or not, block capacity; the routing of every rank; what
+/// is timed.
+struct Case<'a> {
+    config: EpMoeConfig,
+    ids: &'a [Vec<i32>],
+    timed: Timed,
+}
+
+/// Runs one case on every rank (a thread each) and gives the groups back with rank 0's median
+/// microseconds. A rank's panic ends the EP layer rows (its group is gone with it).
 #[allow(clippy::type_complexity)]
 fn time_case(
     groups: Vec<EpGroup>,
     case: &Case<'_>,
     reps: usize,
-) -> capturable_moe::Result<(Vec<EpGroup>, capturable_moe::Result<Timing>)> {
+) -> capturable_moe::Result<(Vec<EpGroup>, capturable_moe::Result<f64>)> {
     let gate = RankGate { barrier: Barrier::new(groups.len()), failed: AtomicBool::new(false) };
-    let results: Vec<std::thread::Result<(EpGroup, capturable_moe::Result<Timing>)>> = std::thread::scope(|scope| {
+    let results: Vec<std::thread::Result<(EpGroup, capturable_moe::Result<f64>)>> = std::thread::scope(|scope| {
         let handles: Vec<_> = groups
             .into_iter()
             .enumerate()
@@ -255,7 +290,7 @@ fn time_rank(
     rank: usize,
     reps: usize,
     gate: &RankGate,
-) -> capturable_moe::Result<Timing> {
+) -> capturable_moe::Result<f64> {
     let stream = group.stream().clone();
     let c = &case.config;
     let setup = (|| {
@@ -267,22 +302,23 @@ fn time_rank(
     let (mut layer, mut b) = gate.pass(setup)?;
     let tokens = Tokens::Host(c.max_tokens);
     let mut first_error = None;
-    let (dispatch_combine_us, _) = time(&stream, reps, |_| {
-        keep_first(&mut first_error, layer.dispatch(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2));
-        keep_first(&mut first_error, layer.combine(tokens, &mut b.y));
-    });
-    gate.barrier.wait();
-    let (step_us, _) = time(&stream, reps, |_| {
-        keep_first(&mut first_error, layer.forward(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2, &mut b.y));
-        let backward = layer.backward(&b.x, tokens, &b.w1, &b.w2, &mut b.dx, &mut b.dprobs, &mut b.dw1, &mut b.dw2);
-        keep_first(&mut first_error, backward);
-    });
+    let (us, _) = match case.timed {
+        Timed::DispatchCombine => time(&stream, reps, |_| {
+            keep_first(&mut first_error, layer.dispatch(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2));
+            keep_first(&mut first_error, layer.combine(tokens, &mut b.y));
+        }),
+        Timed::Step => time(&stream, reps, |_| {
+            keep_first(&mut first_error, layer.forward(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2, &mut b.y));
+            let backward = layer.backward(&b.x, tokens, &b.w1, &b.w2, &mut b.dx, &mut b.dprobs, &mut b.dw1, &mut b.dw2);
+            keep_first(&mut first_error, backward);
+        }),
+    };
     stream.synchronize()?;
-    first_error.map_or(Ok(Timing { dispatch_combine_us, step_us }), Err)
+    first_error.map_or(Ok(us), Err)
 }
 
 /// The drop table: routing arithmetic of the CPU reference planner, no GPU involved.
-fn drop_rows() -> Vec<Row> {
+pub fn drop_rows() -> Vec<Row> {
     let mut rows = Vec::new();
     for (ep, experts, spare, tokens) in [(8usize, 128usize, 2usize, 4096usize), (64, 256, 2, 1024)] {
         let cfg = EchoConfig {

@@ -17,8 +17,8 @@
 //!
 //! Families run in the order gemm, graphs, ep, echo, paths (the expert path last: its fused
 //! kernels are the likeliest to fault or hang; within it the unfused variant of every shape
-//! runs before any fused one). Each family, and each case of gemm and paths, is one
-//! unit: its rows are printed to stderr when it ends and the JSON and the table file are
+//! runs before any fused one). Each family, and each case of gemm, paths and the EP layer, is
+//! one unit: its rows are printed to stderr when it ends and the JSON and the table file are
 //! rewritten, so a later panic, hang or kill keeps them. A unit that panics prints
 //! `capmoe-bench: <family>/<case> failed: <message>` and the run goes on; if the CUDA context
 //! no longer works after it, the later units are skipped. The sorted table goes to stdout at
@@ -74,7 +74,7 @@ enum Family {
     Gemm,
     /// The graph-module rows (pool, one graph for every T, update, first replay).
     Graphs,
-    /// NCCL's all-to-all, the EP layer and the simulated drop table.
+    /// NCCL's all-to-all, the EP layer (a unit per case) and the simulated drop table.
     Ep,
     /// The Echo planner rows.
     Echo,
@@ -250,10 +250,11 @@ fn main() {
         match family {
             Family::Gemm => gemm_rows(&mut runner, &stream, &args),
             Family::Graphs => runner.run("graphs", |rows| rows.extend(graphs::graph_rows(&stream, reps))),
-            Family::Ep => runner.run("ep", |rows| {
-                rows.extend(ep::ep_rows(&stream, reps));
-                rows.extend(ep_layer::ep_layer_rows(&stream, reps));
-            }),
+            Family::Ep => {
+                runner.run("ep/nccl-alltoall", |rows| rows.extend(ep::ep_rows(&stream, reps)));
+                ep_layer::ep_layer_rows(&mut runner, &stream, reps);
+                runner.run("ep/drops", |rows| rows.extend(ep_layer::drop_rows()));
+            }
             Family::Echo => runner.run("echo", |rows| path::echo_rows(&stream, reps, rows)),
             Family::Paths => path::expert_rows(&mut runner, &stream, reps, args.fused),
         }
