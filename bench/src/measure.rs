@@ -135,6 +135,9 @@ fn copy_ranges(
         stream.memcpy_dtoh(&buf.slice(r.clone()), &mut host[at..at + r.len()])?;
         at += r.len();
     }
+    // NOTE: a copy to pageable memory returns once done (as `clone_dtoh` relies on); the sync
+    // makes the host read below not depend on that driver rule.
+    stream.synchronize()?;
     Ok(host)
 }
 
