@@ -71,6 +71,7 @@ impl Runner {
     /// stopped working.
     pub fn run(&mut self, label: &str, measure: impl FnOnce(&mut Vec<Row>)) {
         if self.stopped.is_some() {
+            eprintln!("capmoe-bench: {label} skipped (the CUDA context no longer works)");
             return;
         }
         let mut rows = Vec::new();
