@@ -6,8 +6,11 @@
 #   3. (PDL_COMPARE=1, default) the GEMM rows again with CAPMOE_GEMM_PDL=0, uniform routing,
 #      graph replay: what the GEMM's programmatic dependent launch on the argument kernel saves.
 # Results come back as $OUT/report.tgz (JSON, PNG, logs) plus $OUT/report.txt (the table);
-# the tail of each step is printed last.
-#   OUT=<dir> [REPS=20] [REPORT_ARGS="--quick"] [PDL_COMPARE=0] bash scripts/gpu-report.sh
+# the tail of each step is printed last. capmoe-bench rewrites its JSON and table after every
+# unit (gemm, graphs, ep, echo, then the expert paths, the fused ones last), so a step cut by
+# its timeout keeps what it measured. The steps share BUDGET seconds (default 540, inside the
+# device call's 600), each capped by its own *_TIMEOUT.
+#   OUT=<dir> [REPS=20] [REPORT_ARGS="--no-fused"] [PDL_COMPARE=0] bash scripts/gpu-report.sh
 set -uo pipefail
 R=${R:-${OUT:?set OUT to a folder for the results}}; BUNDLE=${BUNDLE:-gpu-bundle}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
@@ -17,21 +20,28 @@ mkdir -p "$R" /tmp/report/pdl_off
 B=$BUNDLE/run/bin/capmoe-bench
 export CAPMOE_COMMIT="$(cat "$BUNDLE/run/COMMIT" 2>/dev/null || echo unknown)"
 save() { tar -C /tmp -czf "$R/report.tgz" report 2>/dev/null; }
+# min(the step's cap, what the budget has left less a reserve for the later steps), >= 10 s.
+limit() { local left=$((${BUDGET:-540} - SECONDS - $2)); ((left < 10)) && left=10; ((left < $1)) && echo $left || echo $1; }
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader > /tmp/report/gpu.txt
 
-PYTHONUNBUFFERED=1 OUT=/tmp/report timeout "${ANCHOR_TIMEOUT:-240}" python3 bench/anchors/torch_anchor.py \
+PYTHONUNBUFFERED=1 OUT=/tmp/report timeout "$(limit "${ANCHOR_TIMEOUT:-150}" 300)" python3 bench/anchors/torch_anchor.py \
   > /tmp/report/torch_anchor.log 2>&1
 echo "torch anchor rc=$?" >> /tmp/report/torch_anchor.log; save
 anchors=()
 [[ -f /tmp/report/torch_anchor.json ]] && anchors=(--anchors /tmp/report/torch_anchor.json)
 read -r -a extra <<<"${REPORT_ARGS:-}"
-timeout "${REPORT_TIMEOUT:-420}" "$B" --reps "${REPS:-20}" "${anchors[@]}" "${extra[@]}" --out /tmp/report \
+timeout "$(limit "${REPORT_TIMEOUT:-360}" 60)" "$B" --reps "${REPS:-20}" "${anchors[@]}" "${extra[@]}" --out /tmp/report \
   > /tmp/report/report.txt 2> /tmp/report/report.log
 echo "capmoe-bench rc=$?" >> /tmp/report/report.log; save
 if [[ "${PDL_COMPARE:-1}" == 1 ]]; then
-  CAPMOE_GEMM_PDL=0 timeout "${PDL_TIMEOUT:-150}" "$B" --no-paths --routing uniform --reps "${REPS:-20}" \
+  CAPMOE_GEMM_PDL=0 timeout "$(limit "${PDL_TIMEOUT:-90}" 0)" "$B" --only gemm --routing uniform --reps "${REPS:-20}" \
     --out /tmp/report/pdl_off > /tmp/report/pdl_off/report.txt 2> /tmp/report/pdl_off/report.log
   echo "capmoe-bench CAPMOE_GEMM_PDL=0 rc=$?" >> /tmp/report/pdl_off/report.log; save
+fi
+# The final table on stdout; after a timeout, the table capmoe-bench last wrote.
+if [[ ! -s /tmp/report/report.txt ]]; then
+  for f in /tmp/report/*.txt; do [[ $f == */gpu.txt || $f == */report.txt ]] || cat "$f"; done > /tmp/report/partial.txt
+  mv /tmp/report/partial.txt /tmp/report/report.txt
 fi
 cp /tmp/report/report.txt "$R/report.txt"
 cat /tmp/report/gpu.txt; echo "bundle commit: $CAPMOE_COMMIT"
