@@ -27,8 +27,16 @@ pub fn anchor_rows(path: &str) -> Result<Vec<Row>, String> {
         let active = shape.experts.saturating_sub(dims("zero_experts"));
         let bytes =
             |weights: usize| ((shape.rows * shape.k + weights * shape.k * shape.n + shape.rows * shape.n) * 2) as f64;
-        for (key, imp) in [("grouped_ms", "torch-grouped-mm"), ("loop4_ms", "torch-loop4"), ("dense_ms", "torch-dense")]
-        {
+        // graph_ms: torch._grouped_mm replayed from a CUDA graph, the like-for-like partner of
+        // the crate's graph rows; the others are timed eagerly with a sync after each run.
+        let keys = [
+            ("grouped_ms", "torch-grouped-mm"),
+            ("graph_ms", "torch-grouped-mm-graph"),
+            ("loop1_ms", "torch-loop1"),
+            ("loop4_ms", "torch-loop4"),
+            ("dense_ms", "torch-dense"),
+        ];
+        for (key, imp) in keys {
             let bytes = bytes(if key == "dense_ms" { 1 } else { active });
             if let Some(ms) = r[key].as_f64() {
                 let us = ms * 1e3;
@@ -216,5 +224,35 @@ mod tests {
         let fwd_bwd = &rows[1];
         let flops = 3.0 * 6.0 * (4096.0 * 8.0 * 2048.0 * 768.0);
         assert!((fwd_bwd.tflops - flops / 6000.0 * 1e-6).abs() < 1e-9);
+    }
+
+    /// Every timed torch GEMM form becomes a row of the bench shape with the same dims (the
+    /// graph-replayed grouped_mm included); unknown dims and missing keys give none.
+    #[test]
+    fn torch_gemm_rows_take_every_timed_form() {
+        let dir = std::env::temp_dir().join(format!("capmoe-anchor-gemm-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("anchor.json");
+        let json = r#"{"gemm": [
+            {"name": "qwen3moe_fc1", "E": 128, "M": 32768, "K": 2048, "N": 1536, "skew": "zipf",
+             "grouped_ms": 0.5, "graph_ms": 0.4, "loop1_ms": 2.0, "loop4_ms": 1.5, "dense_ms": 0.3},
+            {"name": "unknown", "E": 3, "M": 5, "K": 7, "N": 9, "skew": "uniform", "grouped_ms": 1.0}],
+            "path": []}"#;
+        std::fs::write(&file, json).unwrap();
+        let rows = anchor_rows(file.to_str().unwrap()).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+
+        let got: Vec<(&str, &str, &str, f64)> =
+            rows.iter().map(|r| (r.shape.as_str(), r.routing.as_str(), r.imp.as_str(), r.us)).collect();
+        assert_eq!(
+            got,
+            [
+                ("qwen3moe_fc1", "zipf", "torch-grouped-mm", 500.0),
+                ("qwen3moe_fc1", "zipf", "torch-grouped-mm-graph", 400.0),
+                ("qwen3moe_fc1", "zipf", "torch-loop1", 2000.0),
+                ("qwen3moe_fc1", "zipf", "torch-loop4", 1500.0),
+                ("qwen3moe_fc1", "zipf", "torch-dense", 300.0),
+            ]
+        );
     }
 }
