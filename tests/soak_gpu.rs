@@ -11,8 +11,9 @@
 //! reference's flags, BAD_TOKENS for a T past T_max, Echo's EXPERT_OUT_OF_RANGE for bad
 //! ids, nothing else); every 50th replay and every adversarial one is also run eagerly on a
 //! second, identical set of buffers and compared bit for bit (outputs, gradients, reroute,
-//! rows past T still the poison). Wall time per 1000 replays and free device memory
-//! (cuMemGetInfo) are printed and must stay flat.
+//! rows past T still the poison). Wall time per 1000 replays, free device memory
+//! (cuMemGetInfo) and the process's resident host memory are printed and must stay flat
+//! (CAPMOE_SOAK_REPLAYS >= 3000: three blocks to compare).
 //!
 //! Ignored by default (minutes at 10 000 replays): `cargo test --release --test soak_gpu --
 //! --ignored --nocapture` (in the bundle: `gpu-bundle/run/tests/soak_gpu --ignored
@@ -115,20 +116,36 @@ fn word(stream: &Arc<CudaStream>, v: &CudaSlice<i32>) -> i32 {
     stream.clone_dtoh(v).unwrap()[0]
 }
 
-/// Wall time per block of 1000 replays and free device memory at each block's end: no block
-/// slower than twice the median block, free memory never below the first reading by more
-/// than 16 MiB.
+/// Wall time per block of 1000 replays, free device memory and the process's resident host
+/// memory at each block's end: no block slower than twice the median block, free device memory
+/// never below the first reading by more than 16 MiB, resident host memory never above its
+/// reading after the first block (allocator and driver caches warmed) by more than 64 MiB (a
+/// leak of 8 KB a replay would pass that).
 struct Stability {
     name: &'static str,
     block_start: Instant,
     block_ms: Vec<f64>,
     free_mb: Vec<f64>,
+    resident_mb: Vec<f64>,
+}
+
+/// The process's resident set (`/proc/self/statm`, in 4 KiB pages on x86-64 Linux), in MiB.
+fn resident_host_mb() -> f64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("/proc/self/statm");
+    let pages: f64 = statm.split_whitespace().nth(1).and_then(|v| v.parse().ok()).expect("statm's resident field");
+    pages * 4096.0 / (1 << 20) as f64
 }
 
 impl Stability {
     fn new(name: &'static str, stream: &Arc<CudaStream>) -> Stability {
         let free = common::free_device_bytes(stream) as f64 / (1 << 20) as f64;
-        Stability { name, block_start: Instant::now(), block_ms: Vec::new(), free_mb: vec![free] }
+        Stability {
+            name,
+            block_start: Instant::now(),
+            block_ms: Vec::new(),
+            free_mb: vec![free],
+            resident_mb: Vec::new(),
+        }
     }
 
     fn after_replay(&mut self, stream: &Arc<CudaStream>, i: usize) {
@@ -136,12 +153,23 @@ impl Stability {
             stream.synchronize().unwrap();
             self.block_ms.push(self.block_start.elapsed().as_secs_f64() * 1e3);
             self.free_mb.push(common::free_device_bytes(stream) as f64 / (1 << 20) as f64);
+            self.resident_mb.push(resident_host_mb());
             self.block_start = Instant::now();
         }
     }
 
     fn check(&self) {
-        println!("{}: ms per 1000 replays {:.0?}; free device MiB {:.1?}", self.name, self.block_ms, self.free_mb);
+        println!(
+            "{}: ms per 1000 replays {:.0?}; free device MiB {:.1?}; resident host MiB {:.1?}",
+            self.name, self.block_ms, self.free_mb, self.resident_mb
+        );
+        let highest = self.resident_mb.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        assert!(
+            highest - self.resident_mb[0] <= 64.0,
+            "{}: resident host memory grew from {:.1} to {highest:.1} MiB",
+            self.name,
+            self.resident_mb[0]
+        );
         let mut sorted = self.block_ms.clone();
         sorted.sort_by(f64::total_cmp);
         let median = sorted[sorted.len() / 2];
