@@ -13,35 +13,35 @@
 #   OUT=<dir> [REPS=20] [REPORT_ARGS="--no-fused"] [PDL_COMPARE=0] bash scripts/gpu-report.sh
 set -uo pipefail
 R=${R:-${OUT:?set OUT to a folder for the results}}; BUNDLE=${BUNDLE:-gpu-bundle}
+source scripts/device-common.sh
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 source scripts/nccl-env.sh  # libnccl for the EP rows (skipped, saying so, without it)
-mkdir -p "$R" /tmp/report/pdl_off
-[[ -x $BUNDLE/run/bin/capmoe-bench ]] || bash scripts/unpack-bundle.sh "$BUNDLE" || exit 2
+# A fresh folder: an earlier call's anchor JSON on a warm machine must not be merged as this one's.
+rm -rf /tmp/report && mkdir -p "$R" /tmp/report/pdl_off
+bash scripts/unpack-bundle.sh "$BUNDLE" || exit 2
 B=$BUNDLE/run/bin/capmoe-bench
 export CAPMOE_COMMIT="$(cat "$BUNDLE/run/COMMIT" 2>/dev/null || echo unknown)"
-save() { tar -C /tmp -czf "$R/report.tgz" report 2>/dev/null; }
-# min(the step's cap, what the budget has left less a reserve for the later steps), >= 10 s.
-limit() { local left=$((${BUDGET:-540} - SECONDS - $2)); ((left < 10)) && left=10; ((left < $1)) && echo $left || echo $1; }
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader > /tmp/report/gpu.txt
+save() { save_tarball /tmp/report "$R/report.tgz"; }
+gpu_facts > /tmp/report/gpu.txt
 
-PYTHONUNBUFFERED=1 OUT=/tmp/report timeout "$(limit "${ANCHOR_TIMEOUT:-150}" 300)" python3 bench/anchors/torch_anchor.py \
+PYTHONUNBUFFERED=1 OUT=/tmp/report timeout -k 10 "$(limit "${ANCHOR_TIMEOUT:-150}" 300)" python3 bench/anchors/torch_anchor.py \
   > /tmp/report/torch_anchor.log 2>&1
 echo "torch anchor rc=$?" >> /tmp/report/torch_anchor.log; save
 anchors=()
 [[ -f /tmp/report/torch_anchor.json ]] && anchors=(--anchors /tmp/report/torch_anchor.json)
 read -r -a extra <<<"${REPORT_ARGS:-}"
-timeout "$(limit "${REPORT_TIMEOUT:-360}" 60)" "$B" --reps "${REPS:-20}" "${anchors[@]}" "${extra[@]}" --out /tmp/report \
+timeout -k 10 "$(limit "${REPORT_TIMEOUT:-360}" 60)" "$B" --reps "${REPS:-20}" "${anchors[@]}" "${extra[@]}" --out /tmp/report \
   > /tmp/report/report.txt 2> /tmp/report/report.log
 echo "capmoe-bench rc=$?" >> /tmp/report/report.log; save
 if [[ "${PDL_COMPARE:-1}" == 1 ]]; then
-  CAPMOE_GEMM_PDL=0 timeout "$(limit "${PDL_TIMEOUT:-90}" 0)" "$B" --only gemm --routing uniform --reps "${REPS:-20}" \
+  CAPMOE_GEMM_PDL=0 timeout -k 10 "$(limit "${PDL_TIMEOUT:-90}" 0)" "$B" --only gemm --routing uniform --reps "${REPS:-20}" \
     --out /tmp/report/pdl_off > /tmp/report/pdl_off/report.txt 2> /tmp/report/pdl_off/report.log
   echo "capmoe-bench CAPMOE_GEMM_PDL=0 rc=$?" >> /tmp/report/pdl_off/report.log; save
 fi
 # The final table on stdout; after a timeout, the table capmoe-bench last wrote.
 if [[ ! -s /tmp/report/report.txt ]]; then
-  for f in /tmp/report/*.txt; do [[ $f == */gpu.txt || $f == */report.txt ]] || cat "$f"; done > /tmp/report/partial.txt
-  mv /tmp/report/partial.txt /tmp/report/report.txt
+  for f in /tmp/report/*.txt; do [[ $f == */gpu.txt || $f == */report.txt ]] || cat "$f"; done > /tmp/partial-report.txt
+  mv /tmp/partial-report.txt /tmp/report/report.txt
 fi
 cp /tmp/report/report.txt "$R/report.txt"
 cat /tmp/report/gpu.txt; echo "bundle commit: $CAPMOE_COMMIT"

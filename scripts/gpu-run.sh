@@ -1,22 +1,37 @@
 #!/usr/bin/env bash
 # Runs the whole GPU suite from the bundle that scripts/gpu-bundle.sh made, from the repo root,
-# with CAPMOE_REQUIRE_GPU=1 so that a missing GPU fails instead of skipping. Full logs go to
-# $OUT (or gpu-bundle/logs); a summary table is printed last.
+# with CAPMOE_REQUIRE_GPU=1 so that a missing GPU fails instead of skipping. A summary table is
+# printed last. Full logs go to $LOGS when a caller names it (gpu-all.sh does); otherwise to
+# /tmp/gpu-run-logs, returned as $OUT/suite-logs.tgz plus $OUT/summary.txt when OUT is set (a
+# device call returns at most 8 files, and the suite writes one log per binary).
 #   bash scripts/gpu-run.sh [name-filter]      e.g. grouped_gemm
 # BUNDLE=<folder> picks another bundle folder (default gpu-bundle), e.g. one per worktree.
+# SUITE_BUDGET=<s>: no binary starts after that many seconds, and each one's cap is cut to what
+# is left (a caller's outer timeout cannot reach the running test: `timeout` puts it in a
+# process group of its own).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+source "$root/scripts/device-common.sh"
 filter="${1:-}"
 bundle="${BUNDLE:-gpu-bundle}"
-logs="${OUT:-$root/$bundle/logs}"
+deadline=$(( $(date +%s) + ${SUITE_BUDGET:-1000000000} ))
+logs="${LOGS:-/tmp/gpu-run-logs}"
+# Standalone: a fresh folder, returned as one tarball.
+[[ -z "${LOGS:-}" ]] && rm -rf "$logs"
 mkdir -p "$logs" "$bundle/run"
+return_logs() {
+  [[ -z "${LOGS:-}" && -n "${OUT:-}" ]] || return 0
+  save_tarball "$logs" "$OUT/suite-logs.tgz"
+  cp "$logs/summary.txt" "$OUT/summary.txt"
+}
 bash "$root/scripts/unpack-bundle.sh" "$bundle" || exit 2
-export CAPMOE_REQUIRE_GPU=1 CAPMOE_TESTDATA="$root/tests/data"
+export CAPMOE_REQUIRE_GPU=1 CAPMOE_ECHO_GOLDEN_DIR="$root/tests/data/echo"
 # libnccl for the EP tests (a PyTorch venv's, linked where cudarc looks; see the script).
 source "$root/scripts/nccl-env.sh"
 summary=()
 failed=0
+incomplete=0
 # The binaries whose kernels have never run on a GPU (the fused ones) go last, so that a hang or
 # fault there cannot cost the established suites their results when the caller's time runs
 # out. Each result line also goes to $logs/summary.txt as soon as it is known, for a caller
@@ -39,6 +54,20 @@ run_one() {
   [[ $rc -ne 0 ]] && failed=1 && grep -E '^(---- |thread .* panicked|  left|  right|.*assert)' "$logs/$run.log" | head -n 20
   summary+=("$(printf '%-28s rc=%-3s %6ss  %s' "$run" "$rc" "$secs" "$result")")
   echo "${summary[-1]}" >>"$logs/summary.txt"
+  return_logs
+}
+# Sets `limit` to the binary's cap cut to the deadline; false (and a summary row) when fewer
+# than 15 s are left.
+fits_deadline() {
+  local left=$(( deadline - $(date +%s) ))
+  if (( left < 15 )); then
+    summary+=("$(printf '%-28s not run (budget)' "$1")")
+    echo "${summary[-1]}" >>"$logs/summary.txt"
+    incomplete=1
+    return 1
+  fi
+  (( limit > left - 5 )) && limit=$(( left - 5 ))
+  return 0
 }
 for test in "${binaries[@]}"; do
   name="$(basename "$test")"
@@ -58,19 +87,24 @@ for test in "${binaries[@]}"; do
     # forms, so they get the common one unless FUSED_TEST_TIMEOUT says otherwise.)
     limit="${TEST_TIMEOUT:-150}"
     [[ "$name" == fused_* ]] && limit="${FUSED_TEST_TIMEOUT:-$limit}"
+    fits_deadline "$run" || continue
     run_one "$run" env CAPMOE_FUSED_GATHERS="$gather" timeout -k 5 "$limit" "$test" --test-threads=1
     # A failure (not a hang) runs again with the GEMM as an ordinary launch (CAPMOE_GEMM_PDL=0,
     # grouped_gemm/dependent_launch.cuh), so the same call tells a fault of the programmatic
     # launch from one of the kernels.
-    if [[ $rc -ne 0 && $rc -ne 124 && $rc -ne 137 ]]; then
+    if [[ $rc -ne 0 && $rc -ne 124 && $rc -ne 137 ]] && fits_deadline "$run.no_pdl"; then
       run_one "$run.no_pdl" env CAPMOE_GEMM_PDL=0 CAPMOE_FUSED_GATHERS="$gather" timeout -k 5 "$limit" "$test" --test-threads=1
     fi
   done
 done
-echo "== GPU suite on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1) =="
+echo "== GPU suite on $(gpu_facts | head -n 1) =="
 if [[ ${#summary[@]} -eq 0 ]]; then
   echo "no test binary in $bundle/run/tests matched '${filter}': nothing ran" >&2
   exit 1
 fi
 printf '%s\n' "${summary[@]}"
-exit $failed
+return_logs
+# 1: a binary failed; 3: none failed, but the budget left some unrun.
+(( failed )) && exit 1
+(( incomplete )) && exit 3
+exit 0

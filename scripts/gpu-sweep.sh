@@ -2,42 +2,48 @@
 # One device call (from the repo root on the GPU machine, after scripts/gpu-bundle.sh here): the
 # grouped GEMM config sweep behind AUTO — every SM90 config on every bench shape, fprop / dgrad /
 # wgrad, uniform and zipf routing, both weight layouts — then an ncu summary of chosen kernels.
-# Logs and JSON under $OUT; the summary table (x roofline per config, the winner) is printed last.
+# Results come back as $OUT/sweep.tgz (logs, JSON, ncu reports; refreshed after every step),
+# $OUT/sweep_tables.txt (x roofline per config, the winner) and $OUT/gpu.txt: a device call
+# returns at most 8 files. The tables are printed last.
 # The steps share BUDGET seconds (default 540, inside the device call's 600): each sweep and
 # each ncu case is capped by its own timeout and by what the budget has left (sweeps keep a
-# reserve for the ncu cases); the tables are printed from whatever the sweeps wrote.
+# reserve for the ncu cases); the tables are made from whatever the sweeps wrote.
 #   CONFIGS=a,b NCU=0 SHAPES=... bash scripts/gpu-sweep.sh
 set -uo pipefail
 R=${R:-${OUT:?set OUT to a folder for the logs}}; BUNDLE=${BUNDLE:-gpu-bundle}
+source scripts/device-common.sh
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-mkdir -p "$R" "$BUNDLE/run" /tmp/sweep
-[[ -x $BUNDLE/run/bin/capmoe-bench ]] || bash scripts/unpack-bundle.sh "$BUNDLE"
+W=/tmp/sweep-out  # everything this call writes; nothing of an earlier call on a warm machine
+rm -rf $W /tmp/sweep /tmp/ncu && mkdir -p "$R" $W "$BUNDLE/run" /tmp/sweep
+save() { save_tarball $W "$R/sweep.tgz"; }
+bash scripts/unpack-bundle.sh "$BUNDLE" || exit 2
 B=$BUNDLE/run/bin/capmoe-bench
-# min(the step's cap, what the budget has left less a reserve for the later steps), >= 10 s.
-limit() { local left=$((${BUDGET:-540} - SECONDS - $2)); ((left < 10)) && left=10; ((left < $1)) && echo $left || echo $1; }
 ncu_reserve=0; [[ "${NCU:-1}" == 1 ]] && ncu_reserve=160
 CONFIGS=${CONFIGS:-sm90-coop,sm90-pingpong,sm90-coop-nocluster,sm90-coop-m256,sm90-pingpong128,sm90-pingpong-wide}
 SHAPES=${SHAPES:-mixtral_fc1,dsv3_ep8_fc1,dsv3_ep8_fc2,qwen3moe_fc1,qwen3moe_fc2,decode_fc1}
-nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader | tee $R/gpu.txt
+gpu_facts | tee $W/gpu.txt; cp $W/gpu.txt "$R/gpu.txt"
 for layout in ${SWEEP_LAYOUTS:-enk ekn}; do
-  timeout $(limit ${SWEEP_TIMEOUT:-200} $ncu_reserve) $B --sweep --shapes $SHAPES --routing ${SWEEP_ROUTING:-uniform,zipf} --ops fprop,dgrad,wgrad \
-    --weight-layout $layout --configs $CONFIGS --reps ${REPS:-8} --out /tmp/sweep/$layout > $R/sweep_$layout.log 2>&1
-  echo "sweep $layout rc=$?"
-  cp /tmp/sweep/$layout/*.json $R/sweep_$layout.json 2>/dev/null
+  timeout -k 10 "$(limit ${SWEEP_TIMEOUT:-200} $ncu_reserve)" $B --sweep --shapes $SHAPES --routing ${SWEEP_ROUTING:-uniform,zipf} --ops fprop,dgrad,wgrad \
+    --weight-layout $layout --configs $CONFIGS --reps ${REPS:-8} --out /tmp/sweep/$layout > $W/sweep_$layout.log 2>&1
+  echo "sweep $layout rc=$?" | tee -a $W/sweep_$layout.log
+  cp /tmp/sweep/$layout/*.json $W/sweep_$layout.json 2>/dev/null; save
 done
 if [[ "${NCU:-1}" == 1 ]]; then
   # The config's first launch (-s 5 skips AUTO's four timed runs and its reference run). Per kernel: DRAM and tensor-pipe throughput, L2 hit rate, top warp stall reasons.
   NCU_BIN=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   for spec in ${NCU_CASES:-dsv3_ep8_fc1:fprop:sm90-coop-nocluster qwen3moe_fc1:fprop:sm90-coop-nocluster qwen3moe_fc2:fprop:sm90-pingpong-wide qwen3moe_fc1:wgrad:sm90-coop}; do
     IFS=: read -r shape op cfg <<<"$spec"
-    timeout $(limit 120 0) $NCU_BIN --clock-control none -k regex:'device_kernel|dependent_gemm' -s 5 -c 1 \
+    timeout -k 10 "$(limit 120 0)" $NCU_BIN --clock-control none -k regex:'device_kernel|dependent_gemm' -s 5 -c 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
       --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,lts__t_sector_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed \
-      $B --sweep --shapes $shape --routing uniform --ops $op --configs $cfg --reps 1 --out /tmp/ncu > $R/ncu_${shape}_${op}_${cfg}.txt 2>&1
-    echo "ncu $spec rc=$?"
+      $B --sweep --shapes $shape --routing uniform --ops $op --configs $cfg --reps 1 --out /tmp/ncu > $W/ncu_${shape}_${op}_${cfg}.txt 2>&1
+    echo "ncu $spec rc=$?"; save
   done
 fi
+: > $W/sweep_tables.txt
 for layout in ${SWEEP_LAYOUTS:-enk ekn}; do
-  python3 bench/tools/sweep_table.py $R/sweep_$layout.json > $R/sweep_table_$layout.txt
-  cat $R/sweep_table_$layout.txt
+  { echo "== sweep table, weights $layout"
+    python3 bench/tools/sweep_table.py $W/sweep_$layout.json 2>&1; } >> $W/sweep_tables.txt
 done
+cp $W/sweep_tables.txt "$R/sweep_tables.txt"; save
+cat $W/sweep_tables.txt

@@ -53,6 +53,7 @@
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+source scripts/device-common.sh  # save_tarball
 out="${OUT:?set OUT to a folder for the logs}"
 bundle="${BUNDLE:-gpu-bundle}"
 tools="${TOOLS:-memcheck synccheck initcheck racecheck}"
@@ -64,7 +65,7 @@ cs="${SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}"
 [[ -x "$cs" ]] || cs="$(command -v compute-sanitizer || true)"
 [[ -n "$cs" ]] || { echo "no compute-sanitizer (set SANITIZER)" >&2; exit 2; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-export CAPMOE_REQUIRE_GPU=1 CAPMOE_SANITIZER=1 CAPMOE_TESTDATA="$root/tests/data"
+export CAPMOE_REQUIRE_GPU=1 CAPMOE_SANITIZER=1 CAPMOE_ECHO_GOLDEN_DIR="$root/tests/data/echo"
 # libnccl for the EP tests (a PyTorch venv's, linked where cudarc looks).
 source scripts/nccl-env.sh
 export CAPMOE_ECHO_MOE_REPLAYS="${CAPMOE_ECHO_MOE_REPLAYS:-2}" CAPMOE_GRAPH_STEPS="${CAPMOE_GRAPH_STEPS:-20}"
@@ -73,8 +74,8 @@ start_all=$(date +%s)
 logs=/tmp/sanitize-logs
 rm -rf "$logs" && mkdir -p "$logs" "$out" "$bundle/run"
 bash scripts/unpack-bundle.sh "$bundle" || exit 2
-save() { tar -C /tmp -czf "$out/sanitize-logs.tgz" sanitize-logs 2>/dev/null; }
-{ "$cs" --version | tail -n 1; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } \
+save() { save_tarball "$logs" "$out/sanitize-logs.tgz"; }
+{ "$cs" --version | tail -n 1; timeout -k 5 20 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } \
   >"$logs/versions.txt" 2>&1
 
 default_timeout() {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: installs the toolchain if needed, then runs every test of the
-# workspace (the library, capmoe-bench, the examples) in release
+# workspace (the library, capmoe-bench, the C-ABI example; not examples/candle_moe, a workspace
+# of its own that .ci/run builds) in release
 # (CUDA objects are shared with `cargo build --release`). GPU tests print "skipping: <reason>"
 # without a GPU unless CAPMOE_REQUIRE_GPU=1 (output is not captured, so those lines show).
 # Ends with one summary line over all test binaries, where a GPU test that skipped counts as

@@ -1,0 +1,42 @@
+# Sourced by the scripts that run on the GPU machine (gpu-all, gpu-run, gpu-report, gpu-sweep):
+# the time budget of one device call, atomic result tarballs, and commands that must not hang.
+# A device call is killed at 600 s and returns only what lies under $OUT by then (at most 8
+# files), so every step is capped by what the call has left and every result is refreshed as a
+# whole file after each step.
+
+# Seconds since the call began: the first script that sources this file starts the clock and
+# exports it, so nested scripts (gpu-all runs gpu-run and gpu-sweep) share one budget.
+export CAPMOE_CALL_START="${CAPMOE_CALL_START:-$(date +%s)}"
+capmoe_elapsed() { echo $(( $(date +%s) - CAPMOE_CALL_START )); }
+
+# min(CAP, what BUDGET has left less RESERVE seconds kept for the later steps), at least 10 s.
+#   limit CAP RESERVE
+limit() {
+  local left=$(( ${BUDGET:-540} - $(capmoe_elapsed) - $2 ))
+  ((left < 10)) && left=10
+  ((left < $1)) && echo "$left" || echo "$1"
+}
+
+# True when BUDGET has fewer than NEED seconds left beyond RESERVE: the step is not started.
+#   out_of_budget NEED RESERVE
+out_of_budget() { (( ${BUDGET:-540} - $(capmoe_elapsed) - $2 < $1 )); }
+
+# Tars folder DIR (its parent as root) into FILE through a temporary name, so a kill in the
+# middle of a write leaves the previous complete tarball rather than a truncated one.
+#   save_tarball DIR FILE
+save_tarball() {
+  tar -C "$(dirname "$1")" -czf "$2.tmp" "$(basename "$1")" 2>/dev/null && mv -f "$2.tmp" "$2"
+}
+
+# The GPU's name, max SM clock and memory, bounded: a wedged driver must not hang the call.
+gpu_facts() {
+  timeout -k 5 20 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv,noheader \
+    || echo "nvidia-smi failed or hung (rc=$?)"
+}
+
+# Processes still holding the GPU (a test a timeout did not reach, say): logged after the suite
+# so a later step's figures can be read with that in mind.
+gpu_processes() {
+  timeout -k 5 20 nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader \
+    || echo "nvidia-smi failed or hung (rc=$?)"
+}
