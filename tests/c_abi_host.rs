@@ -165,10 +165,10 @@ fn routing_build_refuses_a_null_workspace() {
 }
 
 /// The status codes the header declares, `(name, value)`, read from the header itself so that
-/// a code added there without a name in `capmoe_status_string` fails the test below.
+/// a code added there without a name in `capmoe_status_string` fails the test below. The text
+/// is compiled in: the test binary also runs from a bundle, away from this source tree.
 fn declared_status_codes() -> Vec<(String, i32)> {
-    let header = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/csrc/include/capturable_moe/status.h"))
-        .expect("reading capturable_moe/status.h");
+    let header = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/csrc/include/capturable_moe/status.h"));
     let mut codes = Vec::new();
     for line in header.lines().map(str::trim) {
         let Some((name, rest)) = line.split_once('=') else { continue };

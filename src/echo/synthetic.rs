@@ -19,9 +19,12 @@ pub(crate) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
 
 /// Deterministic inputs: skewed top-k routing on this rank, consistent `counts[ep_rank]`,
 /// skewed random counts on the other ranks.
+///
+/// Panics when `topk > num_experts` (a token's k experts are distinct).
 pub fn synthetic_inputs(cfg: &EchoConfig, t: usize, seed: u64) -> (Vec<i64>, Vec<i32>, Vec<f32>) {
     let mut next = xorshift(seed);
     let (ne, k) = (cfg.num_experts, cfg.topk);
+    assert!(k <= ne, "synthetic_inputs: topk {k} > num_experts {ne}: no k distinct experts per token");
     // Popularity: a few hot experts.
     let weights: Vec<u64> = (0..ne).map(|_| 1 + (next() % 8).pow(3)).collect();
     let total: u64 = weights.iter().sum();
@@ -54,4 +57,36 @@ pub fn synthetic_inputs(cfg: &EchoConfig, t: usize, seed: u64) -> (Vec<i64>, Vec
         }
     }
     (counts, ids, probs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::echo::Algorithm;
+
+    fn config(num_experts: usize, topk: usize) -> EchoConfig {
+        EchoConfig {
+            ep: 2,
+            num_experts,
+            spare_per_rank: 1,
+            ep_rank: 0,
+            topk,
+            algorithm: Algorithm::Greedy,
+            threshold_multiplier: 1.0,
+        }
+    }
+
+    #[test]
+    fn every_token_gets_topk_distinct_experts_host() {
+        let (_, ids, _) = synthetic_inputs(&config(8, 8), 5, 1);
+        for row in ids.chunks(8) {
+            assert_eq!(row, (0..8).collect::<Vec<i32>>().as_slice());
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "topk 9 > num_experts 8")]
+    fn more_routes_than_experts_panics_instead_of_looping_host() {
+        synthetic_inputs(&config(8, 9), 1, 1);
+    }
 }

@@ -34,7 +34,8 @@
 //!   [`crate::grouped_gemm::OVERFLOW_MISALIGNED_POINTER`] / `OVERFLOW_NULL_POINTER` in
 //!   `gemm_flags`). `num_experts` then counts weight slots, e.g. Echo's `E + S` columns,
 //!   whose spare slots hold copies of home experts and write their gradients into separate
-//!   fp32 buffers that [`crate::echo::fold_spare_grads`] adds into the home experts
+//!   fp32 buffers that [`crate::echo::fold_spare_grads`] adds into the home experts (that
+//!   fold takes fp32 gradients only, so an Echo plan needs `wgrad_accumulate`)
 //!   ([`echo_slot_pointers`] builds such tables; README "Echo with the expert path").
 //!   The arrays are read on the device at every launch, so their contents may change between
 //!   graph replays; the matrices they point at must be live whenever a launch or replay runs.
@@ -232,6 +233,75 @@ struct Buffers<T> {
     dprob_partials: DeviceBuffer<f32>, // [cap, F/128]  with prob_in_fc1, else one element
 }
 
+/// Which kernels a plan runs, as far as its buffer sizes depend on them.
+#[derive(Clone, Copy, Debug)]
+struct PathShape {
+    forward_only: bool,
+    fused_fc1: bool,
+    /// Some kernel reads the permuted copy of x (the unfused fc1, or the unfused fc1 wgrad).
+    permutes: bool,
+    prob_in_fc1: bool,
+    /// `Some(column slices)` when the fused fc2 dgrad + SwiGLU backward runs.
+    fused_swiglu_dgrad: Option<usize>,
+}
+
+impl PathShape {
+    fn of(fused: &fused::FusedPlans, forward_only: bool) -> PathShape {
+        PathShape {
+            forward_only,
+            fused_fc1: fused.fc1.is_some(),
+            permutes: fused.permutes(forward_only),
+            prob_in_fc1: fused.prob_in_fc1,
+            fused_swiglu_dgrad: fused.swiglu_dgrad.as_ref().map(|d| d.dprob_slices()),
+        }
+    }
+}
+
+/// Element counts of [`Buffers`]; 0 where the plan never touches a buffer (the allocation
+/// then holds one element).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct BufferLens {
+    rows: usize,
+    h: usize,
+    act: usize,
+    out_rows: usize,
+    drows: usize,
+    dact: usize,
+    dh: usize,
+    drows_in: usize,
+    prob_of_row: usize,
+    dprob_partials: usize,
+}
+
+impl BufferLens {
+    fn of(cap: usize, hidden: usize, ffn: usize, shape: &PathShape) -> BufferLens {
+        let backward = !shape.forward_only;
+        let only_if = |needed: bool, len: usize| if needed { len } else { 0 };
+        // The fused fc1 of a forward-only plan writes act alone: h is kept only for backward.
+        let h_needed = backward || !shape.fused_fc1;
+        // With the probability in fc1 the backward writes no drows, and fc1's dgrad writes into
+        // out_rows, which nothing reads after the forward's combine.
+        let row_grads = backward && !shape.prob_in_fc1;
+        let dprob_partials = match shape.fused_swiglu_dgrad {
+            Some(slices) if shape.prob_in_fc1 && backward => cap * slices,
+            _ => 0,
+        };
+        BufferLens {
+            rows: only_if(shape.permutes, cap * hidden),
+            h: only_if(h_needed, cap * 2 * ffn),
+            act: cap * ffn,
+            out_rows: cap * hidden,
+            drows: only_if(row_grads, cap * hidden),
+            // The fused fc2 dgrad + SwiGLU backward never writes dact.
+            dact: only_if(backward && shape.fused_swiglu_dgrad.is_none(), cap * ffn),
+            dh: only_if(backward, cap * 2 * ffn),
+            drows_in: only_if(row_grads, cap * hidden),
+            prob_of_row: only_if(shape.prob_in_fc1, cap),
+            dprob_partials,
+        }
+    }
+}
+
 /// The routing plan, GEMMs, intermediates and GEMM workspace: everything forward and backward
 /// need besides the route maps and flag words (public fields of [`MoeExperts`]).
 struct Path<T> {
@@ -385,7 +455,7 @@ impl<T: MoeElement> MoeExperts<T> {
         ensure_not_capturing(stream, op)?;
         if config.dtype != <T as routing::Element>::DTYPE {
             return Err(Error::Shape {
-                op: "MoeExperts::new",
+                op,
                 what: "element type",
                 expected: format!("{:?}", config.dtype),
                 got: format!("{:?}", <T as routing::Element>::DTYPE),
@@ -395,30 +465,19 @@ impl<T: MoeElement> MoeExperts<T> {
         let cap = routing.capacity();
         let gemms = Gemms::new(&config, &options, cap, stream)?;
         let fused = fused::FusedPlans::new(&options, &config, &routing, stream)?;
-        let (h, f) = (config.hidden, config.ffn);
-        // The fused fc2 dgrad + SwiGLU backward never writes dact: no [cap, F] buffer for it.
-        let dact_len = if fused.swiglu_dgrad.is_some() { 0 } else { cap * f };
-        let rows_len = if fused.permutes(options.forward_only) { cap * h } else { 0 };
-        // With the probability in fc1 the backward writes no drows, and fc1's dgrad writes
-        // into out_rows, which nothing reads after the forward's combine.
-        let weighted = fused.prob_in_fc1;
-        let (drows_len, drows_in_len) = if weighted { (0, 0) } else { (cap * h, cap * h) };
-        let partials_len = match &fused.swiglu_dgrad {
-            Some(d) if weighted => cap * d.dprob_slices(),
-            _ => 0,
-        };
+        let lens = BufferLens::of(cap, config.hidden, config.ffn, &PathShape::of(&fused, options.forward_only));
         let zeros = |len: usize| scratch.alloc::<T>(len);
         let buffers = Buffers {
-            rows: zeros(rows_len)?,
-            h: zeros(cap * 2 * f)?,
-            act: zeros(cap * f)?,
-            out_rows: zeros(cap * h)?,
-            drows: zeros(drows_len)?,
-            dact: zeros(dact_len)?,
-            dh: zeros(cap * 2 * f)?,
-            drows_in: zeros(drows_in_len)?,
-            prob_of_row: scratch.alloc::<f32>(if weighted { cap } else { 0 })?,
-            dprob_partials: scratch.alloc::<f32>(partials_len)?,
+            rows: zeros(lens.rows)?,
+            h: zeros(lens.h)?,
+            act: zeros(lens.act)?,
+            out_rows: zeros(lens.out_rows)?,
+            drows: zeros(lens.drows)?,
+            dact: zeros(lens.dact)?,
+            dh: zeros(lens.dh)?,
+            drows_in: zeros(lens.drows_in)?,
+            prob_of_row: scratch.alloc::<f32>(lens.prob_of_row)?,
+            dprob_partials: scratch.alloc::<f32>(lens.dprob_partials)?,
         };
         let workspace_bytes = gemms.all().iter().map(|g| g.workspace_bytes()).max().unwrap_or(0);
         let routes = routing.routes_len().max(1);
@@ -943,5 +1002,79 @@ impl<T: MoeElement> Path<T> {
         fused::swiglu_dgrad_gathered(dgrad, stream, dy, fc2_weight, &b.h, maps, &b.prob_of_row, &mut b.dh, partials)?;
         r.route_dprobs(stream, &maps.row_of_route, &b.dprob_partials, dgrad.dprob_slices(), tokens, dprobs)?;
         fused::wgrad(wgrad, stream, dy, &b.act, maps, dw2)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CAP: usize = 64;
+    const HIDDEN: usize = 256;
+    const FFN: usize = 384;
+    const SLICES: usize = FFN / 128;
+
+    fn shape(forward_only: bool, fused_fc1: bool, prob_in_fc1: bool, fused_dgrad: bool) -> PathShape {
+        // What FusedPlans::permutes says for these kernels (no fused fc1 wgrad in this table).
+        let permutes = !fused_fc1 || !forward_only;
+        PathShape { forward_only, fused_fc1, permutes, prob_in_fc1, fused_swiglu_dgrad: fused_dgrad.then_some(SLICES) }
+    }
+
+    fn lens(shape: PathShape) -> BufferLens {
+        BufferLens::of(CAP, HIDDEN, FFN, &shape)
+    }
+
+    #[test]
+    fn unfused_training_plan_sizes_every_buffer_host() {
+        let got = lens(shape(false, false, false, false));
+        let (rows, h2, f) = (CAP * HIDDEN, CAP * 2 * FFN, CAP * FFN);
+        let expected = BufferLens {
+            rows,
+            h: h2,
+            act: f,
+            out_rows: rows,
+            drows: rows,
+            dact: f,
+            dh: h2,
+            drows_in: rows,
+            prob_of_row: 0,
+            dprob_partials: 0,
+        };
+        assert_eq!(got, expected);
+    }
+
+    #[test]
+    fn forward_only_plans_allocate_no_backward_buffer_host() {
+        for fused_fc1 in [false, true] {
+            for prob_in_fc1 in [false, true] {
+                let got = lens(shape(true, fused_fc1, prob_in_fc1, false));
+                let backward = [got.drows, got.dact, got.dh, got.drows_in, got.dprob_partials];
+                assert_eq!(backward, [0; 5], "fused fc1 {fused_fc1}, prob in fc1 {prob_in_fc1}: {got:?}");
+                assert_eq!(got.act, CAP * FFN);
+                assert_eq!(got.out_rows, CAP * HIDDEN);
+                // The fused fc1 writes act alone and gathers x itself: no h, no permuted x.
+                let (h, rows) = if fused_fc1 { (0, 0) } else { (CAP * 2 * FFN, CAP * HIDDEN) };
+                assert_eq!((got.h, got.rows), (h, rows), "fused fc1 {fused_fc1}");
+                assert_eq!(got.prob_of_row, if prob_in_fc1 { CAP } else { 0 });
+            }
+        }
+    }
+
+    #[test]
+    fn probability_in_fc1_trades_row_gradients_for_partials_host() {
+        let got = lens(shape(false, true, true, true));
+        assert_eq!((got.drows, got.drows_in, got.dact), (0, 0, 0), "{got:?}");
+        assert_eq!(got.dh, CAP * 2 * FFN);
+        assert_eq!(got.h, CAP * 2 * FFN, "backward reads h");
+        assert_eq!(got.prob_of_row, CAP);
+        assert_eq!(got.dprob_partials, CAP * SLICES);
+    }
+
+    #[test]
+    fn fused_dgrad_without_probability_in_fc1_drops_only_dact_host() {
+        let got = lens(shape(false, true, false, true));
+        assert_eq!(got.dact, 0);
+        assert_eq!((got.drows, got.drows_in), (CAP * HIDDEN, CAP * HIDDEN));
+        assert_eq!(got.dprob_partials, 0);
     }
 }
