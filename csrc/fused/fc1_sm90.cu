@@ -176,9 +176,13 @@ __device__ void store_tile(const Fc1Params& p, const Tile& t, const Accum& acc, 
   constexpr int kHalf = decltype(size(acc))::value / 2;
   T* act = static_cast<T*>(p.act);
   T* h = static_cast<T*>(p.h);
-  // A thread's accumulators cover two rows: load each row's probability once.
-  int prob_row = -1;
-  float prob = 1.0f;
+  // A thread's accumulators cover two rows, alternating pair by pair: load each row's
+  // probability once (the first row's here, the other's at its first pair).
+  const int first_m = get<0>(coords(0));
+  const float first_prob =
+      p.prob_of_row != nullptr && first_m < t.rows ? __ldg(p.prob_of_row + t.row0 + first_m) : 1.0f;
+  int other_m = -1;
+  float other_prob = 1.0f;
 #pragma unroll
   for (int i = 0; i < kHalf; i += 2) {
     const int m = get<0>(coords(i)), n = get<1>(coords(i));
@@ -194,10 +198,11 @@ __device__ void store_tile(const Fc1Params& p, const Tile& t, const Accum& acc, 
     const int64_t col = t.n0 + n;
     float a0 = swiglu_forward(g0, u0), a1 = swiglu_forward(g1, u1);
     if (p.prob_of_row != nullptr) {
-      if (m != prob_row) {
-        prob_row = m;
-        prob = __ldg(p.prob_of_row + row);
+      if (m != first_m && m != other_m) {
+        other_m = m;
+        other_prob = __ldg(p.prob_of_row + row);
       }
+      const float prob = m == first_m ? first_prob : other_prob;
       a0 = __fmul_rn(prob, a0);
       a1 = __fmul_rn(prob, a1);
     }

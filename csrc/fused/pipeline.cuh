@@ -29,15 +29,32 @@ struct StageRing {
 
 // Waits until `barrier` has completed the phase of parity `phase`. Every wait of the fused
 // kernels goes through here, so that a debug build can turn a deadlock into a message: built
-// with CAPMOE_NVCC_DEFINES=CAPMOE_FUSED_HANG_TRAP (build.rs), a wait that spins about 2^28
-// times prints who waited (`role`), on which barrier and parity, then traps. Off by default
-// (the plain wait spins forever).
+// with CAPMOE_NVCC_DEFINES=CAPMOE_FUSED_HANG_TRAP (build.rs), a wait still unfinished after
+// kHangTrapNs of the GPU's global timer (a time, not a spin count: how long one try_wait
+// suspends is unspecified) prints, once per stuck warp, who waited (`role`),
+// on which barrier and parity, then traps. Off by default (the plain wait spins forever).
+#if defined(CAPMOE_FUSED_HANG_TRAP)
+// Well inside gpu-run.sh's per-binary cap (150 s), well beyond any legitimate wait.
+constexpr uint64_t kHangTrapNs = 10ull * 1000 * 1000 * 1000;
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  return ns;
+}
+#endif
+
 __device__ __forceinline__ void wait_barrier(uint64_t* barrier, uint32_t phase, const char* role) {
 #if defined(CAPMOE_FUSED_HANG_TRAP)
-  for (uint32_t spins = 0; !cutlass::arch::ClusterBarrier::try_wait(barrier, phase); ++spins) {
-    if (spins == (1u << 28)) {
-      printf("capmoe fused kernel stuck: %s, block %d thread %d, barrier %p, parity %u\n", role, blockIdx.x,
-             threadIdx.x, static_cast<void*>(barrier), phase);
+  const uint64_t start = global_timer_ns();
+  while (!cutlass::arch::ClusterBarrier::try_wait(barrier, phase)) {
+    if (global_timer_ns() - start > kHangTrapNs) {
+      // One line per stuck warp: its lowest lane among those waiting here (a producer's wait
+      // may run on one elected lane).
+      if ((threadIdx.x & 31) == __ffs(__activemask()) - 1) {
+        printf("capmoe fused kernel stuck: %s, block %d warp %d, barrier %p, parity %u\n", role, blockIdx.x,
+               threadIdx.x / 32, static_cast<void*>(barrier), phase);
+      }
       __trap();
     }
   }
@@ -94,6 +111,9 @@ __device__ __forceinline__ void mma_k_blocks(StageRing<kStages>& ring, uint64_t*
   int previous = -1;
   for (int kb = 0; kb < k_blocks; ++kb) {
     wait_barrier(&full[ring.stage], ring.phase, "consumer, full");
+    // The lanes may leave the wait's spin on different iterations; wgmma's .sync.aligned
+    // instructions need the warp converged (as the sm_100a MMA warp does after its waits).
+    __syncwarp();
     if constexpr (kAfterCpAsync) cutlass::arch::fence_view_async_shared();
     warpgroup_fence_operand(acc);
     warpgroup_arrive();
