@@ -45,5 +45,10 @@ for layout in ${SWEEP_LAYOUTS:-enk ekn}; do
   { echo "== sweep table, weights $layout"
     python3 bench/tools/sweep_table.py $W/sweep_$layout.json 2>&1; } >> $W/sweep_tables.txt
 done
+# Which configs win anywhere, over both layouts (a config kept for one layout is kept).
+jsons=(); for layout in ${SWEEP_LAYOUTS:-enk ekn}; do [[ -f $W/sweep_$layout.json ]] && jsons+=($W/sweep_$layout.json); done
+if (( ${#jsons[@]} > 1 )); then
+  { echo "== every layout together"; python3 bench/tools/sweep_table.py "${jsons[@]}" 2>&1 | sed -n '/^Auto more/,$p'; } >> $W/sweep_tables.txt
+fi
 cp $W/sweep_tables.txt "$R/sweep_tables.txt"; save
 cat $W/sweep_tables.txt
