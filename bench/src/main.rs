@@ -1,7 +1,7 @@
 //! capmoe-bench: the crate's benchmark report. On the GPU it times the grouped GEMM (eager and
 //! CUDA-graph replay) against the cuBLAS baselines on named MoE shapes and routings, then the
 //! graph-module, EP, Echo planner and expert-path rows; prints
-//! `shape | routing | op | impl | us | TFLOP/s | GB/s | x multi-stream | x dense | x roofline`,
+//! `shape | routing | op | impl | us | TFLOP/s | GB/s | x multi-stream | x dense | x roofline | x torch`,
 //! and writes `<out>/<gpu>.json`, `<gpu>.txt` (that table) and `<gpu>.png`. Without a GPU it
 //! says why and exits with status 2.
 //!

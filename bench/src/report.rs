@@ -80,17 +80,21 @@ pub fn anchor_rows(path: &str) -> Result<Vec<Row>, String> {
 }
 
 /// The times a row is compared with: those of its (shape, routing, op) group's
-/// cublas-multistream, cublas-dense and roofline rows (NaN where the group has none).
+/// cublas-multistream, cublas-dense and roofline rows, and torch's: `torch-grouped-mm` (eager,
+/// synced after each call: the partner of `capmoe-synced`, as issue 13's target reads it) in a
+/// GEMM group, `torch-graph` (the torch expert path replayed from a graph) in an expert-path
+/// group. NaN where the group has none.
 #[derive(Clone, Copy)]
 pub struct References {
     pub multistream_us: f64,
     pub dense_us: f64,
     pub roofline_us: f64,
+    pub torch_us: f64,
 }
 
 pub fn references(rows: &[Row]) -> impl Fn(&Row) -> References {
     let key = |r: &Row| (r.shape.clone(), r.routing.clone(), r.op.clone());
-    let none = References { multistream_us: f64::NAN, dense_us: f64::NAN, roofline_us: f64::NAN };
+    let none = References { multistream_us: f64::NAN, dense_us: f64::NAN, roofline_us: f64::NAN, torch_us: f64::NAN };
     let mut by_group: BTreeMap<(String, String, String), References> = BTreeMap::new();
     for r in rows {
         let entry = by_group.entry(key(r)).or_insert(none);
@@ -98,6 +102,7 @@ pub fn references(rows: &[Row]) -> impl Fn(&Row) -> References {
             "cublas-multistream" => entry.multistream_us = r.us,
             "cublas-dense" => entry.dense_us = r.us,
             "roofline" => entry.roofline_us = r.us,
+            "torch-grouped-mm" | "torch-graph" => entry.torch_us = r.us,
             _ => {}
         }
     }
@@ -113,11 +118,12 @@ pub fn table(rows: &[Row]) -> String {
     // Writing into a String cannot fail: the results are ignored.
     let _ = writeln!(
         out,
-        "{:<14} | {:<8} | {:<6} | {:<22} | {:>9} | {:>8} | {:>7} | {:>14} | {:>7} | {:>10}",
-        "shape", "routing", "op", "impl", "us", "TFLOP/s", "GB/s", "x multi-stream", "x dense", "x roofline"
+        "{:<14} | {:<8} | {:<6} | {:<22} | {:>9} | {:>8} | {:>7} | {:>14} | {:>7} | {:>10} | {:>7}",
+        "shape", "routing", "op", "impl", "us", "TFLOP/s", "GB/s", "x multi-stream", "x dense", "x roofline", "x torch"
     );
     for r in rows {
-        let References { multistream_us: multi, dense_us: dense, roofline_us: roofline } = reference(r);
+        let References { multistream_us: multi, dense_us: dense, roofline_us: roofline, torch_us: torch } =
+            reference(r);
         if r.us.is_nan() {
             let _ = writeln!(
                 out,
@@ -133,10 +139,10 @@ pub fn table(rows: &[Row]) -> String {
         // The memcpy-floor row does no FLOPs: "-" rather than NaN.
         let tflops = if r.tflops.is_finite() { format!("{:.1}", r.tflops) } else { "-".into() };
         // x roofline is this row's time over the roofline's (>= 1 for a real kernel); the
-        // other two ratios are the reference's time over this row's (> 1 = faster).
+        // other ratios are the reference's time over this row's (> 1 = faster).
         let _ = writeln!(
             out,
-            "{:<14} | {:<8} | {:<6} | {:<22} | {:>9.1} | {:>8} | {:>7.0} | {:>14.2} | {:>7.2} | {:>10.2}",
+            "{:<14} | {:<8} | {:<6} | {:<22} | {:>9.1} | {:>8} | {:>7.0} | {:>14.2} | {:>7.2} | {:>10.2} | {:>7.2}",
             r.shape,
             r.routing,
             r.op,
@@ -146,7 +152,8 @@ pub fn table(rows: &[Row]) -> String {
             r.gbps,
             multi / r.us,
             dense / r.us,
-            r.us / roofline
+            r.us / roofline,
+            torch / r.us
         );
     }
     out
@@ -171,6 +178,7 @@ pub fn write_json(path: &str, device: &DeviceInfo, max_clocks_khz: (i32, i32), r
         .map(|r| {
             serde_json::json!({
                 "x_roofline": finite(r.us / reference(r).roofline_us),
+                "x_torch": finite(reference(r).torch_us / r.us),
                 "shape": r.shape, "routing": r.routing, "op": r.op, "impl": r.imp,
                 "us": if r.us.is_nan() { serde_json::Value::Null } else { r.us.into() },
                 "tflops": if r.tflops.is_finite() { r.tflops.into() } else { serde_json::Value::Null },
@@ -224,6 +232,41 @@ mod tests {
         let fwd_bwd = &rows[1];
         let flops = 3.0 * 6.0 * (4096.0 * 8.0 * 2048.0 * 768.0);
         assert!((fwd_bwd.tflops - flops / 6000.0 * 1e-6).abs() < 1e-9);
+    }
+
+    fn timed(shape: &str, op: &str, imp: &str, us: f64) -> Row {
+        Row {
+            shape: shape.into(),
+            routing: "uniform".into(),
+            op: op.into(),
+            imp: imp.into(),
+            us,
+            tflops: f64::NAN,
+            gbps: 0.0,
+            host_us: None,
+            note: None,
+        }
+    }
+
+    /// x torch: torch._grouped_mm's eager time in a GEMM group, the torch graph path's in an
+    /// expert-path group, over the row's own; NaN in a group without either.
+    #[test]
+    fn x_torch_takes_the_groups_torch_row() {
+        let rows = [
+            timed("qwen3moe_fc1", "fprop", "torch-grouped-mm", 500.0),
+            timed("qwen3moe_fc1", "fprop", "torch-grouped-mm-graph", 300.0),
+            timed("qwen3moe_fc1", "fprop", "capmoe-synced", 400.0),
+            timed("expert_E128", "expert_fwd", "torch-graph", 2000.0),
+            timed("expert_E128", "expert_fwd", "capmoe-graph", 800.0),
+            timed("decode_fc1", "fprop", "capmoe-synced", 250.0),
+        ];
+        let reference = references(&rows);
+        let x_torch = |r: &Row| reference(r).torch_us / r.us;
+        assert_eq!(x_torch(&rows[2]), 1.25);
+        assert_eq!(x_torch(&rows[4]), 2.5);
+        assert!(x_torch(&rows[5]).is_nan());
+        let line = table(&rows).lines().nth(3).unwrap().to_string();
+        assert!(line.ends_with("|    1.25"), "{line}");
     }
 
     /// Every timed torch GEMM form becomes a row of the bench shape with the same dims (the
