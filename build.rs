@@ -153,15 +153,22 @@ fn nvcc_flags(csrc: &Path, cutlass: &[PathBuf]) -> Vec<String> {
     for dir in cutlass {
         flags.push(format!("-I{}", dir.display()));
     }
-    flags.extend(debug_defines());
     flags
 }
 
-/// `CAPMOE_NVCC_DEFINES`: whitespace-separated `NAME` or `NAME=VALUE` macros for every TU, for
-/// debug builds (e.g. `CAPMOE_FUSED_HANG_TRAP`, csrc/fused/pipeline.cuh). They are part of the
-/// flags, so the object cache keeps such builds apart from plain ones.
-fn debug_defines() -> Vec<String> {
-    env::var("CAPMOE_NVCC_DEFINES").unwrap_or_default().split_whitespace().map(|d| format!("-D{d}")).collect()
+/// `CAPMOE_NVCC_DEFINES`: whitespace-separated `NAME` or `NAME=VALUE` macros for debug builds
+/// (e.g. `CAPMOE_FUSED_HANG_TRAP`, csrc/fused/pipeline.cuh), as the flags of `source`. A
+/// `CAPMOE_FUSED_*` macro goes to the TUs under csrc/fused alone, so that a debug build of the
+/// fused kernels recompiles those few TUs, not the CUTLASS GEMMs; any other macro goes to every
+/// TU. They are part of the flags, so the object cache keeps such builds apart from plain ones.
+fn debug_defines(source: &Path) -> Vec<String> {
+    let fused_unit = source.components().any(|c| c.as_os_str() == "fused");
+    env::var("CAPMOE_NVCC_DEFINES")
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter(|d| fused_unit || !d.starts_with("CAPMOE_FUSED_"))
+        .map(|d| format!("-D{d}"))
+        .collect()
 }
 
 fn built_arch_defines(archs: &[String]) -> Vec<String> {
@@ -268,6 +275,7 @@ fn compile_cached(
     cache: &ObjectCache,
 ) -> Result<PathBuf, String> {
     let mut flags = common_flags.to_vec();
+    flags.extend(debug_defines(&unit.source));
     flags.extend(unit.archs.iter().map(|a| gencode(a)));
     // A TU that asks which archs the binary carries (the dispatcher, which must reference only
     // built variants) is told with CAPMOE_HAS_SM90 / CAPMOE_HAS_SM100 (1 or 0); other TUs'
