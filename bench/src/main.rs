@@ -6,7 +6,8 @@
 //! says why and exits with status 2.
 //!
 //!   capmoe-bench [--shapes a,b] [--routing uniform,zipf,onehot] [--ops fprop,dgrad,wgrad]
-//!                [--streams 4] [--reps 30] [--anchors torch_anchor.json] [--out DIR] [--quick]
+//!                [--streams 4] [--reps 30] [--anchors torch_anchor.json] [--out DIR]
+//!                [--quick]      (10 reps and uniform routing, where --reps / --routing are not given)
 //!                [--only gemm,graphs,ep,echo,paths]  (these row families alone; default all)
 //!                [--no-paths]   (the GEMM rows alone: no graph, EP, Echo or expert-path rows)
 //!                [--no-fused]   (expert-path rows without the fused variants)
@@ -119,6 +120,9 @@ fn parse_args(command_line: impl IntoIterator<Item = String>) -> Result<Args, St
         only: None,
         sweep: false,
     };
+    // --quick's defaults, applied after the loop so that an explicit --reps or --routing wins
+    // wherever it stands on the command line.
+    let (mut quick, mut reps_given, mut routing_given) = (false, false, false);
     let mut it = command_line.into_iter();
     let list = |v: Option<String>| -> Result<Vec<String>, String> {
         Ok(v.ok_or("missing value")?.split(',').map(str::to_string).collect())
@@ -126,7 +130,10 @@ fn parse_args(command_line: impl IntoIterator<Item = String>) -> Result<Args, St
     while let Some(flag) = it.next() {
         match flag.as_str() {
             "--shapes" => args.shapes = list(it.next())?,
-            "--routing" => args.routings = list(it.next())?,
+            "--routing" => {
+                args.routings = list(it.next())?;
+                routing_given = true;
+            }
             "--ops" => {
                 args.ops = list(it.next())?
                     .iter()
@@ -139,7 +146,10 @@ fn parse_args(command_line: impl IntoIterator<Item = String>) -> Result<Args, St
                     .collect::<Result<_, _>>()?
             }
             "--streams" => args.streams = it.next().and_then(|v| v.parse().ok()).ok_or("--streams N")?,
-            "--reps" => args.reps = it.next().and_then(|v| v.parse().ok()).ok_or("--reps N")?,
+            "--reps" => {
+                args.reps = it.next().and_then(|v| v.parse().ok()).ok_or("--reps N")?;
+                reps_given = true;
+            }
             "--anchors" => args.anchors = Some(it.next().ok_or("--anchors FILE")?),
             "--out" => args.out = it.next().ok_or("--out DIR")?,
             "--no-paths" => args.paths = false,
@@ -176,10 +186,7 @@ fn parse_args(command_line: impl IntoIterator<Item = String>) -> Result<Args, St
                 args.sweep = true;
                 args.paths = false;
             }
-            "--quick" => {
-                args.reps = 10;
-                args.routings = vec!["uniform".into()];
-            }
+            "--quick" => quick = true,
             "-h" | "--help" => {
                 println!(
                     "{}",
@@ -189,6 +196,12 @@ fn parse_args(command_line: impl IntoIterator<Item = String>) -> Result<Args, St
             }
             other => return Err(format!("unknown argument {other} (try --help)")),
         }
+    }
+    if quick && !reps_given {
+        args.reps = 10;
+    }
+    if quick && !routing_given {
+        args.routings = vec!["uniform".into()];
     }
     for s in &args.shapes {
         if !SHAPES.iter().any(|shape| shape.name == s) {
@@ -304,6 +317,19 @@ mod tests {
         assert!(!args.fused);
         assert!(args.families().contains(&Family::Paths));
         assert!(parse_args([]).unwrap().fused);
+    }
+
+    /// --quick's 10 reps and uniform routing give way to an explicit --reps / --routing, on
+    /// either side of it.
+    #[test]
+    fn quick_keeps_explicit_reps_and_routing() {
+        let parse = |line: &str| parse_args(line.split_whitespace().map(str::to_string)).unwrap();
+        let quick = parse("--quick");
+        assert_eq!((quick.reps, quick.routings.clone()), (10, vec!["uniform".to_string()]));
+        for line in ["--reps 20 --quick --routing zipf", "--quick --reps 20 --routing zipf"] {
+            let args = parse(line);
+            assert_eq!((args.reps, args.routings), (20, vec!["zipf".to_string()]), "{line}");
+        }
     }
 
     #[test]
