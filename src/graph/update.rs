@@ -11,7 +11,7 @@
 //! offsets only CUTLASS knows, next to values derived from them), memset and copy nodes, and
 //! launches whose arguments change with the build; patching would have to know every layout
 //! and break silently when one changes. Re-capturing runs only the host side of each launch
-//! (no instantiation, no upload), and the driver checks that the topology and kernels match
+//! (no instantiation; one upload of the updated graph), and the driver checks that the topology and kernels match
 //! (an [`Error::GraphUpdate`] otherwise), so a wrong update cannot pass unnoticed.
 
 use std::sync::Arc;
@@ -64,7 +64,9 @@ impl GraphTemplate {
     /// Updates `exec` to this template's kernel arguments (and memset / copy parameters): its
     /// next launch runs on the buffers this template was captured with. The topology and the
     /// kernels must be those `exec` was instantiated from, else [`Error::GraphUpdate`] and
-    /// `exec` is unchanged. Launches of `exec` already enqueued are not affected.
+    /// `exec` is unchanged. Launches of `exec` already enqueued are not affected. The updated
+    /// graph is then uploaded on `exec`'s stream (`cuGraphUpload`, as [`super::capture`]
+    /// does after instantiating), so its next launch does not pay for that.
     pub fn apply_to(&self, exec: &mut CudaGraph) -> Result<()> {
         ensure_not_capturing(&self.stream, "GraphTemplate::apply_to")?;
         self.stream.context().bind_to_thread()?;
@@ -76,6 +78,7 @@ impl GraphTemplate {
             return Err(Error::GraphUpdate { why: update_failure(info.result) });
         }
         status.result()?;
+        exec.upload()?;
         Ok(())
     }
 
