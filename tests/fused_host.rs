@@ -126,10 +126,12 @@ mod abi {
             },
             INVALID
         );
-        let cases: [(&str, EditDesc, i32); 8] = [
+        let cases: [(&str, EditDesc, i32); 9] = [
             ("E = 0", |d| d.num_experts = 0, INVALID),
             ("E = 1025", |d| d.num_experts = 1025, INVALID),
             ("H = 260 (not a multiple of 8)", |d| d.hidden = 260, MISALIGNED),
+            // K-block indices past H would wrap in int32.
+            ("H = 2^31 - 120", |d| d.hidden = (1 << 31) - 120, INVALID),
             ("F = 200 (not a multiple of 128)", |d| d.ffn = 200, UNSUPPORTED),
             ("fp32 activations", |d| d.dtype = sys::CAPMOE_DTYPE_F32 as i32, UNSUPPORTED),
             ("gather 7", |d| d.gather = 7, INVALID),
@@ -271,11 +273,12 @@ mod dgrad_abi {
     }
 
     /// The descriptor rules of both forms, and of `capmoe_fused_swiglu_dgrad_supported`.
-    const SHARED_DESC_CASES: [(&str, EditDesc, i32); 10] = [
+    const SHARED_DESC_CASES: [(&str, EditDesc, i32); 11] = [
         ("E = 0", |d| d.num_experts = 0, INVALID),
         ("E = 1025", |d| d.num_experts = 1025, INVALID),
         ("H = 0", |d| d.hidden = 0, INVALID),
         ("H = 260 (not a multiple of 8)", |d| d.hidden = 260, MISALIGNED),
+        ("H = 2^31 - 120", |d| d.hidden = (1 << 31) - 120, INVALID),
         ("F = 200 (not a multiple of 128)", |d| d.ffn = 200, UNSUPPORTED),
         ("F = 192 (a multiple of 64, not of 128)", |d| d.ffn = 192, UNSUPPORTED),
         ("fp32 activations", |d| d.dtype = sys::CAPMOE_DTYPE_F32 as i32, UNSUPPORTED),

@@ -139,11 +139,13 @@ mod abi {
         );
         assert_eq!(unsafe { sys::capmoe_wgrad_gather_supported(null()) }, INVALID);
         let f32 = sys::CAPMOE_DTYPE_F32 as i32;
-        let cases: [(&str, EditDesc, i32); 16] = [
+        let cases: [(&str, EditDesc, i32); 17] = [
             ("E = 0", |d| d.num_experts = 0, INVALID),
             ("M = 0", |d| d.m = 0, INVALID),
             ("N past i32", |d| d.n = 1 << 31, INVALID),
             ("negative capacity", |d| d.capacity = -1, INVALID),
+            // The producer's row steps past the last expert's end would wrap in int32 (a hang).
+            ("capacity 2^31 - 120", |d| d.capacity = (1 << 31) - 120, INVALID),
             ("negative max_tokens", |d| d.max_tokens = -1, INVALID),
             ("sm_count 0", |d| d.sm_count = 0, INVALID),
             ("accumulate 2", |d| d.accumulate = 2, INVALID),

@@ -52,6 +52,12 @@ inline capmoe_status_t built_device_arch(bool has_sm90, bool has_sm100, FusedArc
 // The persistent grid for `tiles` tiles: one CTA per SM, fewer when there are fewer tiles.
 inline int persistent_grid(int64_t tiles, int32_t sm_count) { return int(tiles < sm_count ? tiles : sm_count); }
 
+// The largest extent (H for fc1 and the fc2 dgrad, capacity for the gathered wgrad) the kernels
+// walk in int32 steps of at most 128 (a K block or a row block): up to here, the index one step
+// past the end, and `extent + 63` in a ceiling division, still fit in int32. Past it they would
+// wrap, which in the wgrad's producer means a hang.
+constexpr int64_t kMaxSteppedExtent = INT32_MAX - 128;
+
 // Whether the kernels' persistent loop (`tile = blockIdx.x; tile < tiles; tile += gridDim.x`)
 // keeps in int every index it computes, the last being up to tiles - 1 + grid.
 inline bool persistent_loop_fits_int(int64_t tiles, int32_t sm_count) {

@@ -24,7 +24,7 @@ int64_t dgrad_max_tiles(int64_t experts, int64_t capacity, int64_t ffn) {
 capmoe_status_t check_desc(const capmoe_fused_swiglu_dgrad_desc_t* d) {
   if (d == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
   if (d->num_experts < 1 || d->num_experts > CAPMOE_FUSED_MAX_EXPERTS) return CAPMOE_ERR_INVALID_ARGUMENT;
-  if (d->hidden < 8 || d->hidden > INT32_MAX || d->ffn < 8 || d->ffn > INT32_MAX / 2)
+  if (d->hidden < 8 || d->hidden > kMaxSteppedExtent || d->ffn < 8 || d->ffn > INT32_MAX / 2)
     return CAPMOE_ERR_INVALID_ARGUMENT;
   if (d->capacity < 0 || d->capacity > INT32_MAX) return CAPMOE_ERR_INVALID_ARGUMENT;
   if (d->sm_count < 1) return CAPMOE_ERR_INVALID_ARGUMENT;

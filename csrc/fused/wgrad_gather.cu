@@ -28,7 +28,7 @@ capmoe_status_t check_desc(const capmoe_wgrad_gather_desc_t* d) {
   if (d == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
   if (d->num_experts < 1 || d->num_experts > INT32_MAX) return CAPMOE_ERR_INVALID_ARGUMENT;
   if (d->m < 8 || d->m > INT32_MAX || d->n < 8 || d->n > INT32_MAX) return CAPMOE_ERR_INVALID_ARGUMENT;
-  if (d->capacity < 0 || d->capacity > INT32_MAX) return CAPMOE_ERR_INVALID_ARGUMENT;
+  if (d->capacity < 0 || d->capacity > kMaxSteppedExtent) return CAPMOE_ERR_INVALID_ARGUMENT;
   if (d->max_tokens < 0 || d->max_tokens > INT32_MAX) return CAPMOE_ERR_INVALID_ARGUMENT;
   if (d->sm_count < 1) return CAPMOE_ERR_INVALID_ARGUMENT;
   if (d->accumulate != 0 && d->accumulate != 1) return CAPMOE_ERR_INVALID_ARGUMENT;

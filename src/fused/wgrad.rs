@@ -196,9 +196,13 @@ impl GatherWgrad {
                 return Err(Error::Alignment { op: OP, what, value: value as i64, multiple: 8 });
             }
         }
-        for (what, value) in [("capacity", c.capacity), ("max_tokens", c.max_tokens)] {
-            if value > i32::MAX as usize {
-                return invalid(format!("{what} = {value} must be at most i32::MAX"));
+        // The kernel steps through rows in int32 blocks of 64: the C ABI's capacity bound.
+        const MAX_CAPACITY: usize = i32::MAX as usize - 128;
+        for (what, value, max) in
+            [("capacity", c.capacity, MAX_CAPACITY), ("max_tokens", c.max_tokens, i32::MAX as usize)]
+        {
+            if value > max {
+                return invalid(format!("{what} = {value} must be at most {max}"));
             }
         }
         if !matches!(c.dtype, DType::Bf16 | DType::F16) {

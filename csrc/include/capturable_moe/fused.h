@@ -27,6 +27,7 @@
  *
  * Limits: F a multiple of CAPMOE_FUSED_FC1_TILE_N, H a multiple of 8, E <=
  * CAPMOE_FUSED_MAX_EXPERTS; other shapes are CAPMOE_ERR_UNSUPPORTED (use the unfused path).
+ * 8 <= H <= INT32_MAX - 128 (else CAPMOE_ERR_INVALID_ARGUMENT).
  * Kernels: sm_90a on a compute capability 9.0 device, sm_100a (tcgen05 UMMA, accumulators in
  * tensor memory; compiled, never run: no Blackwell GPU has been available) on 10.0, each only
  * in a binary built for its arch; elsewhere the launch returns CAPMOE_ERR_UNSUPPORTED before
@@ -111,6 +112,7 @@ capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc, const void
  *
  * Limits: F a multiple of CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N, H a multiple of 8, E <=
  * CAPMOE_FUSED_MAX_EXPERTS; other shapes are CAPMOE_ERR_UNSUPPORTED (use the unfused path).
+ * 8 <= H <= INT32_MAX - 128 (else CAPMOE_ERR_INVALID_ARGUMENT).
  * Kernels (both forms): sm_90a on a compute capability 9.0 device, sm_100a (tcgen05 UMMA,
  * accumulators in tensor memory; compiled, never run: no Blackwell GPU has been available) on
  * 10.0, each only in a binary built for its arch; elsewhere the launch returns

@@ -20,8 +20,8 @@
  * main-grad mode). An expert with no rows gets dW_e = 0, or, with accumulate, is left
  * unchanged: the contract of the grouped GEMM's WGRAD (capturable_moe/grouped_gemm.h).
  *
- * Limits (else CAPMOE_ERR_INVALID_ARGUMENT): E >= 1; 8 <= M, N <= INT32_MAX; 0 <= capacity,
- * max_tokens <= INT32_MAX; sm_count >= 1; tiles = E * ceil(M / TILE_M) * ceil(N / TILE_N)
+ * Limits (else CAPMOE_ERR_INVALID_ARGUMENT): E >= 1; 8 <= M, N <= INT32_MAX; 0 <= capacity
+ * <= INT32_MAX - 128; 0 <= max_tokens <= INT32_MAX; sm_count >= 1; tiles = E * ceil(M / TILE_M) * ceil(N / TILE_N)
  * with tiles - 1 + min(tiles, sm_count) <= INT32_MAX (else UNSUPPORTED). M and N multiples of 8 (else MISALIGNED). dtype BF16 or F16, out_dtype
  * dtype or F32, accumulate only with F32 (else UNSUPPORTED).
  * Alignment: a, b, dw 16 bytes; offsets 8; token_of_row 4 (else MISALIGNED). a, b and
