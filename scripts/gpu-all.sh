@@ -80,12 +80,14 @@ for m in echo_moe_gpu fused_gpu fused_dgrad_gpu fused_wgrad_gpu fused_moe_gpu ep
   echo "memcheck $m rc=$?" >> $L/memcheck_$m.txt; step "$(tail -n 1 $L/memcheck_$m.txt)"
 done
 
-cat $L/gpu.txt; echo "bundle commit: $(cat $BUNDLE/run/COMMIT 2>/dev/null || echo unknown)"
-echo "== steps ($(capmoe_elapsed) s of the call)"; cat $L/steps.txt
-tail -n 40 $L/suite.txt
-# The per-binary lines, also when the suite step was cut short before its own table.
-echo "== suite, binary by binary =="; cat $L/summary.txt 2>/dev/null
-tail -n 4 $L/c_example.txt 2>/dev/null; tail -n 12 $L/candle_moe.txt 2>/dev/null
+# What comes back is the last 12,000 characters of this output: the details first, the short
+# tables last, so that a long output never cuts the tables.
+tail -n 3 $L/memcheck_*.txt 2>/dev/null
 tail -n 30 $L/timing_*.txt 2>/dev/null
 cat $L/sweep/sweep_tables.txt 2>/dev/null
-tail -n 3 $L/memcheck_*.txt 2>/dev/null
+tail -n 4 $L/c_example.txt 2>/dev/null; tail -n 12 $L/candle_moe.txt 2>/dev/null
+echo "== the suite's failure lines"; grep -E '^(---- |thread .* panicked|  left|  right|.*assert)' $L/suite.txt | head -n 30
+cat $L/gpu.txt; echo "bundle commit: $(cat $BUNDLE/run/COMMIT 2>/dev/null || echo unknown)"
+echo "== steps ($(capmoe_elapsed) s of the call)"; cat $L/steps.txt
+# The per-binary lines, also when the suite step was cut short before its own table.
+echo "== suite, binary by binary =="; cat $L/summary.txt 2>/dev/null

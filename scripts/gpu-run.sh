@@ -30,6 +30,7 @@ export CAPMOE_REQUIRE_GPU=1 CAPMOE_ECHO_GOLDEN_DIR="$root/tests/data/echo"
 # libnccl for the EP tests (a PyTorch venv's, linked where cudarc looks; see the script).
 source "$root/scripts/nccl-env.sh"
 summary=()
+reruns=()  # run:gather:binary of every failure, for the PDL-off pass
 failed=0
 incomplete=0
 # The binaries whose kernels have never run on a GPU (the fused ones) go last, so that a hang or
@@ -56,7 +57,16 @@ run_one() {
   echo "${summary[-1]}" >>"$logs/summary.txt"
   return_logs
 }
-# Sets `limit` to the binary's cap cut to the deadline; false (and a summary row) when fewer
+# Sets `limit` to binary $1's cap. Every wait of the persistent kernels spins unbounded, so a
+# protocol bug hangs instead of failing: the cap keeps one hang from taking the later binaries'
+# results with it. (The fused binaries get the common cap unless FUSED_TEST_TIMEOUT says
+# otherwise: their case tables run every case in both forms.)
+set_cap() {
+  limit="${TEST_TIMEOUT:-150}"
+  [[ "$1" == fused_* ]] && limit="${FUSED_TEST_TIMEOUT:-$limit}"
+  return 0
+}
+# Cuts `limit` to the deadline; false (and a summary row) when fewer
 # than 15 s are left.
 fits_deadline() {
   local left=$(( deadline - $(date +%s) ))
@@ -81,21 +91,21 @@ for test in "${binaries[@]}"; do
   [[ "$name" == fused_gpu ]] && gathers=(cp_async tma_rows)
   for gather in "${gathers[@]}"; do
     run="$name${gather:+.$gather}"
-    # Every wait of the persistent kernels spins unbounded, so a protocol bug hangs instead of
-    # failing: cap each binary so that one hang cannot take the later binaries' results with it.
-    # (The fused binaries had a tighter cap; their case tables now run every case in both
-    # forms, so they get the common one unless FUSED_TEST_TIMEOUT says otherwise.)
-    limit="${TEST_TIMEOUT:-150}"
-    [[ "$name" == fused_* ]] && limit="${FUSED_TEST_TIMEOUT:-$limit}"
+    set_cap "$name"
     fits_deadline "$run" || continue
     run_one "$run" env CAPMOE_FUSED_GATHERS="$gather" timeout -k 5 "$limit" "$test" --test-threads=1
-    # A failure (not a hang) runs again with the GEMM as an ordinary launch (CAPMOE_GEMM_PDL=0,
-    # grouped_gemm/dependent_launch.cuh), so the same call tells a fault of the programmatic
-    # launch from one of the kernels.
-    if [[ $rc -ne 0 && $rc -ne 124 && $rc -ne 137 ]] && fits_deadline "$run.no_pdl"; then
-      run_one "$run.no_pdl" env CAPMOE_GEMM_PDL=0 CAPMOE_FUSED_GATHERS="$gather" timeout -k 5 "$limit" "$test" --test-threads=1
-    fi
+    # A failure (not a hang) runs again later with the GEMM as an ordinary launch.
+    [[ $rc -ne 0 && $rc -ne 124 && $rc -ne 137 ]] && reruns+=("$run:$gather:$test")
   done
+done
+# The failures again with CAPMOE_GEMM_PDL=0 (grouped_gemm/dependent_launch.cuh), so the same
+# call tells a fault of the programmatic launch from one of the kernels. After the first pass,
+# so that a rerun never costs a later binary its first run.
+for entry in "${reruns[@]}"; do
+  IFS=: read -r run gather test <<<"$entry"
+  set_cap "$(basename "$test")"
+  fits_deadline "$run.no_pdl" || continue
+  run_one "$run.no_pdl" env CAPMOE_GEMM_PDL=0 CAPMOE_FUSED_GATHERS="$gather" timeout -k 5 "$limit" "$test" --test-threads=1
 done
 echo "== GPU suite on $(gpu_facts | head -n 1) =="
 if [[ ${#summary[@]} -eq 0 ]]; then

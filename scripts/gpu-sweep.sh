@@ -4,7 +4,7 @@
 # wgrad, uniform and zipf routing, both weight layouts — then an ncu summary of chosen kernels.
 # Results come back as $OUT/sweep.tgz (logs, JSON, ncu reports; refreshed after every step),
 # $OUT/sweep_tables.txt (x roofline per config, the winner) and $OUT/gpu.txt: a device call
-# returns at most 8 files. The tables are printed last.
+# returns at most 8 files. The tables are printed last; the exit status is 1 when a sweep failed.
 # The steps share BUDGET seconds (default 540, inside the device call's 600): each sweep and
 # each ncu case is capped by its own timeout and by what the budget has left (sweeps keep a
 # reserve for the ncu cases); the tables are made from whatever the sweeps wrote.
@@ -22,10 +22,12 @@ ncu_reserve=0; [[ "${NCU:-1}" == 1 ]] && ncu_reserve=160
 CONFIGS=${CONFIGS:-sm90-coop,sm90-pingpong,sm90-coop-nocluster,sm90-coop-m256,sm90-pingpong128,sm90-pingpong-wide}
 SHAPES=${SHAPES:-mixtral_fc1,dsv3_ep8_fc1,dsv3_ep8_fc2,qwen3moe_fc1,qwen3moe_fc2,decode_fc1}
 gpu_facts | tee $W/gpu.txt; cp $W/gpu.txt "$R/gpu.txt"
+failed=0  # 1 when a sweep exited non-zero (the call's exit status says so)
 for layout in ${SWEEP_LAYOUTS:-enk ekn}; do
   timeout -k 10 "$(limit ${SWEEP_TIMEOUT:-200} $ncu_reserve)" $B --sweep --shapes $SHAPES --routing ${SWEEP_ROUTING:-uniform,zipf} --ops fprop,dgrad,wgrad \
     --weight-layout $layout --configs $CONFIGS --reps ${REPS:-8} --out /tmp/sweep/$layout > $W/sweep_$layout.log 2>&1
-  echo "sweep $layout rc=$?" | tee -a $W/sweep_$layout.log
+  rc=$?; (( rc != 0 )) && failed=1
+  echo "sweep $layout rc=$rc" | tee -a $W/sweep_$layout.log
   cp /tmp/sweep/$layout/*.json $W/sweep_$layout.json 2>/dev/null; save
 done
 if [[ "${NCU:-1}" == 1 ]]; then
@@ -43,7 +45,9 @@ fi
 : > $W/sweep_tables.txt
 for layout in ${SWEEP_LAYOUTS:-enk ekn}; do
   { echo "== sweep table, weights $layout"
-    python3 bench/tools/sweep_table.py $W/sweep_$layout.json 2>&1; } >> $W/sweep_tables.txt
+    if [[ -f $W/sweep_$layout.json ]]; then python3 bench/tools/sweep_table.py $W/sweep_$layout.json 2>&1
+    else echo "no table: the sweep wrote no JSON (sweep_$layout.log in sweep.tgz says why)"; fi
+  } >> $W/sweep_tables.txt
 done
 # Which configs win anywhere, over both layouts (a config kept for one layout is kept).
 jsons=(); for layout in ${SWEEP_LAYOUTS:-enk ekn}; do [[ -f $W/sweep_$layout.json ]] && jsons+=($W/sweep_$layout.json); done
@@ -52,3 +56,4 @@ if (( ${#jsons[@]} > 1 )); then
 fi
 cp $W/sweep_tables.txt "$R/sweep_tables.txt"; save
 cat $W/sweep_tables.txt
+exit $failed
