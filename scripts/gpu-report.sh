@@ -9,7 +9,7 @@
 # the tail of each step is printed last. capmoe-bench rewrites its JSON and table after every
 # unit (gemm, graphs, ep, echo, then the expert paths, the fused ones last), so a step cut by
 # its timeout keeps what it measured. The steps share BUDGET seconds (default 540, inside the
-# device call's 600), each capped by its own *_TIMEOUT.
+# device call's 600), each capped by its own *_TIMEOUT. The exit status is capmoe-bench's.
 #   OUT=<dir> [REPS=20] [REPORT_ARGS="--no-fused"] [PDL_COMPARE=0] bash scripts/gpu-report.sh
 set -uo pipefail
 R=${R:-${OUT:?set OUT to a folder for the results}}; BUNDLE=${BUNDLE:-gpu-bundle}
@@ -32,7 +32,8 @@ anchors=()
 read -r -a extra <<<"${REPORT_ARGS:-}"
 timeout -k 10 "$(limit "${REPORT_TIMEOUT:-360}" 60)" "$B" --reps "${REPS:-20}" "${anchors[@]}" "${extra[@]}" --out /tmp/report \
   > /tmp/report/report.txt 2> /tmp/report/report.log
-echo "capmoe-bench rc=$?" >> /tmp/report/report.log; save
+bench_rc=$?
+echo "capmoe-bench rc=$bench_rc" >> /tmp/report/report.log; save
 if [[ "${PDL_COMPARE:-1}" == 1 ]]; then
   CAPMOE_GEMM_PDL=0 timeout -k 10 "$(limit "${PDL_TIMEOUT:-90}" 0)" "$B" --only gemm --routing uniform --reps "${REPS:-20}" \
     --out /tmp/report/pdl_off > /tmp/report/pdl_off/report.txt 2> /tmp/report/pdl_off/report.log
@@ -47,3 +48,4 @@ cp /tmp/report/report.txt "$R/report.txt"
 cat /tmp/report/gpu.txt; echo "bundle commit: $CAPMOE_COMMIT"
 tail -n 5 /tmp/report/torch_anchor.log /tmp/report/report.log /tmp/report/pdl_off/report.log 2>/dev/null
 echo "== report (also \$OUT/report.txt) =="; cat /tmp/report/report.txt
+exit $bench_rc  # the report's own status (the anchor and the PDL-off rows are extras)
