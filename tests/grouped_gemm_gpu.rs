@@ -67,6 +67,25 @@ fn candidate_sm90_configs_are_exact() {
     }
 }
 
+/// The f16 builds of the candidate configs AUTO picks for fprop and dgrad with 65-1023 rows
+/// per expert (the no-cluster cooperative and the wide pingpong; wgrad has no f16 candidate),
+/// under their own names, so that a fault there is not first seen as an MoE mismatch.
+#[test]
+fn candidate_sm90_configs_are_exact_in_f16() {
+    let stream = gpu_or_skip!();
+    for op in [GemmOp::Fprop, GemmOp::Dgrad] {
+        for config in [GemmConfig::Sm90CooperativeNoCluster, GemmConfig::Sm90PingpongWide] {
+            for layout in [WeightLayout::Enk, WeightLayout::Ekn] {
+                let mut s = spec(op, 5, 64, 48, 700).with_dtype(DType::F16);
+                s.config = config;
+                s.weight_layout = layout;
+                let case = HostCase::new(s, vec![300, 0, 1, 257, 129], Data::SmallInt, 4);
+                case.run(&stream).assert_exact(&format!("f16 {op:?} {config:?} {layout:?}"));
+            }
+        }
+    }
+}
+
 #[test]
 fn random_bf16_matches_fp64_reference() {
     let stream = gpu_or_skip!();
