@@ -38,7 +38,9 @@ step "suite rc=$? (budget ${suite_budget}s)"
 # 2. The examples: the C ABI from C (a checked grouped GEMM), candle's MoE block on the crate
 # (checked against candle's per-expert loop, and timed against it). candle_moe links
 # libcublas / libcurand: the toolkit's, else a torch venv's cu13 wheels (ldd is logged).
-if out_of_budget 20 10; then step "c example: not run (budget)"; else
+# Both run the GEMM (candle also the expert path): after a hang there, they would hang too.
+if hung grouped_gemm_gpu; then step "c example: not run (grouped_gemm_gpu hung)"
+elif out_of_budget 20 10; then step "c example: not run (budget)"; else
   timeout -k 5 "$(limit 60 10)" $BUNDLE/run/bin/capmoe-c-example --gpu > $L/c_example.txt 2>&1
   echo "c example rc=$?" >> $L/c_example.txt; step "$(tail -n 1 $L/c_example.txt)"
 fi
@@ -46,7 +48,8 @@ candle_ld=$LD_LIBRARY_PATH
 for d in /opt/torch/.venv/lib/python3*/site-packages/nvidia/cu13/lib; do
   [[ -e $d/libcublas.so.13 ]] && candle_ld="$candle_ld:$d"  # after the toolkit's own
 done
-if out_of_budget 40 10; then step "candle_moe: not run (budget)"; else
+if hung grouped_gemm_gpu || hung moe_gpu; then step "candle_moe: not run (grouped_gemm_gpu or moe_gpu hung)"
+elif out_of_budget 40 10; then step "candle_moe: not run (budget)"; else
   { echo "== ldd (CUDA libraries)"; LD_LIBRARY_PATH=$candle_ld ldd $BUNDLE/run/bin/candle_moe | grep -E 'cuda|cublas|curand|not found'; } > $L/candle_moe.txt 2>&1
   LD_LIBRARY_PATH=$candle_ld CAPMOE_REQUIRE_GPU=1 timeout -k 5 "$(limit 150 10)" $BUNDLE/run/bin/candle_moe >> $L/candle_moe.txt 2>&1
   echo "candle_moe rc=$?" >> $L/candle_moe.txt; step "$(tail -n 1 $L/candle_moe.txt)"

@@ -124,6 +124,14 @@ pub fn ensure_bound_stream(op: &'static str, bound: &CudaStream, got: &CudaStrea
 /// retain the same primary context and share its memory, so their buffers are accepted; a
 /// buffer of another device or of a separately created context is not. Every safe launcher of
 /// the crate checks each buffer it is given this way before anything is launched.
+///
+/// Inside a capture there is one more rule. cudarc makes a launch wait on a buffer's last write
+/// event when the buffer's `CudaContext` object tracks events (it has streams of its own and
+/// tracking on), and a wait on an event recorded outside the capture breaks it.
+/// [`crate::graph::capture`] turns tracking off on the capturing stream's own object only, so a
+/// buffer of another object that tracks events (candle's device, a second [`open`]) is refused
+/// with [`Error::TrackedBufferInCapture`] while the stream captures. Outside a capture such
+/// buffers are accepted, and cudarc's wait orders them as usual.
 pub fn ensure_same_context<T, B: DeviceSlice<T> + ?Sized>(
     op: &'static str,
     what: &'static str,
@@ -134,7 +142,21 @@ pub fn ensure_same_context<T, B: DeviceSlice<T> + ?Sized>(
     if want.cu_ctx() != got.cu_ctx() {
         return Err(Error::WrongContext { op, what, stream_device: want.ordinal(), buffer_device: got.ordinal() });
     }
+    // The capture query is a driver call: made only for buffers cudarc would wait on.
+    if got.is_managing_stream_synchronization() && stream_is_capturing(stream)? {
+        return Err(Error::TrackedBufferInCapture { op, what });
+    }
     Ok(())
+}
+
+/// Whether `stream` is capturing (an invalidated capture counts until it is ended; the legacy
+/// stream reports capturing while another stream captures in global mode).
+fn stream_is_capturing(stream: &CudaStream) -> Result<bool> {
+    match crate::graph::ensure_not_capturing(stream, "capture query") {
+        Ok(()) => Ok(false),
+        Err(Error::Capturing { .. }) => Ok(true),
+        Err(e) => Err(e),
+    }
 }
 
 /// A launcher's check of one buffer it is given: in `stream`'s context

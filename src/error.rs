@@ -23,8 +23,13 @@ pub enum Error {
     Unsupported { op: &'static str, why: String },
     /// A buffer was allocated in another CUDA context than the launch stream's (contexts are
     /// compared by driver handle: see [`crate::device::ensure_same_context`]).
-    #[error("{op}: {what} belongs to a CUDA context of device {buffer_device}, not to the launch stream's context (device {stream_device}); allocate it in the stream's context")]
+    #[error("{op}: {what} belongs to another CUDA context (device {buffer_device}) than the launch stream's (device {stream_device}); allocate it in the stream's context")]
     WrongContext { op: &'static str, what: &'static str, stream_device: usize, buffer_device: usize },
+    /// A buffer whose `CudaContext` object tracks events was given to a launch on a capturing
+    /// stream: cudarc would make the stream wait on the buffer's last write event, recorded
+    /// outside the capture, which breaks the capture ([`crate::device::ensure_same_context`]).
+    #[error("{op}: {what} comes from a CudaContext object with event tracking on, and the launch stream is capturing a graph: cudarc would wait on an event recorded outside the capture. Inside a capture pass buffers of the capturing stream's own CudaContext object (graph::capture turns its tracking off), or turn tracking off on the buffer's object")]
+    TrackedBufferInCapture { op: &'static str, what: &'static str },
     /// A plan bound to one stream (its buffers are reused by every launch) was given another.
     #[error("{op}: the plan was made for stream {bound:#x} and owns buffers used on it; got stream {got:#x} (make one plan per stream)")]
     WrongStream { op: &'static str, bound: u64, got: u64 },

@@ -1,6 +1,7 @@
 //! Contexts, streams and captures across modules: buffers are checked by CUDA context (driver
 //! handle), not by `Arc` identity; a buffer of another context is `Error::WrongContext` before
-//! anything is launched, in every module; the Echo planner opts into large shared memory in
+//! anything is launched, in every module; inside a capture, a buffer of another context object
+//! that tracks events is refused; the Echo planner opts into large shared memory in
 //! each context; `MoeExperts` is bound to its stream; overlapping captures keep event tracking
 //! off until the last one ends.
 //!
@@ -82,6 +83,38 @@ fn grouped_gemm_accepts_buffers_of_a_second_handle_on_the_primary_context_gpu() 
 
 /// The overflow flag word may be a view: one word of a larger buffer gets the capacity bit,
 /// its neighbours stay untouched.
+/// A buffer of another `CudaContext` object that tracks events (it has a stream of its own, as
+/// candle's device has) is accepted outside a capture, and refused with
+/// `Error::TrackedBufferInCapture` inside one: cudarc would make the capturing stream wait on
+/// the buffer's write event, recorded before the capture began, which breaks the capture.
+#[test]
+fn a_tracked_buffer_of_another_handle_is_refused_inside_a_capture_gpu() {
+    let stream = gpu_or_skip!();
+    let _lock = lock();
+    let other_ctx = CudaContext::new(0).unwrap();
+    let other = other_ctx.new_stream().unwrap();
+    assert!(other_ctx.is_managing_stream_synchronization(), "the other handle must track events");
+
+    let plan = GroupedGemm::new(GroupedGemmSpec::new(GemmOp::Fprop, E, N, K, CAPACITY), &stream).unwrap();
+    let x = other.clone_htod(&small_ints(CAPACITY * K, 1)).unwrap();
+    let w = stream.clone_htod(&small_ints(E * N * K, 2)).unwrap();
+    let mut y = stream.alloc_zeros::<bf16>(CAPACITY * N).unwrap();
+    let splits = stream.clone_htod(&[5i32, 0, 11, 3]).unwrap();
+    let mut ws = stream.alloc_zeros::<u8>(plan.workspace_bytes()).unwrap();
+    plan.run(&stream, &x, &w, &mut y, &splits, None, &mut ws).expect("outside a capture the buffer is accepted");
+    stream.synchronize().unwrap();
+
+    let captured =
+        capturable_moe::graph::capture(&stream, || plan.run(&stream, &x, &w, &mut y, &splits, None, &mut ws));
+    match captured {
+        Err(Error::TrackedBufferInCapture { what: "a", .. }) => {}
+        other => panic!("expected TrackedBufferInCapture for a (x), got {:?}", other.map(|_| "a graph")),
+    }
+    // The refused launch enqueued nothing: the stream is usable and not capturing.
+    plan.run(&stream, &x, &w, &mut y, &splits, None, &mut ws).unwrap();
+    stream.synchronize().unwrap();
+}
+
 #[test]
 fn grouped_gemm_overflow_flag_word_may_be_a_view_gpu() {
     let stream = gpu_or_skip!();
@@ -297,22 +330,38 @@ fn overlapping_captures_keep_event_tracking_off_until_the_last_ends_gpu() {
     let options = CaptureOptions { upload: false, mode: CaptureMode::ThreadLocal };
     std::thread::scope(|scope| {
         let first = scope.spawn(|| {
-            capture_with(&stream, options, || {
+            let mut passed_started = false;
+            let result = capture_with(&stream, options, || {
                 stream.memset_zeros(&mut a_buf)?;
                 b_started.wait();
+                passed_started = true;
                 Ok(())
-            })
-            .map(|_| ())
+            });
+            if !passed_started {
+                b_started.wait();
+            }
+            result.map(|_| ())
         });
         let other = scope.spawn(|| {
-            capture_with(&second, options, || {
+            let (mut passed_started, mut passed_ended) = (false, false);
+            let result = capture_with(&second, options, || {
                 second.memset_zeros(&mut b_buf)?;
                 b_started.wait();
+                passed_started = true;
                 a_ended.wait();
+                passed_ended = true;
                 assert!(!ctx.is_event_tracking(), "tracking came back on while this capture was running");
                 Ok(())
-            })
-            .map(|_| ())
+            });
+            // A capture that failed before its barriers still releases the first thread and the
+            // main thread, so that the failure is reported instead of hanging there.
+            if !passed_started {
+                b_started.wait();
+            }
+            if !passed_ended {
+                a_ended.wait();
+            }
+            result.map(|_| ())
         });
         first.join().unwrap().unwrap();
         a_ended.wait();

@@ -10,8 +10,10 @@
 //!   candle_moe [--experts 128] [--tokens 4096] [--topk 8] [--hidden 2048] [--ffn 768]
 //!              [--reps 20] [--steps 3]
 //!
-//! Without a GPU it prints "skipping: ..." and exits 0 (1 with CAPMOE_REQUIRE_GPU=1). It exits
-//! 1 when an output is outside bf16 tolerance or a routing / GEMM flag is raised.
+//! Where the CUDA libraries are installed but no GPU is usable it prints "skipping: ..." and
+//! exits 0 (1 with CAPMOE_REQUIRE_GPU=1); without the libraries (libcuda, libcublas, libcurand)
+//! the loader refuses to start it. It exits 1 when an output is outside bf16 tolerance or a
+//! routing / GEMM flag is raised.
 
 mod candle_buffer;
 
