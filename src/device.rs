@@ -131,7 +131,9 @@ pub fn ensure_bound_stream(op: &'static str, bound: &CudaStream, got: &CudaStrea
 /// [`crate::graph::capture`] turns tracking off on the capturing stream's own object only, so a
 /// buffer of another object that tracks events (candle's device, a second [`open`]) is refused
 /// with [`Error::TrackedBufferInCapture`] while the stream captures. Outside a capture such
-/// buffers are accepted, and cudarc's wait orders them as usual.
+/// buffers are accepted, and cudarc's wait orders them as usual. (A capture begun without
+/// [`crate::graph::capture`] must turn tracking off on the stream's own object itself, as the
+/// graph module says; that case is not checked here.)
 pub fn ensure_same_context<T, B: DeviceSlice<T> + ?Sized>(
     op: &'static str,
     what: &'static str,
@@ -142,8 +144,9 @@ pub fn ensure_same_context<T, B: DeviceSlice<T> + ?Sized>(
     if want.cu_ctx() != got.cu_ctx() {
         return Err(Error::WrongContext { op, what, stream_device: want.ordinal(), buffer_device: got.ordinal() });
     }
-    // The capture query is a driver call: made only for buffers cudarc would wait on.
-    if got.is_managing_stream_synchronization() && stream_is_capturing(stream)? {
+    // The capture query is a driver call: made only for buffers of another object that cudarc
+    // would wait on (the stream's own object has tracking off inside graph::capture).
+    if !Arc::ptr_eq(want, got) && got.is_managing_stream_synchronization() && stream_is_capturing(stream)? {
         return Err(Error::TrackedBufferInCapture { op, what });
     }
     Ok(())
