@@ -2,9 +2,10 @@
 //! virtual ranges over shared physical memory, pooled bucket graphs bit-equal to graphs
 //! captured alone over 1000 interleaved replays with fresh routing), graph update (an updated
 //! graph equals a freshly captured one), the capture guard of every host-side call (one test
-//! each), the flag report, and ignored timing hooks that print the issue-16 figures (one graph
-//! for every T, update vs capture + instantiate, first replay with and without upload, pool
-//! memory of eight buckets).
+//! each), a capture whose body panics, the flag report, the pool memory of eight buckets (a
+//! suite test with the issue-16 target asserted), and ignored timing hooks that print the
+//! issue-16 figures (one graph for every T, update vs capture + instantiate, first replay with
+//! and without upload).
 
 mod common;
 
@@ -120,6 +121,7 @@ fn tracking_off(stream: &Arc<CudaStream>) {
 #[test]
 fn pool_ranges_are_distinct_addresses_over_shared_physical_memory_gpu() {
     let stream = gpu_or_skip!();
+    let _lock = common::capture_lock();
     let pool = MemoryPool::new(&stream, 64 << 20).unwrap();
     let ranges: Vec<PoolRange> = (0..4).map(|_| pool.range().unwrap()).collect();
     for (i, a) in ranges.iter().enumerate() {
@@ -149,6 +151,7 @@ fn pool_ranges_are_distinct_addresses_over_shared_physical_memory_gpu() {
 #[test]
 fn pool_physical_bytes_are_the_largest_range_gpu() {
     let stream = gpu_or_skip!();
+    let _lock = common::capture_lock();
     let pool = MemoryPool::new(&stream, 256 << 20).unwrap();
     let mut used = Vec::new();
     let mut plans = Vec::new();
@@ -174,6 +177,7 @@ fn pool_physical_bytes_are_the_largest_range_gpu() {
 #[test]
 fn pool_buffers_refuse_another_stream_gpu() {
     let stream = gpu_or_skip!();
+    let _lock = common::capture_lock();
     let other = stream.context().new_stream().unwrap();
     let pool = MemoryPool::new(&stream, 16 << 20).unwrap();
     let range = pool.range().unwrap();
@@ -185,6 +189,29 @@ fn pool_buffers_refuse_another_stream_gpu() {
         Err(Error::WrongStream { op: "MoeExperts::with_pool", .. }) => {}
         other => panic!("expected WrongStream, got {:?}", other.err()),
     }
+}
+
+/// A capture whose body panics is ended before the panic goes on: the stream is not left
+/// capturing, so the next call on it (an allocation, another capture) works.
+#[test]
+fn a_panicking_capture_body_leaves_no_capture_open_gpu() {
+    let stream = gpu_or_skip!();
+    let _lock = common::capture_lock();
+    let mut words = stream.alloc_zeros::<u32>(64).unwrap();
+    stream.synchronize().unwrap();
+    let panicked = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        capture(&stream, || {
+            stream.memset_zeros(&mut words)?;
+            panic!("a panic inside the captured body")
+        })
+    }));
+    assert!(panicked.is_err(), "the body's panic must reach the caller");
+    assert_eq!(stream.capture_status().unwrap(), CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE);
+    let more = stream.alloc_zeros::<u32>(64).unwrap();
+    let graph = capture(&stream, || Ok(stream.memset_zeros(&mut words)?)).unwrap();
+    graph.launch().unwrap();
+    stream.synchronize().unwrap();
+    drop(more);
 }
 
 /// Replays of the pooled-bucket test: `CAPMOE_GRAPH_STEPS` (default 1000; at least 1).
@@ -710,6 +737,7 @@ fn timing_first_replay_with_and_without_upload_gpu() {
 #[test]
 fn pool_eight_buckets_memory_gpu() {
     let stream = gpu_or_skip!();
+    let _lock = common::capture_lock();
     let alone_taken = {
         let before = common::free_device_bytes(&stream);
         let _plan = MoeExperts::<bf16>::with_options(config(qwen(16384)), MoeOptions::default(), &stream).unwrap();

@@ -9,11 +9,11 @@
 //!
 //! Every replay's flag words must be exactly what its inputs raise (the CPU routing
 //! reference's flags, BAD_TOKENS for a T past T_max, Echo's EXPERT_OUT_OF_RANGE for bad
-//! ids, nothing else); every 50th replay and every adversarial one is also run eagerly on a
-//! second, identical set of buffers and compared bit for bit (outputs, gradients, reroute,
-//! rows past T still the poison). Wall time per 1000 replays, free device memory
-//! (cuMemGetInfo) and the process's resident host memory are printed and must stay flat
-//! (CAPMOE_SOAK_REPLAYS >= 3000: three blocks to compare).
+//! ids, nothing else); every adversarial replay and one random replay in 50 is also run
+//! eagerly on a second, identical set of buffers and compared bit for bit (outputs, gradients,
+//! reroute, rows past T still the poison). Wall time per 1000 replays, free device memory
+//! (cuMemGetInfo) and the process's resident host memory are printed and must stay flat after
+//! the first block (CAPMOE_SOAK_REPLAYS >= 3000: a warm-up block and two to compare).
 //!
 //! Ignored by default (minutes at 10 000 replays): `cargo test --release --test soak_gpu --
 //! --ignored --nocapture` (in the bundle: `gpu-bundle/run/tests/soak_gpu --ignored
@@ -68,9 +68,10 @@ fn kind_of(i: usize) -> Kind {
     }
 }
 
-/// Compared with eager: every 50th replay and every adversarial one.
+/// Compared with eager: every adversarial replay, and one random replay in 50 (i = 1, 51, ...:
+/// every multiple of 25 is already an adversarial one).
 fn sampled(i: usize) -> bool {
-    i.is_multiple_of(50) || kind_of(i) != Kind::Random
+    i % 50 == 1 || kind_of(i) != Kind::Random
 }
 
 /// One replay's routing: the device token count (may be past `t_max`), the count the
@@ -117,10 +118,14 @@ fn word(stream: &Arc<CudaStream>, v: &CudaSlice<i32>) -> i32 {
 }
 
 /// Wall time per block of 1000 replays, free device memory and the process's resident host
-/// memory at each block's end: no block slower than twice the median block, free device memory
-/// never below the first reading by more than 16 MiB, resident host memory never above its
-/// reading after the first block (allocator and driver caches warmed) by more than 64 MiB (a
-/// leak of 8 KB a replay would pass that).
+/// memory at each block's end. The first block warms the allocator and driver caches (and the
+/// driver's first-execution allocations), so every bound is against the blocks after it:
+/// - time: the median of the later half of the blocks at most 1.25x the median of the earlier
+///   half, plus 50 ms (a trend, not one outlier: a block is only a few hundred ms, and one host
+///   stall must not fail a correct run);
+/// - free device memory never below its reading after the first block by more than 16 MiB;
+/// - resident host memory never above its reading after the first block by more than 64 MiB
+///   (a leak of 8 KB a replay would pass that).
 struct Stability {
     name: &'static str,
     block_start: Instant,
@@ -136,14 +141,20 @@ fn resident_host_mb() -> f64 {
     pages * 4096.0 / (1 << 20) as f64
 }
 
+/// The median of `values` (the upper one of an even count); NaN when empty.
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 impl Stability {
-    fn new(name: &'static str, stream: &Arc<CudaStream>) -> Stability {
-        let free = common::free_device_bytes(stream) as f64 / (1 << 20) as f64;
+    fn new(name: &'static str) -> Stability {
         Stability {
             name,
             block_start: Instant::now(),
             block_ms: Vec::new(),
-            free_mb: vec![free],
+            free_mb: Vec::new(),
             resident_mb: Vec::new(),
         }
     }
@@ -170,13 +181,12 @@ impl Stability {
             self.name,
             self.resident_mb[0]
         );
-        let mut sorted = self.block_ms.clone();
-        sorted.sort_by(f64::total_cmp);
-        let median = sorted[sorted.len() / 2];
-        let slowest = sorted[sorted.len() - 1];
+        let warm = &self.block_ms[1..];
+        let (earlier, later) = warm.split_at(warm.len() / 2);
+        let (earlier, later) = (median(earlier), median(later));
         assert!(
-            slowest <= 2.0 * median,
-            "{}: a block of 1000 replays took {slowest:.0} ms, the median {median:.0} ms",
+            later <= 1.25 * earlier + 50.0,
+            "{}: blocks of 1000 replays slowed from a median of {earlier:.0} ms to {later:.0} ms",
             self.name
         );
         let lowest = self.free_mb.iter().copied().fold(f64::INFINITY, f64::min);
@@ -250,7 +260,7 @@ fn soak_expert_path_graph_gpu() {
     stream.synchronize().unwrap();
     let graph = capture(&stream, || graph_io.run(&stream)).unwrap();
 
-    let mut stable = Stability::new("expert path", &stream);
+    let mut stable = Stability::new("expert path");
     let (mut compared, mut overflowed) = (0, 0);
     for i in 0..replays() {
         let kind = kind_of(i);
@@ -396,7 +406,7 @@ fn soak_echo_plan_reroute_and_expert_path_graph_gpu() {
     stream.synchronize().unwrap();
     let graph = capture(&stream, || graph_io.run(&stream)).unwrap();
 
-    let mut stable = Stability::new("echo + expert path", &stream);
+    let mut stable = Stability::new("echo + expert path");
     let (mut compared, mut moved) = (0, 0);
     let s = echo_config().num_spare();
     for i in 0..replays() {

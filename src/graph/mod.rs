@@ -120,7 +120,7 @@ impl Default for CaptureOptions {
 /// Captures everything `body` enqueues on `stream` (global capture mode: any forbidden call
 /// from any thread, such as a host sync or an allocation, fails the capture), instantiates it
 /// and uploads it ([`CaptureOptions::default`]). The capture is always ended, also when `body`
-/// fails. Event tracking of the stream's context is off while it runs: see the module docs for
+/// fails or panics (the panic is re-raised after the capture is ended). Event tracking of the stream's context is off while it runs: see the module docs for
 /// what that asks of the caller. [`Error::Capturing`] if `stream` is capturing already.
 pub fn capture(stream: &Arc<CudaStream>, body: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
     capture_with(stream, CaptureOptions::default(), body)
@@ -135,14 +135,22 @@ pub fn capture_with(
     ensure_not_capturing(stream, "graph::capture")?;
     let _tracking_off = TrackingOff::new(stream.context().clone());
     stream.begin_capture(options.mode.to_cuda())?;
-    let body_result = body();
+    let body_result = run_capture_body(body);
     let graph = stream.end_capture(CUgraphInstantiate_flags(0));
-    body_result?;
+    body_result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
     let graph = graph?.ok_or(Error::InvalidArgument { op: "graph capture", why: "nothing was captured".into() })?;
     if options.upload {
         graph.upload()?;
     }
     Ok(graph)
+}
+
+/// Runs a capture's `body`, catching a panic so that the caller can end the capture before
+/// re-raising it ([`std::panic::resume_unwind`]): a capture left open would make every later
+/// CUDA call on the stream (and, in global mode, in the process) fail, turning one failure into
+/// many.
+pub(crate) fn run_capture_body(body: impl FnOnce() -> Result<()>) -> std::thread::Result<Result<()>> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(body))
 }
 
 /// A context whose event tracking can be switched (cudarc's `CudaContext`; a stand-in in tests).
@@ -226,6 +234,17 @@ impl<C: TrackingSwitch> TrackingSwitch for Arc<C> {
 mod tests {
     use super::*;
     use cudarc::driver::sys::CUstreamCaptureStatus as S;
+
+    /// A body's result comes back as it is; a panic is caught (for the caller to end the
+    /// capture) and handed back to be re-raised, its message intact.
+    #[test]
+    fn capture_body_results_and_panics_come_back_to_the_caller() {
+        assert!(matches!(run_capture_body(|| Ok(())), Ok(Ok(()))));
+        let failed = run_capture_body(|| Err(Error::Capturing { op: "inner" }));
+        assert!(matches!(failed, Ok(Err(Error::Capturing { op: "inner" }))));
+        let panic = run_capture_body(|| panic!("inside the body")).expect_err("the panic is caught");
+        assert_eq!(panic.downcast_ref::<&str>(), Some(&"inside the body"));
+    }
 
     /// Active and invalidated captures and the implicit-capture error of the legacy stream are
     /// `Capturing`; no capture is `Ok`; other driver errors pass through as driver errors.

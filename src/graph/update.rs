@@ -46,13 +46,14 @@ impl GraphTemplate {
         ensure_not_capturing(stream, "GraphTemplate::capture")?;
         let _tracking_off = TrackingOff::new(stream.context().clone());
         stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)?;
-        let body_result = body();
-        // The capture is ended whatever happens: one left open would fail every later call.
+        let body_result = super::run_capture_body(body);
+        // The capture is ended whatever happens (a panic too): one left open would fail every
+        // later call.
         let _ = stream.context().bind_to_thread();
         // SAFETY: the capture was begun on this stream above.
         let graph = unsafe { cudarc::driver::result::stream::end_capture(stream.cu_stream()) };
         let template = graph.map(|graph| GraphTemplate { graph, stream: stream.clone() });
-        body_result?;
+        body_result.unwrap_or_else(|panic| std::panic::resume_unwind(panic))?;
         let template = template?;
         if template.graph.is_null() {
             std::mem::forget(template);
