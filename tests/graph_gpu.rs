@@ -16,8 +16,8 @@ use std::time::Instant;
 use capturable_moe::echo::{Algorithm, EchoConfig, EchoPlan};
 use capturable_moe::fused::{FusedFc1, FusedSwigluDgrad, GatherWgrad, GatherWgradConfig, WgradOutput};
 use capturable_moe::graph::{
-    capture, capture_with, round_up, update, CaptureOptions, FlagReport, FlagSource, FlagWords, GraphTemplate,
-    MemoryPool, PoolRange,
+    capture, capture_with, round_up, update, CaptureMode, CaptureOptions, FlagReport, FlagSource, FlagWords,
+    GraphTemplate, MemoryPool, PoolRange,
 };
 use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
 use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions};
@@ -404,6 +404,24 @@ fn tiny_graph(stream: &Arc<CudaStream>) -> (CudaGraph, GraphTemplate, CudaSlice<
     let graph = capture(stream, || Ok(stream.memset_zeros(&mut buf)?)).unwrap();
     let template = GraphTemplate::capture(stream, || Ok(stream.memset_zeros(&mut buf)?)).unwrap();
     (graph, template, buf)
+}
+
+/// A template captured in thread-local mode re-points a graph like one captured in global
+/// mode: after apply_to, the graph's memset clears the template's buffer, not its own.
+#[test]
+fn thread_local_template_updates_a_graph_gpu() {
+    let stream = gpu_or_skip!();
+    let _lock = common::capture_lock();
+    let ones = vec![1u32; 64];
+    let (mut own, mut other) = (stream.clone_htod(&ones).unwrap(), stream.clone_htod(&ones).unwrap());
+    stream.synchronize().unwrap();
+    let mut graph = capture(&stream, || Ok(stream.memset_zeros(&mut own)?)).unwrap();
+    let template =
+        GraphTemplate::capture_in(&stream, CaptureMode::ThreadLocal, || Ok(stream.memset_zeros(&mut other)?)).unwrap();
+    template.apply_to(&mut graph).unwrap();
+    graph.launch().unwrap();
+    assert_eq!(stream.clone_dtoh(&own).unwrap(), ones, "the updated graph still wrote its own buffer");
+    assert_eq!(stream.clone_dtoh(&other).unwrap(), vec![0u32; 64], "the updated graph did not write the template's");
 }
 
 guard_test!(guard_capture_gpu, "graph::capture", |stream| (), |_s| capture(&stream, || Ok(())));

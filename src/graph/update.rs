@@ -16,10 +16,10 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::{self, CUgraphExecUpdateResult, CUgraphExecUpdateResultInfo, CUstreamCaptureMode};
+use cudarc::driver::sys::{self, CUgraphExecUpdateResult, CUgraphExecUpdateResultInfo};
 use cudarc::driver::{CudaGraph, CudaStream};
 
-use super::{ensure_not_capturing, TrackingOff};
+use super::{ensure_not_capturing, CaptureMode, TrackingOff};
 use crate::{Error, Result};
 
 /// A captured graph, not instantiated; destroyed on drop.
@@ -43,9 +43,20 @@ impl GraphTemplate {
     /// Captures what `body` enqueues on `stream`, like [`super::capture`] (global mode, event
     /// tracking off while it runs), without instantiating it.
     pub fn capture(stream: &Arc<CudaStream>, body: impl FnOnce() -> Result<()>) -> Result<GraphTemplate> {
+        GraphTemplate::capture_in(stream, CaptureMode::Global, body)
+    }
+
+    /// [`GraphTemplate::capture`] in the given mode: [`CaptureMode::ThreadLocal`] where other
+    /// threads keep making CUDA calls meanwhile (a thread per GPU, as NCCL's expert-parallel
+    /// ranks run).
+    pub fn capture_in(
+        stream: &Arc<CudaStream>,
+        mode: CaptureMode,
+        body: impl FnOnce() -> Result<()>,
+    ) -> Result<GraphTemplate> {
         ensure_not_capturing(stream, "GraphTemplate::capture")?;
         let _tracking_off = TrackingOff::new(stream.context().clone());
-        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)?;
+        stream.begin_capture(mode.to_cuda())?;
         let body_result = super::run_capture_body(body);
         // The capture is ended whatever happens (a panic too): one left open would fail every
         // later call.
