@@ -259,8 +259,8 @@ fn dispatch_cases() -> Vec<Case> {
 
 #[test]
 fn dispatch_launchers_match_the_reference() {
+    let _g = serial(); // before the stream: opening one syncs, which must not land in a capture
     let s = gpu_or_skip!();
-    let _g = serial();
     for (i, case) in dispatch_cases().iter().enumerate() {
         run_dispatch::<bf16>(&s, case, 100 + i as u64);
     }
@@ -287,8 +287,8 @@ fn slot_table(rng: &mut StdRng, c: &EpConfig, bad: bool) -> Vec<i64> {
 
 #[test]
 fn spare_weight_launchers_match_the_reference() {
+    let _g = serial(); // before the stream: opening one syncs, which must not land in a capture
     let s = gpu_or_skip!();
-    let _g = serial();
     let mut rng = StdRng::seed_from_u64(9);
     let cases = [
         (config(1, 4, 2, 64, 2, 8, 8), 64usize, false),
@@ -339,8 +339,8 @@ fn spare_weight_launchers_match_the_reference() {
 /// T_max, Echo launchers without Echo, a size that is not a multiple of 16 bytes.
 #[test]
 fn launchers_reject_bad_buffers_before_launching() {
+    let _g = serial(); // before the stream: opening one syncs, which must not land in a capture
     let s = gpu_or_skip!();
-    let _g = serial();
     let c = config(2, 2, 0, 64, 2, 16, 8);
     let plan = EpKernels::new(c.clone()).unwrap();
     let routes = upload(&s, &vec![0i32; c.routes_len()]);
@@ -383,8 +383,8 @@ fn launchers_reject_bad_buffers_before_launching() {
 /// replayed with new ids, dest, probs, inputs and T; every replay checked.
 #[test]
 fn graph_replays_with_new_routing() {
+    let _g = serial(); // before the stream: opening one syncs, which must not land in a capture
     let s = gpu_or_skip!();
-    let _g = serial();
     unsafe { s.context().disable_event_tracking() };
     let c = config(4, 4, 2, 256, 4, 512, 300);
     let plan = EpKernels::new(c.clone()).unwrap();

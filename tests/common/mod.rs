@@ -116,7 +116,10 @@ pub fn mean_gpu_us(stream: &Arc<CudaStream>, warmup: usize, reps: usize, mut run
 }
 
 /// Graph-capture tests serialise on this lock: capture in global mode forbids unrelated
-/// CUDA work from other threads of the process while it is open.
+/// CUDA work from other threads of the process while it is open. It does not cover everything:
+/// [`gpu_stream`] opens a new context object, whose first stream makes cudarc synchronise the
+/// context, and most tests open their stream before taking the lock. So on a GPU the test
+/// binaries run with `--test-threads=1` (scripts/test.sh and scripts/gpu-run.sh pass it).
 pub static CAPTURE_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// The device's free memory in bytes (`cuMemGetInfo`) as the driver sees it now.

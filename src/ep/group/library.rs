@@ -52,7 +52,7 @@ pub fn nccl_version() -> Result<i32> {
     if !linked_in() && !loader_opens(CUDARC_NAME) {
         let why = if loader_opens(RUNTIME_NAME) {
             "libnccl.so.2 is on the loader path but cudarc 0.19 opens libnccl.so: make a symlink \
-             libnccl.so -> libnccl.so.2 in a folder on LD_LIBRARY_PATH (scripts/gpu-run.sh does \
+             libnccl.so -> libnccl.so.2 in a folder on LD_LIBRARY_PATH (scripts/nccl-env.sh does \
              this for a PyTorch venv's nvidia/nccl/lib)"
         } else {
             "libnccl not found: cudarc opens libnccl.so through the dynamic loader; install NCCL \
