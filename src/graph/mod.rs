@@ -120,8 +120,9 @@ impl Default for CaptureOptions {
 /// Captures everything `body` enqueues on `stream` (global capture mode: any forbidden call
 /// from any thread, such as a host sync or an allocation, fails the capture), instantiates it
 /// and uploads it ([`CaptureOptions::default`]). The capture is always ended, also when `body`
-/// fails or panics (the panic is re-raised after the capture is ended). Event tracking of the stream's context is off while it runs: see the module docs for
-/// what that asks of the caller. [`Error::Capturing`] if `stream` is capturing already.
+/// fails or panics (the panic is re-raised after the capture is ended). Event tracking of the
+/// stream's context is off while it runs: see the module docs for what that asks of the
+/// caller. [`Error::Capturing`] if `stream` is capturing already.
 pub fn capture(stream: &Arc<CudaStream>, body: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
     capture_with(stream, CaptureOptions::default(), body)
 }
