@@ -81,8 +81,6 @@ fn grouped_gemm_accepts_buffers_of_a_second_handle_on_the_primary_context_gpu() 
     assert_eq!(stream.clone_dtoh(&flags).unwrap()[0], 0);
 }
 
-/// The overflow flag word may be a view: one word of a larger buffer gets the capacity bit,
-/// its neighbours stay untouched.
 /// A buffer of another `CudaContext` object that tracks events (it has a stream of its own, as
 /// candle's device has) is accepted outside a capture, and refused with
 /// `Error::TrackedBufferInCapture` inside one: cudarc would make the capturing stream wait on
@@ -115,6 +113,8 @@ fn a_tracked_buffer_of_another_handle_is_refused_inside_a_capture_gpu() {
     stream.synchronize().unwrap();
 }
 
+/// The overflow flag word may be a view: one word of a larger buffer gets the capacity bit,
+/// its neighbours stay untouched.
 #[test]
 fn grouped_gemm_overflow_flag_word_may_be_a_view_gpu() {
     let stream = gpu_or_skip!();

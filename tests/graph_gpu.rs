@@ -207,11 +207,10 @@ fn a_panicking_capture_body_leaves_no_capture_open_gpu() {
     }));
     assert!(panicked.is_err(), "the body's panic must reach the caller");
     assert_eq!(stream.capture_status().unwrap(), CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE);
-    let more = stream.alloc_zeros::<u32>(64).unwrap();
+    stream.alloc_zeros::<u32>(64).expect("an allocation after the failed capture");
     let graph = capture(&stream, || Ok(stream.memset_zeros(&mut words)?)).unwrap();
     graph.launch().unwrap();
     stream.synchronize().unwrap();
-    drop(more);
 }
 
 /// Replays of the pooled-bucket test: `CAPMOE_GRAPH_STEPS` (default 1000; at least 1).
@@ -580,11 +579,6 @@ fn replay_us(stream: &Arc<CudaStream>, graph: &CudaGraph, reps: usize) -> f64 {
     common::mean_gpu_us(stream, 3, reps, || graph.launch().unwrap())
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
 /// One graph captured at T_max (T read on the device) against a graph captured for exactly T
 /// (per-bucket plans in one pool), T = T_max/16 ... T_max. Target: the T_max graph within
 /// 1.10x of the per-T graph for T >= T_max/8. `CAPMOE_GRAPH_TMAX` (default 16384).
@@ -679,7 +673,7 @@ fn timing_update_vs_capture_and_instantiate_gpu() {
         graph.launch().unwrap();
         stream.synchronize().unwrap();
     }
-    let (fresh, recapture, apply) = (median(fresh), median(recapture), median(apply));
+    let (fresh, recapture, apply) = (common::median(&fresh), common::median(&recapture), common::median(&apply));
     println!(
         "graph update, {} E={} H={} F={} k={} T_max={} (median of {reps})",
         stream.context().name().unwrap(),
@@ -741,9 +735,9 @@ fn timing_first_replay_with_and_without_upload_gpu() {
         "first replay, {} T_max={}: not uploaded {:.1} us, uploaded {:.1} us, steady {:.1} us (median of 10)",
         stream.context().name().unwrap(),
         shape.t_max,
-        median(cold),
-        median(uploaded),
-        median(steady)
+        common::median(&cold),
+        common::median(&uploaded),
+        common::median(&steady)
     );
 }
 

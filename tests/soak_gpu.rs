@@ -141,13 +141,6 @@ fn resident_host_mb() -> f64 {
     pages * 4096.0 / (1 << 20) as f64
 }
 
-/// The median of `values` (the upper one of an even count); NaN when empty.
-fn median(values: &[f64]) -> f64 {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN)
-}
-
 impl Stability {
     fn new(name: &'static str) -> Stability {
         Stability {
@@ -183,7 +176,7 @@ impl Stability {
         );
         let warm = &self.block_ms[1..];
         let (earlier, later) = warm.split_at(warm.len() / 2);
-        let (earlier, later) = (median(earlier), median(later));
+        let (earlier, later) = (common::median(earlier), common::median(later));
         assert!(
             later <= 1.25 * earlier + 50.0,
             "{}: blocks of 1000 replays slowed from a median of {earlier:.0} ms to {later:.0} ms",

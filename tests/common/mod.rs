@@ -97,6 +97,13 @@ pub fn skip_under_sanitizer() -> bool {
     skip
 }
 
+/// The median of `values` (the upper one of an even count); NaN when empty.
+pub fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 /// Mean GPU time of one `run`, in microseconds: `warmup` untimed calls, then `reps` calls back
 /// to back between two timing events on `stream` (the timing hooks' measure).
 pub fn mean_gpu_us(stream: &Arc<CudaStream>, warmup: usize, reps: usize, mut run: impl FnMut()) -> f64 {
