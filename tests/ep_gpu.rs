@@ -479,15 +479,9 @@ fn bad_configurations_are_typed_errors() {
 
 /// One group over every visible GPU (a stream each), or `None` after printing why: no GPU,
 /// fewer than two, or no libnccl.
-/// One group over every visible GPU (a stream each), or `None` after printing why: no GPU,
-/// fewer than two, or no libnccl.
 fn groups_over_every_gpu() -> Option<Vec<EpGroup>> {
     common::gpu_stream()?;
-    let gpus = cudarc::driver::CudaContext::device_count().unwrap_or(1) as usize;
-    if gpus < 2 {
-        println!("skipping: {gpus} GPU visible; the multi-rank case needs 2 or more");
-        return None;
-    }
+    let gpus = common::gpus_at_least(2, "the multi-rank case")?;
     let streams: Vec<Arc<CudaStream>> =
         (0..gpus).map(|g| capturable_moe::device::open(g).unwrap().new_stream().unwrap()).collect();
     if !common::nccl::nccl_present() {

@@ -23,7 +23,7 @@ use capturable_moe::ep::{nccl_group, EpGroup, EpGroupId};
 use capturable_moe::graph::capture;
 use capturable_moe::Error;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr};
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr};
 use half::bf16;
 use rand::{rngs::StdRng, RngCore, SeedableRng};
 
@@ -426,11 +426,7 @@ fn construction_is_refused_while_capturing_gpu() {
 fn single_process_over_every_gpu_gpu() {
     let _serial = serial();
     let stream = nccl_gpu_or_skip!();
-    let gpus = CudaContext::device_count().unwrap() as usize;
-    if gpus < 2 {
-        println!("skipping: single_process over several GPUs needs 2 or more, this machine has {gpus}");
-        return;
-    }
+    let Some(gpus) = common::gpus_at_least(2, "single_process over several GPUs") else { return };
     drop(stream);
     let streams: Vec<Arc<CudaStream>> =
         (0..gpus).map(|i| capturable_moe::device::open(i).unwrap().new_stream().unwrap()).collect();
@@ -461,11 +457,7 @@ fn single_process_over_every_gpu_gpu() {
 fn threads_over_every_gpu_join_through_the_id_file_gpu() {
     let _serial = serial();
     let stream = nccl_gpu_or_skip!();
-    let gpus = CudaContext::device_count().unwrap() as usize;
-    if gpus < 2 {
-        println!("skipping: one thread per GPU needs 2 or more GPUs, this machine has {gpus}");
-        return;
-    }
+    let Some(gpus) = common::gpus_at_least(2, "one thread per GPU") else { return };
     drop(stream);
     let path = std::env::temp_dir().join(format!("capmoe-ep-threads-{}.id", std::process::id()));
     let _ = std::fs::remove_file(&path);

@@ -28,7 +28,7 @@ use capturable_moe::Error;
 use common::expert_io::{layer_config, ExpertIo as Io, Step};
 use common::moe::{
     assert_bits, assert_close, assert_written_bf16, assert_written_f16, assert_written_f32, bf, f64s, poison_bf16,
-    poison_f16, poison_f32, reference, Dims, Reference,
+    poison_f16, poison_f32, reference, reference_f16, Dims, Reference,
 };
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
@@ -92,8 +92,12 @@ fn weights(seed: u64) -> (Vec<bf16>, Vec<bf16>) {
 /// The fp64 reference of step `s`: ids out of range are dropped by the GPU and ignored by
 /// the reference alike.
 fn reference_of(s: &Step, w1: &[bf16], w2: &[bf16]) -> Reference {
-    let ids: Vec<i32> = s.ids.iter().map(|&e| if (0..E as i32).contains(&e) { e } else { -1 }).collect();
-    reference(DIMS, s.t, &ids, &s.probs, &s.x, &s.dy, w1, w2)
+    reference(DIMS, s.t, &ids_in_range(s), &s.probs, &s.x, &s.dy, w1, w2)
+}
+
+/// The step's expert ids with those out of range (dropped by the GPU) as -1 (no route).
+fn ids_in_range(s: &Step) -> Vec<i32> {
+    s.ids.iter().map(|&e| if (0..E as i32).contains(&e) { e } else { -1 }).collect()
 }
 
 #[test]
@@ -127,6 +131,11 @@ fn fused_moe_equals_unfused_bitwise_and_the_fp64_reference() {
                 assert_close(&format!("{what}: dx vs fp64"), &f64s(&dx[..s.t * H]), &r.dx[..s.t * H], 2e-2);
                 let dw1 = stream.clone_dtoh(&fio.dw1).unwrap();
                 assert_close(&format!("{what}: dw1 vs fp64"), &f64s(&dw1), &r.dw1, 2e-2);
+                let dw2 = stream.clone_dtoh(&fio.dw2).unwrap();
+                assert_close(&format!("{what}: dw2 vs fp64"), &f64s(&dw2), &r.dw2, 2e-2);
+                let dprobs: Vec<f64> =
+                    stream.clone_dtoh(&fio.dprobs).unwrap()[..s.t * K].iter().map(|&p| p as f64).collect();
+                assert_close(&format!("{what}: dprobs vs fp64"), &dprobs, &r.dprobs[..s.t * K], 2e-2);
             }
         }
     }
@@ -409,14 +418,15 @@ fn f16_matches_unfused(opts: MoeOptions, y: Match, backward: Match, archs: &[Arc
     let h16 = |n: usize, s: f32, rng: &mut StdRng| -> Vec<f16> {
         (0..n).map(|_| f16::from_f32(rng.random_range(-s..s))).collect()
     };
-    let w1 = stream.clone_htod(&h16(E * 2 * F * H, 1.0 / (H as f32).sqrt(), &mut rng)).unwrap();
-    let w2 = stream.clone_htod(&h16(E * H * F, 1.0 / (F as f32).sqrt(), &mut rng)).unwrap();
+    let w1_h = h16(E * 2 * F * H, 1.0 / (H as f32).sqrt(), &mut rng);
+    let w2_h = h16(E * H * F, 1.0 / (F as f32).sqrt(), &mut rng);
+    let (w1, w2) = (stream.clone_htod(&w1_h).unwrap(), stream.clone_htod(&w2_h).unwrap());
     let to_f64 = |v: &[f16]| v.iter().map(|x| x.to_f64()).collect::<Vec<f64>>();
     let bits = |v: &[f16]| v.iter().map(|b| b.to_bits()).collect::<Vec<u16>>();
     for i in 0..6 {
         let s = step(&mut rng, i);
-        let x = stream.clone_htod(&h16(T_MAX * H, 1.0, &mut rng)).unwrap();
-        let dy = stream.clone_htod(&h16(T_MAX * H, 1.0, &mut rng)).unwrap();
+        let (x_h, dy_h) = (h16(T_MAX * H, 1.0, &mut rng), h16(T_MAX * H, 1.0, &mut rng));
+        let (x, dy) = (stream.clone_htod(&x_h).unwrap(), stream.clone_htod(&dy_h).unwrap());
         let ids = stream.clone_htod(&s.ids).unwrap();
         let probs = stream.clone_htod(&s.probs).unwrap();
         let tokens = Tokens::Host(s.t);
@@ -442,6 +452,19 @@ fn f16_matches_unfused(opts: MoeOptions, y: Match, backward: Match, archs: &[Arc
         }
         let ((fy, fdx, fdp, fdw1, fdw2), (uy, udx, udp, udw1, udw2)) = (&outs[0], &outs[1]);
         let n = s.t * H;
+        // The unfused f16 plan against fp64 with f16 roundings: the comparisons below share
+        // everything but the fused kernels, so a fault of the f16 plan itself shows only here.
+        let r = reference_f16(DIMS, s.t, &ids_in_range(&s), &s.probs, &x_h, &dy_h, &w1_h, &w2_h);
+        let udp64: Vec<f64> = udp[..s.t * K].iter().map(|&v| v as f64).collect();
+        for (name, got, want) in [
+            ("y", to_f64(&uy[..n]), &r.y[..n]),
+            ("dx", to_f64(&udx[..n]), &r.dx[..n]),
+            ("dprobs", udp64, &r.dprobs[..s.t * K]),
+            ("dw1", to_f64(udw1), &r.dw1[..]),
+            ("dw2", to_f64(udw2), &r.dw2[..]),
+        ] {
+            assert_close(&format!("{what}: unfused {name} vs fp64"), &got, want, 2e-2);
+        }
         match y {
             Match::Bits => assert_bits(&format!("{what}: y"), &bits(fy), &bits(uy)),
             Match::Close => {

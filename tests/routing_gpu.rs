@@ -42,9 +42,7 @@ fn bytes_of<T: Pod>(v: &[T]) -> &[u8] {
 fn assert_bitwise<T: Pod + std::fmt::Debug>(what: &str, got: &[T], want: &[T]) {
     assert_eq!(got.len(), want.len(), "{what}: length");
     if bytes_of(got) != bytes_of(want) {
-        let size = std::mem::size_of::<T>();
         let i = (0..got.len()).find(|&i| bytes_of(&got[i..i + 1]) != bytes_of(&want[i..i + 1])).unwrap();
-        let _ = size;
         panic!("{what}: element {i} of {}: got {:?}, expected {:?}", got.len(), got[i], want[i]);
     }
 }
@@ -423,6 +421,32 @@ fn maps_never_built_are_no_ops() {
     let mut rows = upload(&s, &poison);
     plan.permute(&s, &upload(&s, &x), &maps.row_of_route, Tokens::Host(t), &mut rows).unwrap();
     assert_bitwise("permute on unbuilt maps", &download(&s, &rows), &poison);
+
+    // The unpermute backward: no route has a row, so drows stays poisoned and every dprob is the
+    // reference's (an empty dot product: 0), written over its poison.
+    let dy: Vec<bf16> = (0..t * h).map(|i| bf16::from_f32((i % 5) as f32 - 2.0)).collect();
+    let kept: Vec<bf16> = (0..t * k * h).map(|i| bf16::from_f32((i % 3) as f32)).collect();
+    let probs: Vec<f32> = (0..t * k).map(|i| 0.25 + (i % 4) as f32 * 0.125).collect();
+    let dprobs_poison = vec![f32::from_bits(0x7fc0_0001); t * k];
+    let mut drows = upload(&s, &poison);
+    let mut dprobs = upload(&s, &dprobs_poison);
+    let row_of_route = download(&s, &maps.row_of_route);
+    plan.unpermute_backward(
+        &s,
+        &upload(&s, &dy),
+        &upload(&s, &kept),
+        &maps.row_of_route,
+        &upload(&s, &probs),
+        Tokens::Host(t),
+        &mut drows,
+        &mut dprobs,
+    )
+    .unwrap();
+    let (mut drows_want, mut dprobs_want) = (poison.clone(), dprobs_poison);
+    r::unpermute_backward(&dy, &kept, &row_of_route, &probs, t, h, k, t * k, &mut drows_want, &mut dprobs_want);
+    assert_bitwise("unpermute backward's drows on unbuilt maps", &download(&s, &drows), &drows_want);
+    assert_bitwise("unpermute backward's dprobs on unbuilt maps", &download(&s, &dprobs), &dprobs_want);
+    assert!(dprobs_want.iter().all(|&p| p == 0.0), "the reference writes 0 for a route without a row");
 }
 
 #[test]

@@ -156,7 +156,9 @@ mod tests {
         let mut hits = [0usize; 16];
         a.iter().flatten().for_each(|&e| hits[e as usize] += 1);
         let (lo, hi) = (hits.iter().min().unwrap(), hits.iter().max().unwrap());
-        assert!(hi > &(3 * lo), "zipf 1.2 should be skewed: {hits:?}");
+        // Every expert gets routes, and the hottest more than 3x the coldest (a cold expert
+        // with no route would make the ratio hold for any routing).
+        assert!(*lo > 0 && *hi > 3 * lo, "zipf 1.2 should be skewed over every expert: {hits:?}");
     }
 
     #[test]

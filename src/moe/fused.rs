@@ -104,11 +104,16 @@ impl FusedPlans {
         Ok(FusedPlans { fc1, swiglu_dgrad, fc1_wgrad, fc2_wgrad, prob_in_fc1 })
     }
 
-    /// Whether the forward writes the permuted rows: the unfused fc1 reads them, and so does
-    /// the backward's fc1 wgrad unless it gathers from x (a forward-only plan has no backward).
+    /// Whether the forward writes the permuted rows ([`forward_permutes`]).
     pub(super) fn permutes(&self, forward_only: bool) -> bool {
-        self.fc1.is_none() || (!forward_only && self.fc1_wgrad.is_none())
+        forward_permutes(self.fc1.is_some(), self.fc1_wgrad.is_some(), forward_only)
     }
+}
+
+/// Whether the forward writes the permuted rows: the unfused fc1 reads them, and so does the
+/// backward's fc1 wgrad unless it gathers from x (a forward-only plan has no backward).
+pub(super) fn forward_permutes(fused_fc1: bool, gathered_fc1_wgrad: bool, forward_only: bool) -> bool {
+    !fused_fc1 || (!forward_only && !gathered_fc1_wgrad)
 }
 
 /// The probability in fc1's epilogue runs on the fused kernels only: the fused fc1 applies it,

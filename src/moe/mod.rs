@@ -1015,8 +1015,8 @@ mod tests {
     const SLICES: usize = FFN / 128;
 
     fn shape(forward_only: bool, fused_fc1: bool, prob_in_fc1: bool, fused_dgrad: bool) -> PathShape {
-        // What FusedPlans::permutes says for these kernels (no fused fc1 wgrad in this table).
-        let permutes = !fused_fc1 || !forward_only;
+        // No gathered fc1 wgrad in this table.
+        let permutes = fused::forward_permutes(fused_fc1, false, forward_only);
         PathShape { forward_only, fused_fc1, permutes, prob_in_fc1, fused_swiglu_dgrad: fused_dgrad.then_some(SLICES) }
     }
 

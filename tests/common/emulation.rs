@@ -70,6 +70,9 @@ pub fn run_case_file(exe: &Path, name: &str, cases: &[u8], count: usize, check: 
     std::fs::write(&input, cases).unwrap();
     for order in THREAD_ORDERS {
         let output = dir.join(format!("{name}_{order}.bin"));
+        // The scratch folder outlives the run: a driver that stopped writing must not be
+        // checked against an earlier run's file.
+        let _ = std::fs::remove_file(&output);
         let report = run(exe, &[&input, &output], order);
         assert_eq!(report.trim(), format!("{count} cases"), "the driver did not read every case ({order} order)");
         check(&std::fs::read(&output).unwrap(), order);

@@ -88,6 +88,16 @@ impl Buf {
         }
     }
 
+    /// Overwrites the buffer in place (same address) with `host`, converted to its dtype.
+    pub fn write(&mut self, stream: &Arc<CudaStream>, host: &[f32]) {
+        match self {
+            Buf::Bf16(s) => stream.memcpy_htod(&host.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(), s),
+            Buf::F16(s) => stream.memcpy_htod(&host.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(), s),
+            Buf::F32(s) => stream.memcpy_htod(host, s),
+        }
+        .unwrap();
+    }
+
     pub fn ptr(&self, stream: &CudaStream) -> u64 {
         match self {
             Buf::Bf16(s) => s.device_ptr(stream).0,
@@ -279,6 +289,17 @@ impl DeviceCase {
                 self.workspace.len(),
             )
         }
+    }
+
+    /// Puts the case's initial output (`d0`: POISON, or the accumulate mode's start values) back
+    /// into d in place and clears the flag word, so that the next launch must write everything
+    /// the reference expects.
+    pub fn reset_output(&mut self, case: &HostCase, stream: &Arc<CudaStream>) {
+        let per_part = case.d0.len() / self.d.parts.len();
+        for (part, host) in self.d.parts.iter_mut().zip(case.d0.chunks(per_part)) {
+            part.write(stream, host);
+        }
+        stream.memset_zeros(&mut self.flags).unwrap();
     }
 
     pub fn set_splits(&mut self, stream: &Arc<CudaStream>, splits: &[i64]) {

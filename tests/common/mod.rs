@@ -37,6 +37,23 @@ fn skip_unless_gpu_required(reason: &dyn std::fmt::Display) {
     println!("skipping: {reason}");
 }
 
+/// The number of visible GPUs when it is at least `n`; otherwise `None` after printing
+/// `skipping: <what> needs ...`. One GPU is not a broken GPU, so `CAPMOE_REQUIRE_GPU=1` does
+/// not fail it; `CAPMOE_REQUIRE_MULTI_GPU=1` (the multi-GPU run, docs/ep.md) does, so that a
+/// machine with too few GPUs cannot pass the multi-rank tests there.
+pub fn gpus_at_least(n: usize, what: &str) -> Option<usize> {
+    let gpus = cudarc::driver::CudaContext::device_count().map_or(0, |count| count as usize);
+    if gpus >= n {
+        return Some(gpus);
+    }
+    let reason = format!("{what} needs {n} or more GPUs, this machine has {gpus}");
+    if std::env::var("CAPMOE_REQUIRE_MULTI_GPU").as_deref() == Ok("1") {
+        panic!("CAPMOE_REQUIRE_MULTI_GPU=1 but {reason}");
+    }
+    println!("skipping: {reason}");
+    None
+}
+
 /// Takes the GPU stream or returns from the calling test after printing why.
 #[macro_export]
 macro_rules! gpu_or_skip {

@@ -53,9 +53,39 @@ pub fn reference(
     w1: &[bf16],
     w2: &[bf16],
 ) -> Reference {
+    let r = |v: f64| bf16::from_f64(v).to_f64();
+    reference_rounded(d, t, ids, probs, [&f64s(x), &f64s(dy), &f64s(w1), &f64s(w2)], r)
+}
+
+/// [`reference`] for f16 data: inputs widened from f16, intermediates rounded to f16.
+#[allow(clippy::too_many_arguments)]
+pub fn reference_f16(
+    d: Dims,
+    t: usize,
+    ids: &[i32],
+    probs: &[f32],
+    x: &[f16],
+    dy: &[f16],
+    w1: &[f16],
+    w2: &[f16],
+) -> Reference {
+    let wide = |v: &[f16]| v.iter().map(|x| x.to_f64()).collect::<Vec<f64>>();
+    let r = |v: f64| f16::from_f64(v).to_f64();
+    reference_rounded(d, t, ids, probs, [&wide(x), &wide(dy), &wide(w1), &wide(w2)], r)
+}
+
+/// The reference's arithmetic on `[x, dy, w1, w2]` widened to f64; `r` rounds an
+/// intermediate to the 16-bit type the GPU stores it in.
+fn reference_rounded(
+    d: Dims,
+    t: usize,
+    ids: &[i32],
+    probs: &[f32],
+    [x, dy, w1, w2]: [&[f64]; 4],
+    r: impl Fn(f64) -> f64,
+) -> Reference {
     let Dims { e: ne, h: hh, f: ff, k: kk } = d;
     let t_max = x.len() / hh;
-    let (w1, w2, x, dy) = (f64s(w1), f64s(w2), f64s(x), f64s(dy));
     let mut out = Reference {
         y: vec![0.0; t_max * hh],
         dx: vec![0.0; t_max * hh],
@@ -64,7 +94,6 @@ pub fn reference(
         dw2: vec![0.0; ne * hh * ff],
     };
     let sigmoid = |g: f64| 1.0 / (1.0 + (-g).exp());
-    let r = |v: f64| bf16::from_f64(v).to_f64();
     for tok in 0..t {
         for j in 0..kk {
             let e = ids[tok * kk + j];
@@ -92,14 +121,14 @@ pub fn reference(
                     dact[f] += w2e[o * ff + f] * dout[o];
                 }
             }
-            let dact: Vec<f64> = dact.into_iter().map(r).collect();
+            let dact: Vec<f64> = dact.into_iter().map(&r).collect();
             let mut dh = vec![0.0; 2 * ff];
             for f in 0..ff {
                 let (g, u, sg) = (h[f], h[ff + f], sigmoid(h[f]));
                 dh[f] = dact[f] * u * sg * (1.0 + g * (1.0 - sg));
                 dh[ff + f] = dact[f] * g * sg;
             }
-            let dh: Vec<f64> = dh.into_iter().map(r).collect();
+            let dh: Vec<f64> = dh.into_iter().map(&r).collect();
             let mut drow_in = vec![0.0; hh];
             for o in 0..2 * ff {
                 for c in 0..hh {
