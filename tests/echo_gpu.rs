@@ -367,14 +367,20 @@ fn graph_capture_replays_with_new_data() {
             stream.memcpy_htod(&rc.probs, &mut bufs.probs_k).unwrap();
             stream.memcpy_htod(&map, &mut bufs.map).unwrap();
             stream.memcpy_htod(&p, &mut bufs.probs).unwrap();
+            // Every output and the plan state start poisoned, so nothing of the last replay passes.
             stream.memcpy_htod(&vec![POISON_I32; t * cfg.topk], &mut bufs.out_dest).unwrap();
+            stream.memcpy_htod(&vec![POISON_F32; t * cfg.topk], &mut bufs.out_pk).unwrap();
             stream.memcpy_htod(&vec![POISON_U8; t * cfg.num_columns()], &mut bufs.out_map).unwrap();
+            stream.memcpy_htod(&vec![POISON_F32; t * cfg.num_columns()], &mut bufs.out_probs).unwrap();
+            stream.memcpy_htod(&vec![-99i64; plan.state_len()], &mut bufs.state).unwrap();
             graph.launch().unwrap();
             let want = reference::plan(&cfg, &rc.counts).unwrap();
             let name = format!("replay seed {seed} {cfg:?}");
             stages_equal(&name, &plan.read_stages(&stream, &bufs.state).unwrap(), &want);
             let dest = stream.clone_dtoh(&bufs.out_dest).unwrap();
             assert_eq!(dest, reference::reroute_topk(&cfg, &want, &rc.counts, &rc.routes, t).unwrap(), "{name}");
+            let pk = stream.clone_dtoh(&bufs.out_pk).unwrap();
+            assert_eq!(bits(&pk), bits(&rc.probs), "{name}: top-k probs");
             let (wm, wp) = reference::reroute_dense(&cfg, &want, &rc.counts, &b, &p, t).unwrap();
             let om = map_bits(&name, &stream.clone_dtoh(&bufs.out_map).unwrap());
             assert_eq!(om, wm, "{name}: dense map");
@@ -505,8 +511,9 @@ fn device_error_flags() {
     assert!(errs.contains(DeviceErrors::NEGATIVE_COUNT), "{errs:?}");
     let st = plan.read_stages(&stream, &b.state).unwrap();
     assert!(st.slot_expert.iter().all(|&x| x == -1));
-    // A good run afterwards clears the word (each plan launch overwrites it).
-    let mut b = Bufs::new(&stream, &plan, &rc.counts, &rc.routes, &rc.probs, t);
+    // A good run afterwards clears the word (each plan launch overwrites it): on the state of
+    // the errored run above, with good counts loaded into its buffers.
+    stream.memcpy_htod(&rc.counts, &mut b.counts).unwrap();
     b.topk(&stream, &plan, t).unwrap();
     assert!(plan.read_errors(&stream, &b.state).unwrap().is_empty());
 }

@@ -468,11 +468,11 @@ fn fused_fc1_weighted_epilogue_scales_each_row_by_its_route_probability() {
             let choices = [0.125f32, 0.25, 0.5, 1.0, 2.0];
             let probs: Vec<f32> = (0..shape.t_max * shape.k).map(|_| choices[rng.random_range(0..5)]).collect();
             let probs_d = stream.clone_htod(&probs).unwrap();
-            runner.load(&stream, &inputs);
-            runner.poison(&stream);
+            // The unweighted launch, checked against the unfused path and fp64: the weighted
+            // one is then checked against it.
+            check_case(&what, &stream, &mut runner, &inputs, &w1, None);
             stream.memcpy_htod(&poison_bf16(act_w.len()), &mut act_w).unwrap();
             stream.memcpy_htod(&poison_bf16(h_w.len()), &mut h_w).unwrap();
-            runner.fused(&stream).unwrap();
             let m = &runner.maps;
             let tokens = Tokens::Device(&runner.tokens);
             runner.plan.row_probs(&stream, &m.row_of_route, &probs_d, tokens, &mut prob_of_row).unwrap();

@@ -24,7 +24,7 @@ use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions};
 use capturable_moe::routing::{RoutingPlan, Tokens};
 use capturable_moe::Error;
 use common::expert_io::{bits16, bits32, layer_config, ExpertIo as Io, Step};
-use common::moe::{assert_bits, assert_written_bf16, Dims, POISON_BF16};
+use common::moe::{assert_bits, assert_written_bf16, Dims, POISON_BF16, POISON_F32};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
 use half::bf16;
@@ -306,10 +306,15 @@ fn updated_graph_equals_a_freshly_captured_one_gpu() {
         graph.launch().unwrap();
         let updated = outputs(&layer_b, &stream);
         let untouched = outputs(&layer_a, &stream);
-        assert!(untouched.y.iter().all(|&v| v == POISON_BF16), "step {i}: the updated graph still wrote layer A's y");
+        // `load` poisoned every output of layer A; the updated graph must write none of them.
+        for (name, bits) in
+            [("y", &untouched.y), ("dx", &untouched.dx), ("dW1", &untouched.dw1), ("dW2", &untouched.dw2)]
+        {
+            assert!(bits.iter().all(|&v| v == POISON_BF16), "step {i}: the updated graph still wrote layer A's {name}");
+        }
         assert!(
-            untouched.dw1.iter().all(|&v| v == POISON_BF16),
-            "step {i}: the updated graph still wrote layer A's dW1"
+            untouched.dprobs.iter().all(|&v| v == POISON_F32),
+            "step {i}: the updated graph still wrote layer A's dprobs"
         );
         layer_b.poison_outputs(&stream);
         let fresh = capture(&stream, || layer_b.step(&mut moe, &stream)).unwrap();

@@ -561,6 +561,7 @@ fn graph_replays_with_new_routing() {
     let ctx = s.context().clone();
     unsafe { ctx.disable_event_tracking() };
     const DPROBS_SENTINEL: f32 = -12345.0;
+    const POISON: bf16 = bf16::from_bits(0x7fa5);
     let (e, k, h, f, t_max, cap) = (16usize, 4usize, 64usize, 32usize, 256usize, 700usize);
     let plan = RoutingPlan::new(RoutingConfig {
         num_experts: e,
@@ -621,10 +622,12 @@ fn graph_replays_with_new_routing() {
         s.memcpy_htod(&dy, &mut dy_d).unwrap();
         s.memcpy_htod(&[t as i32], &mut t_d).unwrap();
         s.memcpy_htod(&[0i32], &mut maps.flags).unwrap();
-        // Reset the outputs so a stale value from the previous replay cannot pass; dprobs rows
-        // t >= T are not written, so they must still hold the sentinel afterwards.
-        for buf in [&mut rows_d, &mut y_d, &mut drows_d, &mut dx_d] {
-            s.memset_zeros(buf).unwrap();
+        // Poison the outputs so a stale value from the previous replay cannot pass, and every
+        // element a kernel must not write (rows past the total, tokens t >= T) keeps the
+        // poison; dprobs rows t >= T must likewise still hold the sentinel afterwards.
+        for buf in [&mut rows_d, &mut act_d, &mut y_d, &mut drows_d, &mut dx_d] {
+            let len = buf.len();
+            s.memcpy_htod(&vec![POISON; len], buf).unwrap();
         }
         s.memcpy_htod(&vec![DPROBS_SENTINEL; t_max * k], &mut dprobs_d).unwrap();
         graph.launch().unwrap();
@@ -641,26 +644,23 @@ fn graph_replays_with_new_routing() {
         assert_eq!(download(&s, &maps.offsets), want.offsets, "{ctx_msg}: offsets");
         assert_eq!(download(&s, &maps.row_of_route), want.row_of_route, "{ctx_msg}: row_of_route");
         assert_eq!(download(&s, &maps.token_of_row), want.token_of_row, "{ctx_msg}: token_of_row");
-        let zero = bf16::from_f32(0.0);
-        let mut rows = vec![zero; cap * h];
+        let mut rows = vec![POISON; cap * h];
         r::permute(&x, &want.row_of_route, t, h, k, cap, &mut rows);
         assert_bitwise(&format!("{ctx_msg}: rows"), &download(&s, &rows_d), &rows);
         let total = want.offsets[e] as usize;
-        let mut act = download(&s, &act_d);
-        let mut act_want = act.clone();
+        // Rows past the total keep the poison (assert_close compares that tail bit for bit).
+        let mut act_want = vec![POISON; cap * f];
         r::swiglu(&rows, total, f, &mut act_want);
-        act.truncate(total * f);
-        act_want.truncate(total * f);
-        assert_close(&format!("{ctx_msg}: act"), &act, &act_want, total * f);
-        let mut y = vec![zero; t_max * h];
+        assert_close(&format!("{ctx_msg}: act"), &download(&s, &act_d), &act_want, total * f);
+        let mut y = vec![POISON; t_max * h];
         r::gather_sum(&rows, &want.row_of_route, Some(&probs), t, h, k, cap, &mut y);
         assert_bitwise(&format!("{ctx_msg}: y"), &download(&s, &y_d), &y);
-        let mut drows = vec![zero; cap * h];
+        let mut drows = vec![POISON; cap * h];
         let mut dprobs = vec![DPROBS_SENTINEL; t_max * k];
         r::unpermute_backward(&dy, &rows, &want.row_of_route, &probs, t, h, k, cap, &mut drows, &mut dprobs);
         assert_bitwise(&format!("{ctx_msg}: drows"), &download(&s, &drows_d), &drows);
         assert_bitwise(&format!("{ctx_msg}: dprobs"), &download(&s, &dprobs_d), &dprobs);
-        let mut dx = vec![zero; t_max * h];
+        let mut dx = vec![POISON; t_max * h];
         r::gather_sum::<bf16, f32>(&drows, &want.row_of_route, None, t, h, k, cap, &mut dx);
         assert_bitwise(&format!("{ctx_msg}: dx"), &download(&s, &dx_d), &dx);
     }
