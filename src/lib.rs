@@ -9,7 +9,8 @@
 //! - Safe launchers take the launch stream (`&CudaStream`) first and cudarc buffers
 //!   (`CudaSlice` or views) after it; each buffer must belong to the stream's CUDA context,
 //!   compared by driver handle ([`device::ensure_same_context`]), else
-//!   [`Error::WrongContext`] before anything is launched.
+//!   [`Error::WrongContext`] before anything is launched. (`ep::EpMoe`'s stages take no
+//!   stream: they run on their group's stream.)
 //! - Raw-pointer entry points (`*_raw`, `unsafe`) take `&CudaStream` first, then device
 //!   pointers as `CUdeviceptr` (u64, what cudarc's `DevicePtr::device_ptr` returns) in the
 //!   order of the safe form, 0 for an absent optional buffer, sizes and token counts as

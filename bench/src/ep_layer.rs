@@ -317,10 +317,12 @@ fn time_rank(
     first_error.map_or(Ok(us), Err)
 }
 
-/// The drop table: routing arithmetic of the CPU reference planner, no GPU involved.
+/// The drop table (docs/ep.md, every group of it): routing arithmetic of the CPU reference
+/// planner, no GPU involved.
 pub fn drop_rows() -> Vec<Row> {
     let mut rows = Vec::new();
-    for (ep, experts, spare, tokens) in [(8usize, 128usize, 2usize, 4096usize), (64, 256, 2, 1024)] {
+    let groups = [(8usize, 64usize, 2usize, 4096usize), (8, 128, 2, 4096), (16, 256, 2, 2048), (64, 256, 2, 1024)];
+    for (ep, experts, spare, tokens) in groups {
         let cfg = EchoConfig {
             ep,
             num_experts: experts,
@@ -348,7 +350,15 @@ pub fn drop_rows() -> Vec<Row> {
                     ),
                     Err(e) => format!("unavailable: {e}"),
                 };
-                rows.push(row(&shape, routing, &format!("ep_drops_f{factor}"), "simulated", f64::NAN, f64::NAN, note));
+                rows.push(row(
+                    &shape,
+                    routing,
+                    &format!("ep_drops_f{factor:.2}"),
+                    "simulated",
+                    f64::NAN,
+                    f64::NAN,
+                    note,
+                ));
             }
         }
     }

@@ -95,7 +95,8 @@ bool has_variant(const capmoe_grouped_gemm_desc_t& d, capmoe_gemm_config_t confi
 //    cluster lost on every E >= 32 shape by 10-15 %);
 //  - dense-sized experts (>= 1024 rows each) and WGRAD (its reduction is the expert's row
 //    count): 128x256 cooperative with the 2x1 cluster, which is also the fallback wherever
-//    this build has no kernel of the preferred config (the candidate tiles are bf16-only).
+//    this build has no kernel of the preferred config (every fprop / dgrad dtype pair that
+//    has the clustered kernel has the candidate tiles too, bf16 and fp16 alike).
 // SM100: the 2-SM kernel needs 256-row tiles to pay off, so it is used from 256 rows per
 // expert; WGRAD always 1-SM. (No Blackwell GPU has run these.)
 int auto_candidates(const capmoe_grouped_gemm_desc_t& d, capmoe_gemm_config_t out[4]) {

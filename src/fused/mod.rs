@@ -74,7 +74,8 @@ pub enum Gather {
     /// One TMA per row (a `1 x 64` box of x), issued by one producer warp. sm_90a only: the
     /// sm_100a kernel refuses it ([`Error::Unsupported`] at plan time).
     TmaRows,
-    /// 16-byte `cp.async` copies by a producer warpgroup, one row per thread.
+    /// 16-byte `cp.async` copies by a producer warpgroup, 8 lanes per row, so a warp-wide copy
+    /// reads four whole 128-byte rows (`csrc/fused/gather_rows.cuh`).
     CpAsync,
 }
 
