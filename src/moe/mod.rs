@@ -225,10 +225,9 @@ struct Buffers<T> {
     h: DeviceBuffer<T>,                // [cap, 2F] fc1 output (gate | up)
     act: DeviceBuffer<T>,              // [cap, F]  SwiGLU output
     out_rows: DeviceBuffer<T>,         // [cap, H]  fc2 output
-    drows: DeviceBuffer<T>,            // [cap, H]  grad of out_rows (one element with prob_in_fc1)
+    drows: DeviceBuffer<T>,            // [cap, H]  grad of out_rows, then of rows (one element with prob_in_fc1)
     dact: DeviceBuffer<T>,             // [cap, F]  (one element when the fused backward skips it)
     dh: DeviceBuffer<T>,               // [cap, 2F]
-    drows_in: DeviceBuffer<T>,         // [cap, H]  grad of rows (one element with prob_in_fc1: out_rows holds it)
     prob_of_row: DeviceBuffer<f32>,    // [cap]         with prob_in_fc1, else one element
     dprob_partials: DeviceBuffer<f32>, // [cap, F/128]  with prob_in_fc1, else one element
 }
@@ -268,7 +267,6 @@ struct BufferLens {
     drows: usize,
     dact: usize,
     dh: usize,
-    drows_in: usize,
     prob_of_row: usize,
     dprob_partials: usize,
 }
@@ -279,8 +277,9 @@ impl BufferLens {
         let only_if = |needed: bool, len: usize| if needed { len } else { 0 };
         // The fused fc1 of a forward-only plan writes act alone: h is kept only for backward.
         let h_needed = backward || !shape.fused_fc1;
-        // With the probability in fc1 the backward writes no drows, and fc1's dgrad writes into
-        // out_rows, which nothing reads after the forward's combine.
+        // fc1's dgrad writes the gradient of its input rows into a dead [cap, H] buffer: drows
+        // (read last by fc2's dgrad and wgrad, which run before it) or, with the probability in
+        // fc1, where the backward writes no drows, out_rows (read last by the forward's combine).
         let row_grads = backward && !shape.prob_in_fc1;
         let dprob_partials = match shape.fused_swiglu_dgrad {
             Some(slices) if shape.prob_in_fc1 && backward => cap * slices,
@@ -295,7 +294,6 @@ impl BufferLens {
             // The fused fc2 dgrad + SwiGLU backward never writes dact.
             dact: only_if(backward && shape.fused_swiglu_dgrad.is_none(), cap * ffn),
             dh: only_if(backward, cap * 2 * ffn),
-            drows_in: only_if(row_grads, cap * hidden),
             prob_of_row: only_if(shape.prob_in_fc1, cap),
             dprob_partials,
         }
@@ -475,7 +473,6 @@ impl<T: MoeElement> MoeExperts<T> {
             drows: zeros(lens.drows)?,
             dact: zeros(lens.dact)?,
             dh: zeros(lens.dh)?,
-            drows_in: zeros(lens.drows_in)?,
             prob_of_row: scratch.alloc::<f32>(lens.prob_of_row)?,
             dprob_partials: scratch.alloc::<f32>(lens.dprob_partials)?,
         };
@@ -939,9 +936,10 @@ impl<T: MoeElement> Path<T> {
         }
         let (r, g, b, ws) = (&self.routing, &self.gemms, &mut self.buffers, &mut self.workspace);
         let splits = &maps.m_splits_i32;
-        // With the probability in fc1, out_rows (dead after the forward's combine) holds the
-        // gradient of fc1's input rows.
-        let drows_in = if self.fused.prob_in_fc1 { &mut b.out_rows } else { &mut b.drows_in };
+        // The gradient of fc1's input rows goes into a buffer dead by now (BufferLens::of says
+        // which). Not out_rows on the unfused path: the combine's backward reads it for dprobs,
+        // so a second backward after one forward would see it overwritten.
+        let drows_in = if self.fused.prob_in_fc1 { &mut b.out_rows } else { &mut b.drows };
         g.fc1_dgrad.run(stream, &b.dh, fc1_weight, drows_in, splits, Some(&mut *flags), ws)?;
         match &self.fused.fc1_wgrad {
             Some(f) => fused::wgrad(f, stream, &b.dh, x, maps, dw1)?,
@@ -1036,7 +1034,6 @@ mod tests {
             drows: rows,
             dact: f,
             dh: h2,
-            drows_in: rows,
             prob_of_row: 0,
             dprob_partials: 0,
         };
@@ -1048,8 +1045,8 @@ mod tests {
         for fused_fc1 in [false, true] {
             for prob_in_fc1 in [false, true] {
                 let got = lens(shape(true, fused_fc1, prob_in_fc1, false));
-                let backward = [got.drows, got.dact, got.dh, got.drows_in, got.dprob_partials];
-                assert_eq!(backward, [0; 5], "fused fc1 {fused_fc1}, prob in fc1 {prob_in_fc1}: {got:?}");
+                let backward = [got.drows, got.dact, got.dh, got.dprob_partials];
+                assert_eq!(backward, [0; 4], "fused fc1 {fused_fc1}, prob in fc1 {prob_in_fc1}: {got:?}");
                 assert_eq!(got.act, CAP * FFN);
                 assert_eq!(got.out_rows, CAP * HIDDEN);
                 // The fused fc1 writes act alone and gathers x itself: no h, no permuted x.
@@ -1063,7 +1060,7 @@ mod tests {
     #[test]
     fn probability_in_fc1_trades_row_gradients_for_partials_host() {
         let got = lens(shape(false, true, true, true));
-        assert_eq!((got.drows, got.drows_in, got.dact), (0, 0, 0), "{got:?}");
+        assert_eq!((got.drows, got.dact), (0, 0), "{got:?}");
         assert_eq!(got.dh, CAP * 2 * FFN);
         assert_eq!(got.h, CAP * 2 * FFN, "backward reads h");
         assert_eq!(got.prob_of_row, CAP);
@@ -1074,7 +1071,7 @@ mod tests {
     fn fused_dgrad_without_probability_in_fc1_drops_only_dact_host() {
         let got = lens(shape(false, true, false, true));
         assert_eq!(got.dact, 0);
-        assert_eq!((got.drows, got.drows_in), (CAP * HIDDEN, CAP * HIDDEN));
+        assert_eq!(got.drows, CAP * HIDDEN);
         assert_eq!(got.dprob_partials, 0);
     }
 }
