@@ -609,7 +609,7 @@ fn check_dh_pair<T: Act>(
     // The kernel scales the rounded dact by p in fp32 (exact for p = 1).
     let ds = (p * dact as f32) as f64;
     let slope = 1.0 + g * (1.0 - s);
-    let fp32_error = 1e-5 * ds.abs() * (u.abs() * (1.0 + g.abs()) + g.abs());
+    let fp32_error = common::moe::swiglu_backward_fp32_error(ds, g, u);
     let ds_error = p as f64 * dact_error;
     for (col, want, sensitivity) in [(c, ds * u * s * slope, (u * s * slope).abs()), (f + c, ds * g * s, (g * s).abs())]
     {

@@ -268,15 +268,17 @@ fn swiglu_fp32_error<T: Scalar>(want: &[T]) -> impl Fn(usize) -> f64 + '_ {
     move |i| 1e-5 * want[i].to_f32().abs() as f64
 }
 
-/// The fp32 error bound of SwiGLU's backward at element `i` of dh `[rows, 2F]`: `1 + g (1 - s)`
-/// cancels near g = -1.28, so the bound is absolute, from the terms' magnitudes (as the fused
-/// dgrad's test derives it).
+/// The fp32 error bound of SwiGLU's backward at element `i` of dh `[rows, 2F]`
+/// ([`common::moe::swiglu_backward_fp32_error`] of that element's dact, g and u).
 fn swiglu_backward_fp32_error<'a, T: Scalar>(h: &'a [T], dact: &'a [T], f: usize) -> impl Fn(usize) -> f64 + 'a {
     move |i| {
         let (r, c) = (i / (2 * f), i % f);
-        let g = h[r * 2 * f + c].to_f32().abs() as f64;
-        let u = h[r * 2 * f + f + c].to_f32().abs() as f64;
-        1e-5 * dact[r * f + c].to_f32().abs() as f64 * (u * (1.0 + g) + g)
+        let value = |v: T| v.to_f32() as f64;
+        common::moe::swiglu_backward_fp32_error(
+            value(dact[r * f + c]),
+            value(h[r * 2 * f + c]),
+            value(h[r * 2 * f + f + c]),
+        )
     }
 }
 

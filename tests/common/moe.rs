@@ -161,6 +161,14 @@ pub fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
     assert!(rel <= tol, "{what}: normwise relative error {rel:.3e} > {tol:.0e}");
 }
 
+/// A bound on how far two fp32 evaluations of SwiGLU's backward (`csrc/common/swiglu_math.cuh`
+/// against an f32/f64 reference) may drift apart at one element, from the terms' magnitudes:
+/// absolute, since `1 + g (1 - s)` cancels near g = -1.28; the exp implementations differ by a
+/// few fp32 ulps, far below the 1e-5 used here.
+pub fn swiglu_backward_fp32_error(dact: f64, g: f64, u: f64) -> f64 {
+    1e-5 * dact.abs() * (u.abs() * (1.0 + g.abs()) + g.abs())
+}
+
 /// One ulp at `v` of a 16-bit float with `mantissa` significand bits below the leading one
 /// (7: bf16, 10: f16); the subnormal spacing for tiny values.
 pub fn ulp16(v: f64, mantissa: i32) -> f64 {
