@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::baseline::{cublas_version, read_splits, CublasGroupedBatched, CublasLoop, DenseGemm, Operands};
+use capturable_moe::dtype::DType;
 use capturable_moe::graph::capture;
 use capturable_moe::grouped_gemm::{GemmConfig, GemmOp, GroupedGemm, GroupedGemmSpec, WeightLayout};
 use cudarc::driver::sys::CUdevice_attribute;
@@ -270,9 +271,11 @@ pub fn bench_case(
     }
 
     // The HBM floor: every expert weight read once, at the bandwidth of a device-to-device copy.
+    let mut copy_bytes_per_us = f64::NAN;
     match memcpy_floor(stream, args, shape) {
         Ok((floor_us, copy_us, host)) => {
-            let weight_bytes = (shape.experts * shape.n * shape.k * 2) as f64;
+            copy_bytes_per_us = weight_bytes_of(shape) / floor_us;
+            let weight_bytes = weight_bytes_of(shape);
             rows.push(Row {
                 shape: shape_name.clone(),
                 routing: routing_kind.into(),
@@ -294,6 +297,94 @@ pub fn bench_case(
         }
         Err(e) => push("memcpy-floor", f64::NAN, None, Some(format!("unavailable: {e}"))),
     }
+
+    // Megatron's main-grad mode: the same wgrad accumulated into an fp32 dW.
+    if wgrad && !args.sweep {
+        let row = match time_wgrad_f32_accumulate(stream, args, &spec, &a, &b, &m_splits, &reference) {
+            Ok((us, err)) if err <= 1e-2 => {
+                let acc_spec = f32_accumulate(&spec);
+                let bytes = traffic_bytes(&acc_spec, &splits, Traffic::Capmoe);
+                let floor_us = bytes / copy_bytes_per_us;
+                Row {
+                    us,
+                    tflops: flops / us * 1e-6,
+                    gbps: bytes / us * 1e-3,
+                    note: Some(format!(
+                        "dW_e += dY_e^T X_e into fp32 (read and written): {:.0} MB at copy bandwidth = \
+                         {floor_us:.1} us, {:.2}x that; relerr vs auto {err:.1e}",
+                        bytes * 1e-6,
+                        us / floor_us
+                    )),
+                    ..capmoe_row(&shape_name, routing_kind, op)
+                }
+            }
+            Ok((_, err)) => Row {
+                note: Some(format!("output disagrees with auto (relerr {err:.2e} > 1e-2), time not reported")),
+                ..capmoe_row(&shape_name, routing_kind, op)
+            },
+            Err(e) => Row { note: Some(format!("unavailable: {e}")), ..capmoe_row(&shape_name, routing_kind, op) },
+        };
+        rows.push(row);
+    }
+}
+
+/// All expert weights of `shape` in bf16 (what the memcpy-floor row copies).
+fn weight_bytes_of(shape: &Shape) -> f64 {
+    (shape.experts * shape.n * shape.k * 2) as f64
+}
+
+/// `spec` in the fp32 main-grad mode: fp32 dW, accumulated.
+fn f32_accumulate(spec: &GroupedGemmSpec) -> GroupedGemmSpec {
+    GroupedGemmSpec { out_dtype: DType::F32, accumulate: true, ..spec.clone() }
+}
+
+/// The `capmoe-graph-f32acc` row of one case, not yet measured.
+fn capmoe_row(shape: &str, routing: &str, op: GemmOp) -> Row {
+    Row {
+        shape: shape.into(),
+        routing: routing.into(),
+        op: op_name(op).into(),
+        imp: "capmoe-graph-f32acc".into(),
+        us: f64::NAN,
+        tflops: f64::NAN,
+        gbps: f64::NAN,
+        host_us: None,
+        note: None,
+    }
+}
+
+/// Graph-replay time of the wgrad accumulating into an fp32 dW (Auto's config), over the rotated
+/// operand sets, and the normwise error of one accumulation of set 0 into a zeroed dW against
+/// `reference` (the plain wgrad's bf16 output of set 0).
+#[allow(clippy::too_many_arguments)]
+fn time_wgrad_f32_accumulate(
+    stream: &Arc<CudaStream>,
+    args: &Args,
+    spec: &GroupedGemmSpec,
+    a: &[CudaSlice<bf16>],
+    b: &[CudaSlice<bf16>],
+    m_splits: &CudaSlice<i32>,
+    reference: &Sample,
+) -> Result<(f64, f64), String> {
+    let spec = f32_accumulate(spec);
+    let plan = GroupedGemm::new(spec.clone(), stream).map_err(|e| e.to_string())?;
+    let mut workspace = stream.alloc_zeros::<u8>(plan.workspace_bytes().max(1)).map_err(|e| e.to_string())?;
+    let mut dw = stream.alloc_zeros::<f32>(spec.operand_lens().2).map_err(|e| e.to_string())?;
+    let sets = a.len().max(b.len());
+    let graphs = (0..sets)
+        .map(|i| {
+            capture(stream, || {
+                plan.run(stream, &a[i % a.len()], &b[i % b.len()], &mut dw, m_splits, None, &mut workspace)
+            })
+        })
+        .collect::<capturable_moe::Result<Vec<CudaGraph>>>()
+        .map_err(|e| e.to_string())?;
+    graphs.iter().for_each(|g| g.upload().unwrap());
+    let (us, _host) = time(stream, args.reps, |i| graphs[i % sets].launch().unwrap());
+    drop(graphs);
+    stream.memset_zeros(&mut dw).map_err(|e| e.to_string())?;
+    plan.run(stream, &a[0], &b[0], &mut dw, m_splits, None, &mut workspace).map_err(|e| e.to_string())?;
+    Ok((us, reference.relerr_of_f32(stream, &dw).map_err(|e| e.to_string())?))
 }
 
 /// The time the op needs at least: max(the bytes it must move at copy bandwidth, dense cuBLAS

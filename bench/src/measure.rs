@@ -4,7 +4,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use cudarc::driver::{CudaSlice, CudaStream, DriverError};
+use cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, DriverError};
 use half::bf16;
 
 pub use crate::data::random_bf16;
@@ -122,14 +122,21 @@ impl Sample {
     pub fn relerr_of(&self, stream: &Arc<CudaStream>, got: &CudaSlice<bf16>) -> Result<f64, DriverError> {
         Ok(relerr(&copy_ranges(stream, got, &self.ranges)?, &self.values))
     }
+
+    /// [`relerr_of`](Self::relerr_of) for an fp32 output (the wgrad's fp32 main-grad mode),
+    /// rounded to bf16 first as the reference was.
+    pub fn relerr_of_f32(&self, stream: &Arc<CudaStream>, got: &CudaSlice<f32>) -> Result<f64, DriverError> {
+        let got: Vec<bf16> = copy_ranges(stream, got, &self.ranges)?.into_iter().map(bf16::from_f32).collect();
+        Ok(relerr(&got, &self.values))
+    }
 }
 
-fn copy_ranges(
+fn copy_ranges<T: DeviceRepr + Default + Clone>(
     stream: &Arc<CudaStream>,
-    buf: &CudaSlice<bf16>,
+    buf: &CudaSlice<T>,
     ranges: &[Range<usize>],
-) -> Result<Vec<bf16>, DriverError> {
-    let mut host = vec![bf16::ZERO; ranges.iter().map(|r| r.len()).sum()];
+) -> Result<Vec<T>, DriverError> {
+    let mut host = vec![T::default(); ranges.iter().map(|r| r.len()).sum()];
     let mut at = 0;
     for r in ranges {
         stream.memcpy_dtoh(&buf.slice(r.clone()), &mut host[at..at + r.len()])?;
