@@ -162,7 +162,9 @@ fn nvcc_flags(csrc: &Path, cutlass: &[PathBuf]) -> Vec<String> {
 /// fused kernels recompiles those few TUs, not the CUTLASS GEMMs; any other macro goes to every
 /// TU. They are part of the flags, so the object cache keeps such builds apart from plain ones.
 fn debug_defines(source: &Path) -> Vec<String> {
-    let fused_unit = source.components().any(|c| c.as_os_str() == "fused");
+    // The fused TUs are the files directly in csrc/fused (not any path with a `fused` folder
+    // above the checkout).
+    let fused_unit = source.parent().and_then(Path::file_name).is_some_and(|dir| dir == "fused");
     env::var("CAPMOE_NVCC_DEFINES")
         .unwrap_or_default()
         .split_whitespace()
