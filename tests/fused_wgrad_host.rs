@@ -139,7 +139,7 @@ mod abi {
         );
         assert_eq!(unsafe { sys::capmoe_wgrad_gather_supported(null()) }, INVALID);
         let f32 = sys::CAPMOE_DTYPE_F32 as i32;
-        let cases: [(&str, EditDesc, i32); 17] = [
+        let cases: [(&str, EditDesc, i32); 18] = [
             ("E = 0", |d| d.num_experts = 0, INVALID),
             ("M = 0", |d| d.m = 0, INVALID),
             ("N past i32", |d| d.n = 1 << 31, INVALID),
@@ -159,6 +159,13 @@ mod abi {
             ("too many tiles", |d| (d.num_experts, d.m, d.n) = (1 << 24, 1 << 16, 8), UNSUPPORTED),
             // i32::MAX tiles fit an int, but the persistent loop's last step (tile + grid) does not.
             ("loop index past i32", |d| (d.num_experts, d.m, d.n) = (i32::MAX as i64, 8, 8), UNSUPPORTED),
+            // E * M tiles * N tiles = (2^31 - 1) * 2^24 * 2^23: past i64 (it wrapped negative and
+            // passed the tile check before the count was taken in 128 bits).
+            (
+                "tile count past i64",
+                |d| (d.num_experts, d.m, d.n) = (i32::MAX as i64, (1 << 31) - 8, (1 << 31) - 8),
+                UNSUPPORTED,
+            ),
         ];
         for (what, edit, want) in cases {
             let mut d = desc();

@@ -61,7 +61,7 @@ constexpr int64_t kMaxSteppedExtent = INT32_MAX - 128;
 // Whether the kernels' persistent loop (`tile = blockIdx.x; tile < tiles; tile += gridDim.x`)
 // keeps in int every index it computes, the last being up to tiles - 1 + grid.
 inline bool persistent_loop_fits_int(int64_t tiles, int32_t sm_count) {
-  return tiles - 1 + persistent_grid(tiles, sm_count) <= INT32_MAX;
+  return tiles <= INT32_MAX && tiles - 1 + persistent_grid(tiles, sm_count) <= INT32_MAX;
 }
 
 // cuTensorMapEncodeTiled through the runtime's driver entry point (the crate does not link

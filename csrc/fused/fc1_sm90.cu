@@ -102,7 +102,24 @@ struct Kernel {
     int32_t row_start[CAPMOE_FUSED_MAX_EXPERTS + 1];    // first row of expert e (clamped)
   };
   static constexpr size_t kSmemBytes = sizeof(Shared) + 1024;  // + room to align the base
+  static_assert(kSmemBytes <= 227 * 1024, "sm_90a allows 227 KB of dynamic shared memory per CTA");
+
+  // The layouts the producers write into, checked at compile time (before the swizzle, which is
+  // a function of the address, as TMA's is): A and B rows are consecutive 128-byte rows, so the
+  // up rows' box lands kTileN rows after the gate rows' (tma_loads.cuh, load_w1_tile), and
+  // stages are whole blocks. The cp.async chunk offsets are checked on the host
+  // (tests/layout/fc1_smem_layout.cu).
+  using PlainA = decltype(get_nonswizzle_portion(SmemLayoutA{}));
+  using PlainB = decltype(get_nonswizzle_portion(SmemLayoutB{}));
+  static_assert(kRowBytes == 128, "one K block is one 128-byte swizzle row");
+  static_assert(PlainA{}(_1{}, _0{}, _0{}) == kTileK && PlainA{}(_0{}, _0{}, _1{}) == kStageElemsA);
+  static_assert(PlainB{}(_1{}, _0{}, _0{}) == kTileK && PlainB{}(Int<kTileN>{}, _0{}, _0{}) == kTileN * kTileK);
+  static_assert(PlainB{}(_0{}, _0{}, _1{}) == kStageElemsB);
+  static_assert(cosize_v<SmemLayoutA> == kStages * kStageElemsA, "A stages are dense, one after another");
+  static_assert(cosize_v<SmemLayoutB> == kStages * kStageElemsB, "B stages are dense, one after another");
 };
+
+static_assert(GatherRows<kTileM>::kThreads == kProducerThreads, "the gather's thread -> (row, chunk) map covers the tile");
 
 __device__ __forceinline__ Tile locate_tile(int tile, int slices, const int32_t* tile_prefix, const int32_t* row_start,
                                             int experts) {
@@ -116,7 +133,8 @@ __device__ __forceinline__ void load_weights(const Fc1Params& p, typename Kernel
   load_w1_tile<kTileN, kTileK>(p, &s.full[stage], s.b + stage * Kernel<T>::kStageElemsB, t, k0);
 }
 
-// Token of tile row r, or -1 when the row is past the expert's count or the token is invalid.
+// Token of tile row r; negative when the row is past the expert's count or the token is not in
+// [0, T_max) (callers test >= 0).
 __device__ __forceinline__ int row_token(const Fc1Params& p, const Tile& t, int r) {
   const int token = r < t.rows ? __ldg(p.token_of_row + t.row0 + r) : -1;
   return token < p.max_tokens ? token : -1;

@@ -19,9 +19,12 @@ int64_t tiles_of(int64_t extent, int64_t tile) { return (extent + tile - 1) / ti
 
 bool is_rows(capmoe_wgrad_rows_t r) { return r == CAPMOE_WGRAD_ROWS_PLAIN || r == CAPMOE_WGRAD_ROWS_GATHERED; }
 
-// Every output tile of every expert; the kernel indexes them with int32.
+// Every output tile of every expert; the kernel indexes them with int32. The product is taken
+// in 128 bits and saturated: E (up to INT32_MAX) times both tile counts can pass int64.
 int64_t total_tiles(const capmoe_wgrad_gather_desc_t& d) {
-  return d.num_experts * tiles_of(d.m, CAPMOE_WGRAD_GATHER_TILE_M) * tiles_of(d.n, CAPMOE_WGRAD_GATHER_TILE_N);
+  const unsigned __int128 tiles = (unsigned __int128)d.num_experts * tiles_of(d.m, CAPMOE_WGRAD_GATHER_TILE_M) *
+                                  tiles_of(d.n, CAPMOE_WGRAD_GATHER_TILE_N);
+  return tiles > INT64_MAX ? INT64_MAX : int64_t(tiles);
 }
 
 capmoe_status_t check_desc(const capmoe_wgrad_gather_desc_t* d) {

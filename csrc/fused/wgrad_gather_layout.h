@@ -1,6 +1,6 @@
 // Where the gathered wgrad's producer puts a 16-byte chunk of an MN-major operand in shared
 // memory (csrc/fused/wgrad_gather_sm90.cu). Host and device, so the host test
-// tests/layout/wgrad_smem_layout.cpp can check it against cute's own addressing of the layout
+// tests/layout/wgrad_smem_layout.cu can check it against cute's own addressing of the layout
 // the wgmma descriptors are built from.
 #pragma once
 

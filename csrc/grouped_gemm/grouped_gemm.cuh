@@ -145,7 +145,8 @@ struct Runner {
     args = cutlass_arguments(launch, arr);
     // Host-side checks and preparation (problem sizes live on the device), all before anything
     // is launched: a failure here must not leave the argument kernel alone on the stream (or in
-    // a graph being captured) without its GEMM.
+    // a graph being captured) without its GEMM. (Only a refused launch of the GEMM itself, next,
+    // still can: no launch can be taken back.)
     if (Gemm::can_implement(args) != cutlass::Status::kSuccess) return CAPMOE_ERR_CUTLASS;
     typename Gemm::GemmKernel::Params kernel_params;
     CAPMOE_TRY(prepare_dependent_launch<Gemm>(args, arr.cutlass_workspace, launch.stream, &kernel_params));
@@ -165,9 +166,13 @@ struct Runner {
                                   launch.overflow_flags};
     CAPMOE_TRY(launch_write_arguments(params, launch.stream));
 
-    // The kernel, right behind the argument kernel it depends on (each arch's own way).
-    CAPMOE_TRY(Traits::launch(kernel_params, launch.stream));
-    CAPMOE_TRY(launch_status());
+    // The kernel, right behind the argument kernel it depends on (each arch's own way). The
+    // launch's CUDA error is read (and so cleared) whatever the outcome: SM100's cluster
+    // launcher reports only a CUTLASS status, and a refused launch must not stay pending for
+    // the caller's next cudaGetLastError.
+    const capmoe_status_t launched = Traits::launch(kernel_params, launch.stream);
+    const capmoe_status_t pending = launch_status();
+    CAPMOE_TRY(pending != CAPMOE_OK ? pending : launched);
 
     if (desc.op == CAPMOE_GEMM_WGRAD && !desc.accumulate) {
       CAPMOE_TRY(launch_zero_empty_experts<typename Arrays::ElementD>(

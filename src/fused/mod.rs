@@ -63,7 +63,8 @@ pub const SWIGLU_DGRAD_TILE_N: usize = sys::CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N as 
 /// Largest `E` the fused kernels take.
 pub const MAX_EXPERTS: usize = sys::CAPMOE_FUSED_MAX_EXPERTS as usize;
 
-/// How the fused fc1 gathers a tile's x rows into shared memory (both give the same bits).
+/// How the fused fc1 gathers a tile's x rows into shared memory (both give the same bits for
+/// every row whose token is in `[0, T_max)`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Gather {
     /// `CpAsync` until the H100 has timed both (`TmaRows` puts 128-byte boxes at 128-byte

@@ -47,7 +47,8 @@ extern "C" {
 
 enum { CAPMOE_FUSED_FC1_TILE_N = 128, CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N = 128, CAPMOE_FUSED_MAX_EXPERTS = 1024 };
 
-/* How the kernel gathers the x rows of a tile into shared memory. Both give the same bits.
+/* How the kernel gathers the x rows of a tile into shared memory. Both give the same bits for
+ * every row whose token is in [0, T_max) (other rows' outputs are unspecified).
  *  TMA_ROWS: one TMA per row (a 1 x 64 box of x), issued by one producer warp;
  *  CP_ASYNC: 16-byte cp.async copies by a producer warpgroup, 8 lanes per row (each warp-wide
  *            copy reads four whole rows), swizzled by hand;

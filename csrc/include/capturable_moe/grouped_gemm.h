@@ -36,7 +36,9 @@
  * the argument kernel and, right behind it, the GEMM as its programmatic dependent launch (the
  * GEMM's blocks wait for it before reading anything; the kernels before and after the pair are
  * ordered as usual). CAPMOE_GEMM_PDL=0 in the environment (read once) makes the GEMM an
- * ordinary launch, for diagnosis. */
+ * ordinary launch, for diagnosis. A failure the host can see is returned before anything is
+ * enqueued, except a refused launch of the GEMM itself (CAPMOE_ERR_CUDA / CAPMOE_ERR_CUTLASS):
+ * the argument kernel is then already enqueued and may still set bits in *overflow_flags. */
 #ifndef CAPTURABLE_MOE_GROUPED_GEMM_H
 #define CAPTURABLE_MOE_GROUPED_GEMM_H
 
