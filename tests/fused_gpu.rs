@@ -444,6 +444,60 @@ fn fused_fc1_graph_replays_match_eager() {
     }
 }
 
+/// The f16 kernels (every other test here is bf16), under every gather form of [`gathers`]:
+/// act and h bit for bit equal to the unfused f16 chain (permute -> grouped GEMM -> SwiGLU) on
+/// the same routing maps, with T below T_max (x's rows past T hold NaN) and the empty experts of
+/// `MessyEvenExperts`; rows past the total keep the poison.
+#[test]
+fn fused_fc1_f16_matches_unfused() {
+    use half::f16;
+    let stream = gpu_or_skip!();
+    let shape = Shape { e: 8, h: 192, f: 256, k: 2, t_max: 160, capacity: None };
+    let t = 150;
+    let mut rng = StdRng::seed_from_u64(41);
+    let mut h16 = |n: usize, scale: f32| -> Vec<f16> {
+        (0..n).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0) * scale)).collect()
+    };
+    let w1 = stream.clone_htod(&h16(shape.e * 2 * shape.f * shape.h, 1.0 / (shape.h as f32).sqrt())).unwrap();
+    let mut x_host = h16(shape.t_max * shape.h, 1.0);
+    x_host[t * shape.h..].fill(f16::NAN);
+    let x = stream.clone_htod(&x_host).unwrap();
+    let ids = stream.clone_htod(&Routes::MessyEvenExperts.ids(&mut rng, shape)).unwrap();
+
+    let plan = RoutingPlan::new(shape.routing(DType::F16)).unwrap();
+    let cap = plan.capacity();
+    let mut maps = plan.alloc_maps(&stream).unwrap();
+    plan.build(&stream, &ids, Tokens::Host(t), &mut maps).unwrap();
+    let total = stream.clone_dtoh(&maps.offsets).unwrap()[shape.e] as usize;
+    assert!(total > 0, "the case routes rows");
+
+    let spec = GroupedGemmSpec::new(GemmOp::Fprop, shape.e, 2 * shape.f, shape.h, cap).with_dtype(DType::F16);
+    let fc1 = GroupedGemm::new(spec, &stream).unwrap();
+    let mut workspace = stream.alloc_zeros::<u8>(fc1.workspace_bytes().max(1)).unwrap();
+    let mut rows = stream.alloc_zeros::<f16>(cap * shape.h).unwrap();
+    let mut h_want = stream.alloc_zeros::<f16>(cap * 2 * shape.f).unwrap();
+    let mut act_want = stream.alloc_zeros::<f16>(cap * shape.f).unwrap();
+    plan.permute(&stream, &x, &maps.row_of_route, Tokens::Host(t), &mut rows).unwrap();
+    fc1.run(&stream, &rows, &w1, &mut h_want, &maps.m_splits_i32, None, &mut workspace).unwrap();
+    plan.swiglu(&stream, &h_want, &maps.offsets, &mut act_want).unwrap();
+    let (h_want, act_want) = (stream.clone_dtoh(&h_want).unwrap(), stream.clone_dtoh(&act_want).unwrap());
+
+    let poison = |n: usize| vec![f16::from_bits(0x7e01); n];
+    let bits = |v: &[f16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
+    for gather in gathers(&stream) {
+        let fused = FusedFc1::with_gather(&plan, &stream, gather).unwrap();
+        let mut h = stream.clone_htod(&poison(cap * 2 * shape.f)).unwrap();
+        let mut act = stream.clone_htod(&poison(cap * shape.f)).unwrap();
+        fused.run(&stream, &x, &w1, &maps.offsets, &maps.token_of_row, &mut act, Some(&mut h)).unwrap();
+        let (h, act) = (stream.clone_dtoh(&h).unwrap(), stream.clone_dtoh(&act).unwrap());
+        let (nh, na) = (total * 2 * shape.f, total * shape.f);
+        assert_eq!(bits(&h[..nh]), bits(&h_want[..nh]), "{gather:?}: f16 h vs unfused");
+        assert_eq!(bits(&act[..na]), bits(&act_want[..na]), "{gather:?}: f16 act vs unfused");
+        assert!(bits(&h[nh..]).iter().all(|&b| b == 0x7e01), "{gather:?}: h rows past the total written");
+        assert!(bits(&act[na..]).iter().all(|&b| b == 0x7e01), "{gather:?}: act rows past the total written");
+    }
+}
+
 /// The weighted epilogue (`FusedFc1::run_weighted`, the route probability applied in fc1):
 /// with power-of-two probabilities, `act_w[r] = p[r] · act[r]` exactly (scaling by 2^n commutes
 /// with rounding), so every element of act_w is checked bit for bit against the unweighted
