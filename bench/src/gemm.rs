@@ -274,8 +274,8 @@ pub fn bench_case(
     let mut copy_bytes_per_us = f64::NAN;
     match memcpy_floor(stream, args, shape) {
         Ok((floor_us, copy_us, host)) => {
-            copy_bytes_per_us = weight_bytes_of(shape) / floor_us;
             let weight_bytes = weight_bytes_of(shape);
+            copy_bytes_per_us = weight_bytes / floor_us;
             rows.push(Row {
                 shape: shape_name.clone(),
                 routing: routing_kind.into(),
@@ -293,13 +293,14 @@ pub fn bench_case(
                     floor_us / 0.9
                 )),
             });
-            rows.push(roofline_row(&spec, &splits, weight_bytes / floor_us, dense_us, rows.last().unwrap()));
+            rows.push(roofline_row(&spec, &splits, copy_bytes_per_us, dense_us, rows.last().unwrap()));
         }
         Err(e) => push("memcpy-floor", f64::NAN, None, Some(format!("unavailable: {e}"))),
     }
 
     // Megatron's main-grad mode: the same wgrad accumulated into an fp32 dW.
     if wgrad && !args.sweep {
+        let base = f32acc_row(&shape_name, routing_kind, op);
         let row = match time_wgrad_f32_accumulate(stream, args, &spec, &a, &b, &m_splits, &reference) {
             Ok((us, err)) if err <= 1e-2 => {
                 let acc_spec = f32_accumulate(&spec);
@@ -315,14 +316,14 @@ pub fn bench_case(
                         bytes * 1e-6,
                         us / floor_us
                     )),
-                    ..capmoe_row(&shape_name, routing_kind, op)
+                    ..base
                 }
             }
             Ok((_, err)) => Row {
                 note: Some(format!("output disagrees with auto (relerr {err:.2e} > 1e-2), time not reported")),
-                ..capmoe_row(&shape_name, routing_kind, op)
+                ..base
             },
-            Err(e) => Row { note: Some(format!("unavailable: {e}")), ..capmoe_row(&shape_name, routing_kind, op) },
+            Err(e) => Row { note: Some(format!("unavailable: {e}")), ..base },
         };
         rows.push(row);
     }
@@ -339,7 +340,7 @@ fn f32_accumulate(spec: &GroupedGemmSpec) -> GroupedGemmSpec {
 }
 
 /// The `capmoe-graph-f32acc` row of one case, not yet measured.
-fn capmoe_row(shape: &str, routing: &str, op: GemmOp) -> Row {
+fn f32acc_row(shape: &str, routing: &str, op: GemmOp) -> Row {
     Row {
         shape: shape.into(),
         routing: routing.into(),
