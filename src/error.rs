@@ -92,7 +92,11 @@ pub(crate) fn check(status: sys::capmoe_status_t, op: &'static str) -> Result<()
                 .into(),
         }),
         sys::CAPMOE_ERR_UNSUPPORTED => Err(Error::Unsupported { op, why: "no kernel was built for it".into() }),
-        sys::CAPMOE_ERR_WORKSPACE_TOO_SMALL => Err(Error::WorkspaceTooSmall { op, need: 0, got: 0 }),
+        // The sizes are not known here: the Rust plans check them before the call, with both.
+        sys::CAPMOE_ERR_WORKSPACE_TOO_SMALL => Err(Error::InvalidArgument {
+            op,
+            why: "the workspace is smaller than the plan's workspace size (capmoe_*_workspace_size)".into(),
+        }),
         other => Err(Error::InvalidArgument { op, why: format!("unknown status {other}") }),
     }
 }

@@ -8,8 +8,10 @@ use capturable_moe::grouped_gemm::{
     GemmConfig, GemmOp, GroupedGemm, GroupedGemmSpec, WeightLayout, OVERFLOW_CAPACITY, OVERFLOW_MISALIGNED_POINTER,
     OVERFLOW_NEGATIVE, OVERFLOW_NULL_POINTER,
 };
+use capturable_moe::Error;
 use common::gemm::{skewed_splits, Data, DeviceCase, HostCase, POISON};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::DevicePtr;
 
 const OPS: [GemmOp; 3] = [GemmOp::Fprop, GemmOp::Dgrad, GemmOp::Wgrad];
 
@@ -297,7 +299,14 @@ fn safe_run_checks_operands() {
     let splits64 = stream.clone_htod(&[64i64, 64]).unwrap();
     assert!(plan.run(&stream, &a, &w, &mut d, &splits64, None, &mut ws).is_err());
     let mut small_ws = stream.alloc_zeros::<u8>(16).unwrap();
-    assert!(plan.run(&stream, &a, &w, &mut d, &splits, None, &mut small_ws).is_err());
+    let need = plan.workspace_bytes();
+    let r = plan.run(&stream, &a, &w, &mut d, &splits, None, &mut small_ws);
+    assert!(matches!(r, Err(Error::WorkspaceTooSmall { need: n, got: 16, .. }) if n == need), "{r:?}");
+    // The raw form checks the size too, with both figures (the C ABI's status has none).
+    let (a_ptr, w_ptr, d_ptr) = (a.device_ptr(&stream).0, w.device_ptr(&stream).0, d.device_ptr(&stream).0);
+    let (s_ptr, ws_ptr) = (splits.device_ptr(&stream).0, ws.device_ptr(&stream).0);
+    let r = unsafe { plan.run_raw(&stream, a_ptr, w_ptr, d_ptr, s_ptr, 0, ws_ptr, need - 1) };
+    assert!(matches!(r, Err(Error::WorkspaceTooSmall { need: n, got, .. }) if n == need && got == need - 1), "{r:?}");
 }
 
 /// Captures one launch in a graph (global capture mode), then replays it with new m_splits

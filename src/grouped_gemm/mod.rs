@@ -441,9 +441,7 @@ impl GroupedGemm {
     {
         const OP: &str = "grouped_gemm";
         self.check_operands::<TA, TB, TD, TS>(a.len(), b.len(), d.len(), m_splits.len())?;
-        if workspace.len() < self.workspace_bytes() {
-            return Err(Error::WorkspaceTooSmall { op: OP, need: self.workspace_bytes(), got: workspace.len() });
-        }
+        self.check_workspace(workspace.len())?;
         ensure_same_context(OP, "a", stream, a)?;
         ensure_same_context(OP, "b", stream, b)?;
         ensure_same_context(OP, "d", stream, d)?;
@@ -494,6 +492,7 @@ impl GroupedGemm {
         workspace: CUdeviceptr,
         workspace_bytes: usize,
     ) -> Result<()> {
+        self.check_workspace(workspace_bytes)?;
         stream.context().bind_to_thread()?;
         check(
             sys::capmoe_grouped_gemm_run(
@@ -509,6 +508,13 @@ impl GroupedGemm {
             ),
             "grouped_gemm run",
         )
+    }
+
+    fn check_workspace(&self, bytes: usize) -> Result<()> {
+        if bytes < self.workspace_bytes() {
+            return Err(Error::WorkspaceTooSmall { op: "grouped_gemm", need: self.workspace_bytes(), got: bytes });
+        }
+        Ok(())
     }
 
     fn check_operands<TA: GemmOperand, TB: GemmOperand, TD: GemmOperand, TS: SplitElement>(
