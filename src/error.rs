@@ -91,7 +91,11 @@ pub(crate) fn check(status: sys::capmoe_status_t, op: &'static str) -> Result<()
                   or a leading dimension is not a multiple of 8 elements"
                 .into(),
         }),
-        sys::CAPMOE_ERR_UNSUPPORTED => Err(Error::Unsupported { op, why: "no kernel was built for it".into() }),
+        sys::CAPMOE_ERR_UNSUPPORTED => Err(Error::Unsupported {
+            op,
+            why: "this binary has none for the device's arch, or the call is outside the limits its C header states"
+                .into(),
+        }),
         // The sizes are not known here: the Rust plans check them before the call, with both.
         sys::CAPMOE_ERR_WORKSPACE_TOO_SMALL => Err(Error::InvalidArgument {
             op,
