@@ -81,9 +81,12 @@ pub(crate) fn check(status: sys::capmoe_status_t, op: &'static str) -> Result<()
         }
         sys::CAPMOE_ERR_CUTLASS => Err(Error::Cutlass { op }),
         sys::CAPMOE_ERR_INTERNAL => Err(Error::Internal { op }),
-        sys::CAPMOE_ERR_INVALID_ARGUMENT => {
-            Err(Error::InvalidArgument { op, why: "rejected by the C ABI's own checks".into() })
-        }
+        sys::CAPMOE_ERR_INVALID_ARGUMENT => Err(Error::InvalidArgument {
+            op,
+            why: "rejected by the C ABI's checks (for the fused kernels, possibly by the driver's TMA \
+                      descriptor encoding)"
+                .into(),
+        }),
         sys::CAPMOE_ERR_MISALIGNED => Err(Error::InvalidArgument {
             op,
             why: "a pointer is not aligned as the C ABI requires (16 bytes for activations, GEMM \
