@@ -36,7 +36,9 @@ fn hex(bytes: &[u8]) -> String {
 
 impl EpGroupId {
     /// A fresh id from NCCL (`ncclGetUniqueId`: it opens rank 0's bootstrap socket).
-    /// [`Error::Nccl`] when libnccl is missing.
+    /// [`Error::Nccl`] when libnccl is missing. NCCL's bootstrap thread for the id runs until a
+    /// group is formed with it, or else until the process exits: make an id only for a group
+    /// that will be formed.
     pub fn new() -> Result<EpGroupId> {
         nccl_version()?;
         let id = result::get_uniqueid().map_err(|e| nccl_error("EpGroupId::new", e, None))?;
