@@ -47,6 +47,14 @@ fn every_bad_field_is_a_typed_error_naming_it_host() {
         ("topk", with(|c| c.topk = MAX_TOPK + 1)),
         ("max_tokens", with(|c| c.max_tokens = big / 4)),
         ("capacity", with(|c| c.capacity = big / 4)),
+        // (2^30 + 1) * (2^34 - 8) elements wrap usize: the activation bytes must fit in int64.
+        (
+            "hidden",
+            with(|c| {
+                (c.ranks, c.rank, c.num_experts, c.spare_per_rank, c.topk) = (1, 0, 1, 0, 1);
+                (c.hidden, c.max_tokens, c.capacity) = ((1 << 34) - 8, (1 << 30) + 1, 1);
+            }),
+        ),
     ];
     for (field, cfg) in cases {
         let err = cfg.validate().expect_err(field);

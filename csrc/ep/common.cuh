@@ -31,6 +31,9 @@ inline capmoe_status_t check_desc(const capmoe_ep_desc_t* d) {
   if (d->topk < 1 || d->topk > CAPMOE_EP_MAX_TOPK) return CAPMOE_ERR_INVALID_ARGUMENT;
   if (d->max_tokens < 0 || d->max_tokens > INT32_MAX / d->topk) return CAPMOE_ERR_INVALID_ARGUMENT;
   if (d->capacity < 0 || d->capacity > INT32_MAX / d->ranks) return CAPMOE_ERR_INVALID_ARGUMENT;
+  // Activation buffers ([T_max, H], [R * capacity, H]) of 16-bit elements: their bytes in int64.
+  const int64_t rows = d->max_tokens > d->ranks * d->capacity ? d->max_tokens : d->ranks * d->capacity;
+  if (rows > 0 && d->hidden > INT64_MAX / 2 / rows) return CAPMOE_ERR_INVALID_ARGUMENT;
   if (d->dtype != CAPMOE_DTYPE_BF16 && d->dtype != CAPMOE_DTYPE_F16) return CAPMOE_ERR_UNSUPPORTED;
   return CAPMOE_OK;
 }

@@ -573,9 +573,20 @@ pub fn fill_spare_weights<T: DeviceRepr>(
 ) -> Result<()> {
     const OP: &str = "echo fill spare weights";
     ensure_weight_slots(OP, num_slots)?;
-    ensure_len(OP, "slot_expert", slot_expert.len(), slot_begin + num_slots, "")?;
-    ensure_len(OP, "home [E, per_expert]", home.len(), num_experts * per_expert, "")?;
-    ensure_len(OP, "spare [num_slots, per_expert]", spare.len(), num_slots * per_expert, "")?;
+    let slots_end = slot_begin
+        .checked_add(num_slots)
+        .filter(|&end| end <= i64::MAX as usize)
+        .ok_or_else(|| invalid_sizes(OP, format!("slot_begin + num_slots = {slot_begin} + {num_slots}")))?;
+    let size = std::mem::size_of::<T>();
+    ensure_len(OP, "slot_expert", slot_expert.len(), slots_end, "")?;
+    ensure_len(OP, "home [E, per_expert]", home.len(), weight_elements(OP, num_experts, per_expert, size)?, "")?;
+    ensure_len(
+        OP,
+        "spare [num_slots, per_expert]",
+        spare.len(),
+        weight_elements(OP, num_slots, per_expert, size)?,
+        "",
+    )?;
     ensure_len(OP, "error_flags", error_flags.len(), 1, "")?;
     ensure_same_context(OP, "slot_expert", stream, slot_expert)?;
     ensure_same_context(OP, "home", stream, home)?;
@@ -594,12 +605,27 @@ pub fn fill_spare_weights<T: DeviceRepr>(
             num_slots as i64,
             h as *const c_void,
             sp as *mut c_void,
-            (per_expert * std::mem::size_of::<T>()) as i64,
+            (per_expert * size) as i64,
             ef as *mut i64,
             raw_stream(stream),
         )
     };
     check(status, OP)
+}
+
+/// `count * per_expert` elements of `elem_bytes` each, or [`Error::InvalidArgument`] where the
+/// bytes pass `i64::MAX` (the C ABI's byte counts): a wrapped product would let a short buffer
+/// pass the length checks, or make the copy silently empty.
+fn weight_elements(op: &'static str, count: usize, per_expert: usize, elem_bytes: usize) -> Result<usize> {
+    count
+        .checked_mul(per_expert)
+        .filter(|n| n.checked_mul(elem_bytes).is_some_and(|b| b <= i64::MAX as usize))
+        .filter(|_| per_expert.checked_mul(elem_bytes).is_some_and(|b| b <= i64::MAX as usize))
+        .ok_or_else(|| invalid_sizes(op, format!("{count} x {per_expert} elements of {elem_bytes} bytes")))
+}
+
+fn invalid_sizes(op: &'static str, what: String) -> Error {
+    Error::InvalidArgument { op, why: format!("{what}: too large for the C ABI's 64-bit sizes") }
 }
 
 /// Backward fold of spare-slot weight gradients: `dw_home[e] += dw_slot[j]` for every slot
@@ -620,8 +646,14 @@ pub fn fold_spare_grads(
     const OP: &str = "echo fold spare grads";
     ensure_weight_slots(OP, num_slots)?;
     ensure_len(OP, "slot_expert", slot_expert.len(), num_slots, "")?;
-    ensure_len(OP, "dw_slot [num_slots, per_expert]", dw_slot.len(), num_slots * per_expert, "")?;
-    ensure_len(OP, "dw_home [E, per_expert]", dw_home.len(), num_experts * per_expert, "")?;
+    ensure_len(
+        OP,
+        "dw_slot [num_slots, per_expert]",
+        dw_slot.len(),
+        weight_elements(OP, num_slots, per_expert, 4)?,
+        "",
+    )?;
+    ensure_len(OP, "dw_home [E, per_expert]", dw_home.len(), weight_elements(OP, num_experts, per_expert, 4)?, "")?;
     ensure_len(OP, "error_flags", error_flags.len(), 1, "")?;
     ensure_same_context(OP, "slot_expert", stream, slot_expert)?;
     ensure_same_context(OP, "dw_slot", stream, dw_slot)?;
@@ -649,4 +681,22 @@ pub fn fold_spare_grads(
 
 fn raw_stream(stream: &CudaStream) -> *mut c_void {
     stream.cu_stream() as *mut c_void
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weight_sizes_that_wrap_are_errors() {
+        assert_eq!(weight_elements("op", 4, 1 << 20, 2).unwrap(), 4 << 20);
+        assert_eq!(weight_elements("op", 0, 1 << 20, 4).unwrap(), 0);
+        // 4 x 2^62 wraps to 0 elements, and 2^62 f32 to 0 bytes: both must be refused.
+        let wrapped = weight_elements("op", 4, 1 << 62, 4);
+        assert!(matches!(&wrapped, Err(Error::InvalidArgument { why, .. }) if why.contains("64-bit")), "{wrapped:?}");
+        // Elements that fit usize, bytes that pass i64::MAX.
+        assert!(weight_elements("op", 1, 1 << 62, 2).is_err());
+        // No slot copies, but the byte count handed to C must still be exact.
+        assert!(weight_elements("op", 0, 1 << 62, 4).is_err());
+    }
 }

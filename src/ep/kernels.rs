@@ -133,6 +133,19 @@ impl EpConfig {
                 format!("ranks * capacity = {} * {} block rows must fit in int32", c.ranks, c.capacity),
             ));
         }
+        // The activation buffers' sizes (tokens_len, rows_len) in bytes must fit in int64, the
+        // kernels' row-element offsets: a wrapped size would let a short buffer pass the checks.
+        let rows = c.max_tokens.max(c.ranks * c.capacity) as u128;
+        if rows * c.hidden as u128 * 2 > i64::MAX as u128 {
+            return Err(invalid(
+                OP,
+                format!(
+                    "max(max_tokens, ranks * capacity) * hidden = {rows} * {} bf16/f16 elements: the bytes must fit \
+                     in int64",
+                    c.hidden
+                ),
+            ));
+        }
         if !matches!(c.dtype, DType::Bf16 | DType::F16) {
             return Err(Error::Unsupported {
                 op: OP,
