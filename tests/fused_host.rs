@@ -34,6 +34,21 @@ fn fused_fc1_takes_ffn_multiples_of_its_tile() {
     }
 }
 
+/// One expert's W1 must stay below TMA's 2^40-byte stride limit (review-api-errors 5: with
+/// E = 1024, H = 2^30, F = 2^29 the launch's w1 length E * 2F * H wrapped usize to 0).
+#[test]
+fn fused_kernels_refuse_weights_past_the_tma_limit() {
+    let huge = RoutingConfig { num_experts: 1024, hidden: 1 << 30, ..config(1 << 29) };
+    let r = FusedFc1::check_shapes(&huge);
+    assert!(matches!(&r, Err(Error::Unsupported { why, .. }) if why.contains("2^40")), "{r:?}");
+    let r = FusedSwigluDgrad::check_shapes(&huge);
+    assert!(matches!(&r, Err(Error::Unsupported { why, .. }) if why.contains("2^40")), "{r:?}");
+    // 2F x H x 2 bytes just below 2^40 passes; exactly 2^40 does not.
+    FusedFc1::check_shapes(&RoutingConfig { hidden: 1 << 20, ..config((1 << 18) - 128) }).unwrap();
+    let r = FusedFc1::check_shapes(&RoutingConfig { hidden: 1 << 20, ..config(1 << 18) });
+    assert!(matches!(r, Err(Error::Unsupported { .. })), "{r:?}");
+}
+
 #[test]
 fn fused_fc1_refuses_fp32_activations() {
     let c = RoutingConfig { dtype: DType::F32, ..config(768) };

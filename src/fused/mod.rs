@@ -127,6 +127,19 @@ fn check_shapes(op: &'static str, c: &RoutingConfig, tile_n: usize) -> Result<()
     if !matches!(c.dtype, DType::Bf16 | DType::F16) {
         return Err(Error::Unsupported { op, why: format!("activation dtype {:?}; need Bf16 or F16", c.dtype) });
     }
+    // The weights are read through TMA, whose global strides must stay below 2^40 bytes: one
+    // expert's W1 ([2F, H], 16-bit) is the largest. (It also keeps E * 2F * H, with E <= 1024,
+    // far from wrapping the buffer-length checks.)
+    if 2 * c.ffn as u128 * c.hidden as u128 * 2 >= 1 << 40 {
+        return Err(Error::Unsupported {
+            op,
+            why: format!(
+                "one expert's weights, 2F x H = {} x {}, reach the TMA limit of 2^40 bytes",
+                2 * c.ffn,
+                c.hidden
+            ),
+        });
+    }
     Ok(())
 }
 
