@@ -90,7 +90,8 @@ pub(crate) fn check(status: sys::capmoe_status_t, op: &'static str) -> Result<()
         sys::CAPMOE_ERR_MISALIGNED => Err(Error::InvalidArgument {
             op,
             why: "a pointer is not aligned as the C ABI requires (16 bytes for activations, GEMM \
-                  operands and the Echo plan state, natural alignment for index and prob arrays) \
+                  operands and the Echo plan state, 256 for the grouped GEMM workspace, natural alignment \
+                  for index and prob arrays) \
                   or a leading dimension is not a multiple of 8 elements"
                 .into(),
         }),

@@ -307,6 +307,12 @@ fn safe_run_checks_operands() {
     let (s_ptr, ws_ptr) = (splits.device_ptr(&stream).0, ws.device_ptr(&stream).0);
     let r = unsafe { plan.run_raw(&stream, a_ptr, w_ptr, d_ptr, s_ptr, 0, ws_ptr, need - 1) };
     assert!(matches!(r, Err(Error::WorkspaceTooSmall { need: n, got, .. }) if n == need && got == need - 1), "{r:?}");
+    // Misaligned operands and workspace are named before the C call (which would only say
+    // "misaligned").
+    let r = unsafe { plan.run_raw(&stream, a_ptr + 8, w_ptr, d_ptr, s_ptr, 0, ws_ptr, need) };
+    assert!(matches!(&r, Err(Error::InvalidArgument { why, .. }) if why.starts_with("a at")), "{r:?}");
+    let r = unsafe { plan.run_raw(&stream, a_ptr, w_ptr, d_ptr, s_ptr, 0, ws_ptr + 16, need) };
+    assert!(matches!(&r, Err(Error::InvalidArgument { why, .. }) if why.contains("256-byte")), "{r:?}");
 }
 
 /// Captures one launch in a graph (global capture mode), then replays it with new m_splits

@@ -493,6 +493,14 @@ impl GroupedGemm {
         workspace_bytes: usize,
     ) -> Result<()> {
         self.check_workspace(workspace_bytes)?;
+        for (what, ptr, align) in [("a", a, 16), ("b", b, 16), ("d", d, 16), ("workspace", workspace, 256)] {
+            if !ptr.is_multiple_of(align) {
+                return Err(Error::InvalidArgument {
+                    op: "grouped_gemm",
+                    why: format!("{what} at {ptr:#x} is not {align}-byte aligned"),
+                });
+            }
+        }
         stream.context().bind_to_thread()?;
         check(
             sys::capmoe_grouped_gemm_run(
