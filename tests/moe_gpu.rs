@@ -606,6 +606,10 @@ fn mismatched_weight_forms_are_typed_errors() {
     is_shape(tensor_moe.forward(&stream, &io.x, &io.ids, &probs16, tok, &io.w1, &io.w2, &mut io.y), "probs");
     let mut short_y: CudaSlice<bf16> = stream.alloc_zeros(T_MAX * H - 1).unwrap();
     is_shape(tensor_moe.forward(&stream, &io.x, &io.ids, &io.probs, tok, &io.w1, &io.w2, &mut short_y), "y");
+    // A view 4 elements (8 bytes) in: long enough, misaligned; named before the first launch.
+    let mut long_y: CudaSlice<bf16> = stream.alloc_zeros(T_MAX * H + 4).unwrap();
+    let r = tensor_moe.forward(&stream, &io.x, &io.ids, &io.probs, tok, &io.w1, &io.w2, &mut long_y.slice_mut(4..));
+    assert!(matches!(&r, Err(Error::InvalidArgument { why, .. }) if why.starts_with("y at")), "misaligned y: {r:?}");
 
     let acc = MoeConfig { wgrad_accumulate: true, ..config() };
     let mut acc_moe = MoeExperts::<bf16>::new(acc.clone(), &stream).unwrap();

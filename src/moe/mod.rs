@@ -373,13 +373,31 @@ fn ensure_forward_contexts<T, W>(
     tokens: Tokens<'_>,
     fc1_weight: &impl DevicePtr<W>,
     fc2_weight: &impl DevicePtr<W>,
-    y: &impl DevicePtrMut<T>,
+    y: &mut impl DevicePtrMut<T>,
 ) -> Result<()> {
     ensure_same_context(op, "x", stream, x)?;
     ensure_tokens_context(op, stream, tokens)?;
     ensure_same_context(op, "fc1_weight", stream, fc1_weight)?;
     ensure_same_context(op, "fc2_weight", stream, fc2_weight)?;
-    ensure_same_context(op, "y", stream, y)
+    ensure_same_context(op, "y", stream, y)?;
+    let y_ptr = y.device_ptr_mut(stream).0;
+    ensure_aligned16(op, [("x", x.device_ptr(stream).0), ("y", y_ptr)])?;
+    ensure_aligned16(
+        op,
+        [("fc1_weight", fc1_weight.device_ptr(stream).0), ("fc2_weight", fc2_weight.device_ptr(stream).0)],
+    )
+}
+
+/// Every activation and weight buffer (or pointer array) the GEMMs and the row kernels read or
+/// write must be 16-byte aligned: checked before the first launch, so that a misaligned view
+/// fails with its own name instead of halfway through the path.
+fn ensure_aligned16<const N: usize>(op: &'static str, ptrs: [(&'static str, u64); N]) -> Result<()> {
+    for (what, ptr) in ptrs {
+        if !ptr.is_multiple_of(16) {
+            return Err(Error::InvalidArgument { op, why: format!("{what} at {ptr:#x} is not 16-byte aligned") });
+        }
+    }
+    Ok(())
 }
 
 /// The context of every caller buffer of a backward call, before its first launch.
@@ -391,10 +409,10 @@ fn ensure_backward_contexts<T, P, W, G>(
     tokens: Tokens<'_>,
     fc1_weight: &impl DevicePtr<W>,
     fc2_weight: &impl DevicePtr<W>,
-    dx: &impl DevicePtrMut<T>,
+    dx: &mut impl DevicePtrMut<T>,
     dprobs: &impl DevicePtrMut<P>,
-    dw1: &impl DevicePtrMut<G>,
-    dw2: &impl DevicePtrMut<G>,
+    dw1: &mut impl DevicePtrMut<G>,
+    dw2: &mut impl DevicePtrMut<G>,
 ) -> Result<()> {
     ensure_same_context(op, "dy", stream, dy)?;
     ensure_tokens_context(op, stream, tokens)?;
@@ -403,7 +421,14 @@ fn ensure_backward_contexts<T, P, W, G>(
     ensure_same_context(op, "dx", stream, dx)?;
     ensure_same_context(op, "dprobs", stream, dprobs)?;
     ensure_same_context(op, "dw1", stream, dw1)?;
-    ensure_same_context(op, "dw2", stream, dw2)
+    ensure_same_context(op, "dw2", stream, dw2)?;
+    let (dx_ptr, dw1_ptr, dw2_ptr) =
+        (dx.device_ptr_mut(stream).0, dw1.device_ptr_mut(stream).0, dw2.device_ptr_mut(stream).0);
+    ensure_aligned16(op, [("dy", dy.device_ptr(stream).0), ("dx", dx_ptr), ("dw1", dw1_ptr), ("dw2", dw2_ptr)])?;
+    ensure_aligned16(
+        op,
+        [("fc1_weight", fc1_weight.device_ptr(stream).0), ("fc2_weight", fc2_weight.device_ptr(stream).0)],
+    )
 }
 
 fn form_name(dtype: Option<DType>) -> String {
