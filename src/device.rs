@@ -174,3 +174,20 @@ pub(crate) fn ensure_buffer<T>(
     ensure_same_context(op, what, stream, buffer)?;
     crate::error::ensure_len(op, what, buffer.len(), need, "")
 }
+
+/// [`Error::InvalidArgument`] naming the first of `ptrs` that is not 16-byte aligned (0, an
+/// absent buffer, passes): what TMA and the 16-byte vector accesses need, checked before a
+/// launch so that a misaligned view fails with its own name.
+pub(crate) fn ensure_aligned16<const N: usize>(op: &'static str, ptrs: [(&str, u64); N]) -> Result<()> {
+    ensure_aligned(op, 16, ptrs)
+}
+
+/// [`ensure_aligned16`] for another alignment.
+pub(crate) fn ensure_aligned<const N: usize>(op: &'static str, align: u64, ptrs: [(&str, u64); N]) -> Result<()> {
+    for (what, ptr) in ptrs {
+        if !ptr.is_multiple_of(align) {
+            return Err(Error::InvalidArgument { op, why: format!("{what} at {ptr:#x} is not {align}-byte aligned") });
+        }
+    }
+    Ok(())
+}

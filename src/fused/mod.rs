@@ -46,7 +46,7 @@ use std::ffi::c_void;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
-use crate::device::{ensure_buffer, Arch, DeviceInfo};
+use crate::device::{ensure_aligned16, ensure_buffer, Arch, DeviceInfo};
 use crate::dtype::DType;
 use crate::error::check;
 use crate::routing::{Element, RoutingConfig, RoutingPlan};
@@ -139,16 +139,6 @@ fn check_shapes(op: &'static str, c: &RoutingConfig, tile_n: usize) -> Result<()
                 c.hidden
             ),
         });
-    }
-    Ok(())
-}
-
-/// The TMA and vector accesses need 16-byte aligned buffers (0 = absent passes).
-fn ensure_aligned16<const N: usize>(op: &'static str, ptrs: [(&str, CUdeviceptr); N]) -> Result<()> {
-    for (what, p) in ptrs {
-        if !p.is_multiple_of(16) {
-            return Err(Error::InvalidArgument { op, why: format!("{what} at {p:#x} is not 16-byte aligned") });
-        }
     }
     Ok(())
 }

@@ -33,8 +33,8 @@ use std::ffi::c_void;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
-use super::{ensure_aligned16, ensure_dtype, kernel_device, WGRAD_BUILDS};
-use crate::device::ensure_buffer;
+use super::{ensure_dtype, kernel_device, WGRAD_BUILDS};
+use crate::device::{ensure_aligned16, ensure_buffer};
 use crate::dtype::DType;
 use crate::error::check;
 use crate::routing::{Element, RoutingPlan};

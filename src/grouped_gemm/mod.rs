@@ -24,7 +24,7 @@ use std::ffi::c_void;
 
 use cudarc::driver::{sys::CUdeviceptr, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 
-use crate::device::{ensure_same_context, Arch, DeviceInfo};
+use crate::device::{ensure_aligned, ensure_aligned16, ensure_same_context, Arch, DeviceInfo};
 use crate::dtype::DType;
 use crate::error::{check, ensure_len};
 use crate::{sys, Error, Result};
@@ -493,14 +493,8 @@ impl GroupedGemm {
         workspace_bytes: usize,
     ) -> Result<()> {
         self.check_workspace(workspace_bytes)?;
-        for (what, ptr, align) in [("a", a, 16), ("b", b, 16), ("d", d, 16), ("workspace", workspace, 256)] {
-            if !ptr.is_multiple_of(align) {
-                return Err(Error::InvalidArgument {
-                    op: "grouped_gemm",
-                    why: format!("{what} at {ptr:#x} is not {align}-byte aligned"),
-                });
-            }
-        }
+        ensure_aligned16("grouped_gemm", [("a", a), ("b", b), ("d", d)])?;
+        ensure_aligned("grouped_gemm", 256, [("workspace", workspace)])?;
         stream.context().bind_to_thread()?;
         check(
             sys::capmoe_grouped_gemm_run(

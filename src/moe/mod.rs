@@ -61,7 +61,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, ValidAsZero
 pub use fused::FusedKernel;
 pub use slots::{echo_slot_pointers, echo_slot_table};
 
-use crate::device::{ensure_bound_stream, ensure_same_context};
+use crate::device::{ensure_aligned16, ensure_bound_stream, ensure_same_context};
 use crate::dtype::DType;
 use crate::error::ensure_len;
 use crate::graph::{ensure_not_capturing, DeviceBuffer, PoolRange, Scratch};
@@ -386,18 +386,6 @@ fn ensure_forward_contexts<T, W>(
         op,
         [("fc1_weight", fc1_weight.device_ptr(stream).0), ("fc2_weight", fc2_weight.device_ptr(stream).0)],
     )
-}
-
-/// Every activation and weight buffer (or pointer array) the GEMMs and the row kernels read or
-/// write must be 16-byte aligned: checked before the first launch, so that a misaligned view
-/// fails with its own name instead of halfway through the path.
-fn ensure_aligned16<const N: usize>(op: &'static str, ptrs: [(&'static str, u64); N]) -> Result<()> {
-    for (what, ptr) in ptrs {
-        if !ptr.is_multiple_of(16) {
-            return Err(Error::InvalidArgument { op, why: format!("{what} at {ptr:#x} is not 16-byte aligned") });
-        }
-    }
-    Ok(())
 }
 
 /// The context of every caller buffer of a backward call, before its first launch.
