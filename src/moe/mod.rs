@@ -365,8 +365,9 @@ fn ensure_tokens_context(op: &'static str, stream: &CudaStream, tokens: Tokens<'
     }
 }
 
-/// The contexts every forward form shares (its routing inputs are checked by the caller).
-fn ensure_forward_contexts<T, W>(
+/// The contexts and 16-byte alignment of the buffers every forward form shares (its routing
+/// inputs are checked by the caller), before its first launch.
+fn ensure_forward_buffers<T, W>(
     op: &'static str,
     stream: &CudaStream,
     x: &impl DevicePtr<T>,
@@ -388,9 +389,10 @@ fn ensure_forward_contexts<T, W>(
     )
 }
 
-/// The context of every caller buffer of a backward call, before its first launch.
+/// The context of every caller buffer of a backward call, and the 16-byte alignment of its
+/// activation, weight and gradient buffers, before its first launch.
 #[allow(clippy::too_many_arguments)]
-fn ensure_backward_contexts<T, P, W, G>(
+fn ensure_backward_buffers<T, P, W, G>(
     op: &'static str,
     stream: &CudaStream,
     dy: &impl DevicePtr<T>,
@@ -574,7 +576,7 @@ impl<T: MoeElement> MoeExperts<T> {
         // leave nothing half-done).
         ensure_same_context(OP, "expert_ids", stream, expert_ids)?;
         ensure_same_context(OP, "probs", stream, probs)?;
-        ensure_forward_contexts(OP, stream, x, tokens, fc1_weight, fc2_weight, y)?;
+        ensure_forward_buffers(OP, stream, x, tokens, fc1_weight, fc2_weight, y)?;
         self.path.forward(
             stream,
             &mut self.maps,
@@ -628,7 +630,7 @@ impl<T: MoeElement> MoeExperts<T> {
         )?;
         ensure_same_context(OP, "probs", stream, probs)?;
         ensure_same_context(OP, "x", stream, x)?;
-        ensure_backward_contexts(OP, stream, dy, tokens, fc1_weight, fc2_weight, dx, dprobs, dw1, dw2)?;
+        ensure_backward_buffers(OP, stream, dy, tokens, fc1_weight, fc2_weight, dx, dprobs, dw1, dw2)?;
         self.path.backward(
             stream,
             &self.maps,
@@ -673,7 +675,7 @@ impl<T: MoeElement> MoeExperts<T> {
         self.check_forward::<P, W>(OP, x.len(), routes, fc1_weight.len(), fc2_weight.len(), y.len())?;
         ensure_same_context(OP, "routing_map", stream, routing_map)?;
         ensure_same_context(OP, "map_probs", stream, map_probs)?;
-        ensure_forward_contexts(OP, stream, x, tokens, fc1_weight, fc2_weight, y)?;
+        ensure_forward_buffers(OP, stream, x, tokens, fc1_weight, fc2_weight, y)?;
         let mr = &mut self.map_routes;
         {
             // SAFETY: every prob dtype (bf16, f16, f32) is at most 4 bytes and valid as any
@@ -739,7 +741,7 @@ impl<T: MoeElement> MoeExperts<T> {
             dw2.len(),
         )?;
         ensure_same_context(OP, "x", stream, x)?;
-        ensure_backward_contexts(OP, stream, dy, tokens, fc1_weight, fc2_weight, dx, dprobs, dw1, dw2)?;
+        ensure_backward_buffers(OP, stream, dy, tokens, fc1_weight, fc2_weight, dx, dprobs, dw1, dw2)?;
         // SAFETY: as in forward_from_map (any bits are a valid prob of at most 4 bytes).
         let probs = unsafe { self.map_routes.probs.transmute::<P>(routes) }.expect("map probs storage holds T_max * k");
         self.path.backward(
