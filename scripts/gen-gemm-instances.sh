@@ -12,8 +12,7 @@ config() {
   case "$1" in
     CAPMOE_CONFIG_SM90_COOPERATIVE) echo Cooperative;; CAPMOE_CONFIG_SM90_PINGPONG) echo Pingpong;;
     CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER) echo CooperativeNoCluster;;
-    CAPMOE_CONFIG_SM90_COOPERATIVE_M256) echo CooperativeM256;;
-    CAPMOE_CONFIG_SM90_PINGPONG_128) echo Pingpong128;; CAPMOE_CONFIG_SM90_PINGPONG_WIDE) echo PingpongWide;;
+    CAPMOE_CONFIG_SM90_PINGPONG_WIDE) echo PingpongWide;;
     CAPMOE_CONFIG_SM100_1SM) echo OneSm;; CAPMOE_CONFIG_SM100_2SM) echo TwoSm;;
   esac
 }

@@ -83,7 +83,7 @@ for entry in echo_moe_gpu fused_gpu:cp_async fused_gpu:tma_rows fused_dgrad_gpu 
   if hung $run; then step "memcheck $run: not run (hung in the suite)"; continue; fi
   if out_of_budget 30 10; then step "memcheck $run: not run (budget)"; continue; fi
   CAPMOE_REQUIRE_GPU=1 CAPMOE_SANITIZER=1 CAPMOE_ECHO_MOE_REPLAYS=2 CAPMOE_FUSED_GATHERS="$gather" timeout -k 5 "$(limit 60 10)" \
-    /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 86 \
+    /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 86 $(sanitizer_flags_for $m) \
     $T/$m --test-threads=1 > $L/memcheck_$run.txt 2>&1
   echo "memcheck $run rc=$?" >> $L/memcheck_$run.txt; step "$(tail -n 1 $L/memcheck_$run.txt)"
 done

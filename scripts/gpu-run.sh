@@ -4,7 +4,8 @@
 # printed last. Full logs go to $LOGS when a caller names it (gpu-all.sh does); otherwise to
 # /tmp/gpu-run-logs, returned as $OUT/suite-logs.tgz plus $OUT/summary.txt when OUT is set (a
 # device call returns at most 8 files, and the suite writes one log per binary).
-#   bash scripts/gpu-run.sh [name-filter]      e.g. grouped_gemm
+#   bash scripts/gpu-run.sh [name-filter]      an extended regex on the binary's name, e.g.
+#                                              grouped_gemm or '^(graph_gpu|moe_gpu)$'
 # BUNDLE=<folder> picks another bundle folder (default gpu-bundle), e.g. one per worktree.
 # SUITE_BUDGET=<s>: no binary starts after that many seconds, and each one's cap is cut to what
 # is left (a caller's outer timeout cannot reach the running test: `timeout` puts it in a
@@ -86,7 +87,7 @@ fits_deadline() {
 }
 for test in "${binaries[@]}"; do
   name="$(basename "$test")"
-  [[ -n "$filter" && "$name" != *"$filter"* ]] && continue
+  [[ -n "$filter" && ! "$name" =~ $filter ]] && continue
   # CPU-only (echo_emulated, routing_emulated): they build the kernels from the source tree
   # with a host compiler, which the GPU machine's copy of the tree is not set up for.
   [[ "$name" == *_emulated ]] && continue

@@ -147,7 +147,7 @@ for tool in $tools; do
     if [[ "$tool" == racecheck* && -n "$racecheck_skip" ]]; then
       for s in $racecheck_skip; do args+=(--skip "$s"); done
     fi
-    mapfile -t flags < <(tool_flags "$tool")
+    mapfile -t flags < <(tool_flags "$tool"; sanitizer_flags_for "$name")
     log="$logs/${tool}__${name}.log"
     echo "\$ ${cs} ${flags[*]} $name ${args[*]}   (timeout ${limit}s)" >"$log"
     t0=$(date +%s%N)

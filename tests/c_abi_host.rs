@@ -74,11 +74,20 @@ fn resolve_config_refuses_configurations_without_a_kernel() {
         ("an SM100 config on SM90", gemm_desc(90, sys::CAPMOE_CONFIG_SM100_2SM as i32)),
         ("an unknown arch", gemm_desc(7, sys::CAPMOE_CONFIG_AUTO as i32)),
         (
-            "fp16 with a bf16-only candidate tile",
+            "fp16 wgrad with a bf16-only candidate tile",
             sys::capmoe_grouped_gemm_desc_t {
+                op: sys::CAPMOE_GEMM_WGRAD as i32,
                 dtype: sys::CAPMOE_DTYPE_F16 as i32,
                 out_dtype: sys::CAPMOE_DTYPE_F16 as i32,
-                ..gemm_desc(90, sys::CAPMOE_CONFIG_SM90_PINGPONG_128 as i32)
+                ..gemm_desc(90, sys::CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER as i32)
+            },
+        ),
+        ("a deleted config code (the 128x128 pingpong)", gemm_desc(90, 7)),
+        (
+            "a pingpong tile for wgrad",
+            sys::capmoe_grouped_gemm_desc_t {
+                op: sys::CAPMOE_GEMM_WGRAD as i32,
+                ..gemm_desc(90, sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE as i32)
             },
         ),
     ] {

@@ -1,5 +1,5 @@
 //! Host-only tests of the Echo planner's CPU reference: every golden case, every stage,
-//! bitwise; the spec's invariants (section 8) on golden and random inputs; typed errors.
+//! bitwise; the planner's invariants (`docs/echo.md`) on golden and random inputs; typed errors.
 
 mod echo_support;
 

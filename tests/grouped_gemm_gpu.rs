@@ -47,14 +47,13 @@ fn small_integers_are_exact_for_every_op_and_config() {
 #[test]
 fn candidate_sm90_configs_are_exact() {
     let stream = gpu_or_skip!();
-    let candidates = [
-        GemmConfig::Sm90CooperativeNoCluster,
-        GemmConfig::Sm90CooperativeM256,
-        GemmConfig::Sm90Pingpong128,
-        GemmConfig::Sm90PingpongWide,
-    ];
+    let candidates = [GemmConfig::Sm90CooperativeNoCluster, GemmConfig::Sm90PingpongWide];
     for op in OPS {
         for config in candidates {
+            // The pingpong tiles have no wgrad kernel (it lost every wgrad case of the sweep).
+            if op == GemmOp::Wgrad && config == GemmConfig::Sm90PingpongWide {
+                continue;
+            }
             for layout in [WeightLayout::Enk, WeightLayout::Ekn] {
                 let (mut s, splits) = match op {
                     GemmOp::Wgrad => (spec(op, 5, 200, 136, 300), vec![64, 0, 1, 63, 33]),

@@ -35,10 +35,8 @@ struct TileConfig {
 using Cooperative = TileConfig<128, 256, 2, false>;
 // Few rows per expert (decode): 64-row tiles.
 using Pingpong = TileConfig<64, 128, 1, true>;
-// Candidates to measure against the two above (bench/README.md, scripts/gpu-all.sh).
+// AUTO's choices for fprop / dgrad above 64 rows per expert (the sweep in bench/README.md).
 using CooperativeNoCluster = TileConfig<128, 256, 1, false>;
-using CooperativeM256 = TileConfig<256, 128, 1, false>;
-using Pingpong128 = TileConfig<128, 128, 1, true>;
 using PingpongWide = TileConfig<64, 256, 1, true>;
 
 // ElementC = void: no source operand (plain output); float: D = C + AB (accumulate).

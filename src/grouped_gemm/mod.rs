@@ -58,8 +58,8 @@ pub enum WeightLayout {
 /// Kernel configuration; `Auto` applies the documented heuristic on host-known facts.
 ///
 /// `Sm90CooperativeNoCluster` and `Sm90PingpongWide` (AUTO's choices for fprop / dgrad at more
-/// than 64 rows per expert) are built for bf16 and fp16 fprop / dgrad and bf16 plain wgrad;
-/// `Sm90CooperativeM256` and `Sm90Pingpong128` for bf16 in, bf16 out only. Any other
+/// than 64 rows per expert) are built for bf16 and fp16 fprop / dgrad; the no-cluster tile
+/// also for bf16 plain wgrad. Any other
 /// combination with them (fp32 out, fp32 accumulate) is [`Error::Unsupported`] when the plan
 /// is made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -71,10 +71,6 @@ pub enum GemmConfig {
     Sm90Pingpong,
     /// SM90, 128x256x64 tile, no cluster.
     Sm90CooperativeNoCluster,
-    /// SM90, 256x128x64 tile, no cluster.
-    Sm90CooperativeM256,
-    /// SM90, 128x128x64 tile per warpgroup, the two warpgroups alternating.
-    Sm90Pingpong128,
     /// SM90, 64x256x64 tile per warpgroup, the two warpgroups alternating.
     Sm90PingpongWide,
     /// SM100, 128x256 tile per SM (compiled, never run here: no Blackwell GPU).
@@ -91,8 +87,6 @@ impl GemmConfig {
             GemmConfig::Sm90Cooperative => sys::CAPMOE_CONFIG_SM90_COOPERATIVE,
             GemmConfig::Sm90Pingpong => sys::CAPMOE_CONFIG_SM90_PINGPONG,
             GemmConfig::Sm90CooperativeNoCluster => sys::CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER,
-            GemmConfig::Sm90CooperativeM256 => sys::CAPMOE_CONFIG_SM90_COOPERATIVE_M256,
-            GemmConfig::Sm90Pingpong128 => sys::CAPMOE_CONFIG_SM90_PINGPONG_128,
             GemmConfig::Sm90PingpongWide => sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE,
             GemmConfig::Sm100OneSm => sys::CAPMOE_CONFIG_SM100_1SM,
             GemmConfig::Sm100TwoSm => sys::CAPMOE_CONFIG_SM100_2SM,
@@ -107,8 +101,6 @@ impl GemmConfig {
             sys::CAPMOE_CONFIG_SM90_COOPERATIVE => GemmConfig::Sm90Cooperative,
             sys::CAPMOE_CONFIG_SM90_PINGPONG => GemmConfig::Sm90Pingpong,
             sys::CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER => GemmConfig::Sm90CooperativeNoCluster,
-            sys::CAPMOE_CONFIG_SM90_COOPERATIVE_M256 => GemmConfig::Sm90CooperativeM256,
-            sys::CAPMOE_CONFIG_SM90_PINGPONG_128 => GemmConfig::Sm90Pingpong128,
             sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE => GemmConfig::Sm90PingpongWide,
             sys::CAPMOE_CONFIG_SM100_1SM => GemmConfig::Sm100OneSm,
             sys::CAPMOE_CONFIG_SM100_2SM => GemmConfig::Sm100TwoSm,
@@ -118,13 +110,11 @@ impl GemmConfig {
     }
 
     /// Every configuration, `Auto` first.
-    pub const ALL: [GemmConfig; 9] = [
+    pub const ALL: [GemmConfig; 7] = [
         GemmConfig::Auto,
         GemmConfig::Sm90Cooperative,
         GemmConfig::Sm90Pingpong,
         GemmConfig::Sm90CooperativeNoCluster,
-        GemmConfig::Sm90CooperativeM256,
-        GemmConfig::Sm90Pingpong128,
         GemmConfig::Sm90PingpongWide,
         GemmConfig::Sm100OneSm,
         GemmConfig::Sm100TwoSm,
@@ -137,8 +127,6 @@ impl GemmConfig {
             GemmConfig::Sm90Cooperative => "sm90-coop",
             GemmConfig::Sm90Pingpong => "sm90-pingpong",
             GemmConfig::Sm90CooperativeNoCluster => "sm90-coop-nocluster",
-            GemmConfig::Sm90CooperativeM256 => "sm90-coop-m256",
-            GemmConfig::Sm90Pingpong128 => "sm90-pingpong128",
             GemmConfig::Sm90PingpongWide => "sm90-pingpong-wide",
             GemmConfig::Sm100OneSm => "sm100-1sm",
             GemmConfig::Sm100TwoSm => "sm100-2sm",
@@ -156,8 +144,6 @@ impl GemmConfig {
             GemmConfig::Sm90Cooperative
             | GemmConfig::Sm90Pingpong
             | GemmConfig::Sm90CooperativeNoCluster
-            | GemmConfig::Sm90CooperativeM256
-            | GemmConfig::Sm90Pingpong128
             | GemmConfig::Sm90PingpongWide => Some(Arch::Sm90),
             GemmConfig::Sm100OneSm | GemmConfig::Sm100TwoSm => Some(Arch::Sm100),
         }

@@ -247,7 +247,7 @@ pub fn check_stages(g: &Golden, st: &PlanStages) {
     same(n, "load_after", &st.load_after, &g.vec("load_after"));
 }
 
-/// Spec section 8, items 1–5 (planner).
+/// The planner's invariants 1–5 (`docs/echo.md`, "Invariants").
 pub fn check_plan_invariants(name: &str, cfg: &EchoConfig, counts: &[i64], st: &PlanStages) {
     let (ep, ne, sp) = (cfg.ep, cfg.num_experts, cfg.spare_per_rank);
     let (l, s) = (ne / ep, ep * sp);
@@ -307,7 +307,7 @@ pub fn check_plan_invariants(name: &str, cfg: &EchoConfig, counts: &[i64], st: &
     assert!(st.load_after.iter().max().unwrap() <= max_before, "{name}: max load grew");
 }
 
-/// Spec section 8, item 6, on the top-k form's destinations.
+/// The planner's invariant 6 (`docs/echo.md`, "Invariants"), on the top-k form's destinations.
 pub fn check_reroute_invariants(name: &str, cfg: &EchoConfig, st: &PlanStages, routes: &[i32], t: usize, dest: &[i32]) {
     let (k, s) = (cfg.topk, cfg.num_spare());
     assert_eq!(dest.len(), t * k, "{name}: dest length");

@@ -66,8 +66,8 @@ enum {
   CAPMOE_CONFIG_SM100_1SM = 3,        /* 128x256x64 per SM */
   CAPMOE_CONFIG_SM100_2SM = 4,        /* 256x256x64 across an SM pair */
   CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER = 5, /* 128x256x64 tile, 1x1 cluster */
-  CAPMOE_CONFIG_SM90_COOPERATIVE_M256 = 6,      /* 256x128x64 tile, 1x1 cluster */
-  CAPMOE_CONFIG_SM90_PINGPONG_128 = 7,          /* 128x128x64 tile per warpgroup, 1x1 cluster */
+  /* 6 and 7 were the 256x128 cooperative and 128x128 pingpong tiles, deleted after the
+   * 2026-11-28 sweep on the H100 (best nowhere); the codes stay unused. */
   CAPMOE_CONFIG_SM90_PINGPONG_WIDE = 8          /* 64x256x64 tile per warpgroup, 1x1 cluster */
 };
 
