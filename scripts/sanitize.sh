@@ -8,14 +8,12 @@
 #   OUT=<dir> bash scripts/sanitize.sh
 #
 # Knobs (environment):
-#   TOOLS    tools to run, in order (default "memcheck synccheck initcheck racecheck");
-#            "racecheck-gemm" is racecheck with the CUTLASS GEMM kernels included, on
-#            grouped_gemm_gpu only (see RACECHECK AND THE GEMM below).
+#   TOOLS    tools to run, in order (default "memcheck synccheck initcheck racecheck").
 #   FILTER   extended regex on the binary name (default: every *_gpu), e.g. '^moe_gpu$'.
 #   TESTS    arguments passed to each test binary after the harness flags: a test-name
 #            filter, --skip patterns, --exact (default none).
 #   TIMEOUT  seconds per (tool, binary) run; default per tool (memcheck 120, synccheck 90,
-#            initcheck 120, racecheck 200, racecheck-gemm 200), always cut to what the budget
+#            initcheck 120, racecheck 200 per test process), always cut to what the budget
 #            has left.
 #   BUDGET   seconds for the whole script (default 560); a run that would start with less
 #            than 20 s left is reported "not run (budget)" and the script exits 3 (incomplete)
@@ -24,7 +22,7 @@
 # One call does not hold the whole matrix (4 tools x every *_gpu binary, minutes each): split
 # it by TOOLS and FILTER into calls (README's Reliability section gives the plan) and read the
 # INCOMPLETE line of each summary.
-#   RACECHECK_GEMM=1      racecheck also checks the GEMM kernels in every binary.
+#   RACECHECK_PER_TEST=0  racecheck runs one process per binary instead of one per test.
 #   RACECHECK_SKIP        tests --skip'ped under racecheck (default
 #                         "target_shape_matches_reference": see below).
 #   SANITIZER             the compute-sanitizer binary (default /usr/local/cuda/bin/...).
@@ -36,17 +34,16 @@
 # functional tests (CAPMOE_ECHO_MOE_REPLAYS=2, CAPMOE_GRAPH_STEPS=20, moe_gpu's 1000 replays
 # -> 20 under CAPMOE_SANITIZER); every replay that runs is still checked in full.
 #
-# RACECHECK AND THE GEMM. racecheck instruments every shared-memory access and tracks every
-# barrier; the CUTLASS SM90 grouped GEMM is warp-specialized (TMA loads into a multi-stage
-# smem ring, mbarrier pipelines, wgmma reading smem, a 2x1 thread-block cluster in WGRAD and
-# the cooperative kernels), which makes it by far the costliest kernel to race-check (the
-# first racecheck of moe_gpu, 2026-11-23, was SIGKILLed inside a 60-replay test). By default
-# racecheck therefore excludes the CUTLASS kernels by mangled-name substring
-# (--kernel-name-exclude kns=dependent_gemm_kernel, a substring of the mangled and the
-# demangled name of capmoe::gg::dependent_gemm_kernel<...>, the entry both archs launch CUTLASS's GEMM through), so every
-# kernel of the crate (routing, Echo, the GEMM argument and zero-fill kernels, SwiGLU) is
-# race-checked in every binary, and "racecheck-gemm" race-checks the GEMM kernels themselves
-# once, on grouped_gemm_gpu. memcheck, synccheck and initcheck cover the GEMM everywhere.
+# RACECHECK. Every kernel is race-checked, the CUTLASS grouped GEMM included (0 hazards on the
+# H100, 2026-11-28). Two findings of that day shape how:
+#  - excluding the GEMM (--kernel-name-exclude kns=dependent_gemm_kernel, this script's default
+#    until then) made compute-sanitizer 2025.3 die at the first GEMM launch of every binary
+#    ("Internal Sanitizer Error: The Sanitizer failed to handle a hardware exception", then
+#    cudaErrorIllegalAddress), with or without the GEMM's programmatic dependent launch; with
+#    the GEMM instrumented the same tests pass. That was issue 19's moe_gpu "death";
+#  - racecheck's host memory grows with the launches it tracks: moe_gpu, graph_gpu and
+#    fused_moe_gpu each reached the machine's 128 GiB as one process and were SIGKILLed
+#    (rc 9). So racecheck runs every test in a process of its own (RACECHECK_PER_TEST).
 # echo_gpu's target_shape_matches_reference (T = 8192, 256 experts, EP = 64) is skipped
 # under racecheck: it ran past 150 s there, and its kernels and code paths are the ones
 # random_inputs_match_the_cpu_reference race-checks at up to 256 experts and T = 5000.
@@ -94,13 +91,8 @@ tool_flags() {
     memcheck) flags+=(--tool memcheck --leak-check no) ;;
     synccheck) flags+=(--tool synccheck) ;;
     initcheck) flags+=(--tool initcheck) ;;
-    racecheck)
-      flags+=(--tool racecheck --racecheck-report all)
-      # kns= is a substring match, which holds for the mangled and the demangled name alike.
-      [[ "${RACECHECK_GEMM:-0}" == 1 ]] || flags+=(--kernel-name-exclude kns=dependent_gemm_kernel)
-      ;;
-    racecheck-gemm) flags+=(--tool racecheck --racecheck-report all) ;;
-    *) echo "unknown tool '$1' (memcheck, synccheck, initcheck, racecheck, racecheck-gemm)" >&2; return 1 ;;
+    racecheck) flags+=(--tool racecheck --racecheck-report all) ;;
+    *) echo "unknown tool '$1' (memcheck, synccheck, initcheck, racecheck)" >&2; return 1 ;;
   esac
   printf '%s\n' "${flags[@]}"
 }
@@ -116,6 +108,43 @@ counts_of() {
     errors=$(grep -oE 'RACECHECK SUMMARY: .*\(([0-9]+) error' "$log" | tail -n 1 | grep -oE '\([0-9]+' | tr -d '(')
   fi
   echo "${errors:--} ${hazards:--}"
+}
+
+# The tests of binary NAME, one per line (libtest's --list), less those skipped under racecheck.
+tests_of() {
+  "$bundle/run/tests/$1" --list 2>/dev/null | sed -n 's/: test$//p' | while read -r t; do
+    for s in $racecheck_skip; do [[ "$t" == *"$s"* ]] && continue 2; done
+    echo "$t"
+  done
+}
+
+# Runs the tool (flags), the binary (name) and ARGS once, appending to LOG; adds to the globals
+# errors, hazards (numbers, or "-" once a run printed no summary), ms; rss = the largest peak;
+# rc = the last nonzero exit status.
+#   run_process LOG ARGS...
+run_process() {
+  local log=$1; shift
+  local t0 part="$log.part" code e h r
+  echo "\$ ${cs} ${flags[*]} $name $*   (timeout ${limit}s)" >"$part"
+  t0=$(date +%s%N)
+  # timeout -k: SIGTERM first (the tool then still prints what it has), SIGKILL 10 s later.
+  # /usr/bin/time -f %M: the peak host RSS of the tool + test, which tells an OOM kill apart.
+  if [[ -x /usr/bin/time ]]; then
+    /usr/bin/time -f 'maxrss_kb %M' -o "$part.rss" timeout -k 10 "$limit" \
+      "$cs" "${flags[@]}" "$bundle/run/tests/$name" "$@" >>"$part" 2>&1
+  else
+    timeout -k 10 "$limit" "$cs" "${flags[@]}" "$bundle/run/tests/$name" "$@" >>"$part" 2>&1
+  fi
+  code=$?
+  ms=$((ms + ($(date +%s%N) - t0) / 1000000))
+  r=$(awk '/maxrss_kb/ {printf "%d", $2 / 1024}' "$part.rss" 2>/dev/null)
+  [[ -n "$r" ]] && ((r > ${rss:-0})) && rss=$r
+  cat "$part.rss" >>"$part" 2>/dev/null && rm -f "$part.rss"
+  read -r e h < <(counts_of "$part")
+  if [[ "$e" == - || "$errors" == - ]]; then errors=-; else errors=$((errors + e)); fi
+  if [[ "$h" == - || "$hazards" == - ]]; then hazards=-; else hazards=$((hazards + h)); fi
+  ((code != 0)) && rc=$code
+  cat "$part" >>"$log" && rm -f "$part"
 }
 
 rows=()
@@ -134,7 +163,6 @@ done
 
 for tool in $tools; do
   for name in "${binaries[@]}"; do
-    [[ "$tool" == racecheck-gemm && "$name" != grouped_gemm_gpu ]] && continue
     left=$((budget - ($(date +%s) - start_all)))
     if ((left < 20)); then
       row "$name" "$tool" - - - - - "not run (budget)"
@@ -149,22 +177,28 @@ for tool in $tools; do
     fi
     mapfile -t flags < <(tool_flags "$tool"; sanitizer_flags_for "$name")
     log="$logs/${tool}__${name}.log"
-    echo "\$ ${cs} ${flags[*]} $name ${args[*]}   (timeout ${limit}s)" >"$log"
-    t0=$(date +%s%N)
-    # timeout -k: SIGTERM first (the tool then still prints what it has), SIGKILL 10 s later.
-    # /usr/bin/time -f %M: the peak host RSS of the tool + test, which tells an OOM kill apart.
-    if [[ -x /usr/bin/time ]]; then
-      /usr/bin/time -f 'maxrss_kb %M' -o "$log.rss" timeout -k 10 "$limit" \
-        "$cs" "${flags[@]}" "$bundle/run/tests/$name" "${args[@]}" >>"$log" 2>&1
+    : >"$log"
+    if [[ "$tool" == racecheck && "${RACECHECK_PER_TEST:-1}" == 1 ]]; then
+      # One process per test: racecheck's host memory grows with every launch it tracks, and
+      # moe_gpu, graph_gpu and fused_moe_gpu as one process each passed the machine's 128 GiB
+      # and were SIGKILLed (rc 9, 2026-11-28) in their longest tests.
+      mapfile -t tests < <(tests_of "$name")
     else
-      timeout -k 10 "$limit" "$cs" "${flags[@]}" "$bundle/run/tests/$name" "${args[@]}" >>"$log" 2>&1
+      tests=("")
     fi
-    rc=$?
-    ms=$((($(date +%s%N) - t0) / 1000000))
-    rss=$(awk '/maxrss_kb/ {printf "%d", $2 / 1024}' "$log.rss" 2>/dev/null)
-    cat "$log.rss" >>"$log" 2>/dev/null && rm -f "$log.rss"
-    read -r errors hazards < <(counts_of "$log")
-    result=$(grep -E '^test result:' "$log" | tail -n 1 | grep -oE '[0-9]+ passed; [0-9]+ failed')
+    rc=0 errors=0 hazards=0 ms=0 rss="" ran=0
+    for test in "${tests[@]}"; do
+      left=$((budget - ($(date +%s) - start_all)))
+      ((left < 20)) && { not_run=$((not_run + 1)); echo "== not run (budget): $test" >>"$log"; continue; }
+      ((limit > left - 10)) && limit=$((left - 10))
+      run_args=("${args[@]}")
+      [[ -n "$test" ]] && run_args+=(--exact "$test")
+      run_process "$log" "${run_args[@]}"
+      ran=$((ran + 1))
+    done
+    result=$(grep -E '^test result:' "$log" | grep -oE '[0-9]+ passed; [0-9]+ failed' |
+      awk '{p += $1; f += $3} END {if (NR) printf "%d passed; %d failed", p, f}')
+    ((${#tests[@]} > 1)) && result="$result ($ran processes, one per test)"
     case $rc in
       0) note="${result:-ok}" ;;
       86) note="tool reported errors; ${result}" ;;
@@ -185,7 +219,7 @@ done
 {
   echo "== compute-sanitizer on $(tail -n 1 "$logs/versions.txt"), $(head -n 1 "$logs/versions.txt")"
   echo "== tools: $tools; filter: ${filter:-all *_gpu}; tests: ${TESTS:-all}; racecheck skips: ${racecheck_skip:-none}; \
-racecheck GEMM kernels: $([[ "${RACECHECK_GEMM:-0}" == 1 ]] && echo included || echo excluded)"
+racecheck: $([[ "${RACECHECK_PER_TEST:-1}" == 1 ]] && echo one process per test || echo one process per binary)"
   ((not_run > 0)) && echo "== INCOMPLETE: $not_run (tool, binary) runs not run for lack of budget (exit 3 unless a run failed)"
   printf '%s\n' "${rows[@]}"
 } | tee "$logs/summary.txt" >"$out/sanitize-summary.txt"

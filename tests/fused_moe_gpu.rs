@@ -109,7 +109,8 @@ fn fused_moe_equals_unfused_bitwise_and_the_fp64_reference() {
         let mut unfused = plan(&stream, capacity, FusedKernel::Unfused, false);
         let (mut fio, mut uio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
         let mut rng = StdRng::seed_from_u64(2);
-        for i in 0..12 {
+        // Steps 0-3 make T = 0, T = T_max, one expert for every route and dropped routes.
+        for i in 0..common::steps_under_sanitizer(12, 4) {
             let s = step(&mut rng, i);
             let what = format!("capacity {capacity:?}, step {i} (T={})", s.t);
             fio.load(&stream, &s);
@@ -155,7 +156,7 @@ fn fused_moe_graph_replays_equal_eager_unfused() {
     gio.load(&stream, &step(&mut rng, 4));
     stream.synchronize().unwrap();
     let graph = capture(&stream, || gio.step(&mut graph_moe, &stream)).unwrap();
-    for i in 0..200 {
+    for i in 0..common::steps_under_sanitizer(200, 10) {
         let s = step(&mut rng, i);
         gio.load(&stream, &s);
         eio.load(&stream, &s);
@@ -269,7 +270,7 @@ fn assert_matches_unfused_and_fp64(
     let mut unfused = plan_with(stream, capacity, FusedKernel::Unfused, FusedKernel::Unfused);
     let (mut pio, mut uio) = (layer_io(stream, w1, w2), layer_io(stream, w1, w2));
     let mut rng = StdRng::seed_from_u64(seed);
-    for i in 0..12 {
+    for i in 0..common::steps_under_sanitizer(12, 4) {
         let s = step(&mut rng, i);
         let what = format!("{label}, step {i} (T={})", s.t);
         pio.load(stream, &s);
@@ -335,7 +336,7 @@ fn assert_replays_equal_eager(stream: &Arc<CudaStream>, opts: MoeOptions, seed: 
     gio.load(stream, &step(&mut rng, 4));
     stream.synchronize().unwrap();
     let graph = capture(stream, || gio.step(&mut graph_moe, stream)).unwrap();
-    let replays = if common::under_sanitizer() { 10 } else { 200 };
+    let replays = common::steps_under_sanitizer(200, 10);
     for i in 0..replays {
         let s = step(&mut rng, i);
         gio.load(stream, &s);
@@ -516,7 +517,7 @@ fn fused_moe_gathered_fc1_wgrad_matches_unfused_and_the_fp64_reference() {
         let mut unfused = plan_with(&stream, capacity, FusedKernel::Unfused, FusedKernel::Unfused);
         let (mut gio, mut uio) = (layer_io(&stream, &w1, &w2), layer_io(&stream, &w1, &w2));
         let mut rng = StdRng::seed_from_u64(16);
-        for i in 0..12 {
+        for i in 0..common::steps_under_sanitizer(12, 4) {
             let s = step(&mut rng, i);
             let what = format!("fc1 {fc1:?}, capacity {capacity:?}, step {i} (T={})", s.t);
             gio.load(&stream, &s);

@@ -198,7 +198,7 @@ fn one_graph_replayed_1000_times_with_new_routing() {
     let graph = capture(&stream, || graph_io.step(&mut graph_moe, &stream)).unwrap();
     // Under compute-sanitizer (CAPMOE_SANITIZER=1) 20 replays, which still cycle every pattern
     // of `step` twice.
-    let replays = if common::under_sanitizer() { 20 } else { 1000 };
+    let replays = common::steps_under_sanitizer(1000, 20);
     for i in 0..replays {
         let s = step(&mut rng, i);
         graph_io.load(&stream, &s);
@@ -419,7 +419,8 @@ fn megatron_map_form_matches_topk_form() {
     load(&mut map_io, &mut map_d, &mut map_probs_d, &first, &base);
     stream.synchronize().unwrap();
     let graph = capture(&stream, || run_map(&mut map_moe, &mut map_io, &map_d, &map_probs_d)).unwrap();
-    for i in 0..60 {
+    // Under a sanitizer 10 replays, which still include the fp64 check of replay 3.
+    for i in 0..common::steps_under_sanitizer(60, 10) {
         let ms = map_step(&mut rng, i, false);
         let base = step(&mut rng, i);
         let s = load(&mut map_io, &mut map_d, &mut map_probs_d, &ms, &base);

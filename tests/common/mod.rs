@@ -104,6 +104,18 @@ pub fn under_sanitizer() -> bool {
     std::env::var("CAPMOE_SANITIZER").as_deref() == Ok("1")
 }
 
+/// `n` steps, or at most `cap` under a sanitizer: racecheck's host memory grows with every
+/// launch it tracks (a fused expert-path test of 2 x 12 forward + backward steps passed the GPU
+/// machine's 128 GiB alone), so step loops whose first `cap` steps already cover every kind of
+/// step they make run only those there.
+pub fn steps_under_sanitizer(n: usize, cap: usize) -> usize {
+    if under_sanitizer() {
+        n.min(cap)
+    } else {
+        n
+    }
+}
+
 /// For timing-only and soak tests, whose figures mean nothing under a tool that slows every
 /// kernel 10-100x: prints `skipping: under a sanitizer` and returns true there.
 pub fn skip_under_sanitizer() -> bool {
