@@ -83,7 +83,10 @@ fn auto_config_heuristic_uses_host_facts_only() {
     if Arch::Sm90.is_built() {
         assert_eq!(GroupedGemm::for_device(decode.clone(), &hopper).unwrap().config(), GemmConfig::Sm90Pingpong);
         // Dense-sized experts (mixtral, 1024 rows each): no cluster either (sweep of 2026-11-28).
-        assert_eq!(GroupedGemm::for_device(prefill.clone(), &hopper).unwrap().config(), GemmConfig::Sm90CooperativeNoCluster);
+        assert_eq!(
+            GroupedGemm::for_device(prefill.clone(), &hopper).unwrap().config(),
+            GemmConfig::Sm90CooperativeNoCluster
+        );
         assert_eq!(GroupedGemm::for_device(wgrad.clone(), &hopper).unwrap().config(), GemmConfig::Sm90Cooperative);
         // E >= 32 at 256 rows per expert: no cluster; a short reduction (K = 768): 64x256
         // pingpong, for bf16 and fp16 alike.
