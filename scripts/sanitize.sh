@@ -110,9 +110,13 @@ counts_of() {
   echo "${errors:--} ${hazards:--}"
 }
 
-# The tests of binary NAME, one per line (libtest's --list), less those skipped under racecheck.
+# The tests of binary NAME that a plain run runs, one per line (libtest's --list less its
+# --list --ignored), less those skipped under racecheck.
 tests_of() {
-  "$bundle/run/tests/$1" --list 2>/dev/null | sed -n 's/: test$//p' | while read -r t; do
+  local bin="$bundle/run/tests/$1" ignored
+  ignored="$("$bin" --list --ignored 2>/dev/null | sed -n 's/: test$//p')"
+  "$bin" --list 2>/dev/null | sed -n 's/: test$//p' | while read -r t; do
+    grep -qxF -- "$t" <<<"$ignored" && continue
     for s in $racecheck_skip; do [[ "$t" == *"$s"* ]] && continue 2; done
     echo "$t"
   done
