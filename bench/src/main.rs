@@ -11,7 +11,7 @@
 //!                [--only gemm,graphs,ep,echo,paths]  (these row families alone; default all)
 //!                [--no-paths]   (the GEMM rows alone: no graph, EP, Echo or expert-path rows)
 //!                [--no-fused]   (expert-path rows without the fused variants)
-//!                [--configs sm90-coop,sm90-pingpong128,...]  (also time these kernel configs)
+//!                [--configs sm90-coop,sm90-pingpong-wide,...]  (also time these kernel configs)
 //!                [--weight-layout enk|ekn]  (weights [E, N, K], the default, or [E, K, N])
 //!                [--sweep]  (a config sweep: graph rows, dense cuBLAS, floor and roofline only;
 //!                            no eager rows, no cuBLAS loops; GEMM rows alone)
