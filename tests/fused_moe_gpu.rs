@@ -25,7 +25,7 @@ use capturable_moe::graph::capture;
 use capturable_moe::moe::{FusedKernel, MoeConfig, MoeExperts, MoeOptions, WeightForm};
 use capturable_moe::routing::Tokens;
 use capturable_moe::Error;
-use common::expert_io::{bits16, layer_config, ExpertIo as Io, Step};
+use common::expert_io::{bits16, bits32, layer_config, ExpertIo as Io, Step};
 use common::moe::{
     assert_bits, assert_close, assert_written_bf16, assert_written_f16, assert_written_f32, bf, f64s, poison_bf16,
     poison_f16, poison_f32, reference, reference_f16, Dims, Reference,
@@ -524,18 +524,14 @@ fn fused_moe_gathered_fc1_wgrad_matches_unfused_and_the_fp64_reference() {
             uio.load(&stream, &s);
             gio.step(&mut gathered, &stream).unwrap();
             uio.step(&mut unfused, &stream).unwrap();
-            let bits16 =
-                |v: &CudaSlice<bf16>| stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect::<Vec<_>>();
-            let bits32 =
-                |v: &CudaSlice<f32>| stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect::<Vec<_>>();
-            assert_bits(&format!("{what}: y"), &bits16(&gio.y), &bits16(&uio.y));
-            assert_bits(&format!("{what}: dx"), &bits16(&gio.dx), &bits16(&uio.dx));
-            assert_bits(&format!("{what}: dprobs"), &bits32(&gio.dprobs), &bits32(&uio.dprobs));
-            assert_bits(&format!("{what}: dw2"), &bits16(&gio.dw2), &bits16(&uio.dw2));
+            assert_bits(&format!("{what}: y"), &bits16(&stream, &gio.y), &bits16(&stream, &uio.y));
+            assert_bits(&format!("{what}: dx"), &bits16(&stream, &gio.dx), &bits16(&stream, &uio.dx));
+            assert_bits(&format!("{what}: dprobs"), &bits32(&stream, &gio.dprobs), &bits32(&stream, &uio.dprobs));
+            assert_bits(&format!("{what}: dw2"), &bits16(&stream, &gio.dw2), &bits16(&stream, &uio.dw2));
             let got = backward_outputs(&format!("{what}: gathered"), &stream, &gio, s.t);
             let want = backward_outputs(&format!("{what}: unfused"), &stream, &uio, s.t);
             assert_close(&format!("{what}: dw1 vs the unfused backward"), &got[2], &want[2], 1e-2);
-            let dw1_bits = (bits16(&gio.dw1), bits16(&uio.dw1));
+            let dw1_bits = (bits16(&stream, &gio.dw1), bits16(&stream, &uio.dw1));
             let differ = dw1_bits.0.iter().zip(&dw1_bits.1).filter(|(a, b)| a != b).count();
             println!(
                 "{what}: dw1 bitwise vs the grouped GEMM's WGRAD: {differ} of {} elements differ",
@@ -655,8 +651,11 @@ fn fused_moe_prob_in_fc1_forward_only_equals_training_forward() {
         tio.load(&stream, &s);
         fio.forward(&mut fwd, &stream).unwrap();
         tio.forward(&mut train, &stream).unwrap();
-        let bits = |v: &CudaSlice<bf16>| stream.clone_dtoh(v).unwrap().iter().map(|b| b.to_bits()).collect::<Vec<_>>();
-        assert_bits(&format!("step {i} (T={}): y forward-only vs training", s.t), &bits(&fio.y), &bits(&tio.y));
+        assert_bits(
+            &format!("step {i} (T={}): y forward-only vs training", s.t),
+            &bits16(&stream, &fio.y),
+            &bits16(&stream, &tio.y),
+        );
     }
 }
 
