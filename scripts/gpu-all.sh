@@ -48,7 +48,8 @@ candle_ld=$LD_LIBRARY_PATH
 for d in /opt/torch/.venv/lib/python3*/site-packages/nvidia/cu13/lib; do
   [[ -e $d/libcublas.so.13 ]] && candle_ld="$candle_ld:$d"  # after the toolkit's own
 done
-if hung grouped_gemm_gpu || hung moe_gpu; then step "candle_moe: not run (grouped_gemm_gpu or moe_gpu hung)"
+if [[ ! -x $BUNDLE/run/bin/candle_moe ]]; then step "candle_moe: not run (not in the bundle: NO_CANDLE=1)"
+elif hung grouped_gemm_gpu || hung moe_gpu; then step "candle_moe: not run (grouped_gemm_gpu or moe_gpu hung)"
 elif out_of_budget 40 10; then step "candle_moe: not run (budget)"; else
   { echo "== ldd (CUDA libraries)"; LD_LIBRARY_PATH=$candle_ld ldd $BUNDLE/run/bin/candle_moe | grep -E 'cuda|cublas|curand|not found'; } > $L/candle_moe.txt 2>&1
   LD_LIBRARY_PATH=$candle_ld CAPMOE_REQUIRE_GPU=1 timeout -k 5 "$(limit 150 10)" $BUNDLE/run/bin/candle_moe >> $L/candle_moe.txt 2>&1

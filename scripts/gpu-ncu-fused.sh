@@ -7,7 +7,7 @@
 # pipe, L2 hit rate, DRAM bytes read and written (2026-11-28: the fused fc1 and fc2 dgrad moved
 # ~1.8x the bytes they need; the memory tables say through which unit), warp stall reasons,
 # issue slots.
-#   OUT=<dir> [BUDGET=<s>] bash scripts/gpu-ncu-fused.sh
+#   OUT=<dir> [BUDGET=<s>] [SPECS="bin:filter:kernel ..."] bash scripts/gpu-ncu-fused.sh
 # Results: $OUT/ncu-fused.tgz (one text report per kernel) and a short table on stdout.
 set -uo pipefail
 R=${R:-${OUT:?set OUT to a folder for the reports}}; BUNDLE=${BUNDLE:-gpu-bundle}
@@ -19,9 +19,10 @@ T=$BUNDLE/run/tests
 NCU_BIN=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 METRICS=lts__t_sector_hit_rate.pct,gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum
 
-# binary : test filter : fused kernel (ncu -k regex)
-for spec in fused_gpu:fused_fc1_timing:fc1_swiglu_kernel fused_dgrad_gpu:fused_dgrad_timing:swiglu_dgrad_kernel \
-  fused_wgrad_gpu:fused_wgrad_timing:wgrad_gather_kernel; do
+# binary : test filter : fused kernel (ncu -k regex); SPECS=... profiles some of them only.
+SPECS=${SPECS:-fused_gpu:fused_fc1_timing:fc1_swiglu_kernel fused_dgrad_gpu:fused_dgrad_timing:swiglu_dgrad_kernel \
+  fused_wgrad_gpu:fused_wgrad_timing:wgrad_gather_kernel}
+for spec in $SPECS; do
   IFS=: read -r bin filter fused <<<"$spec"
   for kernel in $fused dependent_gemm; do
     if out_of_budget 30 0; then echo "ncu $bin $kernel: not run (budget)"; continue; fi

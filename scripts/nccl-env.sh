@@ -28,4 +28,8 @@ else
   echo "nccl-env: no libnccl.so.2 found; the NCCL tests will skip" >&2
 fi
 unset -f capmoe_find_nccl
+# NVLink multicast (NVLS) stays off: the multi-GPU machines lent here share their host's GPUs,
+# and a program that uses multicast can take them out of service. The machines set these; a
+# caller's own environment must not undo them.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset capmoe_nccl_lib capmoe_nccl_link

@@ -10,6 +10,8 @@
 //! offset, offsets past capacity, 1 to 1024 experts (up to 32 per lane of the building warp),
 //! grids smaller and larger than the tile count, both thread orders.
 //!
+//! Also the quad exchange of the sm_90a epilogues' 16-byte stores (`fused_quad_exchange_emulated`).
+//!
 //! Needs a C++17 compiler (`CXX`, default `c++`); ~2 s.
 
 mod common;
@@ -193,5 +195,18 @@ fn fused_tile_list_emulated() {
             check_coverage(&what, c, &tiles);
         }
         assert_eq!(at, bytes.len(), "{order}: output length");
+    }
+}
+
+/// The sm_90a fused epilogues' 16-byte stores (`csrc/fused/quad_store.cuh`): after the quad
+/// exchange every lane holds one whole 8-column group of its row, each pair lands at its own
+/// columns exactly once, and two exchanges give back the input (the dgrad's 16-byte h loads
+/// undo the exchange with the same call). `tests/emulation/quad_store_driver.cpp`.
+#[test]
+fn fused_quad_exchange_emulated() {
+    let exe = common::emulation::build("fused_quad_store_emulated", &[], "tests/emulation/quad_store_driver.cpp");
+    for order in common::emulation::THREAD_ORDERS {
+        let report = common::emulation::run(&exe, &[], order);
+        assert_eq!(report.trim(), "0 mismatches", "{order} thread order");
     }
 }

@@ -50,6 +50,7 @@
 #include "common/swiglu_math.cuh"
 #include "fused/fc1_launch.h"
 #include "fused/gather_rows.cuh"
+#include "fused/quad_store.cuh"
 #include "fused/tile_list.cuh"
 #include "fused/tma_loads.cuh"
 
@@ -186,48 +187,71 @@ __device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared&
       [&](int stage, const Tile& t, int k0) { load_weights<T>(p, s, stage, t, k0); });
 }
 
+// The accumulator layout store_tile relies on: index i = 4g + 2r + c holds row m0 + 8r, column
+// 8g + 2 * (lane % 4) + c of the 128 x 256 [gate | up] tile (g < 2 * kTileN / 8 column groups,
+// the up half from g = kTileN / 8 on), so gate column n and up column n + kTileN sit kHalf
+// apart and the 4 lanes of a quad share their rows. Traps otherwise (a build of the wrong
+// atom); checked once per thread. Returns m0.
+template <class Coords>
+__device__ int check_accumulator_layout(const Coords& coords) {
+  const int m0 = get<0>(coords(0));
+  const int quad_lane = threadIdx.x & 3;
+#pragma unroll
+  for (int i = 0; i < decltype(size(coords))::value; ++i) {
+    const int g = i / 4, r = (i / 2) % 2, c = i % 2;
+    if (get<0>(coords(i)) != m0 + 8 * r || get<1>(coords(i)) != 8 * g + 2 * quad_lane + c) __trap();
+  }
+  return m0;
+}
+
 // Rounds the accumulators to T, then act = silu(g) * u in fp32 (capmoe_routing_swiglu's math),
 // times the row's route probability when p.prob_of_row is given, and h = [g | u] when
-// requested. Only rows < t.rows are stored.
-template <class T, class Accum, class Coords>
-__device__ void store_tile(const Fc1Params& p, const Tile& t, const Accum& acc, const Coords& coords) {
-  constexpr int kHalf = decltype(size(acc))::value / 2;
+// requested. Only rows < t.rows are stored, 16 bytes a lane (fused/quad_store.cuh).
+//
+// m0: the thread's first tile row (check_accumulator_layout).
+template <class T, class Accum>
+__device__ void store_tile(const Fc1Params& p, const Tile& t, const Accum& acc, int m0) {
+  constexpr int kGroups = kTileN / 8;  // 8-column groups of act per row
+  constexpr int kHalf = 4 * kGroups;   // accumulators of the gate half
+  static_assert(decltype(size(acc))::value == 2 * kHalf, "two rows x two columns per group, gate and up");
+  const int quad_lane = threadIdx.x & 3;
   T* act = static_cast<T*>(p.act);
   T* h = static_cast<T*>(p.h);
-  // A thread's accumulators cover two rows, alternating pair by pair: load each row's
-  // probability once (the first row's here, the other's at its first pair).
-  const int first_m = get<0>(coords(0));
-  const float first_prob =
-      p.prob_of_row != nullptr && first_m < t.rows ? __ldg(p.prob_of_row + t.row0 + first_m) : 1.0f;
-  int other_m = -1;
-  float other_prob = 1.0f;
 #pragma unroll
-  for (int i = 0; i < kHalf; i += 2) {
-    const int m = get<0>(coords(i)), n = get<1>(coords(i));
-    // The accumulator layout pairs (i, i + 1) as adjacent columns and (i, i + kHalf) as gate /
-    // up of the same column; a layout that broke this would be a build of the wrong atom.
-    if (get<1>(coords(i + 1)) != n + 1 || get<1>(coords(i + kHalf)) != n + kTileN ||
-        get<0>(coords(i + kHalf)) != m)
-      __trap();
-    if (m >= t.rows) continue;
-    const float g0 = float(T(acc(i))), g1 = float(T(acc(i + 1)));
-    const float u0 = float(T(acc(i + kHalf))), u1 = float(T(acc(i + kHalf + 1)));
-    const int64_t row = t.row0 + m;
-    const int64_t col = t.n0 + n;
-    float a0 = swiglu_forward(g0, u0), a1 = swiglu_forward(g1, u1);
-    if (p.prob_of_row != nullptr) {
-      if (m != first_m && m != other_m) {
-        other_m = m;
-        other_prob = __ldg(p.prob_of_row + row);
+  for (int r = 0; r < 2; ++r) {
+    const int m = m0 + 8 * r;
+    const bool stored = m < t.rows;
+    const int64_t row = int64_t(t.row0) + m;
+    const float prob = p.prob_of_row != nullptr && stored ? __ldg(p.prob_of_row + row) : 1.0f;
+#pragma unroll
+    for (int a = 0; a < kGroups / 4; ++a) {
+      uint32_t act_words[4], gate_words[4], up_words[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int i = 4 * (4 * a + j) + 2 * r;
+        const float g0 = float(T(acc(i))), g1 = float(T(acc(i + 1)));
+        const float u0 = float(T(acc(i + kHalf))), u1 = float(T(acc(i + kHalf + 1)));
+        float a0 = swiglu_forward(g0, u0), a1 = swiglu_forward(g1, u1);
+        if (p.prob_of_row != nullptr) {
+          a0 = __fmul_rn(prob, a0);
+          a1 = __fmul_rn(prob, a1);
+        }
+        act_words[j] = pack2<T>(a0, a1);
+        gate_words[j] = pack2<T>(g0, g1);
+        up_words[j] = pack2<T>(u0, u1);
       }
-      const float prob = m == first_m ? first_prob : other_prob;
-      a0 = __fmul_rn(prob, a0);
-      a1 = __fmul_rn(prob, a1);
-    }
-    *reinterpret_cast<uint32_t*>(act + row * p.ffn + col) = pack2<T>(a0, a1);
-    if (h != nullptr) {
-      *reinterpret_cast<uint32_t*>(h + row * 2 * p.ffn + col) = pack2<T>(g0, g1);
-      *reinterpret_cast<uint32_t*>(h + row * 2 * p.ffn + p.ffn + col) = pack2<T>(u0, u1);
+      // This lane's 8 columns after the exchange: group 4a + (lane % 4).
+      const int64_t col = t.n0 + 8 * (4 * a + quad_lane);
+      quad_transpose(act_words);
+      if (stored) store16(act + row * p.ffn + col, act_words);
+      if (h != nullptr) {
+        quad_transpose(gate_words);
+        quad_transpose(up_words);
+        if (stored) {
+          store16(h + row * 2 * p.ffn + col, gate_words);
+          store16(h + row * 2 * p.ffn + p.ffn + col, up_words);
+        }
+      }
     }
   }
 }
@@ -249,20 +273,20 @@ __device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int t
   Tensor acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<2 * kTileN>>{});
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<2 * kTileN>>{}));
 
-  // This warpgroup's rows of a tile: [first_row, first_row + 64).
-  const int first_row = (consumer_thread / 128) * (kTileM / 2);
+  const int m0 = check_accumulator_layout(coords);
+
+  // Both warpgroups run every tile's whole K loop, also a warpgroup whose 64 rows are all past
+  // the expert's end (never stored): tiles then take the same time on every CTA, so the CTAs
+  // running an expert's M tiles of one weight slice stay in step and the second one finds the
+  // slice in L2. (Letting such a warpgroup skip made partial tiles faster and the CTAs drift
+  // apart: on the H200, 2026-11-28, the fc2 dgrad then read 963 MB from DRAM for the 637 MB it
+  // needs, 758 MB without the skip; fc1 1.50 GB, then 1.38 GB.)
   StageRing<kStages> ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
-    if (t.rows <= first_row) {
-      // An expert's last tile with at most 64 rows: this warpgroup has none, so it leaves the
-      // tensor cores to the other one (which then runs up to twice as fast).
-      pass_k_blocks(ring, s.full, s.empty, k_blocks, warp_leader);
-      continue;
-    }
     // The cp.async form writes the A rows through the generic proxy.
     mma_k_blocks<kGather == Gather::CpAsync>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc);
-    store_tile<T>(p, t, acc, coords);
+    store_tile<T>(p, t, acc, m0);
   }
 }
 

@@ -31,8 +31,9 @@
 //
 // Epilogue, per pair of adjacent accumulator columns of a stored row: dact rounded to T, then
 // capmoe_routing_swiglu_backward's fp32 math on (rounded dact, g = h[r, f], u = h[r, F + f])
-// with 32-bit loads of h (issued before the tile's mainloop, so they land behind it) and
-// 32-bit stores of dh (and of dact when requested).
+// with 16-byte loads of h (issued before the tile's mainloop, so they land behind it; the
+// quad's lanes exchange them into the accumulators' layout after it) and 16-byte stores of dh
+// (and of dact when requested): fused/quad_store.cuh.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -52,6 +53,7 @@
 #include "common/swiglu_math.cuh"
 #include "fused/gather_rows.cuh"
 #include "fused/pair.cuh"
+#include "fused/quad_store.cuh"
 #include "fused/swiglu_dgrad_launch.h"
 #include "fused/swiglu_dgrad_layout.h"
 #include "fused/tile_list.cuh"
@@ -150,53 +152,123 @@ __device__ void produce_gathered(const SwigluDgradParams& p, typename Kernel<T>:
       [&](int stage, const Tile& t, int k0) { load_weights<T>(p, s, stage, t, k0); });
 }
 
-// The h pairs a thread's accumulators need: gate[j] = h[row, col .. col + 1] and up[j] the
-// same columns of the up half, for accumulator pair j = (2j, 2j + 1); 0 for rows past t.rows.
-// Loaded before the tile's mainloop, so their latency hides behind it.
+// The accumulator layout the epilogue's 16-byte loads and stores rely on: pair j = 2g + r holds
+// row m0 + 8r, columns 8g + 2 * (lane % 4) + {0, 1} of the tile (g < kTileN / 8). Traps
+// otherwise (a build of the wrong atom); checked once per thread. Returns m0.
 template <int kPairs, class Coords>
-__device__ __forceinline__ void load_gate_up(const SwigluDgradParams& p, const Tile& t, const Coords& coords,
+__device__ int check_pair_layout(const Coords& coords) {
+  static_assert(kPairs == 2 * (kTileN / 8), "two rows of kTileN / 8 column groups per thread");
+  const int m0 = get<0>(coords(0));
+  const int quad_lane = threadIdx.x & 3;
+#pragma unroll
+  for (int i = 0; i < 2 * kPairs; ++i) {
+    const int j = i / 2, g = j / 2, r = j % 2, c = i % 2;
+    if (get<0>(coords(i)) != m0 + 8 * r || get<1>(coords(i)) != 8 * g + 2 * quad_lane + c) __trap();
+  }
+  return m0;
+}
+
+// Pair index of row half r, group 4a + j (check_pair_layout).
+__device__ __forceinline__ constexpr int pair_of(int r, int a, int j) { return 2 * (4 * a + j) + r; }
+
+// The h pairs of a thread's rows (0 past t.rows), as 16-byte loads: gate[pair_of(r, a, j)] is
+// word j of h[row m0 + 8r, columns 8 * (4a + lane % 4) ..] (the quad-exchanged layout;
+// exchange_gate_up puts each pair where the accumulators need it). Issued before the tile's
+// mainloop, so their latency hides behind it.
+template <int kPairs>
+__device__ __forceinline__ void load_gate_up(const SwigluDgradParams& p, const Tile& t, int m0,
                                              uint32_t (&gate)[kPairs], uint32_t (&up)[kPairs]) {
   const auto* __restrict__ h = static_cast<const uint16_t*>(p.h);
   const int64_t ffn = p.ffn;
+  const int quad_lane = threadIdx.x & 3;
 #pragma unroll
-  for (int j = 0; j < kPairs; ++j) {
-    const int m = get<0>(coords(2 * j)), n = get<1>(coords(2 * j));
-    gate[j] = up[j] = 0;
-    if (m < t.rows) {
-      const int64_t at = int64_t(t.row0 + m) * 2 * ffn + t.n0 + n;
-      gate[j] = __ldg(reinterpret_cast<const uint32_t*>(h + at));
-      up[j] = __ldg(reinterpret_cast<const uint32_t*>(h + at + ffn));
+  for (int r = 0; r < 2; ++r) {
+    const int m = m0 + 8 * r;
+    const int64_t row_at = (int64_t(t.row0) + m) * 2 * ffn + t.n0 + 8 * quad_lane;
+#pragma unroll
+    for (int a = 0; a < kPairs / 8; ++a) {
+      uint32_t g[4] = {0, 0, 0, 0}, u[4] = {0, 0, 0, 0};
+      if (m < t.rows) {
+        load16_readonly(h + row_at + 32 * a, g);
+        load16_readonly(h + row_at + 32 * a + ffn, u);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        gate[pair_of(r, a, j)] = g[j];
+        up[pair_of(r, a, j)] = u[j];
+      }
+    }
+  }
+}
+
+// After the mainloop: gate[j] / up[j] become the h pairs of accumulator pair j.
+template <int kPairs>
+__device__ __forceinline__ void exchange_gate_up(uint32_t (&gate)[kPairs], uint32_t (&up)[kPairs]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int a = 0; a < kPairs / 8; ++a) {
+      uint32_t g[4], u[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        g[j] = gate[pair_of(r, a, j)];
+        u[j] = up[pair_of(r, a, j)];
+      }
+      quad_transpose(g);
+      quad_transpose(u);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        gate[pair_of(r, a, j)] = g[j];
+        up[pair_of(r, a, j)] = u[j];
+      }
     }
   }
 }
 
 // dh of the tile's stored rows (< t.rows) from the fp32 accumulators of dact and the h pairs
-// of load_gate_up.
-template <class T, int kPairs, class Accum, class Coords>
-__device__ void store_tile(const SwigluDgradParams& p, const Tile& t, const Accum& acc, const Coords& coords,
+// (exchange_gate_up's layout), 16 bytes a lane (fused/quad_store.cuh).
+template <class T, int kPairs, class Accum>
+__device__ void store_tile(const SwigluDgradParams& p, const Tile& t, const Accum& acc, int m0,
                            const uint32_t (&gate)[kPairs], const uint32_t (&up)[kPairs]) {
   auto* __restrict__ dh = static_cast<uint16_t*>(p.dh);
   auto* __restrict__ dact = static_cast<uint16_t*>(p.dact);
   const int64_t ffn = p.ffn;
+  const int quad_lane = threadIdx.x & 3;
 #pragma unroll
-  for (int j = 0; j < kPairs; ++j) {
-    const int m = get<0>(coords(2 * j)), n = get<1>(coords(2 * j));
-    // The accumulator layout pairs (2j, 2j + 1) as adjacent columns of one row; a layout that
-    // broke this would be a build of the wrong atom (folds away at compile time).
-    if (get<1>(coords(2 * j + 1)) != n + 1 || get<0>(coords(2 * j + 1)) != m) __trap();
-    if (m >= t.rows) continue;
-    const uint32_t dact_bits = Pair<T>::pack(acc(2 * j), acc(2 * j + 1));
-    const float2 d = Pair<T>::unpack(dact_bits);
-    const float2 g = Pair<T>::unpack(gate[j]);
-    const float2 u = Pair<T>::unpack(up[j]);
-    // capmoe_routing_swiglu_backward's formula (common/swiglu_math.cuh, the same bits).
-    float dg0, du0, dg1, du1;
-    swiglu_backward(d.x, g.x, u.x, dg0, du0);
-    swiglu_backward(d.y, g.y, u.y, dg1, du1);
-    const int64_t row = int64_t(t.row0) + m, col = t.n0 + n;
-    *reinterpret_cast<uint32_t*>(dh + row * 2 * ffn + col) = Pair<T>::pack(dg0, dg1);
-    *reinterpret_cast<uint32_t*>(dh + row * 2 * ffn + ffn + col) = Pair<T>::pack(du0, du1);
-    if (dact != nullptr) *reinterpret_cast<uint32_t*>(dact + row * ffn + col) = dact_bits;
+  for (int r = 0; r < 2; ++r) {
+    const int m = m0 + 8 * r;
+    const bool stored = m < t.rows;
+    const int64_t row = int64_t(t.row0) + m;
+#pragma unroll
+    for (int a = 0; a < kPairs / 8; ++a) {
+      uint32_t dg_words[4], du_words[4], dact_words[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int pair = pair_of(r, a, j);
+        dact_words[j] = Pair<T>::pack(acc(2 * pair), acc(2 * pair + 1));
+        const float2 d = Pair<T>::unpack(dact_words[j]);
+        const float2 g = Pair<T>::unpack(gate[pair]);
+        const float2 u = Pair<T>::unpack(up[pair]);
+        // capmoe_routing_swiglu_backward's formula (common/swiglu_math.cuh, the same bits).
+        float dg0, du0, dg1, du1;
+        swiglu_backward(d.x, g.x, u.x, dg0, du0);
+        swiglu_backward(d.y, g.y, u.y, dg1, du1);
+        dg_words[j] = Pair<T>::pack(dg0, dg1);
+        du_words[j] = Pair<T>::pack(du0, du1);
+      }
+      // This lane's 8 columns after the exchange: group 4a + (lane % 4).
+      const int64_t col = t.n0 + 8 * (4 * a + quad_lane);
+      quad_transpose(dg_words);
+      quad_transpose(du_words);
+      if (stored) {
+        store16(dh + row * 2 * ffn + col, dg_words);
+        store16(dh + row * 2 * ffn + ffn + col, du_words);
+      }
+      if (dact != nullptr) {
+        quad_transpose(dact_words);
+        if (stored) store16(dact + row * ffn + col, dact_words);
+      }
+    }
   }
 }
 
@@ -233,46 +305,60 @@ __device__ __forceinline__ void load_probs(const SwigluDgradParams& p, const Til
   }
 }
 
-// The gathered form's epilogue, per pair of adjacent columns of a stored row (< t.rows): d =
-// dact rounded to T; dprob's term d * SwiGLU(g, u) added to the row's partial in a fixed order
-// (ascending pairs, low column first, every product and sum rounded on its own); dh = SwiGLU
-// backward of (p * d, g, u). Then the quad's four partials of each row are summed by a fixed
-// butterfly (xor 1, then xor 2: every lane ends with the same bits), and lane 0 of the quad
-// writes the row's partial of this column slice: dprob_partials[row, n0 / kTileN].
-template <class T, int kPairs, class Accum, class Coords>
-__device__ void store_tile_gathered(const SwigluDgradParams& p, const Tile& t, const Accum& acc, const Coords& coords,
-                                    const uint32_t (&gate)[kPairs], const uint32_t (&up)[kPairs], int row_a,
+// The gathered form's epilogue, per pair of adjacent columns of a row: d = dact rounded to T;
+// dprob's term d * SwiGLU(g, u) added to the row's partial in a fixed order (ascending pairs,
+// low column first, every product and sum rounded on its own); for a stored row (< t.rows)
+// dh = SwiGLU backward of (p * d, g, u), 16 bytes a lane. Then the quad's four partials of
+// each row are summed by a fixed butterfly (xor 1, then xor 2: every lane ends with the same
+// bits), and lane 0 of the quad writes the row's partial of this column slice:
+// dprob_partials[row, n0 / kTileN].
+template <class T, int kPairs, class Accum>
+__device__ void store_tile_gathered(const SwigluDgradParams& p, const Tile& t, const Accum& acc,
+                                    const uint32_t (&gate)[kPairs], const uint32_t (&up)[kPairs], int m0,
                                     const float (&prob)[2]) {
   auto* __restrict__ dh = static_cast<uint16_t*>(p.dh);
   const int64_t ffn = p.ffn;
+  const int quad_lane = threadIdx.x & 3;
   float partial[2] = {0.0f, 0.0f};
 #pragma unroll
-  for (int j = 0; j < kPairs; ++j) {
-    const int m = get<0>(coords(2 * j)), n = get<1>(coords(2 * j));
-    if (get<1>(coords(2 * j + 1)) != n + 1 || get<0>(coords(2 * j + 1)) != m) __trap();
-    const int slot = (m - row_a) >> 3;  // 0 or 1 (check_quad_rows)
-    const float2 d = Pair<T>::unpack(Pair<T>::pack(acc(2 * j), acc(2 * j + 1)));
-    const float2 g = Pair<T>::unpack(gate[j]);
-    const float2 u = Pair<T>::unpack(up[j]);
-    partial[slot] = __fadd_rn(partial[slot], __fmul_rn(d.x, swiglu_forward(g.x, u.x)));
-    partial[slot] = __fadd_rn(partial[slot], __fmul_rn(d.y, swiglu_forward(g.y, u.y)));
-    if (m >= t.rows) continue;
-    float dg0, du0, dg1, du1;
-    swiglu_backward(__fmul_rn(prob[slot], d.x), g.x, u.x, dg0, du0);
-    swiglu_backward(__fmul_rn(prob[slot], d.y), g.y, u.y, dg1, du1);
-    const int64_t row = int64_t(t.row0) + m, col = t.n0 + n;
-    *reinterpret_cast<uint32_t*>(dh + row * 2 * ffn + col) = Pair<T>::pack(dg0, dg1);
-    *reinterpret_cast<uint32_t*>(dh + row * 2 * ffn + ffn + col) = Pair<T>::pack(du0, du1);
+  for (int r = 0; r < 2; ++r) {
+    const int m = m0 + 8 * r;
+    const int64_t row = int64_t(t.row0) + m;
+#pragma unroll
+    for (int a = 0; a < kPairs / 8; ++a) {
+      uint32_t dg_words[4], du_words[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int pair = pair_of(r, a, j);
+        const float2 d = Pair<T>::unpack(Pair<T>::pack(acc(2 * pair), acc(2 * pair + 1)));
+        const float2 g = Pair<T>::unpack(gate[pair]);
+        const float2 u = Pair<T>::unpack(up[pair]);
+        partial[r] = __fadd_rn(partial[r], __fmul_rn(d.x, swiglu_forward(g.x, u.x)));
+        partial[r] = __fadd_rn(partial[r], __fmul_rn(d.y, swiglu_forward(g.y, u.y)));
+        float dg0, du0, dg1, du1;
+        swiglu_backward(__fmul_rn(prob[r], d.x), g.x, u.x, dg0, du0);
+        swiglu_backward(__fmul_rn(prob[r], d.y), g.y, u.y, dg1, du1);
+        dg_words[j] = Pair<T>::pack(dg0, dg1);
+        du_words[j] = Pair<T>::pack(du0, du1);
+      }
+      const int64_t col = t.n0 + 8 * (4 * a + quad_lane);
+      quad_transpose(dg_words);
+      quad_transpose(du_words);
+      if (m < t.rows) {
+        store16(dh + row * 2 * ffn + col, dg_words);
+        store16(dh + row * 2 * ffn + ffn + col, du_words);
+      }
+    }
   }
   const int slices = p.ffn / kTileN;
-  const bool quad_leader = (threadIdx.x & 3) == 0;
+  const bool quad_leader = quad_lane == 0;
 #pragma unroll
   for (int slot = 0; slot < 2; ++slot) {
     // Every lane shuffles (rows past t.rows included): the masks name the whole warp.
     float v = partial[slot];
     v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
     v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
-    const int m = row_a + 8 * slot;
+    const int m = m0 + 8 * slot;
     if (quad_leader && m < t.rows) p.dprob_partials[(int64_t(t.row0) + m) * slices + t.n0 / kTileN] = v;
   }
 }
@@ -293,30 +379,31 @@ __device__ void consume(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
   Tensor acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<kTileN>>{});
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
   constexpr int kPairs = decltype(size(acc))::value / 2;
-  const int row_a = kA == ASource::Gathered ? check_quad_rows<kPairs>(coords) : 0;
+  if constexpr (kA == ASource::Gathered) check_quad_rows<kPairs>(coords);
+  const int m0 = check_pair_layout<kPairs>(coords);
 
-  // This warpgroup's rows of a tile: [first_row, first_row + 64).
-  const int first_row = (consumer_thread / 128) * (kTileM / 2);
+  // Both warpgroups run every tile's whole K loop, also a warpgroup whose 64 rows are all past
+  // the expert's end (never stored): tiles then take the same time on every CTA, so the CTAs
+  // running an expert's M tiles of one weight slice stay in step and the second one finds the
+  // slice in L2. (Letting such a warpgroup skip made partial tiles faster and the CTAs drift
+  // apart: on the H200, 2026-11-28, the fc2 dgrad then read 963 MB from DRAM for the 637 MB it
+  // needs, 758 MB without the skip; fc1 1.50 GB, then 1.38 GB.)
   StageRing<kStages> ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
-    if (t.rows <= first_row) {
-      // An expert's last tile with at most 64 rows: this warpgroup has none of them, so it
-      // leaves the tensor cores to the other one.
-      pass_k_blocks(ring, s.full, s.empty, k_blocks, warp_leader);
-      continue;
-    }
     uint32_t gate[kPairs], up[kPairs];
-    load_gate_up(p, t, coords, gate, up);
+    load_gate_up(p, t, m0, gate, up);
     if constexpr (kA == ASource::Gathered) {
       float prob[2];
-      load_probs(p, t, row_a, prob);
+      load_probs(p, t, m0, prob);
       // The gathered A rows come through the generic proxy (cp.async).
       mma_k_blocks<true>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc);
-      store_tile_gathered<T>(p, t, acc, coords, gate, up, row_a, prob);
+      exchange_gate_up(gate, up);
+      store_tile_gathered<T>(p, t, acc, gate, up, m0, prob);
     } else {
       mma_k_blocks<false>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc);  // TMA-loaded stages
-      store_tile<T>(p, t, acc, coords, gate, up);
+      exchange_gate_up(gate, up);
+      store_tile<T>(p, t, acc, m0, gate, up);
     }
   }
 }
