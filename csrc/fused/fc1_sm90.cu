@@ -275,15 +275,20 @@ __device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int t
 
   const int m0 = check_accumulator_layout(coords);
 
-  // Both warpgroups run every tile's whole K loop, also a warpgroup whose 64 rows are all past
-  // the expert's end (never stored): tiles then take the same time on every CTA, so the CTAs
-  // running an expert's M tiles of one weight slice stay in step and the second one finds the
-  // slice in L2. (Letting such a warpgroup skip made partial tiles faster and the CTAs drift
-  // apart: on the H200, 2026-11-28, the fc2 dgrad then read 963 MB from DRAM for the 637 MB it
-  // needs, 758 MB without the skip; fc1 1.50 GB, then 1.38 GB.)
+  // This warpgroup's rows of a tile: [first_row, first_row + 64).
+  const int first_row = (consumer_thread / 128) * (kTileM / 2);
   StageRing<kStages> ring;
   for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
+    if (t.rows <= first_row) {
+      // An expert's last tile with at most 64 rows: this warpgroup has none, so it leaves the
+      // tensor cores to the other one (which then runs up to twice as fast). Unlike the fc2
+      // dgrad, fc1 keeps this skip: running such tiles whole took its DRAM reads from 1.50 to
+      // 1.38 GB at E128 T4096 but made the expert forward slower (H200, 2026-11-28: 740 ->
+      // 820 us at E128 T4096, 323 -> 375 us at decode, where most tiles are partial).
+      pass_k_blocks(ring, s.full, s.empty, k_blocks, warp_leader);
+      continue;
+    }
     // The cp.async form writes the A rows through the generic proxy.
     mma_k_blocks<kGather == Gather::CpAsync>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc);
     store_tile<T>(p, t, acc, m0);

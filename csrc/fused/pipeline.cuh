@@ -84,6 +84,19 @@ __device__ __forceinline__ void init_stage_barriers(uint64_t* full, uint64_t* em
   cutlass::arch::fence_barrier_init();
 }
 
+// A consumer warpgroup with no rows in the tile: takes each of the tile's k_blocks stages and
+// gives it straight back, so the pipeline's arrival count stays whole.
+template <int kStages>
+__device__ __forceinline__ void pass_k_blocks(StageRing<kStages>& ring, uint64_t* full, uint64_t* empty,
+                                              int k_blocks, bool warp_leader) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    wait_barrier(&full[ring.stage], ring.phase, "consumer without rows, full");
+    if (warp_leader) Barrier::arrive(&empty[ring.stage]);
+    ring.advance();
+  }
+}
+
 // A consumer warpgroup's mainloop over one tile: for each of the tile's k_blocks stages, waits
 // for it and runs its wgmmas into acc (the first one overwrites acc), keeping one batch in
 // flight: a stage goes back to the producer once the next stage's batch is issued and its own
