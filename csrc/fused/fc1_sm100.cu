@@ -163,16 +163,12 @@ __device__ __forceinline__ void store_columns(const Fc1Params& p, int64_t row, i
   uint32_t act_pairs[16], gate_pairs[16], up_pairs[16];
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    const float g0 = float(T(__uint_as_float(gate[2 * i]))), g1 = float(T(__uint_as_float(gate[2 * i + 1])));
-    const float u0 = float(T(__uint_as_float(up[2 * i]))), u1 = float(T(__uint_as_float(up[2 * i + 1])));
-    float a0 = swiglu_forward(g0, u0), a1 = swiglu_forward(g1, u1);
-    if (p.prob_of_row != nullptr) {
-      a0 = __fmul_rn(prob, a0);
-      a1 = __fmul_rn(prob, a1);
-    }
-    act_pairs[i] = pack2<T>(a0, a1);
-    gate_pairs[i] = pack2<T>(g0, g1);
-    up_pairs[i] = pack2<T>(u0, u1);
+    const Fc1Pairs out = fc1_pairs<T>(__uint_as_float(gate[2 * i]), __uint_as_float(gate[2 * i + 1]),
+                                      __uint_as_float(up[2 * i]), __uint_as_float(up[2 * i + 1]),
+                                      p.prob_of_row != nullptr, prob);
+    act_pairs[i] = out.act;
+    gate_pairs[i] = out.gate;
+    up_pairs[i] = out.up;
   }
   T* act = static_cast<T*>(p.act);
   T* h = static_cast<T*>(p.h);

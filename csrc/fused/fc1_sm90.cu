@@ -229,16 +229,11 @@ __device__ void store_tile(const Fc1Params& p, const Tile& t, const Accum& acc, 
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int i = 4 * (4 * a + j) + 2 * r;
-        const float g0 = float(T(acc(i))), g1 = float(T(acc(i + 1)));
-        const float u0 = float(T(acc(i + kHalf))), u1 = float(T(acc(i + kHalf + 1)));
-        float a0 = swiglu_forward(g0, u0), a1 = swiglu_forward(g1, u1);
-        if (p.prob_of_row != nullptr) {
-          a0 = __fmul_rn(prob, a0);
-          a1 = __fmul_rn(prob, a1);
-        }
-        act_words[j] = pack2<T>(a0, a1);
-        gate_words[j] = pack2<T>(g0, g1);
-        up_words[j] = pack2<T>(u0, u1);
+        const Fc1Pairs out =
+            fc1_pairs<T>(acc(i), acc(i + 1), acc(i + kHalf), acc(i + kHalf + 1), p.prob_of_row != nullptr, prob);
+        act_words[j] = out.act;
+        gate_words[j] = out.gate;
+        up_words[j] = out.up;
       }
       // This lane's 8 columns after the exchange: group 4a + (lane % 4).
       const int64_t col = t.n0 + 8 * (4 * a + quad_lane);

@@ -219,16 +219,11 @@ __device__ __forceinline__ void store_columns(const SwigluDgradParams& p, int64_
   uint32_t dg_pairs[kPairsPerLoad], du_pairs[kPairsPerLoad], dact_pairs[kPairsPerLoad];
 #pragma unroll
   for (int i = 0; i < kPairsPerLoad; ++i) {
-    dact_pairs[i] = Pair<T>::pack(__uint_as_float(acc[2 * i]), __uint_as_float(acc[2 * i + 1]));
-    const float2 d = Pair<T>::unpack(dact_pairs[i]);
-    const float2 g = Pair<T>::unpack(gate[i]);
-    const float2 u = Pair<T>::unpack(up[i]);
-    // capmoe_routing_swiglu_backward's formula (common/swiglu_math.cuh, the same bits).
-    float dg0, du0, dg1, du1;
-    swiglu_backward(d.x, g.x, u.x, dg0, du0);
-    swiglu_backward(d.y, g.y, u.y, dg1, du1);
-    dg_pairs[i] = Pair<T>::pack(dg0, dg1);
-    du_pairs[i] = Pair<T>::pack(du0, du1);
+    const DgradPairs out =
+        swiglu_dgrad_pairs<T>(__uint_as_float(acc[2 * i]), __uint_as_float(acc[2 * i + 1]), gate[i], up[i]);
+    dact_pairs[i] = out.dact;
+    dg_pairs[i] = out.dg;
+    du_pairs[i] = out.du;
   }
   auto* dh = static_cast<uint16_t*>(p.dh) + row * 2 * p.ffn + col;
   store_16_pairs(dh, dg_pairs);

@@ -245,16 +245,10 @@ __device__ void store_tile(const SwigluDgradParams& p, const Tile& t, const Accu
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         const int pair = pair_of(r, a, j);
-        dact_words[j] = Pair<T>::pack(acc(2 * pair), acc(2 * pair + 1));
-        const float2 d = Pair<T>::unpack(dact_words[j]);
-        const float2 g = Pair<T>::unpack(gate[pair]);
-        const float2 u = Pair<T>::unpack(up[pair]);
-        // capmoe_routing_swiglu_backward's formula (common/swiglu_math.cuh, the same bits).
-        float dg0, du0, dg1, du1;
-        swiglu_backward(d.x, g.x, u.x, dg0, du0);
-        swiglu_backward(d.y, g.y, u.y, dg1, du1);
-        dg_words[j] = Pair<T>::pack(dg0, dg1);
-        du_words[j] = Pair<T>::pack(du0, du1);
+        const DgradPairs out = swiglu_dgrad_pairs<T>(acc(2 * pair), acc(2 * pair + 1), gate[pair], up[pair]);
+        dact_words[j] = out.dact;
+        dg_words[j] = out.dg;
+        du_words[j] = out.du;
       }
       // This lane's 8 columns after the exchange: group 4a + (lane % 4).
       const int64_t col = t.n0 + 8 * (4 * a + quad_lane);
