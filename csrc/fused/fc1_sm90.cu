@@ -49,6 +49,7 @@
 #include "fused/pipeline.cuh"
 #include "common/swiglu_math.cuh"
 #include "fused/fc1_launch.h"
+#include "fused/accumulator_layout.cuh"
 #include "fused/gather_rows.cuh"
 #include "fused/quad_store.cuh"
 #include "fused/tile_list.cuh"
@@ -187,28 +188,12 @@ __device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared&
       [&](int stage, const Tile& t, int k0) { load_weights<T>(p, s, stage, t, k0); });
 }
 
-// The accumulator layout store_tile relies on: index i = 4g + 2r + c holds row m0 + 8r, column
-// 8g + 2 * (lane % 4) + c of the 128 x 256 [gate | up] tile (g < 2 * kTileN / 8 column groups,
-// the up half from g = kTileN / 8 on), so gate column n and up column n + kTileN sit kHalf
-// apart and the 4 lanes of a quad share their rows. Traps otherwise (a build of the wrong
-// atom); checked once per thread. Returns m0.
-template <class Coords>
-__device__ int check_accumulator_layout(const Coords& coords) {
-  const int m0 = get<0>(coords(0));
-  const int quad_lane = threadIdx.x & 3;
-#pragma unroll
-  for (int i = 0; i < decltype(size(coords))::value; ++i) {
-    const int g = i / 4, r = (i / 2) % 2, c = i % 2;
-    if (get<0>(coords(i)) != m0 + 8 * r || get<1>(coords(i)) != 8 * g + 2 * quad_lane + c) __trap();
-  }
-  return m0;
-}
-
 // Rounds the accumulators to T, then act = silu(g) * u in fp32 (capmoe_routing_swiglu's math),
 // times the row's route probability when p.prob_of_row is given, and h = [g | u] when
 // requested. Only rows < t.rows are stored, 16 bytes a lane (fused/quad_store.cuh).
 //
-// m0: the thread's first tile row (check_accumulator_layout).
+// m0: the thread's first tile row. The accumulator layout is check_quad_accumulator_layout's over
+// the 128 x 256 [gate | up] tile, so gate column n and up column n + kTileN sit kHalf apart.
 template <class T, class Accum>
 __device__ void store_tile(const Fc1Params& p, const Tile& t, const Accum& acc, int m0) {
   constexpr int kGroups = kTileN / 8;  // 8-column groups of act per row
@@ -268,7 +253,7 @@ __device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int t
   Tensor acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<2 * kTileN>>{});
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<2 * kTileN>>{}));
 
-  const int m0 = check_accumulator_layout(coords);
+  const int m0 = check_quad_accumulator_layout(coords);
 
   // This warpgroup's rows of a tile: [first_row, first_row + 64).
   const int first_row = (consumer_thread / 128) * (kTileM / 2);

@@ -51,6 +51,7 @@
 #include "fused/launch_large_smem.cuh"
 #include "fused/pipeline.cuh"
 #include "common/swiglu_math.cuh"
+#include "fused/accumulator_layout.cuh"
 #include "fused/gather_rows.cuh"
 #include "fused/pair.cuh"
 #include "fused/quad_store.cuh"
@@ -152,23 +153,8 @@ __device__ void produce_gathered(const SwigluDgradParams& p, typename Kernel<T>:
       [&](int stage, const Tile& t, int k0) { load_weights<T>(p, s, stage, t, k0); });
 }
 
-// The accumulator layout the epilogue's 16-byte loads and stores rely on: pair j = 2g + r holds
-// row m0 + 8r, columns 8g + 2 * (lane % 4) + {0, 1} of the tile (g < kTileN / 8). Traps
-// otherwise (a build of the wrong atom); checked once per thread. Returns m0.
-template <int kPairs, class Coords>
-__device__ int check_pair_layout(const Coords& coords) {
-  static_assert(kPairs == 2 * (kTileN / 8), "two rows of kTileN / 8 column groups per thread");
-  const int m0 = get<0>(coords(0));
-  const int quad_lane = threadIdx.x & 3;
-#pragma unroll
-  for (int i = 0; i < 2 * kPairs; ++i) {
-    const int j = i / 2, g = j / 2, r = j % 2, c = i % 2;
-    if (get<0>(coords(i)) != m0 + 8 * r || get<1>(coords(i)) != 8 * g + 2 * quad_lane + c) __trap();
-  }
-  return m0;
-}
-
-// Pair index of row half r, group 4a + j (check_pair_layout).
+// Pair index of row half r, group 4a + j: pair j = (2j, 2j + 1) of the accumulators, laid out
+// as check_quad_accumulator_layout says (value i = 4g + 2r + c, so pair 2g + r).
 __device__ __forceinline__ constexpr int pair_of(int r, int a, int j) { return 2 * (4 * a + j) + r; }
 
 // The h pairs of a thread's rows (0 past t.rows), as 16-byte loads: gate[pair_of(r, a, j)] is
@@ -373,8 +359,9 @@ __device__ void consume(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
   Tensor acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<kTileN>>{});
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
   constexpr int kPairs = decltype(size(acc))::value / 2;
+  static_assert(kPairs == 2 * (kTileN / 8), "two rows of kTileN / 8 column groups per thread");
   if constexpr (kA == ASource::Gathered) check_quad_rows<kPairs>(coords);
-  const int m0 = check_pair_layout<kPairs>(coords);
+  const int m0 = check_quad_accumulator_layout(coords);
 
   // Both warpgroups run every tile's whole K loop, also a warpgroup whose 64 rows are all past
   // the expert's end (never stored): tiles then take the same time on every CTA, so the CTAs
