@@ -1,7 +1,7 @@
 //! The graph module on the GPU: the VMM pool (physical bytes = the largest range, distinct
 //! virtual ranges over shared physical memory, pooled bucket graphs bit-equal to graphs
 //! captured alone over 1000 interleaved replays with fresh routing), graph update (an updated
-//! graph equals a freshly captured one), the capture guard of every host-side call (one test
+//! graph equals a freshly captured one; `GraphVariants` switching one graph between layers does too), the capture guard of every host-side call (one test
 //! each), a capture whose body panics, the flag report, the pool memory of eight buckets (a
 //! suite test with the issue-16 target asserted), and ignored timing hooks that print the
 //! issue-16 figures (one graph for every T, update vs capture + instantiate, first replay with
@@ -17,7 +17,7 @@ use capturable_moe::echo::{Algorithm, EchoConfig, EchoPlan};
 use capturable_moe::fused::{FusedFc1, FusedSwigluDgrad, GatherWgrad, GatherWgradConfig, WgradOutput};
 use capturable_moe::graph::{
     capture, capture_with, round_up, update, CaptureMode, CaptureOptions, FlagReport, FlagSource, FlagWords,
-    GraphTemplate, MemoryPool, PoolRange,
+    GraphTemplate, GraphVariants, MemoryPool, PoolRange,
 };
 use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
 use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions};
@@ -345,6 +345,68 @@ fn update_to_another_topology_is_refused_gpu() {
     assert_written_bf16("y after a refused update", &y, SMALL.t_max * SMALL.h);
 }
 
+/// One graph switched between three layers by `GraphVariants` (only the nodes that differ are
+/// set) equals a graph captured for the selected layer, bit for bit, in any order of switches,
+/// and writes none of the other layers' outputs.
+#[test]
+fn graph_variants_switch_layers_like_fresh_captures_gpu() {
+    let stream = gpu_or_skip!();
+    let _lock = common::capture_lock();
+    let mut moe = MoeExperts::<bf16>::new(config(SMALL), &stream).unwrap();
+    let mut layers: Vec<Io> = (0..3).map(|l| layer_io(&stream, SMALL, 10 + l)).collect();
+    stream.synchronize().unwrap();
+    let graph = capture(&stream, || layers[0].step(&mut moe, &stream)).unwrap();
+    let templates =
+        layers.iter_mut().map(|io| GraphTemplate::capture(&stream, || io.step(&mut moe, &stream)).unwrap()).collect();
+    let mut variants = GraphVariants::new(graph, templates).unwrap();
+    assert_eq!(variants.nodes_per_switch(), None, "not compared before prepare");
+    variants.prepare().unwrap();
+    let patched = variants.nodes_per_switch().expect("the expert path has only kernel, memset and copy nodes");
+    let nodes = GraphTemplate::capture(&stream, || layers[0].step(&mut moe, &stream)).unwrap().node_count().unwrap();
+    assert!(patched > 0 && patched < nodes, "a switch sets {patched} of {nodes} nodes");
+    assert!(matches!(variants.launch(), Err(Error::InvalidArgument { .. })), "launch before any select");
+    let mut rng = StdRng::seed_from_u64(12);
+    for (i, layer) in [2usize, 0, 1, 1, 2, 0, 2].into_iter().enumerate() {
+        let t = rng.random_range(1..=SMALL.t_max);
+        let step = random_step(&mut rng, SMALL, t);
+        for io in &mut layers {
+            io.load(&stream, &step);
+        }
+        variants.select(layer).unwrap();
+        variants.launch().unwrap();
+        let got = outputs(&layers[layer], &stream);
+        for (other, io) in layers.iter().enumerate().filter(|&(l, _)| l != layer) {
+            let y: Vec<u16> = bits16(&stream, &io.y);
+            assert!(y.iter().all(|&v| v == POISON_BF16), "switch {i}: layer {layer}'s graph wrote layer {other}'s y");
+        }
+        layers[layer].poison_outputs(&stream);
+        let fresh = capture(&stream, || layers[layer].step(&mut moe, &stream)).unwrap();
+        fresh.launch().unwrap();
+        assert_outputs_equal(&format!("switch {i} to layer {layer} (T={t})"), &got, &outputs(&layers[layer], &stream));
+    }
+    assert!(matches!(variants.select(3), Err(Error::InvalidArgument { .. })));
+}
+
+/// Variants of another launch sequence are refused with a typed error when they are compared.
+#[test]
+fn graph_variants_refuse_another_topology_gpu() {
+    let stream = gpu_or_skip!();
+    let _lock = common::capture_lock();
+    let mut moe = MoeExperts::<bf16>::new(config(SMALL), &stream).unwrap();
+    let mut io = layer_io(&stream, SMALL, 4);
+    stream.synchronize().unwrap();
+    let graph = capture(&stream, || io.step(&mut moe, &stream)).unwrap();
+    let forward_only = GraphTemplate::capture(&stream, || {
+        moe.forward(&stream, &io.x, &io.ids, &io.probs, Tokens::Device(&io.tokens), &io.w1, &io.w2, &mut io.y)
+    })
+    .unwrap();
+    let mut variants = GraphVariants::new(graph, vec![forward_only]).unwrap();
+    let refused = variants.prepare();
+    assert!(matches!(refused, Err(Error::GraphUpdate { .. })), "got {:?}", refused.err());
+    let refused = variants.select(0);
+    assert!(matches!(refused, Err(Error::GraphUpdate { .. })), "select after a refused prepare: {:?}", refused.err());
+}
+
 // ---------------------------------------------------------------- capture guards
 
 /// Begins a global-mode capture on `stream`, makes the call, ends the capture, and checks the
@@ -443,6 +505,30 @@ guard_test!(guard_graph_template_apply_to_gpu, "GraphTemplate::apply_to", |strea
     let (graph, template, _buf) = &mut s;
     template.apply_to(graph)
 });
+guard_test!(
+    guard_graph_variants_prepare_gpu,
+    "GraphVariants::prepare",
+    |stream| {
+        let (graph, template, buf) = tiny_graph(&stream);
+        (GraphVariants::new(graph, vec![template]).unwrap(), buf)
+    },
+    |s| {
+        let (variants, _buf) = &mut s;
+        variants.prepare()
+    }
+);
+guard_test!(
+    guard_graph_variants_select_gpu,
+    "GraphVariants::select",
+    |stream| {
+        let (graph, template, buf) = tiny_graph(&stream);
+        (GraphVariants::new(graph, vec![template]).unwrap(), buf)
+    },
+    |s| {
+        let (variants, _buf) = &mut s;
+        variants.select(0)
+    }
+);
 guard_test!(guard_update_gpu, "GraphTemplate::capture", |stream| { tiny_graph(&stream) }, |s| {
     let (graph, _template, _buf) = &mut s;
     update(graph, &stream, || Ok(()))

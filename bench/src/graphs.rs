@@ -8,7 +8,8 @@
 //!   captured at T_max = 16384 reading T on the device, replayed at every bucket's T, beside
 //!   that bucket's graph captured for exactly T (target: within 1.10x for T >= T_max/8);
 //! - `graph_update` (every path shape): re-pointing one layer's graph at another layer's
-//!   buffers ([`GraphTemplate::apply_to`], and [`update`] = re-capture + apply) against capture
+//!   buffers ([`GraphTemplate::apply_to`], [`update`] = re-capture + apply, and
+//!   [`GraphVariants::select`], which sets only the nodes that differ) against capture
 //!   + instantiate, host wall times (target: <= 1/10);
 //! - `graph_first_replay` (every path shape): launch-to-completion wall time of the first
 //!   replay of a graph instantiated without and with upload, and of a steady replay.
@@ -18,7 +19,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use capturable_moe::dtype::DType;
-use capturable_moe::graph::{capture, capture_with, update, CaptureOptions, FlagReport, GraphTemplate, MemoryPool};
+use capturable_moe::graph::{
+    capture, capture_with, update, CaptureOptions, FlagReport, GraphTemplate, GraphVariants, MemoryPool,
+};
 use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions};
 use capturable_moe::routing::Tokens;
 use capturable_moe::Result;
@@ -162,6 +165,41 @@ impl Layer {
     fn run(&mut self, moe: &mut MoeExperts<bf16>, stream: &Arc<CudaStream>, host_t: Option<usize>) -> Result<()> {
         let Layer { x, ids, probs, tokens, w1, w2, y, dy, dx, dprobs, dw1, dw2 } = self;
         let tokens = host_t.map_or(Tokens::Device(&*tokens), Tokens::Host);
+        moe.forward(stream, &*x, &*ids, &*probs, tokens, &*w1, &*w2, y)?;
+        moe.backward(stream, &*x, &*dy, &*probs, tokens, &*w1, &*w2, dx, dprobs, dw1, dw2)
+    }
+}
+
+/// One layer's weights and weight gradients, for layers that share their activation buffers.
+struct LayerWeights {
+    w1: CudaSlice<bf16>,
+    w2: CudaSlice<bf16>,
+    dw1: CudaSlice<bf16>,
+    dw2: CudaSlice<bf16>,
+}
+
+impl LayerWeights {
+    fn new(stream: &Arc<CudaStream>, d: Dims, seed: u64) -> Result<LayerWeights> {
+        Ok(LayerWeights {
+            w1: try_random_bf16(stream, d.e * 2 * d.f * d.h, seed * 16 + 2)?,
+            w2: try_random_bf16(stream, d.e * d.h * d.f, seed * 16 + 3)?,
+            dw1: stream.alloc_zeros(d.e * 2 * d.f * d.h)?,
+            dw2: stream.alloc_zeros(d.e * d.h * d.f)?,
+        })
+    }
+}
+
+impl Layer {
+    /// Forward + backward on this layer's activation buffers with `weights` (T on the device).
+    fn run_with(
+        &mut self,
+        weights: &mut LayerWeights,
+        moe: &mut MoeExperts<bf16>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        let Layer { x, ids, probs, tokens, y, dy, dx, dprobs, .. } = self;
+        let LayerWeights { w1, w2, dw1, dw2 } = weights;
+        let tokens = Tokens::Device(&*tokens);
         moe.forward(stream, &*x, &*ids, &*probs, tokens, &*w1, &*w2, y)?;
         moe.backward(stream, &*x, &*dy, &*probs, tokens, &*w1, &*w2, dx, dprobs, dw1, dw2)
     }
@@ -326,6 +364,15 @@ fn update_rows(stream: &Arc<CudaStream>, reps: usize, d: Dims, t: usize) -> Resu
         graph.launch()?;
         stream.synchronize()?;
     }
+    let every_buffer =
+        variant_switch_times(stream, &mut moe, layers.len(), reps, |moe, l| layers[l].run(moe, stream, None))?;
+    // Layers sharing their activation buffers (an engine copies each layer's inputs into the
+    // graph's static ones), each with its own weights and weight gradients.
+    let mut weights = (0..LAYERS).map(|i| LayerWeights::new(stream, d, 50 + i)).collect::<Result<Vec<_>>>()?;
+    let (shared, layer_weights) = (&mut layers[0], &mut weights);
+    let weights_only = variant_switch_times(stream, &mut moe, layer_weights.len(), reps, |moe, l| {
+        shared.run_with(&mut layer_weights[l], moe, stream)
+    })?;
     let (fresh, apply) = (median(&mut fresh), median(&mut apply));
     let (recapture_apply, update_call) = (median(&mut recapture_apply), median(&mut update_call));
     let name = d.name(t);
@@ -356,6 +403,8 @@ fn update_rows(stream: &Arc<CudaStream>, reps: usize, d: Dims, t: usize) -> Resu
                 of_fresh(apply)
             ),
         ),
+        switch_row(&name, "variants-select", "every buffer of the layer (weights, inputs, outputs)", &every_buffer, nodes, reps, of_fresh(every_buffer.select_us)),
+        switch_row(&name, "variants-select-weights", "weights and weight gradients; inputs and outputs shared", &weights_only, nodes, reps, of_fresh(weights_only.select_us)),
         row(
             &name,
             "graph_update",
@@ -369,6 +418,68 @@ fn update_rows(stream: &Arc<CudaStream>, reps: usize, d: Dims, t: usize) -> Resu
             ),
         ),
     ])
+}
+
+/// The row of one `GraphVariants` switch: `differs` says what the layers do not share.
+fn switch_row(name: &str, imp: &str, differs: &str, t: &SwitchTimes, nodes: usize, reps: usize, ratio: String) -> Row {
+    let set = t.nodes.map_or("every node (whole-graph update)".to_string(), |n| format!("{n} of {nodes} nodes"));
+    row(
+        name,
+        "graph_update",
+        imp,
+        t.select_us,
+        f64::NAN,
+        format!(
+            "GraphVariants::select between {LAYERS} layers differing in {differs}: sets {set}; {ratio}; host wall \
+             time, median of {reps}; launch to completion of the replay right after a select {:.1} us, of a second \
+             replay {:.1} us",
+            t.first_replay_us, t.steady_replay_us
+        ),
+    )
+}
+
+/// What switching one graph between layers with `GraphVariants` costs (medians, µs).
+struct SwitchTimes {
+    select_us: f64,
+    first_replay_us: f64,
+    steady_replay_us: f64,
+    nodes: Option<usize>,
+}
+
+/// One graph and the templates of `count` layers in a `GraphVariants` (`step(moe, l)` enqueues
+/// layer l's forward + backward), switched to the next layer `reps` times; each switch is
+/// replayed twice (launch to completion, not part of the select).
+fn variant_switch_times(
+    stream: &Arc<CudaStream>,
+    moe: &mut MoeExperts<bf16>,
+    count: usize,
+    reps: usize,
+    mut step: impl FnMut(&mut MoeExperts<bf16>, usize) -> Result<()>,
+) -> Result<SwitchTimes> {
+    let graph = capture(stream, || step(moe, 0))?;
+    let templates = (0..count).map(|l| GraphTemplate::capture(stream, || step(moe, l))).collect::<Result<Vec<_>>>()?;
+    let mut variants = GraphVariants::new(graph, templates)?;
+    variants.prepare()?;
+    let replay_us = |variants: &GraphVariants| -> Result<f64> {
+        let start = Instant::now();
+        variants.launch()?;
+        stream.synchronize()?;
+        Ok(elapsed_us(start))
+    };
+    let (mut select, mut first, mut steady) = (vec![], vec![], vec![]);
+    for i in 0..reps {
+        let start = Instant::now();
+        variants.select((i + 1) % count)?;
+        select.push(elapsed_us(start));
+        first.push(replay_us(&variants)?);
+        steady.push(replay_us(&variants)?);
+    }
+    Ok(SwitchTimes {
+        select_us: median(&mut select),
+        first_replay_us: median(&mut first),
+        steady_replay_us: median(&mut steady),
+        nodes: variants.nodes_per_switch(),
+    })
 }
 
 /// Launch-to-completion wall time of the first replay of a graph instantiated without upload

@@ -34,6 +34,7 @@
 mod flags;
 mod pool;
 mod update;
+mod variants;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -47,6 +48,7 @@ pub use pool::{
     POOL_ALIGNMENT,
 };
 pub use update::{update, update_failure, GraphTemplate};
+pub use variants::GraphVariants;
 
 use crate::{Error, Result};
 

@@ -94,6 +94,16 @@ impl GraphTemplate {
         Ok(())
     }
 
+    /// The captured graph (owned by the template).
+    pub(super) fn raw(&self) -> sys::CUgraph {
+        self.graph
+    }
+
+    /// The stream the template was captured on.
+    pub(super) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
     /// Every node of the template (kernel, memset, copy, and any empty, event or wait node).
     pub fn node_count(&self) -> Result<usize> {
         let mut count = 0usize;
