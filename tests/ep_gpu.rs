@@ -543,6 +543,110 @@ impl RankGate {
 /// One rank's y, dx, dprobs, dw1, dw2 as f64.
 type RankOutputs = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
 
+/// The multi-rank reference case: 4 experts per rank, global weights, and every rank's step
+/// with skewed routing (half the routes of every rank go to the first two experts, so Echo
+/// offloads rank 0's experts). Drawn from a fixed seed, so every process of a group makes the
+/// same case.
+struct RankCase {
+    d: Dims,
+    ranks: usize,
+    global_w1: Vec<bf16>,
+    global_w2: Vec<bf16>,
+    steps: Vec<Step>,
+}
+
+impl RankCase {
+    fn new(ranks: usize) -> RankCase {
+        let d = Dims { e: 4 * ranks, ..D };
+        let mut rng = StdRng::seed_from_u64(2024);
+        let global_w1: Vec<bf16> =
+            bf(&(0..d.e * 2 * d.f * d.h).map(|_| rng.random_range(-0.1f32..0.1)).collect::<Vec<_>>());
+        let global_w2: Vec<bf16> =
+            bf(&(0..d.e * d.h * d.f).map(|_| rng.random_range(-0.1f32..0.1)).collect::<Vec<_>>());
+        let steps = (0..ranks)
+            .map(|_| {
+                let mut s = random_step(&mut rng, false);
+                s.ids = (0..T_MAX)
+                    .flat_map(|t| {
+                        let hot = (t % 2) as i32;
+                        let other = 2 + rng.random_range(0..(d.e - 2) as i32);
+                        [hot, other]
+                    })
+                    .collect();
+                s
+            })
+            .collect();
+        RankCase { d, ranks, global_w1, global_w2, steps }
+    }
+
+    fn local_experts(&self) -> usize {
+        self.d.e / self.ranks
+    }
+
+    /// Elements of one expert's W1 and W2.
+    fn expert_len(&self) -> (usize, usize) {
+        (2 * self.d.f * self.d.h, self.d.h * self.d.f)
+    }
+
+    /// Rank r's layer over its home experts, its step loaded and its outputs poisoned.
+    fn setup(&self, group: EpGroup) -> (EpMoe<bf16>, Buffers) {
+        let (r, local, (p1, p2)) = (group.rank(), self.local_experts(), self.expert_len());
+        let stream = group.stream().clone();
+        let mut cfg = config(T_MAX * D.k, true);
+        cfg.num_experts = self.d.e;
+        let mut layer = EpMoe::<bf16>::new(Rc::new(group), cfg).unwrap();
+        let w = Weights {
+            w1: self.global_w1[r * local * p1..(r + 1) * local * p1].to_vec(),
+            w2: self.global_w2[r * local * p2..(r + 1) * local * p2].to_vec(),
+        };
+        let mut b = Buffers::new(&stream, &w);
+        // Buffers::new sized the grads for D.e experts; this layer has `local`.
+        b.dw1 = stream.alloc_zeros(local * p1).unwrap();
+        b.dw2 = stream.alloc_zeros(local * p2).unwrap();
+        layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2).unwrap();
+        b.load(&stream, &self.steps[r]);
+        b.poison_outputs(&stream);
+        (layer, b)
+    }
+
+    /// One eager step of rank r (its collectives), then its flag words and outputs.
+    fn step_and_read(layer: &mut EpMoe<bf16>, b: &mut Buffers, r: usize) -> RankOutputs {
+        let stream = layer.group().stream().clone();
+        step(layer, b, Tokens::Host(T_MAX)).unwrap_or_else(|e| panic!("rank {r}: step: {e}"));
+        let report = layer.read_flags().unwrap();
+        assert!(report.is_clean(), "rank {r}: {report}");
+        let to64 = |v: Vec<f32>| v.into_iter().map(f64::from).collect::<Vec<_>>();
+        (
+            f64s(&stream.clone_dtoh(&b.y).unwrap()),
+            f64s(&stream.clone_dtoh(&b.dx).unwrap()),
+            to64(stream.clone_dtoh(&b.dprobs).unwrap()),
+            to64(stream.clone_dtoh(&b.dw1).unwrap()),
+            to64(stream.clone_dtoh(&b.dw2).unwrap()),
+        )
+    }
+
+    /// Rank r's outputs against the fp64 reference: y, dx, dprobs of its own tokens, and the
+    /// main grads of its home experts summed over every rank's tokens (spare-slot grads folded
+    /// in).
+    fn check(&self, r: usize, got: &RankOutputs) {
+        let (local, (p1, p2)) = (self.local_experts(), self.expert_len());
+        let (mut dw1, mut dw2) = (vec![0.0; self.d.e * p1], vec![0.0; self.d.e * p2]);
+        for (q, s) in self.steps.iter().enumerate() {
+            let want = reference(self.d, T_MAX, &s.ids, &s.probs, &s.x, &s.dy, &self.global_w1, &self.global_w2);
+            if q == r {
+                assert_close(&format!("rank {r}: y"), &got.0, &want.y, 2e-2);
+                assert_close(&format!("rank {r}: dx"), &got.1, &want.dx, 2e-2);
+                assert_close(&format!("rank {r}: dprobs"), &got.2, &want.dprobs, 2e-2);
+            }
+            dw1.iter_mut().zip(&want.dw1).for_each(|(a, b)| *a += b);
+            dw2.iter_mut().zip(&want.dw2).for_each(|(a, b)| *a += b);
+        }
+        let what = format!("rank {r}: dw1 (home experts, spare-slot grads folded in)");
+        assert_close(&what, &got.3, &dw1[r * local * p1..(r + 1) * local * p1], 2e-2);
+        assert_close(&format!("rank {r}: dw2"), &got.4, &dw2[r * local * p2..(r + 1) * local * p2], 2e-2);
+    }
+}
+
 /// R > 1 in one process, one thread and one GPU per rank (`EpGroup::single_process`): every
 /// rank's y, dx, dprobs and main grads against the fp64 reference over the whole group's
 /// experts, with Echo moving tokens between ranks. Skips with fewer than two GPUs (the lent
@@ -551,100 +655,55 @@ type RankOutputs = (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>);
 fn every_rank_matches_the_reference_across_gpus() {
     let _serial = serial();
     let Some(groups) = groups_over_every_gpu() else { return };
-    let ranks = groups.len();
-    let d = Dims { e: 4 * ranks, ..D };
-    let local = d.e / ranks;
-    let mut rng = StdRng::seed_from_u64(2024);
-    let global_w1: Vec<bf16> =
-        bf(&(0..d.e * 2 * d.f * d.h).map(|_| rng.random_range(-0.1f32..0.1)).collect::<Vec<_>>());
-    let global_w2: Vec<bf16> = bf(&(0..d.e * d.h * d.f).map(|_| rng.random_range(-0.1f32..0.1)).collect::<Vec<_>>());
-    // Skewed routing: half the routes of every rank go to the first two experts, so Echo
-    // offloads rank 0's experts.
-    let steps: Vec<Step> = (0..ranks)
-        .map(|_| {
-            let mut s = random_step(&mut rng, false);
-            s.ids = (0..T_MAX)
-                .flat_map(|t| {
-                    let hot = (t % 2) as i32;
-                    let other = 2 + rng.random_range(0..(d.e - 2) as i32);
-                    [hot, other]
-                })
-                .collect();
-            s
-        })
-        .collect();
-    let (p1, p2) = (2 * d.f * d.h, d.h * d.f);
-    let gate = RankGate::new(ranks);
+    let case = RankCase::new(groups.len());
+    let gate = RankGate::new(case.ranks);
     let results: Vec<RankOutputs> = std::thread::scope(|scope| {
         let handles: Vec<_> = groups
             .into_iter()
             .enumerate()
             .map(|(r, group)| {
-                let (s, w1, w2, gate) = (
-                    &steps[r],
-                    &global_w1[r * local * p1..(r + 1) * local * p1],
-                    &global_w2[r * local * p2..(r + 1) * local * p2],
-                    &gate,
-                );
+                let (case, gate) = (&case, &gate);
                 scope.spawn(move || {
-                    let stream = group.stream().clone();
                     let mut failure = FirstFailure::default();
-                    let setup = failure.attempt(|| {
-                        let mut cfg = config(T_MAX * D.k, true);
-                        cfg.num_experts = d.e;
-                        let mut layer = EpMoe::<bf16>::new(Rc::new(group), cfg).unwrap();
-                        let w = Weights { w1: w1.to_vec(), w2: w2.to_vec() };
-                        let mut b = Buffers::new(&stream, &w);
-                        // Buffers::new sized the grads for D.e experts; this layer has `local`.
-                        b.dw1 = stream.alloc_zeros(local * p1).unwrap();
-                        b.dw2 = stream.alloc_zeros(local * p2).unwrap();
-                        layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2).unwrap();
-                        b.load(&stream, s);
-                        b.poison_outputs(&stream);
-                        (layer, b)
-                    });
+                    let setup = failure.attempt(|| case.setup(group));
                     if !gate.all_ok(setup.is_some()) {
                         failure.report();
                         panic!("rank {r}: another rank's setup failed");
                     }
                     let (mut layer, mut b) = setup.expect("checked by the gate");
                     // The step's collectives; the checks come after the last of them.
-                    let stepped = step(&mut layer, &mut b, Tokens::Host(T_MAX));
-                    stepped.unwrap_or_else(|e| panic!("rank {r}: step: {e}"));
-                    let report = layer.read_flags().unwrap();
-                    assert!(report.is_clean(), "rank {r}: {report}");
-                    let to64 = |v: Vec<f32>| v.into_iter().map(f64::from).collect::<Vec<_>>();
-                    (
-                        f64s(&stream.clone_dtoh(&b.y).unwrap()),
-                        f64s(&stream.clone_dtoh(&b.dx).unwrap()),
-                        to64(stream.clone_dtoh(&b.dprobs).unwrap()),
-                        to64(stream.clone_dtoh(&b.dw1).unwrap()),
-                        to64(stream.clone_dtoh(&b.dw2).unwrap()),
-                    )
+                    RankCase::step_and_read(&mut layer, &mut b, r)
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    let mut dw1 = vec![0.0; d.e * p1];
-    let mut dw2 = vec![0.0; d.e * p2];
-    for (r, s) in steps.iter().enumerate() {
-        let want = reference(d, T_MAX, &s.ids, &s.probs, &s.x, &s.dy, &global_w1, &global_w2);
-        assert_close(&format!("rank {r}: y"), &results[r].0, &want.y, 2e-2);
-        assert_close(&format!("rank {r}: dx"), &results[r].1, &want.dx, 2e-2);
-        assert_close(&format!("rank {r}: dprobs"), &results[r].2, &want.dprobs, 2e-2);
-        dw1.iter_mut().zip(&want.dw1).for_each(|(a, b)| *a += b);
-        dw2.iter_mut().zip(&want.dw2).for_each(|(a, b)| *a += b);
+    for (r, got) in results.iter().enumerate() {
+        case.check(r, got);
     }
-    for r in 0..ranks {
-        assert_close(
-            &format!("rank {r}: dw1 (home experts, spare-slot grads folded in)"),
-            &results[r].3,
-            &dw1[r * local * p1..(r + 1) * local * p1],
-            2e-2,
-        );
-        assert_close(&format!("rank {r}: dw2"), &results[r].4, &dw2[r * local * p2..(r + 1) * local * p2], 2e-2);
+}
+
+/// The same case with one process per GPU, the product's deployment form: each process is one
+/// rank of a group joined through the id file (`EpGroup::from_env`: `CAPMOE_EP_RANK`,
+/// `CAPMOE_EP_SIZE`, `CAPMOE_EP_ID_FILE`), launched by `scripts/ep-ranks.sh` (also under
+/// compute-sanitizer, one tool process per rank). Checks this rank's outputs. Skips when the
+/// variables are not set, as in the plain suite.
+#[test]
+fn this_process_rank_matches_the_reference_gpu() {
+    let _serial = serial();
+    if std::env::var_os(capturable_moe::ep::EpEnv::RANK).is_none() {
+        println!("skipping: not launched as one rank of a group ({} unset)", capturable_moe::ep::EpEnv::RANK);
+        return;
     }
+    let Some(stream) = common::gpu_stream() else { return };
+    if !common::nccl::nccl_present() {
+        return;
+    }
+    let group = EpGroup::from_env(&stream).expect("a group from CAPMOE_EP_RANK / _SIZE / _ID_FILE");
+    let (r, case) = (group.rank(), RankCase::new(group.ranks()));
+    let (mut layer, mut b) = case.setup(group);
+    let got = RankCase::step_and_read(&mut layer, &mut b, r);
+    case.check(r, &got);
 }
 
 /// Issue 18's capture check on every rank: R = every visible GPU, a thread per rank, each
