@@ -579,6 +579,11 @@ fn fused_fc1_refuses_what_it_does_not_take() {
     let r =
         fused.run(&stream, &x, &short_w1, &maps.offsets, &maps.token_of_row, &mut act, None::<&mut CudaSlice<bf16>>);
     assert!(matches!(r, Err(Error::Shape { .. })), "short w1: {r:?}");
+    // The plan's tile-schedule words belong to its stream: another stream is refused.
+    let w1 = stream.alloc_zeros::<bf16>(4 * 256 * 128).unwrap();
+    let other = stream.context().new_stream().unwrap();
+    let r = fused.run(&other, &x, &w1, &maps.offsets, &maps.token_of_row, &mut act, None::<&mut CudaSlice<bf16>>);
+    assert!(matches!(r, Err(Error::WrongStream { .. })), "another stream: {r:?}");
 }
 
 /// Which gather forms the device's kernel takes: both on 9.0, only cp.async on 10.0 (the

@@ -118,8 +118,32 @@ mod abi {
         prob_of_row: *const f32,
         h: *mut c_void,
     ) -> i32 {
+        call_with_schedule(d, x, offsets, prob_of_row, h, fake(0x7000) as *mut i32)
+    }
+
+    fn call_with_schedule(
+        d: &sys::capmoe_fused_fc1_desc_t,
+        x: *const c_void,
+        offsets: *const i64,
+        prob_of_row: *const f32,
+        h: *mut c_void,
+        schedule: *mut i32,
+    ) -> i32 {
         let tokens = fake(0x3000) as *const i32;
-        unsafe { sys::capmoe_fused_fc1(d, x, fake(0x2000), offsets, tokens, prob_of_row, fake(0x4000), h, null_mut()) }
+        unsafe {
+            sys::capmoe_fused_fc1(
+                d,
+                x,
+                fake(0x2000),
+                offsets,
+                tokens,
+                prob_of_row,
+                fake(0x4000),
+                h,
+                schedule,
+                null_mut(),
+            )
+        }
     }
 
     #[test]
@@ -135,6 +159,7 @@ mod abi {
                     null(),
                     null(),
                     fake(0),
+                    null_mut(),
                     null_mut(),
                     null_mut(),
                 )
@@ -176,6 +201,10 @@ mod abi {
             MISALIGNED,
             "prob_of_row not 4-aligned"
         );
+        let no_schedule = call_with_schedule(&d, fake(0), offsets, null(), null_mut(), null_mut());
+        assert_eq!(no_schedule, INVALID, "NULL schedule");
+        let odd_schedule = call_with_schedule(&d, fake(0), offsets, null(), null_mut(), fake(0x7002) as *mut i32);
+        assert_eq!(odd_schedule, MISALIGNED, "schedule not 4-aligned");
         // Capacity 0: no row can be written; OK without a launch (and without other pointers).
         let empty = sys::capmoe_fused_fc1_desc_t { capacity: 0, ..d };
         assert_eq!(call(&empty, null(), offsets, null_mut()), OK, "capacity 0");

@@ -81,17 +81,18 @@ extern "C" capmoe_status_t capmoe_fused_fc1_supported(const capmoe_fused_fc1_des
 
 extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc, const void* x, const void* w1,
                                             const int64_t* offsets, const int32_t* token_of_row,
-                                            const float* prob_of_row, void* act, void* h, void* stream) {
+                                            const float* prob_of_row, void* act, void* h, int32_t* schedule,
+                                            void* stream) {
   return capmoe::guarded([&]() -> capmoe_status_t {
     CAPMOE_TRY(check_desc(desc));
     const capmoe_fused_fc1_desc_t& d = *desc;
     if (offsets == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
     CAPMOE_TRY(capmoe::check_aligned(8, {offsets}));
     if (d.capacity == 0) return CAPMOE_OK;  // no row can be written
-    if (x == nullptr || w1 == nullptr || token_of_row == nullptr || act == nullptr)
+    if (x == nullptr || w1 == nullptr || token_of_row == nullptr || act == nullptr || schedule == nullptr)
       return CAPMOE_ERR_INVALID_ARGUMENT;
     CAPMOE_TRY(capmoe::check_aligned(16, {x, w1, act, h}));
-    CAPMOE_TRY(capmoe::check_aligned(4, {token_of_row, prob_of_row}));
+    CAPMOE_TRY(capmoe::check_aligned(4, {token_of_row, prob_of_row, schedule}));
     Fc1Kernel kernel{};
     capmoe_fused_gather_t gather{};
     CAPMOE_TRY(check_device(d, &kernel, &gather));
@@ -113,6 +114,7 @@ extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc,
     p.prob_of_row = prob_of_row;
     p.act = act;
     p.h = h;
+    p.schedule = schedule;
     p.experts = int32_t(d.num_experts);
     p.hidden = int32_t(d.hidden);
     p.ffn = int32_t(d.ffn);

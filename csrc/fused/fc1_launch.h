@@ -21,6 +21,9 @@ struct Fc1Params {
   const float* prob_of_row;  // [capacity], may be null: act unweighted
   void* act;
   void* h;  // may be null
+  // [CAPMOE_FUSED_FC1_SCHEDULE_WORDS]: the next tile to hand out, and the CTAs done taking tiles
+  // (the last one zeroes both); zero at launch. The sm_100a kernel does not use it.
+  int32_t* schedule;
   int32_t experts, hidden, ffn, max_tokens, capacity;
 };
 

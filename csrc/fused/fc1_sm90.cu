@@ -27,7 +27,9 @@
 //
 // Scheduling: the tile list comes from the device-side offsets (fused/tile_list.cuh): the M
 // tiles of one expert's column slice are consecutive, so the CTAs running together read the
-// same weight slice (once from HBM, then from L2). CTAs stride over the tiles.
+// same weight slice (once from HBM, then from L2). Each CTA's producer takes its next tile from
+// a device counter as it frees up (fused/tile_schedule.cuh: the caller's `schedule` words) and
+// writes its index into the stage holding the tile's first K block, where the consumers read it.
 //
 // The epilogue rounds gate and up to the output type first and computes SwiGLU in fp32 on the
 // rounded values, exactly as capmoe_routing_swiglu does on h, so act equals the unfused path's.
@@ -53,6 +55,7 @@
 #include "fused/gather_rows.cuh"
 #include "fused/quad_store.cuh"
 #include "fused/tile_list.cuh"
+#include "fused/tile_schedule.cuh"
 #include "fused/tma_loads.cuh"
 
 namespace capmoe::fused {
@@ -102,6 +105,8 @@ struct Kernel {
     uint64_t empty[kStages];
     int32_t tile_prefix[CAPMOE_FUSED_MAX_EXPERTS + 1];  // M tiles of the experts before e
     int32_t row_start[CAPMOE_FUSED_MAX_EXPERTS + 1];    // first row of expert e (clamped)
+    int32_t stage_tile[kStages];  // the tile whose first K block a stage holds (tile_schedule.cuh)
+    int32_t next_tile;            // the producer warpgroup's fetched tile (cp.async form)
   };
   static constexpr size_t kSmemBytes = sizeof(Shared) + 1024;  // + room to align the base
   static_assert(kSmemBytes <= 227 * 1024, "sm_90a allows 227 KB of dynamic shared memory per CTA");
@@ -149,8 +154,13 @@ __device__ void produce_tma_rows(const Fc1Params& p, typename Kernel<T>::Shared&
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   const int lane = threadIdx.x & 31;
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
+  const TileSchedule schedule{p.schedule};
   StageRing<kStages> ring;
-  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+  for (;;) {
+    int tile = 0;
+    if (lane == 0) tile = schedule.take();
+    tile = __shfl_sync(0xffffffffu, tile, 0);
+    if (tile >= total_tiles) break;
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
     int token[kTileM / 32];
     int loaded = 0;
@@ -163,6 +173,7 @@ __device__ void produce_tma_rows(const Fc1Params& p, typename Kernel<T>::Shared&
     for (int kb = 0; kb < k_blocks; ++kb) {
       wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "fc1 TMA producer, empty");
       const int stage = ring.stage;
+      if (lane == 0 && kb == 0) publish_stage_tile(s.stage_tile, stage, tile);
       if (lane == 0) Barrier::arrive_and_expect_tx(&s.full[stage], bytes);
       __syncwarp();
       T* a = s.a + stage * K::kStageElemsA;
@@ -177,15 +188,63 @@ __device__ void produce_tma_rows(const Fc1Params& p, typename Kernel<T>::Shared&
       ring.advance();
     }
   }
+  // The consumers' stop: one more stage, holding no data, whose tile is kNoMoreTiles.
+  wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "fc1 TMA producer, empty (end)");
+  if (lane == 0) {
+    publish_stage_tile(s.stage_tile, ring.stage, kNoMoreTiles);
+    cutlass::arch::ClusterBarrier::arrive(&s.full[ring.stage]);
+    schedule.finish();
+  }
 }
 
+// The producer warpgroup's named barrier (barrier 0 is __syncthreads').
+__device__ __forceinline__ void producer_warpgroup_sync() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
+
+// The cp.async form's producer warpgroup (fused/gather_rows.cuh's gather): thread 0 takes each
+// tile from the schedule and hands it to the other 127 through shared memory; per K block it
+// arms the stage with the B tile's bytes and issues B's TMAs, and every thread copies its
+// chunks of the gathered A rows and arrives when they land (1 + 128 arrivals per stage).
 template <class T>
 __device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles,
                                  int slices) {
-  produce_gathered_a<kTileM, kTileK, kStages>(
-      p.x, p.hidden, p.max_tokens, p.token_of_row, s.full, s.empty, s.a, Kernel<T>::kBytesB,
-      total_tiles, [&](int tile) { return locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts); },
-      [&](int stage, const Tile& t, int k0) { load_weights<T>(p, s, stage, t, k0); });
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  using K = Kernel<T>;
+  const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
+  const TileSchedule schedule{p.schedule};
+  GatherRows<kTileM> gather(threadIdx.x);
+  StageRing<kStages> ring;
+  for (;;) {
+    if (threadIdx.x == 0) s.next_tile = schedule.take();
+    producer_warpgroup_sync();
+    const int tile = *reinterpret_cast<volatile int32_t*>(&s.next_tile);
+    producer_warpgroup_sync();  // read by all before thread 0 takes the next one
+    if (tile >= total_tiles) break;
+    const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
+    gather.set_tile(p.token_of_row + t.row0, t.rows, p.max_tokens);
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "gathering producer, empty");
+      const int stage = ring.stage;
+      const int k0 = kb * kTileK;
+      if (threadIdx.x == 0) {
+        if (kb == 0) publish_stage_tile(s.stage_tile, stage, tile);
+        Barrier::arrive_and_expect_tx(&s.full[stage], K::kBytesB);
+        load_weights<T>(p, s, stage, t, k0);
+      }
+      gather.copy(static_cast<const T*>(p.x), p.hidden, k0,
+                  reinterpret_cast<uint8_t*>(s.a + stage * kTileM * kTileK));
+      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
+      ring.advance();
+    }
+  }
+  // The consumers' stop, as in produce_tma_rows; the stage's arrival count stays 1 + 128.
+  wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "gathering producer, empty (end)");
+  if (threadIdx.x == 0) {
+    publish_stage_tile(s.stage_tile, ring.stage, kNoMoreTiles);
+    cutlass::arch::ClusterBarrier::arrive(&s.full[ring.stage]);
+    schedule.finish();
+  }
+  cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
+  cute::cp_async_wait<0>();  // no thread exits with copies in flight
 }
 
 // Rounds the accumulators to T, then act = silu(g) * u in fp32 (capmoe_routing_swiglu's math),
@@ -258,7 +317,11 @@ __device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int t
   // This warpgroup's rows of a tile: [first_row, first_row + 64).
   const int first_row = (consumer_thread / 128) * (kTileM / 2);
   StageRing<kStages> ring;
-  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+  for (;;) {
+    // The next tile's first stage (waited for again by the mainloop: a completed phase).
+    wait_barrier(&s.full[ring.stage], ring.phase, "consumer, next tile");
+    const int tile = read_stage_tile(s.stage_tile, ring.stage);
+    if (tile == kNoMoreTiles) break;
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
     if (t.rows <= first_row) {
       // An expert's last tile with at most 64 rows: this warpgroup has none, so it leaves the

@@ -4,7 +4,9 @@
 // Every CTA computes, per expert, m_tiles(e) = ceil(rows(e) / kTileM) and its prefix in shared
 // memory; linear tile i belongs to the expert whose [prefix(e) * S, prefix(e + 1) * S) holds it
 // (S = column slices of kTileN), and within an expert the M tiles of one slice are consecutive,
-// so the CTAs running together read the same weight slice (once from HBM, then from L2).
+// so the CTAs running together read the same weight slice (once from HBM, then from L2) — if
+// they take neighbouring tiles at about the same time: fc1 hands the tiles out from a device
+// counter (tile_schedule.cuh), the fc2 dgrad strides over them statically.
 // An expert's rows are [offsets[e], offsets[e + 1]), each end clamped into [0, capacity].
 // Runs under the CPU emulation too (tests/fused_tiles_emulated.rs): no inline PTX here.
 #pragma once

@@ -42,11 +42,12 @@
 //! unfused path.
 
 use std::ffi::c_void;
+use std::sync::Arc;
 
 use cudarc::driver::sys::CUdeviceptr;
-use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use crate::device::{ensure_aligned16, ensure_buffer, Arch, DeviceInfo};
+use crate::device::{ensure_aligned16, ensure_bound_stream, ensure_buffer, Arch, DeviceInfo};
 use crate::dtype::DType;
 use crate::error::check;
 use crate::routing::{Element, RoutingConfig, RoutingPlan};
@@ -161,8 +162,11 @@ impl Gather {
     }
 }
 
-/// A validated fused fc1 + SwiGLU launch plan for one routing plan's shapes on one device.
-#[derive(Clone, Debug)]
+/// A validated fused fc1 + SwiGLU launch plan for one routing plan's shapes on one device,
+/// bound to the stream it was made on: it owns the device words of the kernel's tile schedule
+/// (`CAPMOE_FUSED_FC1_SCHEDULE_WORDS`, which launches ordered on one stream share), so a launch
+/// on another stream is [`Error::WrongStream`].
+#[derive(Debug)]
 pub struct FusedFc1 {
     desc: sys::capmoe_fused_fc1_desc_t,
     experts: usize,
@@ -171,18 +175,20 @@ pub struct FusedFc1 {
     max_tokens: usize,
     capacity: usize,
     dtype: DType,
+    schedule: CudaSlice<i32>,
+    stream: Arc<CudaStream>,
 }
 
 impl FusedFc1 {
     /// Checks on the host that the fused kernel exists for `routing`'s shapes on the device of
     /// `stream`; an [`Error::Unsupported`] / [`Error::UnsupportedArch`] / [`Error::NotBuilt`]
     /// means: use the unfused path. No launch.
-    pub fn new(routing: &RoutingPlan, stream: &CudaStream) -> Result<FusedFc1> {
+    pub fn new(routing: &RoutingPlan, stream: &Arc<CudaStream>) -> Result<FusedFc1> {
         Self::with_gather(routing, stream, Gather::Auto)
     }
 
     /// [`FusedFc1::new`] with a forced gather form.
-    pub fn with_gather(routing: &RoutingPlan, stream: &CudaStream, gather: Gather) -> Result<FusedFc1> {
+    pub fn with_gather(routing: &RoutingPlan, stream: &Arc<CudaStream>, gather: Gather) -> Result<FusedFc1> {
         const OP: &str = "FusedFc1::new";
         // Plan time: never while capturing (the capture guards of module `graph`).
         crate::graph::ensure_not_capturing(stream, OP)?;
@@ -204,6 +210,7 @@ impl FusedFc1 {
         };
         stream.context().bind_to_thread()?;
         check(unsafe { sys::capmoe_fused_fc1_supported(&desc) }, OP)?;
+        let schedule = stream.alloc_zeros::<i32>(sys::CAPMOE_FUSED_FC1_SCHEDULE_WORDS as usize)?;
         Ok(FusedFc1 {
             desc,
             experts: c.num_experts,
@@ -212,6 +219,8 @@ impl FusedFc1 {
             max_tokens: c.max_tokens,
             capacity: routing.capacity(),
             dtype: c.dtype,
+            schedule,
+            stream: stream.clone(),
         })
     }
 
@@ -282,6 +291,7 @@ impl FusedFc1 {
     ) -> Result<()> {
         const OP: &str = "fused fc1";
         ensure_dtype::<T>(OP, self.dtype)?;
+        ensure_bound_stream(OP, &self.stream, stream)?;
         let (e, hd, f, cap) = (self.experts, self.hidden, self.ffn, self.capacity);
         ensure_buffer(OP, "x [T_max, H]", stream, x, self.max_tokens * hd)?;
         ensure_buffer(OP, "w1 [E, 2F, H]", stream, w1, e * 2 * f * hd)?;
@@ -311,6 +321,9 @@ impl FusedFc1 {
     /// `CUdeviceptr` in the order of the safe forms, 0 for an absent `prob_of_row` (unweighted)
     /// or `h`.
     ///
+    /// [`Error::WrongStream`] on another stream than the plan's (its schedule words are
+    /// shared by the launches ordered on that stream).
+    ///
     /// # Safety
     /// Device memory of `stream`'s context, live until the launch completes: `x` `T_max * H`,
     /// `w1` `E * 2F * H`, `act` `capacity * F` and (unless 0) `h` `capacity * 2F` elements
@@ -329,9 +342,11 @@ impl FusedFc1 {
         act: CUdeviceptr,
         h: CUdeviceptr,
     ) -> Result<()> {
+        ensure_bound_stream("fused fc1", &self.stream, stream)?;
         stream.context().bind_to_thread()?;
         let s = stream.cu_stream() as *mut c_void;
         let ptr = |p: CUdeviceptr| p as usize as *mut c_void;
+        let (schedule, _guard) = self.schedule.device_ptr(stream);
         check(
             sys::capmoe_fused_fc1(
                 &self.desc,
@@ -342,6 +357,7 @@ impl FusedFc1 {
                 prob_of_row as usize as *const f32,
                 ptr(act),
                 ptr(h),
+                schedule as usize as *mut i32,
                 s,
             ),
             "fused fc1",

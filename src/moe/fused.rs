@@ -25,6 +25,8 @@
 //! column slice) that [`RoutingPlan::route_dprobs`] sums per route; fc2's wgrad is the gathered
 //! wgrad with `a = dy` gathered and `b = act`.
 
+use std::sync::Arc;
+
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
 use super::{MoeConfig, MoeOptions, WeightForm};
@@ -52,7 +54,7 @@ pub enum FusedKernel {
 }
 
 /// The fused kernels one plan runs.
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 pub(super) struct FusedPlans {
     pub(super) fc1: Option<FusedFc1>,
     pub(super) swiglu_dgrad: Option<FusedSwigluDgrad>,
@@ -68,7 +70,7 @@ impl FusedPlans {
         options: &MoeOptions,
         config: &MoeConfig,
         routing: &RoutingPlan,
-        stream: &CudaStream,
+        stream: &Arc<CudaStream>,
     ) -> Result<FusedPlans> {
         let fc1 = match options.fc1 {
             FusedKernel::Fused => {

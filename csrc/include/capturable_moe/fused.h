@@ -62,6 +62,9 @@ enum { CAPMOE_FUSED_FC1_TILE_N = 128, CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N = 128, CA
 typedef int32_t capmoe_fused_gather_t;
 enum { CAPMOE_FUSED_GATHER_AUTO = 0, CAPMOE_FUSED_GATHER_TMA_ROWS = 1, CAPMOE_FUSED_GATHER_CP_ASYNC = 2 };
 
+/* Device words a fused fc1 launch uses for its tile schedule (capmoe_fused_fc1's `schedule`). */
+#define CAPMOE_FUSED_FC1_SCHEDULE_WORDS 2
+
 typedef struct capmoe_fused_fc1_desc {
   int64_t num_experts; /* E, 1 ..= CAPMOE_FUSED_MAX_EXPERTS */
   int64_t hidden;      /* H, a positive multiple of 8 */
@@ -79,6 +82,12 @@ typedef struct capmoe_fused_fc1_desc {
 capmoe_status_t capmoe_fused_fc1_supported(const capmoe_fused_fc1_desc_t* desc);
 
 /* act (and h when not NULL) as described above, on `stream` (a cudaStream_t).
+ * schedule (required, CAPMOE_FUSED_FC1_SCHEDULE_WORDS int32 of device memory, 4-byte aligned,
+ * zero before its first launch): the sm_90a kernel's CTAs take their tiles from a counter there
+ * as they free up (the M tiles sharing a weight slice then start together and read it once from
+ * HBM), and the launch's last CTA sets the words back to zero. Launches that may run at the same
+ * time (other streams) need words of their own; launches ordered on one stream can share them.
+ * The sm_100a kernel keeps a static order and leaves them untouched.
  * prob_of_row (optional, [capacity] fp32, 4-byte aligned; capmoe_routing_row_probs writes it):
  * when given, each row's act is weighted by its route's probability p in the epilogue,
  *   act[r, f] = round(p[r] * silu(g) * u)   (the fp32 SwiGLU value times p, rounded once),
@@ -87,7 +96,7 @@ capmoe_status_t capmoe_fused_fc1_supported(const capmoe_fused_fc1_desc_t* desc);
 capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc, const void* x,
                                  const void* w1, const int64_t* offsets,
                                  const int32_t* token_of_row, const float* prob_of_row, void* act,
-                                 void* h, void* stream);
+                                 void* h, int32_t* schedule, void* stream);
 
 /* Fused fc2 dgrad + SwiGLU backward: the expert path's backward from drows (the gradient of
  * fc2's output rows) to dh (the gradient of fc1's output h), in one persistent kernel.
