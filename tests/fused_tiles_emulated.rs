@@ -8,7 +8,9 @@
 //! the clamped rows lands in exactly one tile, no tile holds a row of another expert, and the
 //! count stays within the host bound that sizes the grid. Empty experts, a negative first
 //! offset, offsets past capacity, 1 to 1024 experts (up to 32 per lane of the building warp),
-//! grids smaller and larger than the tile count, both thread orders.
+//! grids smaller and larger than the tile count, both thread orders. Also the fused fc1's tile
+//! schedule (`csrc/fused/tile_schedule.cuh`): the hand-out of tiles from a device counter and
+//! its reset at the end of each launch.
 //!
 //! Also the quad exchange of the sm_90a epilogues' 16-byte stores (`fused_quad_exchange_emulated`).
 //!
@@ -205,6 +207,18 @@ fn fused_tile_list_emulated() {
 #[test]
 fn fused_quad_exchange_emulated() {
     let exe = common::emulation::build("fused_quad_store_emulated", &[], "tests/emulation/quad_store_driver.cpp");
+    for order in common::emulation::THREAD_ORDERS {
+        let report = common::emulation::run(&exe, &[], order);
+        assert_eq!(report.trim(), "0 mismatches", "{order} thread order");
+    }
+}
+
+/// The fused fc1's tile schedule (`csrc/fused/tile_schedule.cuh`): launch after launch on the
+/// same two words, every tile handed out once, every block stopped, and the words zero again
+/// at the end of each launch. `tests/emulation/tile_schedule_driver.cpp`.
+#[test]
+fn fused_tile_schedule_emulated() {
+    let exe = common::emulation::build("fused_tile_schedule_emulated", &[], "tests/emulation/tile_schedule_driver.cpp");
     for order in common::emulation::THREAD_ORDERS {
         let report = common::emulation::run(&exe, &[], order);
         assert_eq!(report.trim(), "0 mismatches", "{order} thread order");

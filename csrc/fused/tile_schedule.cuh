@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+// Runs under the CPU emulation too (tests/fused_tiles_emulated.rs): no inline PTX here.
+
 namespace capmoe::fused {
 
 // words[0]: the next tile to hand out; words[1]: the CTAs done taking tiles. Both are zero when
@@ -20,6 +22,7 @@ namespace capmoe::fused {
 // finish taking tiles resets them (every CTA has taken its last tile by then). So launches
 // ordered on one stream share the words; launches that may overlap need their own.
 struct TileSchedule {
+  static constexpr int kWords = 2;  // capmoe_fused_fc1's CAPMOE_FUSED_FC1_SCHEDULE_WORDS
   int32_t* words;
 
   // The next tile, for the one thread that fetches for its CTA.

@@ -2,7 +2,8 @@
 // testing their logic bit for bit on a machine without a GPU (tests/echo_emulated.rs compiles
 // csrc/echo/echo_plan.cu against it, tests/echo_weights_emulated.rs csrc/echo/echo_weights.cu,
 // tests/routing_emulated.rs the csrc/routing/*.cu kernels, tests/grouped_gemm_emulated.rs
-// csrc/grouped_gemm/arguments.cuh, tests/fused_tiles_emulated.rs csrc/fused/tile_list.cuh;
+// csrc/grouped_gemm/arguments.cuh, tests/fused_tiles_emulated.rs csrc/fused/tile_list.cuh and
+// csrc/fused/tile_schedule.cuh;
 // tests/emulation/cub/ stands in for the CUB they use).
 //
 // Model: a launch runs its blocks one after another; the CUDA threads of a block are
@@ -224,6 +225,9 @@ inline int __clz(unsigned x) { return x ? __builtin_clz(x) : 32; }
 template <class T, class V> inline T atomicOr(T* p, V v) { T old = *p; *p = old | (T)v; return old; }
 template <class T, class V> inline T atomicAdd(T* p, V v) { T old = *p; *p = old + (T)v; return old; }
 template <class T, class V> inline T atomicMin(T* p, V v) { T old = *p; *p = (T)v < old ? (T)v : old; return old; }
+template <class T, class V> inline T atomicExch(T* p, V v) { T old = *p; *p = (T)v; return old; }
+// Blocks and threads run one at a time: every write is seen by every later read.
+inline void __threadfence() {}
 template <class T> inline T __ldg(const T* p) { return *p; }
 // Correctly rounded float operations: volatile keeps the host compiler from contracting them
 // (build with -ffp-contract=off as well).
