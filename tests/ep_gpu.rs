@@ -1,7 +1,8 @@
 //! The expert-parallel layer with real NCCL on one GPU (R = 1): forward and backward against
 //! the fp64 reference of the expert path, dropping past a full peer block, Echo switched on,
 //! and one captured graph (forward + backward) replayed with fresh routing, bit-equal to
-//! eager. R > 1 runs on the multi-GPU kinds (issue 18) with the same code.
+//! eager. R > 1 runs on the multi-GPU kinds (issue 18) with the same code: the ranks as threads
+//! of one process, and (`scripts/ep-ranks.sh`) as one process per GPU.
 
 mod common;
 

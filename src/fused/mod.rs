@@ -346,6 +346,8 @@ impl FusedFc1 {
         stream.context().bind_to_thread()?;
         let s = stream.cu_stream() as *mut c_void;
         let ptr = |p: CUdeviceptr| p as usize as *mut c_void;
+        // The kernel writes these words (and leaves them zero); a read guard is enough because
+        // the plan only ever runs on its one stream, so no other stream's order depends on it.
         let (schedule, _guard) = self.schedule.device_ptr(stream);
         check(
             sys::capmoe_fused_fc1(
