@@ -134,7 +134,9 @@ impl GraphVariants {
     }
 
     /// Points the graph at variant `index`'s buffers: its next launch runs on them. Launches
-    /// already enqueued are not affected.
+    /// already enqueued are not affected. A switch that fails part-way may leave some nodes
+    /// set: the graph then counts as having no variant selected ([`GraphVariants::launch`]
+    /// refuses) until a select succeeds.
     pub fn select(&mut self, index: usize) -> Result<()> {
         let stream = self.variants[0].stream().clone();
         ensure_not_capturing(&stream, "GraphVariants::select")?;
@@ -145,6 +147,7 @@ impl GraphVariants {
             });
         }
         self.prepare()?;
+        self.selected = None;
         match &self.switching {
             Switching::Unprepared => unreachable!("prepared above"),
             Switching::WholeGraph => self.variants[index].apply_to(&mut self.exec)?,
