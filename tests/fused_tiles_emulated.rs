@@ -206,11 +206,7 @@ fn fused_tile_list_emulated() {
 /// undo the exchange with the same call). `tests/emulation/quad_store_driver.cpp`.
 #[test]
 fn fused_quad_exchange_emulated() {
-    let exe = common::emulation::build("fused_quad_store_emulated", &[], "tests/emulation/quad_store_driver.cpp");
-    for order in common::emulation::THREAD_ORDERS {
-        let report = common::emulation::run(&exe, &[], order);
-        assert_eq!(report.trim(), "0 mismatches", "{order} thread order");
-    }
+    assert_driver_finds_no_mismatch("fused_quad_store_emulated", "tests/emulation/quad_store_driver.cpp");
 }
 
 /// The fused fc1's tile schedule (`csrc/fused/tile_schedule.cuh`): launch after launch on the
@@ -218,9 +214,15 @@ fn fused_quad_exchange_emulated() {
 /// at the end of each launch. `tests/emulation/tile_schedule_driver.cpp`.
 #[test]
 fn fused_tile_schedule_emulated() {
-    let exe = common::emulation::build("fused_tile_schedule_emulated", &[], "tests/emulation/tile_schedule_driver.cpp");
+    assert_driver_finds_no_mismatch("fused_tile_schedule_emulated", "tests/emulation/tile_schedule_driver.cpp");
+}
+
+/// Builds a self-checking emulation driver (no input file) and runs it in both thread orders:
+/// it must report exactly "0 mismatches".
+fn assert_driver_finds_no_mismatch(name: &str, driver: &str) {
+    let exe = common::emulation::build(name, &[], driver);
     for order in common::emulation::THREAD_ORDERS {
         let report = common::emulation::run(&exe, &[], order);
-        assert_eq!(report.trim(), "0 mismatches", "{order} thread order");
+        assert_eq!(report.trim(), "0 mismatches", "{name}: {order} thread order");
     }
 }

@@ -326,6 +326,14 @@ fn elapsed_us(start: Instant) -> f64 {
     start.elapsed().as_secs_f64() * 1e6
 }
 
+/// Host wall time of one replay of `graph`, launch to completion (launch + synchronize).
+fn launch_to_completion_us(stream: &Arc<CudaStream>, graph: &CudaGraph) -> Result<f64> {
+    let start = Instant::now();
+    graph.launch()?;
+    stream.synchronize()?;
+    Ok(elapsed_us(start))
+}
+
 /// One graph of one layer re-pointed at the next layer's buffers, `reps` times, against a
 /// fresh capture + instantiate of the same layer (host wall times; medians).
 fn update_rows(stream: &Arc<CudaStream>, reps: usize, d: Dims, t: usize) -> Result<Vec<Row>> {
@@ -460,19 +468,13 @@ fn variant_switch_times(
     let templates = (0..count).map(|l| GraphTemplate::capture(stream, || step(moe, l))).collect::<Result<Vec<_>>>()?;
     let mut variants = GraphVariants::new(graph, templates)?;
     variants.prepare()?;
-    let replay_us = |variants: &GraphVariants| -> Result<f64> {
-        let start = Instant::now();
-        variants.launch()?;
-        stream.synchronize()?;
-        Ok(elapsed_us(start))
-    };
     let (mut select, mut first, mut steady) = (vec![], vec![], vec![]);
     for i in 0..reps {
         let start = Instant::now();
         variants.select((i + 1) % count)?;
         select.push(elapsed_us(start));
-        first.push(replay_us(&variants)?);
-        steady.push(replay_us(&variants)?);
+        first.push(launch_to_completion_us(stream, variants.graph())?);
+        steady.push(launch_to_completion_us(stream, variants.graph())?);
     }
     Ok(SwitchTimes {
         select_us: median(&mut select),
@@ -488,12 +490,6 @@ fn first_replay_rows(stream: &Arc<CudaStream>, reps: usize, d: Dims, t: usize) -
     let mut moe = MoeExperts::<bf16>::new(d.config(t), stream)?;
     let mut layer = Layer::new(stream, d, t, 40)?;
     stream.synchronize()?;
-    let replay = |graph: &CudaGraph| -> Result<f64> {
-        let start = Instant::now();
-        graph.launch()?;
-        stream.synchronize()?;
-        Ok(elapsed_us(start))
-    };
     let reps = reps.clamp(5, 20);
     let (mut cold, mut uploaded, mut steady) = (vec![], vec![], vec![]);
     for _ in 0..reps {
@@ -501,13 +497,13 @@ fn first_replay_rows(stream: &Arc<CudaStream>, reps: usize, d: Dims, t: usize) -
             layer.run(&mut moe, stream, None)
         })?;
         stream.synchronize()?;
-        cold.push(replay(&graph)?);
-        steady.push(replay(&graph)?);
+        cold.push(launch_to_completion_us(stream, &graph)?);
+        steady.push(launch_to_completion_us(stream, &graph)?);
         drop(graph);
         let graph = capture(stream, || layer.run(&mut moe, stream, None))?;
         // The upload (enqueued on the stream by `capture`) is done before the first launch.
         stream.synchronize()?;
-        uploaded.push(replay(&graph)?);
+        uploaded.push(launch_to_completion_us(stream, &graph)?);
     }
     let (cold, uploaded, steady) = (median(&mut cold), median(&mut uploaded), median(&mut steady));
     // Wall times including the sync: no TFLOP/s.

@@ -147,6 +147,20 @@ __device__ __forceinline__ int row_token(const Fc1Params& p, const Tile& t, int 
   return token < p.max_tokens ? token : -1;
 }
 
+// The consumers' stop, once the schedule has run past the last tile: one more stage, holding
+// no data, whose tile is kNoMoreTiles (tile_schedule.cuh); its arming thread (`arms`) then
+// finishes its CTA's part of the schedule. Run by every thread of a producer.
+template <class T>
+__device__ __forceinline__ void stop_consumers(typename Kernel<T>::Shared& s, StageRing<kStages>& ring,
+                                               const TileSchedule& schedule, bool arms, const char* role) {
+  wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, role);
+  if (arms) {
+    publish_stage_tile(s.stage_tile, ring.stage, kNoMoreTiles);
+    cutlass::arch::ClusterBarrier::arrive(&s.full[ring.stage]);
+    schedule.finish();
+  }
+}
+
 template <class T>
 __device__ void produce_tma_rows(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles,
                                  int slices) {
@@ -188,13 +202,7 @@ __device__ void produce_tma_rows(const Fc1Params& p, typename Kernel<T>::Shared&
       ring.advance();
     }
   }
-  // The consumers' stop: one more stage, holding no data, whose tile is kNoMoreTiles.
-  wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "fc1 TMA producer, empty (end)");
-  if (lane == 0) {
-    publish_stage_tile(s.stage_tile, ring.stage, kNoMoreTiles);
-    cutlass::arch::ClusterBarrier::arrive(&s.full[ring.stage]);
-    schedule.finish();
-  }
+  stop_consumers<T>(s, ring, schedule, lane == 0, "fc1 TMA producer, empty (end)");
 }
 
 // The producer warpgroup's named barrier (barrier 0 is __syncthreads').
@@ -236,13 +244,8 @@ __device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared&
       ring.advance();
     }
   }
-  // The consumers' stop, as in produce_tma_rows; the stage's arrival count stays 1 + 128.
-  wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "gathering producer, empty (end)");
-  if (threadIdx.x == 0) {
-    publish_stage_tile(s.stage_tile, ring.stage, kNoMoreTiles);
-    cutlass::arch::ClusterBarrier::arrive(&s.full[ring.stage]);
-    schedule.finish();
-  }
+  stop_consumers<T>(s, ring, schedule, threadIdx.x == 0, "gathering producer, empty (end)");
+  // Every copying thread arrives too, so the stage's arrival count stays 1 + 128.
   cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
   cute::cp_async_wait<0>();  // no thread exits with copies in flight
 }
