@@ -140,13 +140,24 @@ run_process() {
     timeout -k 10 "$limit" "$cs" "${flags[@]}" "$bundle/run/tests/$name" "$@" >>"$part" 2>&1
   fi
   code=$?
+  local no_cuda_call=0
+  # A test that made no CUDA call (one that skips, e.g. ep_gpu's per-process rank test without
+  # CAPMOE_EP_RANK) and passed: the tool exits 255 ("terminated before first instrumented API
+  # call"); nothing was checked, and nothing failed.
+  if ((code == 255)) && grep -q 'terminated before first instrumented API call' "$part" &&
+    grep -q '^test result: ok' "$part"; then
+    code=0 no_cuda_call=1
+    no_cuda=$((no_cuda + 1))
+  fi
   ms=$((ms + ($(date +%s%N) - t0) / 1000000))
   r=$(awk '/maxrss_kb/ {printf "%d", $2 / 1024}' "$part.rss" 2>/dev/null)
   [[ -n "$r" ]] && ((r > ${rss:-0})) && rss=$r
   cat "$part.rss" >>"$part" 2>/dev/null && rm -f "$part.rss"
-  read -r e h < <(counts_of "$part")
-  if [[ "$e" == - || "$errors" == - ]]; then errors=-; else errors=$((errors + e)); fi
-  if [[ "$h" == - || "$hazards" == - ]]; then hazards=-; else hazards=$((hazards + h)); fi
+  if ((no_cuda_call == 0)); then
+    read -r e h < <(counts_of "$part")
+    if [[ "$e" == - || "$errors" == - ]]; then errors=-; else errors=$((errors + e)); fi
+    if [[ "$h" == - || "$hazards" == - ]]; then hazards=-; else hazards=$((hazards + h)); fi
+  fi
   ((code != 0)) && rc=$code
   cat "$part" >>"$log" && rm -f "$part"
 }
@@ -190,7 +201,7 @@ for tool in $tools; do
     else
       tests=("")
     fi
-    rc=0 errors=0 hazards=0 ms=0 rss="" ran=0
+    rc=0 errors=0 hazards=0 ms=0 rss="" ran=0 no_cuda=0
     for test in "${tests[@]}"; do
       left=$((budget - ($(date +%s) - start_all)))
       ((left < 20)) && { not_run=$((not_run + 1)); echo "== not run (budget): $test" >>"$log"; continue; }
@@ -203,15 +214,21 @@ for tool in $tools; do
     result=$(grep -E '^test result:' "$log" | grep -oE '[0-9]+ passed; [0-9]+ failed' |
       awk '{p += $1; f += $3} END {if (NR) printf "%d passed; %d failed", p, f}')
     ((${#tests[@]} > 1)) && result="$result ($ran processes, one per test)"
+    # The test a process was in when the tool reported its death (one process per test: the
+    # log's last test line is the last process's test, not necessarily the one that died).
+    died=$(grep -oE "^test [^ ]+ \.\.\. =+ Error: process didn't terminate" "$log" | cut -d' ' -f2 | paste -sd, -)
+    last_test=$(grep -oE '^test [^ ]+ \.\.\.' "$log" | tail -n 1 | cut -d' ' -f2)
+    in_test=${died:-$last_test}
     case $rc in
       0) note="${result:-ok}" ;;
       86) note="tool reported errors; ${result}" ;;
       101) note="a test failed: $(grep -m1 -oE '^---- [^ ]+' "$log" | cut -c6-)" ;;
-      124) note="timeout ${limit}s in $(grep -oE '^test [^ ]+ \.\.\.' "$log" | tail -n 1 | cut -d' ' -f2)" ;;
-      137) note="SIGKILL (OOM or timeout -k) in $(grep -oE '^test [^ ]+ \.\.\.' "$log" | tail -n 1 | cut -d' ' -f2)" ;;
-      *) note="rc $rc in $(grep -oE '^test [^ ]+ \.\.\.' "$log" | tail -n 1 | cut -d' ' -f2)" ;;
+      124) note="timeout ${limit}s in $last_test" ;;
+      137) note="SIGKILL (OOM or timeout -k) in $in_test" ;;
+      *) note="rc $rc in $in_test" ;;
     esac
     grep -q "didn't terminate successfully" "$log" && note="$note; target died"
+    ((no_cuda > 0)) && note="$note; $no_cuda made no CUDA call (nothing checked)"
     grep -q 'skipping: under a sanitizer' "$log" && note="$note; $(grep -c 'skipping: under a sanitizer' "$log") skipped"
     [[ $rc -ne 0 || "$errors" != 0 && "$errors" != - || "$hazards" != 0 && "$hazards" != - ]] && failed=1
     row "$name" "$tool" "$errors" "$hazards" "$rc" "$((ms / 1000)).$(((ms % 1000) / 100))" "${rss:--}" "$note"
