@@ -57,14 +57,12 @@ elif out_of_budget 40 10; then step "candle_moe: not run (budget)"; else
 fi
 
 # 3. The timing hooks.
-# fused_gpu's hook times the cp.async gather alone: the per-row TMA form is the riskier one,
-# and a fault there would kill the process before the default form's figures.
-for hook in fused_gpu:fused_fc1_timing:cp_async fused_dgrad_gpu:timing fused_wgrad_gpu:fused_wgrad_timing graph_gpu:timing; do
-  IFS=: read -r bin filter gather <<<"$hook"
+for hook in fused_gpu:fused_fc1_timing fused_dgrad_gpu:timing fused_wgrad_gpu:fused_wgrad_timing graph_gpu:timing; do
+  IFS=: read -r bin filter <<<"$hook"
   [[ -x $T/$bin ]] || continue
-  if hung $bin${gather:+.$gather}; then step "timing $bin: not run (hung in the suite)"; continue; fi
+  if hung $bin; then step "timing $bin: not run (hung in the suite)"; continue; fi
   if out_of_budget 20 10; then step "timing $bin: not run (budget)"; continue; fi
-  CAPMOE_REQUIRE_GPU=1 CAPMOE_FUSED_GATHERS="$gather" timeout -k 5 "$(limit 60 10)" $T/$bin --ignored --nocapture --test-threads=1 $filter > $L/timing_$bin.txt 2>&1
+  CAPMOE_REQUIRE_GPU=1 timeout -k 5 "$(limit 60 10)" $T/$bin --ignored --nocapture --test-threads=1 $filter > $L/timing_$bin.txt 2>&1
   echo "timing $bin rc=$?" >> $L/timing_$bin.txt; step "$(tail -n 1 $L/timing_$bin.txt)"
 done
 
@@ -76,14 +74,12 @@ if out_of_budget 60 10; then step "sweep: not run (budget)"; else
 fi
 
 # 5. memcheck (exit 86: the tool found errors; 124/137: cut by its timeout).
-# fused_gpu once per gather form (a process each, as in the suite).
-for entry in echo_moe_gpu fused_gpu:cp_async fused_gpu:tma_rows fused_dgrad_gpu fused_wgrad_gpu fused_moe_gpu ep_gpu ep_kernels_gpu; do
-  IFS=: read -r m gather <<<"$entry"
-  run=$m${gather:+.$gather}
+for m in echo_moe_gpu fused_gpu fused_dgrad_gpu fused_wgrad_gpu fused_moe_gpu ep_gpu ep_kernels_gpu; do
+  run=$m
   [[ -x $T/$m ]] || continue
   if hung $run; then step "memcheck $run: not run (hung in the suite)"; continue; fi
   if out_of_budget 30 10; then step "memcheck $run: not run (budget)"; continue; fi
-  CAPMOE_REQUIRE_GPU=1 CAPMOE_SANITIZER=1 CAPMOE_ECHO_MOE_REPLAYS=2 CAPMOE_FUSED_GATHERS="$gather" timeout -k 5 "$(limit 60 10)" \
+  CAPMOE_REQUIRE_GPU=1 CAPMOE_SANITIZER=1 CAPMOE_ECHO_MOE_REPLAYS=2 timeout -k 5 "$(limit 60 10)" \
     /usr/local/cuda/bin/compute-sanitizer --tool memcheck --error-exitcode 86 $(sanitizer_flags_for $m) \
     $T/$m --test-threads=1 > $L/memcheck_$run.txt 2>&1
   echo "memcheck $run rc=$?" >> $L/memcheck_$run.txt; step "$(tail -n 1 $L/memcheck_$run.txt)"

@@ -26,7 +26,7 @@ for spec in $SPECS; do
   IFS=: read -r bin filter fused <<<"$spec"
   for kernel in $fused dependent_gemm; do
     if out_of_budget 30 0; then echo "ncu $bin $kernel: not run (budget)"; continue; fi
-    CAPMOE_REQUIRE_GPU=1 CAPMOE_FUSED_GATHERS=cp_async timeout -k 10 "$(limit 90 0)" $NCU_BIN --clock-control none \
+    CAPMOE_REQUIRE_GPU=1 timeout -k 10 "$(limit 90 0)" $NCU_BIN --clock-control none \
       -k regex:$kernel -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
       --section SchedulerStats --section LaunchStats --section ComputeWorkloadAnalysis --metrics $METRICS \
       $T/$bin --ignored --nocapture --test-threads=1 --exact $filter > $W/${bin}_$kernel.txt 2>&1

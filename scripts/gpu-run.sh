@@ -31,7 +31,7 @@ export CAPMOE_REQUIRE_GPU=1 CAPMOE_ECHO_GOLDEN_DIR="$root/tests/data/echo"
 # libnccl for the EP tests (a PyTorch venv's, linked where cudarc looks; see the script).
 source "$root/scripts/nccl-env.sh"
 summary=()
-reruns=()  # run:gather:binary of every failure, for the PDL-off pass
+reruns=()  # run:binary of every failure, for the PDL-off pass
 failed=0
 incomplete=0
 # The binaries whose kernels have never run on a GPU (the fused ones) go last, so that a hang or
@@ -91,27 +91,20 @@ for test in "${binaries[@]}"; do
   # CPU-only (echo_emulated, routing_emulated): they build the kernels from the source tree
   # with a host compiler, which the GPU machine's copy of the tree is not set up for.
   [[ "$name" == *_emulated ]] && continue
-  # fused_gpu runs each gather form in a process of its own: a fault in one (the per-row TMA
-  # form is the riskier, see capturable_moe/fused.h) must not hide the other's results.
-  gathers=("")
-  [[ "$name" == fused_gpu ]] && gathers=(cp_async tma_rows)
-  for gather in "${gathers[@]}"; do
-    run="$name${gather:+.$gather}"
-    set_cap "$name"
-    fits_deadline "$run" || continue
-    run_one "$run" env CAPMOE_FUSED_GATHERS="$gather" timeout -k 5 "$limit" "$test" --test-threads=1 --show-output
-    # A failure (not a hang) runs again later with the GEMM as an ordinary launch.
-    [[ $rc -ne 0 && $rc -ne 124 && $rc -ne 137 ]] && reruns+=("$run:$gather:$test")
-  done
+  set_cap "$name"
+  fits_deadline "$name" || continue
+  run_one "$name" timeout -k 5 "$limit" "$test" --test-threads=1 --show-output
+  # A failure (not a hang) runs again later with the GEMM as an ordinary launch.
+  [[ $rc -ne 0 && $rc -ne 124 && $rc -ne 137 ]] && reruns+=("$name:$test")
 done
 # The failures again with CAPMOE_GEMM_PDL=0 (grouped_gemm/dependent_launch.cuh), so the same
 # call tells a fault of the programmatic launch from one of the kernels. After the first pass,
 # so that a rerun never costs a later binary its first run.
 for entry in "${reruns[@]}"; do
-  IFS=: read -r run gather test <<<"$entry"
+  IFS=: read -r run test <<<"$entry"
   set_cap "$(basename "$test")"
   fits_deadline "$run.no_pdl" || continue
-  run_one "$run.no_pdl" env CAPMOE_GEMM_PDL=0 CAPMOE_FUSED_GATHERS="$gather" timeout -k 5 "$limit" "$test" --test-threads=1 --show-output
+  run_one "$run.no_pdl" env CAPMOE_GEMM_PDL=0 timeout -k 5 "$limit" "$test" --test-threads=1 --show-output
 done
 echo "== GPU suite on $(gpu_facts | head -n 1) =="
 if [[ ${#summary[@]} -eq 0 ]]; then

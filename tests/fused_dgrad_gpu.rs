@@ -1044,6 +1044,18 @@ fn fused_dgrad_refuses_what_it_does_not_take() {
     let mut dh_f16 = stream.alloc_zeros::<f16>(cap * 256).unwrap();
     let r = fused.run(&stream, &drows_f16, &w2_f16, &h_f16, &maps.offsets, &mut dh_f16, None::<&mut CudaSlice<f16>>);
     assert!(matches!(r, Err(Error::Unsupported { .. })), "f16 buffers on a bf16 plan: {r:?}");
+    // The plan's tile-schedule words belong to its stream: another stream is refused, in both
+    // forms (the buffers are right, so nothing else is wrong).
+    let w2 = stream.alloc_zeros::<bf16>(4 * 128 * 128).unwrap();
+    let other = stream.context().new_stream().unwrap();
+    let r = fused.run(&other, &drows, &w2, &h, &maps.offsets, &mut dh, None::<&mut CudaSlice<bf16>>);
+    assert!(matches!(r, Err(Error::WrongStream { .. })), "another stream: {r:?}");
+    let dy = stream.alloc_zeros::<bf16>(16 * 128).unwrap();
+    let prob = stream.alloc_zeros::<f32>(cap).unwrap();
+    let mut partials = stream.alloc_zeros::<f32>(cap).unwrap();
+    let (offsets, tokens) = (&maps.offsets, &maps.token_of_row);
+    let r = fused.run_gathered(&other, &dy, &w2, &h, offsets, tokens, &prob, &mut dh, &mut partials);
+    assert!(matches!(r, Err(Error::WrongStream { .. })), "gathered, another stream: {r:?}");
 }
 
 #[test]

@@ -1,5 +1,5 @@
 //! The fused fc1 (gather of x rows + fc1 + SwiGLU in one sm_90a kernel, or its sm_100a variant
-//! on a compute capability 10.0 device: every test below runs there too, cp.async gather only)
+//! on a compute capability 10.0 device: every test below runs there too)
 //! against the unfused path it replaces (routing build -> permute -> grouped GEMM fc1 ->
 //! SwiGLU) and against an fp64 CPU reference; eager against CUDA-graph replay with fresh
 //! routing.
@@ -21,7 +21,6 @@ mod common;
 use std::sync::Arc;
 use std::time::Instant;
 
-use capturable_moe::device::{Arch, DeviceInfo};
 use capturable_moe::dtype::DType;
 use capturable_moe::fused::{FusedFc1, Gather};
 use capturable_moe::graph::capture;
@@ -253,32 +252,9 @@ fn check_case(
     assert_close(&format!("{what}: h vs fp64"), &pick(&out.h_fused, 2 * s.f), &h_ref, 1e-2);
 }
 
-/// The gather forms every test runs: both (they must give the same bits), or the one named by
-/// `CAPMOE_FUSED_GATHERS` (`tma_rows` or `cp_async`), so that `scripts/gpu-run.sh` can run
-/// each form in a process of its own: a fault in one (e.g. the per-row TMA boxes, whose
-/// 128-byte destinations are finer than the 128B swizzle's 1024-byte pattern) then cannot hide
-/// the other's results. On a compute capability 10.0 device only `CpAsync` (the sm_100a kernel
-/// has no TMA-row form; `fused_fc1_gather_forms_of_the_device` checks the refusal), and none
-/// when `tma_rows` alone is asked for there (printed).
-fn gathers(stream: &CudaStream) -> Vec<Gather> {
-    let asked = match std::env::var("CAPMOE_FUSED_GATHERS").as_deref() {
-        Ok("tma_rows") => vec![Gather::TmaRows],
-        Ok("cp_async") => vec![Gather::CpAsync],
-        Ok("") | Err(_) => vec![Gather::TmaRows, Gather::CpAsync],
-        Ok(other) => panic!("CAPMOE_FUSED_GATHERS={other}: expected tma_rows or cp_async"),
-    };
-    if device_arch(stream) != Arch::Sm100 {
-        return asked;
-    }
-    let forms: Vec<Gather> = asked.into_iter().filter(|g| *g != Gather::TmaRows).collect();
-    if forms.is_empty() {
-        println!("skipping: CAPMOE_FUSED_GATHERS=tma_rows, and the sm_100a fused fc1 has no TMA-row form");
-    }
-    forms
-}
-
-fn device_arch(stream: &CudaStream) -> Arch {
-    DeviceInfo::of_stream(stream).expect("device of the test stream").arch
+/// The gather forms every test runs: the one left (`CpAsync`; `Auto` names it too).
+fn gathers() -> Vec<Gather> {
+    vec![Gather::CpAsync]
 }
 
 fn weights(shape: Shape, seed: u64) -> Vec<bf16> {
@@ -313,7 +289,7 @@ fn check_launches(case: &Case) {
     let stream = gpu_or_skip!();
     let shape = case.shape;
     let w1 = weights(shape, case.seed);
-    for gather in gathers(&stream) {
+    for gather in gathers() {
         let mut runner = Runner::new(&stream, shape, &w1, gather);
         let mut rng = StdRng::seed_from_u64(case.seed + 1);
         for (i, &(t, routes)) in case.launches.iter().enumerate() {
@@ -334,7 +310,7 @@ fn check_launches(case: &Case) {
 
 #[test]
 fn fused_fc1_matches_unfused_on_messy_routing() {
-    // H = 200: the last K block is partial (TMA zero-fills columns past H in x and W1).
+    // H = 200: the last K block is partial (the gather zero-fills columns past H in x, TMA in W1).
     check_launches(&Case {
         name: "messy",
         shape: Shape { e: 8, h: 200, f: 256, k: 3, t_max: 300, capacity: None },
@@ -396,7 +372,7 @@ fn fused_fc1_model_shapes() {
         let mut rng = StdRng::seed_from_u64(8);
         let ids = topk_ids(&mut rng, shape.t_max, shape.e, shape.k);
         let inputs = inputs(shape, &mut rng, t, ids);
-        for gather in gathers(&stream) {
+        for gather in gathers() {
             let start = Instant::now();
             let mut runner = Runner::new(&stream, shape, &w1, gather);
             check_case(&format!("{gather:?}: {name}"), &stream, &mut runner, &inputs, &w1, Some(48));
@@ -414,7 +390,7 @@ fn fused_fc1_graph_replays_match_eager() {
     let _lock = common::capture_lock();
     let shape = Shape { e: 8, h: 192, f: 256, k: 2, t_max: 160, capacity: None };
     let w1 = weights(shape, 9);
-    for gather in gathers(&stream) {
+    for gather in gathers() {
         let mut graph_runner = Runner::new(&stream, shape, &w1, gather);
         let mut eager = Runner::new(&stream, shape, &w1, gather);
         let mut rng = StdRng::seed_from_u64(10);
@@ -483,7 +459,7 @@ fn fused_fc1_f16_matches_unfused() {
     let (h_want, act_want) = (stream.clone_dtoh(&h_want).unwrap(), stream.clone_dtoh(&act_want).unwrap());
 
     let bits = |v: &[f16]| v.iter().map(|x| x.to_bits()).collect::<Vec<u16>>();
-    for gather in gathers(&stream) {
+    for gather in gathers() {
         let fused = FusedFc1::with_gather(&plan, &stream, gather).unwrap();
         let mut h = stream.clone_htod(&poison_f16(cap * 2 * shape.f)).unwrap();
         let mut act = stream.clone_htod(&poison_f16(cap * shape.f)).unwrap();
@@ -507,7 +483,7 @@ fn fused_fc1_weighted_epilogue_scales_each_row_by_its_route_probability() {
     let stream = gpu_or_skip!();
     let shape = Shape { e: 8, h: 200, f: 256, k: 3, t_max: 300, capacity: Some(700) };
     let w1 = weights(shape, 31);
-    for gather in gathers(&stream) {
+    for gather in gathers() {
         let mut runner = Runner::new(&stream, shape, &w1, gather);
         let cap = runner.plan.capacity();
         let mut act_w = stream.alloc_zeros::<bf16>(cap * shape.f).unwrap();
@@ -586,31 +562,21 @@ fn fused_fc1_refuses_what_it_does_not_take() {
     assert!(matches!(r, Err(Error::WrongStream { .. })), "another stream: {r:?}");
 }
 
-/// Which gather forms the device's kernel takes: both on 9.0, only cp.async on 10.0 (the
-/// sm_100a kernel; `TmaRows` is `Unsupported` at plan time there, through the Rust check and
-/// through the C ABI's own), and `Auto` everywhere it runs.
+/// `Auto` and `CpAsync` are the fc1 gather forms on every device with the kernel; value 1 (the
+/// removed TMA-rows form) is `CAPMOE_ERR_UNSUPPORTED` through the C ABI, other values
+/// `CAPMOE_ERR_INVALID_ARGUMENT`.
 #[test]
 fn fused_fc1_gather_forms_of_the_device() {
-    const OK: i32 = capturable_moe::sys::CAPMOE_OK as i32;
+    use capturable_moe::sys;
     let stream = gpu_or_skip!();
     let shape = Shape { e: 4, h: 128, f: 128, k: 2, t_max: 16, capacity: None };
     let plan = RoutingPlan::new(shape.routing(DType::Bf16)).unwrap();
     let auto = FusedFc1::new(&plan, &stream).unwrap();
-    assert_eq!(unsafe { capturable_moe::sys::capmoe_fused_fc1_supported(auto.desc()) }, OK, "AUTO");
+    assert_eq!(unsafe { sys::capmoe_fused_fc1_supported(auto.desc()) }, sys::CAPMOE_OK as i32, "AUTO");
     FusedFc1::with_gather(&plan, &stream, Gather::CpAsync).unwrap();
-    let tma_rows = FusedFc1::with_gather(&plan, &stream, Gather::TmaRows);
-    let mut tma_rows_desc = *auto.desc();
-    tma_rows_desc.gather = capturable_moe::sys::CAPMOE_FUSED_GATHER_TMA_ROWS as _;
-    let abi = unsafe { capturable_moe::sys::capmoe_fused_fc1_supported(&tma_rows_desc) };
-    match device_arch(&stream) {
-        Arch::Sm100 => {
-            assert!(matches!(tma_rows, Err(Error::Unsupported { .. })), "TMA rows on sm_100a: {tma_rows:?}");
-            assert_eq!(abi, capturable_moe::sys::CAPMOE_ERR_UNSUPPORTED as i32, "C ABI: TMA rows on sm_100a");
-        }
-        Arch::Sm90 => {
-            tma_rows.unwrap();
-            assert_eq!(abi, OK, "C ABI: TMA rows on sm_90a");
-        }
+    for (gather, want) in [(1, sys::CAPMOE_ERR_UNSUPPORTED), (3, sys::CAPMOE_ERR_INVALID_ARGUMENT)] {
+        let desc = sys::capmoe_fused_fc1_desc_t { gather, ..*auto.desc() };
+        assert_eq!(unsafe { sys::capmoe_fused_fc1_supported(&desc) }, want as i32, "C ABI: gather {gather}");
     }
 }
 
@@ -625,11 +591,7 @@ fn fused_fc1_timing() {
     let _lock = common::capture_lock();
     let shape = Shape { e: 128, h: 2048, f: 768, k: 8, t_max: 4096, capacity: None };
     let w1 = weights(shape, 11);
-    // The runner's plan: the first form of `gathers` (TMA rows where the device has them and
-    // CAPMOE_FUSED_GATHERS does not name cp_async alone; else cp.async, timed twice).
-    let Some(&first) = gathers(&stream).first() else { return };
-    let mut r = Runner::new(&stream, shape, &w1, first);
-    let fused_cp_async = FusedFc1::with_gather(&r.plan, &stream, Gather::CpAsync).unwrap();
+    let mut r = Runner::new(&stream, shape, &w1, Gather::Auto);
     let mut rng = StdRng::seed_from_u64(12);
     let ids = topk_ids(&mut rng, shape.t_max, shape.e, shape.k);
     let inp = inputs(shape, &mut rng, shape.t_max, ids);
@@ -639,19 +601,6 @@ fn fused_fc1_timing() {
     let fused_graph = capture(&stream, || {
         let m = &r.maps;
         r.fused.run(&stream, &r.x, &r.w1, &m.offsets, &m.token_of_row, &mut r.act_fused, None::<&mut CudaSlice<bf16>>)
-    })
-    .unwrap();
-    let fused_cp_async_graph = capture(&stream, || {
-        let m = &r.maps;
-        fused_cp_async.run(
-            &stream,
-            &r.x,
-            &r.w1,
-            &m.offsets,
-            &m.token_of_row,
-            &mut r.act_fused,
-            None::<&mut CudaSlice<bf16>>,
-        )
     })
     .unwrap();
     let fused_h_graph = capture(&stream, || {
@@ -683,11 +632,10 @@ fn fused_fc1_timing() {
     let time = |graph: &cudarc::driver::CudaGraph| common::mean_gpu_us(&stream, 5, 50, || graph.launch().unwrap());
     let flops = 2.0 * (shape.t_max * shape.k) as f64 * (2 * shape.f * shape.h) as f64;
     for (name, graph) in [
-        (format!("fused fc1 + SwiGLU, {first:?} gather (act only)"), &fused_graph),
-        ("fused fc1 + SwiGLU, CpAsync gather (act only)".to_string(), &fused_cp_async_graph),
-        (format!("fused fc1 + SwiGLU, {first:?} gather (act + h)"), &fused_h_graph),
-        ("permute + fc1 + SwiGLU".to_string(), &unfused_graph),
-        ("fc1 grouped GEMM alone".to_string(), &gemm_graph),
+        ("fused fc1 + SwiGLU (act only)", &fused_graph),
+        ("fused fc1 + SwiGLU (act + h)", &fused_h_graph),
+        ("permute + fc1 + SwiGLU", &unfused_graph),
+        ("fc1 grouped GEMM alone", &gemm_graph),
     ] {
         let us = time(graph);
         println!(

@@ -166,7 +166,7 @@ mod abi {
             },
             INVALID
         );
-        let cases: [(&str, EditDesc, i32); 9] = [
+        let cases: [(&str, EditDesc, i32); 10] = [
             ("E = 0", |d| d.num_experts = 0, INVALID),
             ("E = 1025", |d| d.num_experts = 1025, INVALID),
             ("H = 260 (not a multiple of 8)", |d| d.hidden = 260, MISALIGNED),
@@ -175,6 +175,7 @@ mod abi {
             ("F = 200 (not a multiple of 128)", |d| d.ffn = 200, UNSUPPORTED),
             ("fp32 activations", |d| d.dtype = sys::CAPMOE_DTYPE_F32 as i32, UNSUPPORTED),
             ("gather 7", |d| d.gather = 7, INVALID),
+            ("gather 1 (the removed TMA-rows form)", |d| d.gather = 1, UNSUPPORTED),
             ("sm_count 0", |d| d.sm_count = 0, INVALID),
             ("negative capacity", |d| d.capacity = -1, INVALID),
         ];
@@ -263,6 +264,8 @@ mod dgrad_abi {
         token_of_row: *const i32,
         prob_of_row: *const f32,
         dprob_partials: *mut f32,
+        /// The tile-schedule words (CAPMOE_FUSED_SWIGLU_DGRAD_SCHEDULE_WORDS int32).
+        schedule: *mut i32,
     }
 
     fn ptrs() -> Ptrs {
@@ -276,6 +279,7 @@ mod dgrad_abi {
             token_of_row: fake(0x6_0000) as *const i32,
             prob_of_row: fake(0x7_0000) as *const f32,
             dprob_partials: fake(0x8_0000) as *mut f32,
+            schedule: fake(0x9_0000) as *mut i32,
         }
     }
 
@@ -290,6 +294,7 @@ mod dgrad_abi {
             token_of_row: null(),
             prob_of_row: null(),
             dprob_partials: null_mut(),
+            schedule: null_mut(),
             ..ptrs()
         }
     }
@@ -297,9 +302,17 @@ mod dgrad_abi {
     fn call(form: Form, d: *const Desc, p: &Ptrs) -> i32 {
         unsafe {
             match form {
-                Form::Drows => {
-                    sys::capmoe_fused_swiglu_dgrad(d, p.rows, p.w2, p.h, p.offsets, p.dh, p.dact, null_mut())
-                }
+                Form::Drows => sys::capmoe_fused_swiglu_dgrad(
+                    d,
+                    p.rows,
+                    p.w2,
+                    p.h,
+                    p.offsets,
+                    p.dh,
+                    p.dact,
+                    p.schedule,
+                    null_mut(),
+                ),
                 Form::Gathered => sys::capmoe_fused_swiglu_dgrad_gathered(
                     d,
                     p.rows,
@@ -310,6 +323,7 @@ mod dgrad_abi {
                     p.prob_of_row,
                     p.dh,
                     p.dprob_partials,
+                    p.schedule,
                     null_mut(),
                 ),
             }
@@ -347,7 +361,7 @@ mod dgrad_abi {
     }
 
     /// The pointer rules of both forms (`rows` is drows or dy).
-    const SHARED_POINTER_CASES: [(&str, EditPtrs, i32); 11] = [
+    const SHARED_POINTER_CASES: [(&str, EditPtrs, i32); 13] = [
         ("NULL offsets", |p| p.offsets = null(), INVALID),
         ("offsets not 8-aligned", |p| p.offsets = fake(0x4_0004) as *const i64, MISALIGNED),
         ("NULL drows / dy", |p| p.rows = null(), INVALID),
@@ -358,6 +372,8 @@ mod dgrad_abi {
         ("w2 not 16-aligned", |p| p.w2 = fake(0x2_0002), MISALIGNED),
         ("h not 16-aligned", |p| p.h = fake(0x3_0004), MISALIGNED),
         ("dh not 16-aligned", |p| p.dh = fake(0x5_0008), MISALIGNED),
+        ("NULL schedule", |p| p.schedule = null_mut(), INVALID),
+        ("schedule not 4-aligned", |p| p.schedule = fake(0x9_0002) as *mut i32, MISALIGNED),
         ("all valid", |_| {}, PAST_POINTER_CHECKS),
     ];
 

@@ -1,7 +1,7 @@
 // capmoe-archs: 90a 100a
 // The fused fc1 C ABI (capturable_moe/fused.h): host checks, TMA descriptor encoding and the
 // dispatch to the sm_90a kernel (csrc/fused/fc1_sm90.cu) on compute capability 9.0 or the
-// sm_100a one (csrc/fused/fc1_sm100.cu, cp.async gather only) on 10.0. Built for every arch so
+// sm_100a one (csrc/fused/fc1_sm100.cu) on 10.0. Built for every arch so
 // the entry points always exist; a device or binary without the kernel gets
 // CAPMOE_ERR_UNSUPPORTED. Only kernels of archs compiled into this binary are referenced
 // (CAPMOE_HAS_SM90 / CAPMOE_HAS_SM100).
@@ -50,18 +50,11 @@ capmoe_status_t device_kernel(Fc1Kernel* kernel) {
   return built_device_arch(CAPMOE_HAS_SM90, CAPMOE_HAS_SM100, kernel);
 }
 
-// The gather form a launch runs. AUTO: the form within the documented TMA rules until measured
-// (capturable_moe/fused.h), CP_ASYNC. The sm_100a kernel has no TMA_ROWS form.
-capmoe_status_t resolve_gather(Fc1Kernel kernel, capmoe_fused_gather_t asked, capmoe_fused_gather_t* gather) {
-  if (kernel == Fc1Kernel::Sm100 && asked == CAPMOE_FUSED_GATHER_TMA_ROWS) return CAPMOE_ERR_UNSUPPORTED;
-  *gather = asked == CAPMOE_FUSED_GATHER_AUTO ? CAPMOE_FUSED_GATHER_CP_ASYNC : asked;
-  return CAPMOE_OK;
-}
-
-// The kernel and gather form of a launch of `d` on the current device.
-capmoe_status_t check_device(const capmoe_fused_fc1_desc_t& d, Fc1Kernel* kernel, capmoe_fused_gather_t* gather) {
-  CAPMOE_TRY(device_kernel(kernel));
-  return resolve_gather(*kernel, d.gather, gather);
+// The kernel of a launch of `d` on the current device. The one gather form is CP_ASYNC (AUTO
+// names it too); value 1, the removed TMA-rows form, is unsupported everywhere.
+capmoe_status_t check_device(const capmoe_fused_fc1_desc_t& d, Fc1Kernel* kernel) {
+  if (d.gather != CAPMOE_FUSED_GATHER_AUTO && d.gather != CAPMOE_FUSED_GATHER_CP_ASYNC) return CAPMOE_ERR_UNSUPPORTED;
+  return device_kernel(kernel);
 }
 
 }  // namespace
@@ -73,8 +66,7 @@ extern "C" capmoe_status_t capmoe_fused_fc1_supported(const capmoe_fused_fc1_des
   return capmoe::guarded([&]() -> capmoe_status_t {
     CAPMOE_TRY(check_desc(desc));
     Fc1Kernel kernel{};
-    capmoe_fused_gather_t gather{};
-    CAPMOE_TRY(check_device(*desc, &kernel, &gather));
+    CAPMOE_TRY(check_device(*desc, &kernel));
 #if CAPMOE_FUSED_HAS_KERNEL
     // Resolve the driver's encoder now (plan time), not inside a first launch under capture.
     if (tma_encode_fn() == nullptr) return CAPMOE_ERR_UNSUPPORTED;
@@ -98,16 +90,11 @@ extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc,
     CAPMOE_TRY(capmoe::check_aligned(16, {x, w1, act, h}));
     CAPMOE_TRY(capmoe::check_aligned(4, {token_of_row, prob_of_row, schedule}));
     Fc1Kernel kernel{};
-    capmoe_fused_gather_t gather{};
-    CAPMOE_TRY(check_device(d, &kernel, &gather));
+    CAPMOE_TRY(check_device(d, &kernel));
 #if CAPMOE_FUSED_HAS_KERNEL
     if (d.max_tokens == 0) return CAPMOE_OK;  // capacity > 0 but no token: build maps nothing
     Fc1Params p{};
     const cuuint64_t elem = 2;
-    const cuuint64_t x_dims[2] = {cuuint64_t(d.hidden), cuuint64_t(d.max_tokens)};
-    const cuuint64_t x_strides[1] = {cuuint64_t(d.hidden) * elem};
-    const cuuint32_t x_box[2] = {64, 1};
-    CAPMOE_TRY(tma_encode(&p.x_map, d.dtype, x, 2, x_dims, x_strides, x_box));
     const cuuint64_t w_dims[3] = {cuuint64_t(d.hidden), cuuint64_t(2 * d.ffn), cuuint64_t(d.num_experts)};
     const cuuint64_t w_strides[2] = {cuuint64_t(d.hidden) * elem, cuuint64_t(2 * d.ffn * d.hidden) * elem};
     const cuuint32_t w_box[3] = {64, CAPMOE_FUSED_FC1_TILE_N, 1};
@@ -130,7 +117,7 @@ extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc,
     if (kernel == Fc1Kernel::Sm100) return launch_fc1_sm100(p, d.dtype, grid, s);
 #endif
 #if CAPMOE_HAS_SM90
-    if (kernel == Fc1Kernel::Sm90) return launch_fc1_sm90(p, d.dtype, gather, grid, s);
+    if (kernel == Fc1Kernel::Sm90) return launch_fc1_sm90(p, d.dtype, grid, s);
 #endif
     return CAPMOE_ERR_UNSUPPORTED;
 #else

@@ -13,7 +13,6 @@
 namespace capmoe::fused {
 
 struct Fc1Params {
-  CUtensorMap x_map;   // x [T_max, H]: box 64 columns x 1 row, 128B swizzle (sm_90a TMA rows)
   CUtensorMap w1_map;  // w1 [E, 2F, H]: box 64 x TILE_N rows x 1 expert, 128B swizzle
   const void* x;       // x [T_max, H] for the cp.async gather
   const int64_t* offsets;
@@ -28,10 +27,9 @@ struct Fc1Params {
 };
 
 // Launches the sm_90a kernel on `grid` persistent CTAs (fc1_sm90.cu).
-capmoe_status_t launch_fc1_sm90(const Fc1Params& params, capmoe_dtype_t dtype, capmoe_fused_gather_t gather,
-                                int grid, cudaStream_t stream);
+capmoe_status_t launch_fc1_sm90(const Fc1Params& params, capmoe_dtype_t dtype, int grid, cudaStream_t stream);
 
-// Launches the sm_100a kernel on `grid` persistent CTAs (fc1_sm100.cu): cp.async gather only.
+// Launches the sm_100a kernel on `grid` persistent CTAs (fc1_sm100.cu).
 capmoe_status_t launch_fc1_sm100(const Fc1Params& params, capmoe_dtype_t dtype, int grid, cudaStream_t stream);
 
 }  // namespace capmoe::fused

@@ -129,7 +129,7 @@ template <class T>
 __device__ void produce(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles, int slices) {
   produce_gathered_a<kTileM, kTileK, kStages>(
       p.x, p.hidden, p.max_tokens, p.token_of_row, s.full, s.empty, s.a, Kernel<T>::kBytesB, total_tiles,
-      [&](int tile) { return locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts); },
+      StridedTiles{}, [&](int tile) { return locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts); },
       [&](int stage, const Tile& t, int k0) { load_weights<T>(p, s, stage, t, k0); });
   // Where the loop left the ring: one fill per (tile of this CTA, K block).
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;

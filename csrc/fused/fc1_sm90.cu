@@ -7,29 +7,23 @@
 // 256-row operand, so one 64x256 wgmma per consumer warpgroup leaves every thread holding gate
 // column c and up column c + 128 of the same row: SwiGLU is elementwise in registers.
 //
-// Roles (384 threads): warpgroup 0 is the producer (TMA rows: one warp issues the TMAs and the
-// others exit after giving back registers; cp.async: all four warps copy); warpgroups 1 and 2
-// are the consumers, 64 tile rows each. W1 always comes by TMA.
-// A operand gather, two forms (capmoe_fused_gather_t; same bits, the faster one is AUTO):
-//  - TMA rows: one TMA per tile row, a 1 x 64 box of x at (k0, token), landing at row * 128 B
-//    of the stage. The 128B swizzle is a function of the shared-memory address (16-byte chunk
-//    bits [4,7) XOR row bits [7,10)), so per-row boxes into a 1024-byte aligned stage land
-//    exactly where one 128 x 64 box would: the layout the wgmma descriptors expect. The stage's
-//    transaction count is 128 B per loaded row plus the B tile.
-//  - cp.async: the producer warpgroup copies the K block's 16-byte chunks, each warp-wide
-//    copy four whole rows (fused/gather_rows.cuh, GatherRows), chunk c of a row to chunk
-//    (c XOR row % 8) (the same 128B swizzle, by hand; columns past H and rows of an invalid
-//    token are zero-filled); each thread's copies arrive on the stage's barrier when they land
-//    (cp.async.mbarrier.arrive.noinc), and consumers fence the generic proxy against the async
-//    one before wgmma reads them.
-// Rows past the expert's count are not loaded in either form (their accumulators are never
-// stored).
+// Roles (384 threads): warpgroup 0 is the producer; warpgroups 1 and 2 are the consumers, 64
+// tile rows each. The A operand is gathered by cp.async: the producer warpgroup copies the K
+// block's 16-byte chunks, each warp-wide copy four whole rows (fused/gather_rows.cuh,
+// GatherRows), chunk c of a row to chunk (c XOR row % 8) (the 128B swizzle, by hand; columns
+// past H and rows of an invalid token are zero-filled); each thread's copies arrive on the
+// stage's barrier when they land (cp.async.mbarrier.arrive.noinc), and consumers fence the
+// generic proxy against the async one before wgmma reads them. W1 comes by TMA. (A second form
+// that loaded each A row with its own 1 x 64 TMA box ran about 4x slower on the H200 and was
+// deleted.)
+// Rows past the expert's count are not loaded (their accumulators are never stored).
 //
 // Scheduling: the tile list comes from the device-side offsets (fused/tile_list.cuh): the M
 // tiles of one expert's column slice are consecutive, so the CTAs running together read the
 // same weight slice (once from HBM, then from L2). Each CTA's producer takes its next tile from
-// a device counter as it frees up (fused/tile_schedule.cuh: the caller's `schedule` words) and
-// writes its index into the stage holding the tile's first K block, where the consumers read it.
+// a device counter as it frees up (fused/tile_source.cuh's CountedTiles over the caller's
+// `schedule` words) and writes its index into the stage holding the tile's first K block, where
+// the consumers read it.
 //
 // The epilogue rounds gate and up to the output type first and computes SwiGLU in fp32 on the
 // rounded values, exactly as capmoe_routing_swiglu does on h, so act equals the unfused path's.
@@ -55,7 +49,7 @@
 #include "fused/gather_rows.cuh"
 #include "fused/quad_store.cuh"
 #include "fused/tile_list.cuh"
-#include "fused/tile_schedule.cuh"
+#include "fused/tile_source.cuh"
 #include "fused/tma_loads.cuh"
 
 namespace capmoe::fused {
@@ -69,11 +63,7 @@ constexpr int kTileK = 64;                       // 64 16-bit elements = one 128
 constexpr int kStages = 4;
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
-// x is re-read by every column slice of every expert its token routes to: keep it in L2.
-constexpr uint64_t kEvictLast = uint64_t(TMA::CacheHintSm90::EVICT_LAST);
 constexpr int kProducerThreads = 128;
-
-enum class Gather { TmaRows, CpAsync };
 
 template <class T>
 struct MmaAtom;
@@ -106,7 +96,7 @@ struct Kernel {
     int32_t tile_prefix[CAPMOE_FUSED_MAX_EXPERTS + 1];  // M tiles of the experts before e
     int32_t row_start[CAPMOE_FUSED_MAX_EXPERTS + 1];    // first row of expert e (clamped)
     int32_t stage_tile[kStages];  // the tile whose first K block a stage holds (tile_schedule.cuh)
-    int32_t next_tile;            // the producer warpgroup's fetched tile (cp.async form)
+    int32_t next_tile;            // the producer warpgroup's fetched tile (CountedTiles' handoff)
   };
   static constexpr size_t kSmemBytes = sizeof(Shared) + 1024;  // + room to align the base
   static_assert(kSmemBytes <= 227 * 1024, "sm_90a allows 227 KB of dynamic shared memory per CTA");
@@ -140,114 +130,15 @@ __device__ __forceinline__ void load_weights(const Fc1Params& p, typename Kernel
   load_w1_tile<kTileN, kTileK>(p, &s.full[stage], s.b + stage * Kernel<T>::kStageElemsB, t, k0);
 }
 
-// Token of tile row r; negative when the row is past the expert's count or the token is not in
-// [0, T_max) (callers test >= 0).
-__device__ __forceinline__ int row_token(const Fc1Params& p, const Tile& t, int r) {
-  const int token = r < t.rows ? __ldg(p.token_of_row + t.row0 + r) : -1;
-  return token < p.max_tokens ? token : -1;
-}
-
-// The consumers' stop, once the schedule has run past the last tile: one more stage, holding
-// no data, whose tile is kNoMoreTiles (tile_schedule.cuh); its arming thread (`arms`) then
-// finishes its CTA's part of the schedule. Run by every thread of a producer.
+// The producer warpgroup: gathered x rows and W1 tiles (fused/gather_rows.cuh), over the tiles
+// the schedule hands out.
 template <class T>
-__device__ __forceinline__ void stop_consumers(typename Kernel<T>::Shared& s, StageRing<kStages>& ring,
-                                               const TileSchedule& schedule, bool arms, const char* role) {
-  wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, role);
-  if (arms) {
-    publish_stage_tile(s.stage_tile, ring.stage, kNoMoreTiles);
-    cutlass::arch::ClusterBarrier::arrive(&s.full[ring.stage]);
-    schedule.finish();
-  }
-}
-
-template <class T>
-__device__ void produce_tma_rows(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles,
-                                 int slices) {
-  using K = Kernel<T>;
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  const int lane = threadIdx.x & 31;
-  const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
-  const TileSchedule schedule{p.schedule};
-  StageRing<kStages> ring;
-  for (;;) {
-    int tile = 0;
-    if (lane == 0) tile = schedule.take();
-    tile = __shfl_sync(0xffffffffu, tile, 0);
-    if (tile >= total_tiles) break;
-    const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
-    int token[kTileM / 32];
-    int loaded = 0;
-#pragma unroll
-    for (int i = 0; i < kTileM / 32; ++i) {
-      token[i] = row_token(p, t, lane + 32 * i);
-      loaded += __popc(__ballot_sync(0xffffffffu, token[i] >= 0));
-    }
-    const uint32_t bytes = uint32_t(loaded) * K::kRowBytes + K::kBytesB;
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "fc1 TMA producer, empty");
-      const int stage = ring.stage;
-      if (lane == 0 && kb == 0) publish_stage_tile(s.stage_tile, stage, tile);
-      if (lane == 0) Barrier::arrive_and_expect_tx(&s.full[stage], bytes);
-      __syncwarp();
-      T* a = s.a + stage * K::kStageElemsA;
-      const int k0 = kb * kTileK;
-#pragma unroll
-      for (int i = 0; i < kTileM / 32; ++i) {
-        if (token[i] >= 0)
-          SM90_TMA_LOAD_2D::copy(&p.x_map, &s.full[stage], kEvictLast, a + (lane + 32 * i) * kTileK, k0,
-                                 token[i]);
-      }
-      if (lane == 0) load_weights<T>(p, s, stage, t, k0);
-      ring.advance();
-    }
-  }
-  stop_consumers<T>(s, ring, schedule, lane == 0, "fc1 TMA producer, empty (end)");
-}
-
-// The producer warpgroup's named barrier (barrier 0 is __syncthreads').
-__device__ __forceinline__ void producer_warpgroup_sync() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
-
-// The cp.async form's producer warpgroup (fused/gather_rows.cuh's gather): thread 0 takes each
-// tile from the schedule and hands it to the other 127 through shared memory; per K block it
-// arms the stage with the B tile's bytes and issues B's TMAs, and every thread copies its
-// chunks of the gathered A rows and arrives when they land (1 + 128 arrivals per stage).
-template <class T>
-__device__ void produce_cp_async(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles,
-                                 int slices) {
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  using K = Kernel<T>;
-  const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
-  const TileSchedule schedule{p.schedule};
-  GatherRows<kTileM> gather(threadIdx.x);
-  StageRing<kStages> ring;
-  for (;;) {
-    if (threadIdx.x == 0) s.next_tile = schedule.take();
-    producer_warpgroup_sync();
-    const int tile = *reinterpret_cast<volatile int32_t*>(&s.next_tile);
-    producer_warpgroup_sync();  // read by all before thread 0 takes the next one
-    if (tile >= total_tiles) break;
-    const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
-    gather.set_tile(p.token_of_row + t.row0, t.rows, p.max_tokens);
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "gathering producer, empty");
-      const int stage = ring.stage;
-      const int k0 = kb * kTileK;
-      if (threadIdx.x == 0) {
-        if (kb == 0) publish_stage_tile(s.stage_tile, stage, tile);
-        Barrier::arrive_and_expect_tx(&s.full[stage], K::kBytesB);
-        load_weights<T>(p, s, stage, t, k0);
-      }
-      gather.copy(static_cast<const T*>(p.x), p.hidden, k0,
-                  reinterpret_cast<uint8_t*>(s.a + stage * kTileM * kTileK));
-      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
-      ring.advance();
-    }
-  }
-  stop_consumers<T>(s, ring, schedule, threadIdx.x == 0, "gathering producer, empty (end)");
-  // Every copying thread arrives too, so the stage's arrival count stays 1 + 128.
-  cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
-  cute::cp_async_wait<0>();  // no thread exits with copies in flight
+__device__ void produce(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles, int slices) {
+  const CountedTiles<kProducerThreads> tiles{TileSchedule{p.schedule}, s.stage_tile, &s.next_tile};
+  produce_gathered_a<kTileM, kTileK, kStages>(
+      p.x, p.hidden, p.max_tokens, p.token_of_row, s.full, s.empty, s.a, Kernel<T>::kBytesB, total_tiles, tiles,
+      [&](int tile) { return locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts); },
+      [&](int stage, const Tile& t, int k0) { load_weights<T>(p, s, stage, t, k0); });
 }
 
 // Rounds the accumulators to T, then act = silu(g) * u in fp32 (capmoe_routing_swiglu's math),
@@ -298,9 +189,8 @@ __device__ void store_tile(const Fc1Params& p, const Tile& t, const Accum& acc, 
   }
 }
 
-template <class T, Gather kGather>
-__device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int total_tiles,
-                        int slices) {
+template <class T>
+__device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int slices) {
   using K = Kernel<T>;
   const int consumer_thread = threadIdx.x - 128;
   const bool warp_leader = (threadIdx.x & 31) == 0;
@@ -321,9 +211,7 @@ __device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int t
   const int first_row = (consumer_thread / 128) * (kTileM / 2);
   StageRing<kStages> ring;
   for (;;) {
-    // The next tile's first stage (waited for again by the mainloop: a completed phase).
-    wait_barrier(&s.full[ring.stage], ring.phase, "consumer, next tile");
-    const int tile = read_stage_tile(s.stage_tile, ring.stage);
+    const int tile = next_published_tile(ring, s.full, s.stage_tile);
     if (tile == kNoMoreTiles) break;
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
     if (t.rows <= first_row) {
@@ -335,13 +223,13 @@ __device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int t
       pass_k_blocks(ring, s.full, s.empty, k_blocks, warp_leader);
       continue;
     }
-    // The cp.async form writes the A rows through the generic proxy.
-    mma_k_blocks<kGather == Gather::CpAsync>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc);
+    // The A rows came through the generic proxy (cp.async).
+    mma_k_blocks<true>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc);
     store_tile<T>(p, t, acc, m0);
   }
 }
 
-template <class T, Gather kGather>
+template <class T>
 __global__ void __launch_bounds__(kThreads, 1) fc1_swiglu_kernel(const __grid_constant__ Fc1Params p) {
   using K = Kernel<T>;
   extern __shared__ uint8_t raw[];
@@ -350,13 +238,10 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_swiglu_kernel(const __grid_co
 
   if (warp == 0) build_tile_prefix<kTileM>(p.offsets, p.experts, p.capacity, s.tile_prefix, s.row_start);
   if (threadIdx.x == 32) {
-    // TMA rows: the producer's expect_tx arrival; cp.async: that plus one per copying thread.
-    init_stage_barriers<kStages>(s.full, s.empty, kGather == Gather::CpAsync ? 1 + kProducerThreads : 1, kConsumerWarps);
+    // The producer's expect_tx arrival plus one per copying thread.
+    init_stage_barriers<kStages>(s.full, s.empty, 1 + kProducerThreads, kConsumerWarps);
   }
-  if (threadIdx.x == 64) {
-    cute::prefetch_tma_descriptor(&p.x_map);
-    cute::prefetch_tma_descriptor(&p.w1_map);
-  }
+  if (threadIdx.x == 64) cute::prefetch_tma_descriptor(&p.w1_map);
   __syncthreads();
 
   const int slices = p.ffn / kTileN;
@@ -365,30 +250,23 @@ __global__ void __launch_bounds__(kThreads, 1) fc1_swiglu_kernel(const __grid_co
     // setmaxnreg moves registers between warpgroups: 56 + 2 x 224 = 3 x 168, what the launch
     // holds. The cp.async producer keeps 8 row tokens live (GatherRows) and spilled under 40.
     cutlass::arch::warpgroup_reg_dealloc<56>();
-    if constexpr (kGather == Gather::CpAsync) produce_cp_async<T>(p, s, total_tiles, slices);
-    else if (warp == 0) produce_tma_rows<T>(p, s, total_tiles, slices);
+    produce<T>(p, s, total_tiles, slices);
   } else {
     cutlass::arch::warpgroup_reg_alloc<224>();
-    consume<T, kGather>(p, s, total_tiles, slices);
+    consume<T>(p, s, slices);
   }
 }
 
-template <class T, Gather kGather>
+template <class T>
 capmoe_status_t launch_typed(const Fc1Params& params, int grid, cudaStream_t stream) {
-  return launch_large_smem(fc1_swiglu_kernel<T, kGather>, dim3(grid), kThreads, Kernel<T>::kSmemBytes, stream, params);
+  return launch_large_smem(fc1_swiglu_kernel<T>, dim3(grid), kThreads, Kernel<T>::kSmemBytes, stream, params);
 }
 
 }  // namespace
 
-capmoe_status_t launch_fc1_sm90(const Fc1Params& params, capmoe_dtype_t dtype, capmoe_fused_gather_t gather, int grid,
-                                cudaStream_t stream) {
-  const bool cp_async = gather == CAPMOE_FUSED_GATHER_CP_ASYNC;
-  if (dtype == CAPMOE_DTYPE_BF16)
-    return cp_async ? launch_typed<cutlass::bfloat16_t, Gather::CpAsync>(params, grid, stream)
-                    : launch_typed<cutlass::bfloat16_t, Gather::TmaRows>(params, grid, stream);
-  if (dtype == CAPMOE_DTYPE_F16)
-    return cp_async ? launch_typed<cutlass::half_t, Gather::CpAsync>(params, grid, stream)
-                    : launch_typed<cutlass::half_t, Gather::TmaRows>(params, grid, stream);
+capmoe_status_t launch_fc1_sm90(const Fc1Params& params, capmoe_dtype_t dtype, int grid, cudaStream_t stream) {
+  if (dtype == CAPMOE_DTYPE_BF16) return launch_typed<cutlass::bfloat16_t>(params, grid, stream);
+  if (dtype == CAPMOE_DTYPE_F16) return launch_typed<cutlass::half_t>(params, grid, stream);
   return CAPMOE_ERR_UNSUPPORTED;
 }
 

@@ -16,6 +16,7 @@
 #include "fused/fc1_layout.h"
 #include "fused/pipeline.cuh"
 #include "fused/tile_list.cuh"
+#include "fused/tile_source.cuh"
 
 namespace capmoe::fused {
 
@@ -74,24 +75,28 @@ struct GatherRows {
   }
 };
 
-// The gathered producers' loop (fc1's CP_ASYNC form, the dgrad's gathered form), run by the
-// 128 threads of the producer warpgroup. Per tile and K block: wait for a free stage; thread 0
-// arms the stage's full barrier with the B tile's bytes (the only ones TMA counts) and issues
-// B's TMAs, load_b(stage, tile, k0); every thread copies its chunks of the tile's gathered A
-// rows (src [max_tokens, hidden] of T through token_of_row) and arrives when they land. The full
-// barriers therefore take 1 + 128 arrivals. locate(tile) maps a linear tile index to its Tile.
-// The scalars come by reference to the kernel's parameters, so they are read from parameter
-// space where needed instead of held in the producer's few registers (it runs under setmaxnreg).
-template <int kTileM, int kTileK, int kStages, class T, class Locate, class LoadB>
+// The gathered producers' loop (fc1's, the dgrad's gathered form), run by the 128 threads of
+// the producer warpgroup over the tiles of `tiles` (tile_source.cuh). Per tile and K block: wait
+// for a free stage; thread 0 publishes the tile in its first stage, arms the stage's full
+// barrier with the B tile's bytes (the only ones TMA counts) and issues B's TMAs,
+// load_b(stage, tile, k0); every thread copies its chunks of the tile's gathered A rows
+// (src [max_tokens, hidden] of T through token_of_row) and arrives when they land. The full
+// barriers therefore take 1 + 128 arrivals (the stop stage too). locate(tile) maps a linear tile
+// index to its Tile. The scalars come by reference to the kernel's parameters, so they are read
+// from parameter space where needed instead of held in the producer's few registers (it runs
+// under setmaxnreg).
+template <int kTileM, int kTileK, int kStages, class T, class Tiles, class Locate, class LoadB>
 __device__ __forceinline__ void produce_gathered_a(const void* const& src, const int& hidden, const int& max_tokens,
                                                    const int32_t* const& token_of_row, uint64_t* full,
                                                    uint64_t* empty, T* a_stages, uint32_t bytes_b, int total_tiles,
-                                                   Locate locate, LoadB load_b) {
+                                                   Tiles tiles, Locate locate, LoadB load_b) {
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   const int k_blocks = (hidden + kTileK - 1) / kTileK;
   GatherRows<kTileM> gather(threadIdx.x);
   StageRing<kStages> ring;
-  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+  for (;;) {
+    const int tile = tiles.take();
+    if (tile >= total_tiles) break;
     const Tile t = locate(tile);
     gather.set_tile(token_of_row + t.row0, t.rows, max_tokens);
     for (int kb = 0; kb < k_blocks; ++kb) {
@@ -99,6 +104,7 @@ __device__ __forceinline__ void produce_gathered_a(const void* const& src, const
       const int stage = ring.stage;
       const int k0 = kb * kTileK;
       if (threadIdx.x == 0) {
+        if (kb == 0) tiles.publish(stage, tile);
         Barrier::arrive_and_expect_tx(&full[stage], bytes_b);
         load_b(stage, t, k0);
       }
@@ -106,6 +112,9 @@ __device__ __forceinline__ void produce_gathered_a(const void* const& src, const
       cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
       ring.advance();
     }
+  }
+  if (tiles.stop(full, empty, ring, threadIdx.x == 0, "gathering producer, empty (end)")) {
+    cutlass::arch::cpasync_barrier_arrive_noinc(&full[ring.stage]);  // the stop stage's other 128 arrivals
   }
   cute::cp_async_wait<0>();  // no thread exits with copies in flight
 }

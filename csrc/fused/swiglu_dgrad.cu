@@ -106,20 +106,23 @@ extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad_supported(const capmoe_fuse
 extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad(const capmoe_fused_swiglu_dgrad_desc_t* desc,
                                                      const void* drows, const void* w2, const void* h,
                                                      const int64_t* offsets, void* dh, void* dact,
-                                                     void* stream) {
+                                                     int32_t* schedule, void* stream) {
   return capmoe::guarded([&]() -> capmoe_status_t {
     CAPMOE_TRY(check_desc(desc));
     const capmoe_fused_swiglu_dgrad_desc_t& d = *desc;
     if (offsets == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
     CAPMOE_TRY(capmoe::check_aligned(8, {offsets}));
     if (d.capacity == 0) return CAPMOE_OK;  // no row can be written
-    if (drows == nullptr || w2 == nullptr || h == nullptr || dh == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
+    if (drows == nullptr || w2 == nullptr || h == nullptr || dh == nullptr || schedule == nullptr)
+      return CAPMOE_ERR_INVALID_ARGUMENT;
     CAPMOE_TRY(capmoe::check_aligned(16, {drows, w2, h, dh, dact}));
+    CAPMOE_TRY(capmoe::check_aligned(4, {schedule}));
     DgradKernel kernel{};
     CAPMOE_TRY(check_device(&kernel));
 #if CAPMOE_FUSED_HAS_KERNEL
     SwigluDgradParams p{};
     CAPMOE_TRY(make_params(d, drows, w2, h, offsets, dh, dact, &p));
+    p.schedule = schedule;
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
 #if CAPMOE_HAS_SM100
     if (kernel == DgradKernel::Sm100) return launch_swiglu_dgrad_sm100(p, d.dtype, grid_of(d), s);
@@ -138,7 +141,8 @@ extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad_gathered(const capmoe_fused
                                                               const void* dy, const void* w2, const void* h,
                                                               const int64_t* offsets, const int32_t* token_of_row,
                                                               const float* prob_of_row, void* dh,
-                                                              float* dprob_partials, void* stream) {
+                                                              float* dprob_partials, int32_t* schedule,
+                                                              void* stream) {
   return capmoe::guarded([&]() -> capmoe_status_t {
     CAPMOE_TRY(check_desc(desc));
     const capmoe_fused_swiglu_dgrad_desc_t& d = *desc;
@@ -148,12 +152,12 @@ extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad_gathered(const capmoe_fused
     CAPMOE_TRY(capmoe::check_aligned(8, {offsets}));
     if (d.capacity == 0) return CAPMOE_OK;  // no row can be written
     if (dy == nullptr || w2 == nullptr || h == nullptr || token_of_row == nullptr || prob_of_row == nullptr ||
-        dh == nullptr || dprob_partials == nullptr)
+        dh == nullptr || dprob_partials == nullptr || schedule == nullptr)
       return CAPMOE_ERR_INVALID_ARGUMENT;
     // 16 bytes: the cp.async chunks of dy, w2's TMA, h's and dh's pair accesses (32-bit on
     // sm_90a, 16-byte on sm_100a).
     CAPMOE_TRY(capmoe::check_aligned(16, {dy, w2, h, dh}));
-    CAPMOE_TRY(capmoe::check_aligned(4, {token_of_row, prob_of_row, dprob_partials}));
+    CAPMOE_TRY(capmoe::check_aligned(4, {token_of_row, prob_of_row, dprob_partials, schedule}));
     DgradKernel kernel{};
     CAPMOE_TRY(check_device(&kernel));
 #if CAPMOE_FUSED_HAS_KERNEL
@@ -163,6 +167,7 @@ extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad_gathered(const capmoe_fused
     p.token_of_row = token_of_row;
     p.prob_of_row = prob_of_row;
     p.dprob_partials = dprob_partials;
+    p.schedule = schedule;
     p.max_tokens = int32_t(d.max_tokens);
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
 #if CAPMOE_HAS_SM100

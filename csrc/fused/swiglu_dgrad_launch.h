@@ -26,6 +26,10 @@ struct SwigluDgradParams {
   void* dh;       // [capacity, 2F]
   void* dact;     // [capacity, F], may be null (drows form only)
   int32_t experts, hidden, ffn, capacity;
+  // [CAPMOE_FUSED_SWIGLU_DGRAD_SCHEDULE_WORDS], both forms: the tile counter of the sm_90a kernel
+  // (fused/tile_schedule.cuh; zero at launch, zero again after it). The sm_100a kernel does not
+  // use it.
+  int32_t* schedule;
   // The gathered form only (last, so the drows form's parameter offsets are as before):
   int32_t max_tokens;
   const void* dy;               // [max_tokens, H], token order

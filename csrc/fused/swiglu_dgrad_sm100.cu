@@ -155,7 +155,7 @@ __device__ void produce_tma(const SwigluDgradParams& p, typename Kernel<T>::Shar
   using K = Kernel<T>;
   static_assert(K::kBytesA + K::kBytesB == (kTileM + kTileN) * kTileK * sizeof(T), "produce_drows arms the whole stage");
   produce_drows<kTileM, kTileN, kBoxN, kTileK, kStages>(
-      p, s.full, s.empty, s.a, s.b, total_tiles,
+      p, s.full, s.empty, s.a, s.b, total_tiles, StridedTiles{},
       [&](int tile) { return locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts); },
       "sm100 dgrad TMA producer, empty");
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
@@ -170,7 +170,7 @@ __device__ void produce_gathered(const SwigluDgradParams& p, typename Kernel<T>:
                                  int slices) {
   produce_gathered_a<kTileM, kTileK, kStages>(
       p.dy, p.hidden, p.max_tokens, p.token_of_row, s.full, s.empty, s.a, Kernel<T>::kBytesB, total_tiles,
-      [&](int tile) { return locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts); },
+      StridedTiles{}, [&](int tile) { return locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts); },
       [&](int stage, const Tile& t, int k0) { load_weights<T>(p, s, stage, t, k0); });
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
   drain_stage_ring<kStages>(s.empty, int64_t(cta_tiles(total_tiles)) * k_blocks, "sm100 dgrad producer tail, empty");

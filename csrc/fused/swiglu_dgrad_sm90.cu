@@ -27,7 +27,10 @@
 // exit after giving back registers; gathered: all 128 threads copy A rows, thread 0 also issues
 // the W2 TMAs); warpgroups 1 and 2 are the consumers, 64 tile rows each,
 // one 64x128x16 wgmma per k16 step. Tile list: fused/tile_list.cuh (M tiles of one expert's
-// column slice consecutive); CTAs stride over the tiles.
+// column slice consecutive); each CTA's producer takes its next tile from the device counter
+// in the caller's `schedule` words as it frees up and publishes it in the tile's first stage
+// (fused/tile_source.cuh's CountedTiles, as fc1), so the CTAs running one weight slice's M
+// tiles stay in step and the second reads the slice from L2.
 //
 // Epilogue, per pair of adjacent accumulator columns of a stored row: dact rounded to T, then
 // capmoe_routing_swiglu_backward's fp32 math on (rounded dact, g = h[r, f], u = h[r, F + f])
@@ -58,6 +61,7 @@
 #include "fused/swiglu_dgrad_launch.h"
 #include "fused/swiglu_dgrad_layout.h"
 #include "fused/tile_list.cuh"
+#include "fused/tile_source.cuh"
 #include "fused/tma_loads.cuh"
 
 namespace capmoe::fused {
@@ -99,6 +103,8 @@ struct Kernel {
     uint64_t empty[kStages];
     int32_t tile_prefix[CAPMOE_FUSED_MAX_EXPERTS + 1];  // M tiles of the experts before e
     int32_t row_start[CAPMOE_FUSED_MAX_EXPERTS + 1];    // first row of expert e (clamped)
+    int32_t stage_tile[kStages];  // the tile whose first K block a stage holds (tile_source.cuh)
+    int32_t next_tile;            // the gathered producer warpgroup's fetched tile
   };
   static constexpr size_t kSmemBytes = sizeof(Shared) + 1024;  // + room to align the base
 
@@ -133,8 +139,9 @@ __device__ __forceinline__ void load_weights(const SwigluDgradParams& p, typenam
 template <class T>
 __device__ void produce(const SwigluDgradParams& p, typename Kernel<T>::Shared& s, int total_tiles, int slices) {
   static_assert(Kernel<T>::kStageBytes == (kTileM + kTileN) * kTileK * sizeof(T), "produce_drows arms the whole stage");
+  const CountedTiles<1> tiles{TileSchedule{p.schedule}, s.stage_tile, nullptr};
   produce_drows<kTileM, kTileN, kBoxN, kTileK, kStages>(
-      p, s.full, s.empty, s.a, s.b, total_tiles,
+      p, s.full, s.empty, s.a, s.b, total_tiles, tiles,
       [&](int tile) { return locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts); },
       "dgrad TMA producer, empty");
 }
@@ -147,9 +154,10 @@ __device__ void produce(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
 template <class T>
 __device__ void produce_gathered(const SwigluDgradParams& p, typename Kernel<T>::Shared& s, int total_tiles,
                                  int slices) {
+  const CountedTiles<kProducerThreads> tiles{TileSchedule{p.schedule}, s.stage_tile, &s.next_tile};
   produce_gathered_a<kTileM, kTileK, kStages>(
       p.dy, p.hidden, p.max_tokens, p.token_of_row, s.full, s.empty, s.a, Kernel<T>::kBytesB,
-      total_tiles, [&](int tile) { return locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts); },
+      total_tiles, tiles, [&](int tile) { return locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts); },
       [&](int stage, const Tile& t, int k0) { load_weights<T>(p, s, stage, t, k0); });
 }
 
@@ -344,7 +352,7 @@ __device__ void store_tile_gathered(const SwigluDgradParams& p, const Tile& t, c
 }
 
 template <class T, ASource kA>
-__device__ void consume(const SwigluDgradParams& p, typename Kernel<T>::Shared& s, int total_tiles, int slices) {
+__device__ void consume(const SwigluDgradParams& p, typename Kernel<T>::Shared& s, int slices) {
   using K = Kernel<T>;
   const int consumer_thread = threadIdx.x - 128;
   const bool warp_leader = (threadIdx.x & 31) == 0;
@@ -370,7 +378,9 @@ __device__ void consume(const SwigluDgradParams& p, typename Kernel<T>::Shared& 
   // apart: on the H200, 2026-11-28, the fc2 dgrad then read 963 MB from DRAM for the 637 MB it
   // needs, 758 MB without the skip; fc1 1.50 GB, then 1.38 GB.)
   StageRing<kStages> ring;
-  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
+  for (;;) {
+    const int tile = next_published_tile(ring, s.full, s.stage_tile);
+    if (tile == kNoMoreTiles) break;
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
     uint32_t gate[kPairs], up[kPairs];
     load_gate_up(p, t, m0, gate, up);
@@ -418,7 +428,7 @@ __global__ void __launch_bounds__(kThreads, 1) swiglu_dgrad_kernel(const __grid_
     else if (threadIdx.x == 0) produce<T>(p, s, total_tiles, slices);
   } else {
     cutlass::arch::warpgroup_reg_alloc<224>();
-    consume<T, kA>(p, s, total_tiles, slices);
+    consume<T, kA>(p, s, slices);
   }
 }
 

@@ -64,18 +64,13 @@ pub const SWIGLU_DGRAD_TILE_N: usize = sys::CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N as 
 /// Largest `E` the fused kernels take.
 pub const MAX_EXPERTS: usize = sys::CAPMOE_FUSED_MAX_EXPERTS as usize;
 
-/// How the fused fc1 gathers a tile's x rows into shared memory (both give the same bits for
-/// every row whose token is in `[0, T_max)`).
+/// How the fused fc1 gathers a tile's x rows into shared memory. One form is left: a second
+/// one, a TMA box per row, ran about 4x slower on the H200 and was removed.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Gather {
-    /// `CpAsync` until the H100 has timed both (`TmaRows` puts 128-byte boxes at 128-byte
-    /// aligned, 128B-swizzled destinations, finer than the 1024-byte alignment TMA emitters
-    /// keep for swizzled stages: see `capturable_moe/fused.h`). Always `CpAsync` on sm_100a.
+    /// `CpAsync`.
     #[default]
     Auto,
-    /// One TMA per row (a `1 x 64` box of x), issued by one producer warp. sm_90a only: the
-    /// sm_100a kernel refuses it ([`Error::Unsupported`] at plan time).
-    TmaRows,
     /// 16-byte `cp.async` copies by a producer warpgroup, 8 lanes per row, so a warp-wide copy
     /// reads four whole 128-byte rows (`csrc/fused/gather_rows.cuh`).
     CpAsync,
@@ -156,7 +151,6 @@ impl Gather {
     fn abi(self) -> sys::capmoe_fused_gather_t {
         (match self {
             Gather::Auto => sys::CAPMOE_FUSED_GATHER_AUTO,
-            Gather::TmaRows => sys::CAPMOE_FUSED_GATHER_TMA_ROWS,
             Gather::CpAsync => sys::CAPMOE_FUSED_GATHER_CP_ASYNC,
         }) as sys::capmoe_fused_gather_t
     }
@@ -195,9 +189,6 @@ impl FusedFc1 {
         let c = routing.config();
         Self::check_shapes(c)?;
         let device = kernel_device(stream, &FC1_BUILDS, "9.0 (sm_90a) or 10.0 (sm_100a) for the fused fc1")?;
-        if device.arch == Arch::Sm100 && gather == Gather::TmaRows {
-            return Err(Error::Unsupported { op: OP, why: "the sm_100a fused fc1 gathers by cp.async only".into() });
-        }
         let desc = sys::capmoe_fused_fc1_desc_t {
             num_experts: c.num_experts as i64,
             hidden: c.hidden as i64,
@@ -368,8 +359,11 @@ impl FusedFc1 {
 }
 
 /// A validated fused fc2 dgrad + SwiGLU backward launch plan for one routing plan's shapes on
-/// one device.
-#[derive(Clone, Debug)]
+/// one device, bound to the stream it was made on as [`FusedFc1`] is: it owns the device words
+/// of the kernel's tile schedule (`CAPMOE_FUSED_SWIGLU_DGRAD_SCHEDULE_WORDS`, shared by the
+/// launches of both forms ordered on that stream), so a launch on another stream is
+/// [`Error::WrongStream`].
+#[derive(Debug)]
 pub struct FusedSwigluDgrad {
     desc: sys::capmoe_fused_swiglu_dgrad_desc_t,
     experts: usize,
@@ -378,13 +372,15 @@ pub struct FusedSwigluDgrad {
     max_tokens: usize,
     capacity: usize,
     dtype: DType,
+    schedule: CudaSlice<i32>,
+    stream: Arc<CudaStream>,
 }
 
 impl FusedSwigluDgrad {
     /// Checks on the host that the fused kernel exists for `routing`'s shapes on the device of
     /// `stream`; an [`Error::Unsupported`] / [`Error::UnsupportedArch`] / [`Error::NotBuilt`]
     /// means: use the unfused path. No launch.
-    pub fn new(routing: &RoutingPlan, stream: &CudaStream) -> Result<FusedSwigluDgrad> {
+    pub fn new(routing: &RoutingPlan, stream: &Arc<CudaStream>) -> Result<FusedSwigluDgrad> {
         const OP: &str = "FusedSwigluDgrad::new";
         // Plan time: never while capturing (the capture guards of module `graph`).
         crate::graph::ensure_not_capturing(stream, OP)?;
@@ -402,6 +398,7 @@ impl FusedSwigluDgrad {
         };
         stream.context().bind_to_thread()?;
         check(unsafe { sys::capmoe_fused_swiglu_dgrad_supported(&desc) }, OP)?;
+        let schedule = stream.alloc_zeros::<i32>(sys::CAPMOE_FUSED_SWIGLU_DGRAD_SCHEDULE_WORDS as usize)?;
         Ok(FusedSwigluDgrad {
             desc,
             experts: c.num_experts,
@@ -410,6 +407,8 @@ impl FusedSwigluDgrad {
             max_tokens: c.max_tokens,
             capacity: routing.capacity(),
             dtype: c.dtype,
+            schedule,
+            stream: stream.clone(),
         })
     }
 
@@ -449,6 +448,7 @@ impl FusedSwigluDgrad {
     ) -> Result<()> {
         const OP: &str = "fused fc2 dgrad + SwiGLU backward";
         ensure_dtype::<T>(OP, self.dtype)?;
+        ensure_bound_stream(OP, &self.stream, stream)?;
         let (e, hd, f, cap) = (self.experts, self.hidden, self.ffn, self.capacity);
         ensure_buffer(OP, "drows [capacity, H]", stream, drows, cap * hd)?;
         ensure_buffer(OP, "w2 [E, H, F]", stream, w2, e * hd * f)?;
@@ -475,7 +475,8 @@ impl FusedSwigluDgrad {
 
     /// Raw [`FusedSwigluDgrad::run`], in the crate's raw-pointer convention
     /// (docs/CONVENTIONS.md): the stream first, then device pointers as `CUdeviceptr` in the
-    /// order of the safe form, 0 for an absent `dact`.
+    /// order of the safe form, 0 for an absent `dact`. [`Error::WrongStream`] on another stream
+    /// than the plan's.
     ///
     /// # Safety
     /// Device memory of `stream`'s context, live until the launch completes: `drows`
@@ -493,9 +494,12 @@ impl FusedSwigluDgrad {
         dh: CUdeviceptr,
         dact: CUdeviceptr,
     ) -> Result<()> {
+        const OP: &str = "fused fc2 dgrad + SwiGLU backward";
+        ensure_bound_stream(OP, &self.stream, stream)?;
         stream.context().bind_to_thread()?;
         let s = stream.cu_stream() as *mut c_void;
         let ptr = |p: CUdeviceptr| p as usize as *mut c_void;
+        let (schedule, _guard) = self.schedule.device_ptr(stream);
         check(
             sys::capmoe_fused_swiglu_dgrad(
                 &self.desc,
@@ -505,9 +509,10 @@ impl FusedSwigluDgrad {
                 offsets as usize as *const i64,
                 ptr(dh),
                 ptr(dact),
+                schedule as usize as *mut i32,
                 s,
             ),
-            "fused fc2 dgrad + SwiGLU backward",
+            OP,
         )
     }
 
@@ -536,6 +541,7 @@ impl FusedSwigluDgrad {
     ) -> Result<()> {
         const OP: &str = "fused fc2 dgrad + SwiGLU backward (gathered)";
         ensure_dtype::<T>(OP, self.dtype)?;
+        ensure_bound_stream(OP, &self.stream, stream)?;
         let (e, hd, f, cap) = (self.experts, self.hidden, self.ffn, self.capacity);
         ensure_buffer(OP, "dy [T_max, H]", stream, dy, self.max_tokens * hd)?;
         ensure_buffer(OP, "w2 [E, H, F]", stream, w2, e * hd * f)?;
@@ -560,7 +566,7 @@ impl FusedSwigluDgrad {
 
     /// Raw [`FusedSwigluDgrad::run_gathered`], in the crate's raw-pointer convention
     /// (docs/CONVENTIONS.md): the stream first, then device pointers as `CUdeviceptr` in the
-    /// order of the safe form.
+    /// order of the safe form. [`Error::WrongStream`] on another stream than the plan's.
     ///
     /// # Safety
     /// Device memory of `stream`'s context, live until the launch completes: `dy`
@@ -582,9 +588,12 @@ impl FusedSwigluDgrad {
         dh: CUdeviceptr,
         dprob_partials: CUdeviceptr,
     ) -> Result<()> {
+        const OP: &str = "fused fc2 dgrad + SwiGLU backward (gathered)";
+        ensure_bound_stream(OP, &self.stream, stream)?;
         stream.context().bind_to_thread()?;
         let s = stream.cu_stream() as *mut c_void;
         let ptr = |p: CUdeviceptr| p as usize as *mut c_void;
+        let (schedule, _guard) = self.schedule.device_ptr(stream);
         check(
             sys::capmoe_fused_swiglu_dgrad_gathered(
                 &self.desc,
@@ -596,9 +605,10 @@ impl FusedSwigluDgrad {
                 prob_of_row as usize as *const f32,
                 ptr(dh),
                 dprob_partials as usize as *mut f32,
+                schedule as usize as *mut i32,
                 s,
             ),
-            "fused fc2 dgrad + SwiGLU backward (gathered)",
+            OP,
         )
     }
 }

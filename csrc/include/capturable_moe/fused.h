@@ -47,20 +47,14 @@ extern "C" {
 
 enum { CAPMOE_FUSED_FC1_TILE_N = 128, CAPMOE_FUSED_SWIGLU_DGRAD_TILE_N = 128, CAPMOE_FUSED_MAX_EXPERTS = 1024 };
 
-/* How the kernel gathers the x rows of a tile into shared memory. Both give the same bits for
- * every row whose token is in [0, T_max) (other rows' outputs are unspecified).
- *  TMA_ROWS: one TMA per row (a 1 x 64 box of x), issued by one producer warp;
+/* How the kernel gathers the x rows of a tile into shared memory (desc.gather).
  *  CP_ASYNC: 16-byte cp.async copies by a producer warpgroup, 8 lanes per row (each warp-wide
- *            copy reads four whole rows), swizzled by hand;
- *  AUTO:     CP_ASYNC until the H100 has measured both. TMA_ROWS lands each 128-byte row box
- *            at a 128-byte aligned destination inside a 128B-swizzled stage, while compilers
- *            that emit TMA (NVIDIA Fuser, TileLang) align swizzled destinations to the 1024-byte
- *            pattern, citing the PTX ISA; TMA_ROWS relies on the swizzle being a function of
- *            the address alone, which only the GPU test can confirm.
- * The sm_100a kernel has only CP_ASYNC: TMA_ROWS is CAPMOE_ERR_UNSUPPORTED on a 10.0 device
- * (capmoe_fused_fc1_supported says so), AUTO is CP_ASYNC there. */
+ *            copy reads four whole rows), swizzled by hand; the only form;
+ *  AUTO:     CP_ASYNC.
+ * Value 1 named a form that loaded each row with its own TMA box; it ran about 4x slower on the
+ * H200 and was removed: CAPMOE_ERR_UNSUPPORTED on every device. */
 typedef int32_t capmoe_fused_gather_t;
-enum { CAPMOE_FUSED_GATHER_AUTO = 0, CAPMOE_FUSED_GATHER_TMA_ROWS = 1, CAPMOE_FUSED_GATHER_CP_ASYNC = 2 };
+enum { CAPMOE_FUSED_GATHER_AUTO = 0, CAPMOE_FUSED_GATHER_CP_ASYNC = 2 };
 
 /* Device words a fused fc1 launch uses for its tile schedule (capmoe_fused_fc1's `schedule`). */
 #define CAPMOE_FUSED_FC1_SCHEDULE_WORDS 2
@@ -127,9 +121,10 @@ capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc, const void
  * accumulators in tensor memory; compiled, never run: no Blackwell GPU has been available) on
  * 10.0, each only in a binary built for its arch; elsewhere the launch returns
  * CAPMOE_ERR_UNSUPPORTED before anything is launched. Same contract and epilogue math on both.
- * Alignment: drows, w2, h, dh, dact 16-byte aligned; offsets 8 (else MISALIGNED).
- * No workspace, no allocation, no synchronisation, no host read of device data: capturable
- * (the TMA descriptors of drows and w2 are encoded on the host at every call). */
+ * Alignment: drows, w2, h, dh, dact 16-byte aligned; offsets 8; schedule 4 (else MISALIGNED).
+ * No allocation, no synchronisation, no host read of device data: capturable (the TMA
+ * descriptors of drows and w2 are encoded on the host at every call; the only workspace is the
+ * caller's schedule words, below). */
 typedef struct capmoe_fused_swiglu_dgrad_desc {
   int64_t num_experts;  /* E, 1 ..= CAPMOE_FUSED_MAX_EXPERTS */
   int64_t hidden;       /* H, a positive multiple of 8 */
@@ -145,11 +140,19 @@ typedef struct capmoe_fused_swiglu_dgrad_desc {
  * not read (the gathered launch checks it). No CUDA work beyond device attribute queries. */
 capmoe_status_t capmoe_fused_swiglu_dgrad_supported(const capmoe_fused_swiglu_dgrad_desc_t* desc);
 
-/* dh (and dact when not NULL) as described above, on `stream` (a cudaStream_t). */
+/* Device words a fused fc2 dgrad launch (either form) uses for its tile schedule. */
+#define CAPMOE_FUSED_SWIGLU_DGRAD_SCHEDULE_WORDS 2
+
+/* dh (and dact when not NULL) as described above, on `stream` (a cudaStream_t).
+ * schedule (required, CAPMOE_FUSED_SWIGLU_DGRAD_SCHEDULE_WORDS int32 of device memory, 4-byte
+ * aligned, zero before its first launch): as capmoe_fused_fc1's, the sm_90a kernel's tile
+ * counter, set back to zero by each launch's last CTA; launches that may run at the same time
+ * need words of their own, launches ordered on one stream (either form) can share them. The
+ * sm_100a kernel keeps a static order and leaves them untouched. */
 capmoe_status_t capmoe_fused_swiglu_dgrad(const capmoe_fused_swiglu_dgrad_desc_t* desc,
                                           const void* drows, const void* w2, const void* h,
                                           const int64_t* offsets, void* dh, void* dact,
-                                          void* stream);
+                                          int32_t* schedule, void* stream);
 
 /* Gathered form of the fused fc2 dgrad + SwiGLU backward, for a forward whose fc1 epilogue
  * weighted act by the route probability (act' = p * SwiGLU(g, u)) and whose combine is an
@@ -179,15 +182,17 @@ capmoe_status_t capmoe_fused_swiglu_dgrad(const capmoe_fused_swiglu_dgrad_desc_t
  *
  * Limits as capmoe_fused_swiglu_dgrad; desc.max_tokens outside [0, 2^31) is
  * CAPMOE_ERR_INVALID_ARGUMENT. capacity 0: OK, nothing launched (only offsets is checked).
+ * schedule (required) as capmoe_fused_swiglu_dgrad's.
  * Alignment: dy, w2, h, dh 16-byte aligned; offsets 8; token_of_row, prob_of_row,
- * dprob_partials 4 (else MISALIGNED). Capturable, as above (only w2's TMA descriptor is
+ * dprob_partials, schedule 4 (else MISALIGNED). Capturable, as above (only w2's TMA descriptor is
  * encoded on the host). */
 capmoe_status_t capmoe_fused_swiglu_dgrad_gathered(const capmoe_fused_swiglu_dgrad_desc_t* desc,
                                                    const void* dy, const void* w2, const void* h,
                                                    const int64_t* offsets,
                                                    const int32_t* token_of_row,
                                                    const float* prob_of_row, void* dh,
-                                                   float* dprob_partials, void* stream);
+                                                   float* dprob_partials, int32_t* schedule,
+                                                   void* stream);
 
 #ifdef __cplusplus
 }

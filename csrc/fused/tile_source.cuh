@@ -1,0 +1,92 @@
+// Where a persistent fused kernel's producer gets its tiles, and how its consumers learn them.
+// The producers (gather_rows.cuh's produce_gathered_a, tma_loads.cuh's produce_drows) are
+// written once over a tile source:
+//  - StridedTiles: CTA b runs tiles b, b + grid, ...; the consumers walk the same sequence on
+//    their own, nothing is published. The sm_100a kernels use it (their producer tails count
+//    the fills of that sequence).
+//  - CountedTiles: tiles handed out by a device counter as CTAs free up (tile_schedule.cuh says
+//    why); the producer writes each tile's index into the stage of its first K block and, after
+//    the last tile, arms one more stage holding kNoMoreTiles, which stops the consumers
+//    (next_published_tile). The sm_90a fc1 and fc2 dgrad use it.
+#pragma once
+
+#include <cstdint>
+
+#include <cutlass/arch/barrier.h>
+
+#include "fused/pipeline.cuh"
+#include "fused/tile_schedule.cuh"
+
+namespace capmoe::fused {
+
+struct StridedTiles {
+  int next_tile;
+  __device__ __forceinline__ StridedTiles() : next_tile(blockIdx.x) {}
+
+  // The same on every producer thread.
+  __device__ __forceinline__ int take() {
+    const int tile = next_tile;
+    next_tile += gridDim.x;
+    return tile;
+  }
+  __device__ __forceinline__ void publish(int, int32_t) const {}
+  // No stop stage: returns false.
+  template <int kStages>
+  __device__ __forceinline__ bool stop(uint64_t*, uint64_t*, const StageRing<kStages>&, bool, const char*) const {
+    return false;
+  }
+};
+
+// kFetchers: the producer threads that call take() together, 1 (a single-thread producer) or
+// 128 (the producer warpgroup, threads 0-127, which syncs on named barrier 1; thread 0 fetches
+// and hands the tile over through `handoff`).
+template <int kFetchers>
+struct CountedTiles {
+  static_assert(kFetchers == 1 || kFetchers == 128, "one thread or the producer warpgroup");
+  TileSchedule schedule;
+  int32_t* stage_tile;  // shared, [kStages]
+  int32_t* handoff;     // shared word; unused with one fetcher
+
+  __device__ __forceinline__ int take() const {
+    if constexpr (kFetchers == 1) {
+      return schedule.take();
+    } else {
+      if (threadIdx.x == 0) *handoff = schedule.take();
+      asm volatile("bar.sync 1, 128;" ::: "memory");
+      const int tile = *reinterpret_cast<volatile int32_t*>(handoff);
+      asm volatile("bar.sync 1, 128;" ::: "memory");  // read by all before thread 0 takes the next one
+      return tile;
+    }
+  }
+
+  // By the thread that arms the stage, before its arrival on the full barrier.
+  __device__ __forceinline__ void publish(int stage, int32_t tile) const { publish_stage_tile(stage_tile, stage, tile); }
+
+  // After the last tile, by every producer thread: waits for the next stage to be free; `arms`
+  // (one thread) publishes kNoMoreTiles there, arrives once on its full barrier and finishes the
+  // CTA's part of the schedule. A producer whose full barriers take more arrivals (the
+  // gathered ones) adds the rest. Returns true: the stop stage is ring.stage.
+  template <int kStages>
+  __device__ __forceinline__ bool stop(uint64_t* full, uint64_t* empty, const StageRing<kStages>& ring, bool arms,
+                                       const char* role) const {
+    wait_barrier(&empty[ring.stage], ring.phase ^ 1, role);
+    if (arms) {
+      publish_stage_tile(stage_tile, ring.stage, kNoMoreTiles);
+      cutlass::arch::ClusterBarrier::arrive(&full[ring.stage]);
+      schedule.finish();
+    }
+    return true;
+  }
+};
+
+// The consumers' side of CountedTiles: waits for the ring's next stage and returns the tile
+// whose first K block it holds, or kNoMoreTiles. (The tile's mainloop waits for the same
+// phase again, which has completed.)
+template <int kStages>
+__device__ __forceinline__ int32_t next_published_tile(const StageRing<kStages>& ring, uint64_t* full,
+                                                       const int32_t* stage_tile) {
+  wait_barrier(&full[ring.stage], ring.phase, "consumer, next tile");
+  return read_stage_tile(stage_tile, ring.stage);
+}
+
+}  // namespace capmoe::fused
