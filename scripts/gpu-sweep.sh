@@ -19,7 +19,7 @@ save() { save_tarball $W "$R/sweep.tgz"; }
 bash scripts/unpack-bundle.sh "$BUNDLE" || exit 2
 B=$BUNDLE/run/bin/capmoe-bench
 ncu_reserve=0; [[ "${NCU:-1}" == 1 ]] && ncu_reserve=160
-CONFIGS=${CONFIGS:-sm90-coop,sm90-pingpong,sm90-coop-nocluster,sm90-pingpong-wide}
+CONFIGS=${CONFIGS:-sm90-coop,sm90-coop-nocluster,sm90-pingpong-wide}
 SHAPES=${SHAPES:-mixtral_fc1,dsv3_ep8_fc1,dsv3_ep8_fc2,qwen3moe_fc1,qwen3moe_fc2,decode_fc1}
 gpu_facts | tee $W/gpu.txt; cp $W/gpu.txt "$R/gpu.txt"
 failed=0  # 1 when a sweep exited non-zero (the call's exit status says so)

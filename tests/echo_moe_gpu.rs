@@ -204,19 +204,19 @@ fn cases(arch: Arch) -> Vec<Case> {
             name: "approx S_per=1",
             cfg: echo(1, 1, Algorithm::Approx, 0.0),
             t_max: 256,
-            gemm: if sm90 { GemmConfig::Sm90Pingpong } else { GemmConfig::Sm100OneSm },
+            gemm: if sm90 { GemmConfig::Sm90PingpongWide } else { GemmConfig::Sm100OneSm },
         },
         Case {
             name: "greedy S_per=2",
             cfg: echo(2, 2, Algorithm::Greedy, 0.0),
             t_max: 200,
-            gemm: if sm90 { GemmConfig::Sm90Cooperative } else { GemmConfig::Sm100OneSm },
+            gemm: if sm90 { GemmConfig::Sm90CooperativeNoCluster } else { GemmConfig::Sm100OneSm },
         },
         Case {
             name: "greedy S_per=2 reclaim 0.1",
             cfg: echo(0, 2, Algorithm::Greedy, 0.1),
             t_max: 160,
-            gemm: if sm90 { GemmConfig::Sm90Pingpong } else { GemmConfig::Sm100OneSm },
+            gemm: if sm90 { GemmConfig::Sm90PingpongWide } else { GemmConfig::Sm100OneSm },
         },
     ]
 }

@@ -81,7 +81,7 @@ fn auto_config_heuristic_uses_host_facts_only() {
     let prefill = GroupedGemmSpec::new(GemmOp::Fprop, 8, 28672, 4096, 8192);
     let wgrad = GroupedGemmSpec::new(GemmOp::Wgrad, 64, 2816, 2048, 1024);
     if Arch::Sm90.is_built() {
-        assert_eq!(GroupedGemm::for_device(decode.clone(), &hopper).unwrap().config(), GemmConfig::Sm90Pingpong);
+        assert_eq!(GroupedGemm::for_device(decode.clone(), &hopper).unwrap().config(), GemmConfig::Sm90PingpongWide);
         // Dense-sized experts (mixtral, 1024 rows each): no cluster either (sweep of 2026-11-28).
         assert_eq!(
             GroupedGemm::for_device(prefill.clone(), &hopper).unwrap().config(),
@@ -137,8 +137,8 @@ fn config_names_round_trip() {
 }
 
 /// The dtypes each candidate tile is built for (GemmConfig's docs): the cluster-free 128x256
-/// cooperative and the 64x256 pingpong for bf16 and fp16 fprop / dgrad; for wgrad the
-/// cluster-free tile in bf16 only and the pingpong not at all.
+/// cooperative and the 64x256 pingpong for bf16 and fp16 fprop / dgrad, neither for wgrad; the
+/// clustered cooperative for wgrad only (its fprop / dgrad kernels were deleted: won no case).
 #[test]
 fn candidate_sm90_configs_have_the_documented_dtypes() {
     let hopper = DeviceInfo { ordinal: 0, name: "test".into(), arch: Arch::Sm90, sm_count: 132 };
@@ -147,7 +147,7 @@ fn candidate_sm90_configs_have_the_documented_dtypes() {
         return;
     }
     // (config, built for fp16, built for wgrad)
-    let candidates = [(GemmConfig::Sm90CooperativeNoCluster, true, true), (GemmConfig::Sm90PingpongWide, true, false)];
+    let candidates = [(GemmConfig::Sm90CooperativeNoCluster, true, false), (GemmConfig::Sm90PingpongWide, true, false)];
     for op in [GemmOp::Fprop, GemmOp::Dgrad, GemmOp::Wgrad] {
         for (config, has_f16, has_wgrad) in candidates {
             let mut s = spec(op);
@@ -166,6 +166,13 @@ fn candidate_sm90_configs_have_the_documented_dtypes() {
                 assert!(matches!(planned, Err(Error::Unsupported { .. })), "{op:?} {config:?} fp16");
             }
         }
+        let clustered = GroupedGemmSpec { config: GemmConfig::Sm90Cooperative, ..spec(op) };
+        let planned = GroupedGemm::for_device(clustered, &hopper);
+        if op == GemmOp::Wgrad {
+            assert_eq!(planned.unwrap().config(), GemmConfig::Sm90Cooperative, "wgrad, clustered");
+        } else {
+            assert!(matches!(planned, Err(Error::Unsupported { .. })), "{op:?}, clustered: {planned:?}");
+        }
     }
 }
 
@@ -177,7 +184,8 @@ fn gemm_config_abi_codes_round_trip_and_unknown_codes_are_none_host() {
         assert_eq!(GemmConfig::from_abi_code(config.abi_code()), Some(config), "{config:?}");
     }
     let known: Vec<_> = GemmConfig::ALL.iter().map(|c| c.abi_code()).collect();
-    for code in [-1, 9, 10, 99, 1000, i32::MAX, i32::MIN] {
+    // 2, 6, 7: deleted configs.
+    for code in [-1, 2, 6, 7, 9, 10, 99, 1000, i32::MAX, i32::MIN] {
         if !known.contains(&code) {
             assert_eq!(GemmConfig::from_abi_code(code), None, "code {code}");
         }

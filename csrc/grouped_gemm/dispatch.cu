@@ -88,15 +88,18 @@ bool has_variant(const capmoe_grouped_gemm_desc_t& d, capmoe_gemm_config_t confi
 // The AUTO heuristic, from host facts only (E, N, K, capacity, op, dtypes; never m_splits):
 // an ordered list of configurations, of which the first one this build has a kernel for wins.
 // SM90 (bench/README.md has the sweeps behind it; H100, 2026-11-23 and 2026-11-28):
-//  - FPROP/DGRAD with at most 64 rows per expert on average (decode): the 64x128 pingpong;
-//  - a short reduction (K <= 1024: the expert's fc2 in fprop): 64x256 pingpong, whose
-//    alternating warpgroups hide each tile's epilogue behind the other's mainloop;
+//  - FPROP/DGRAD with at most 64 rows per expert on average (decode), or a short reduction
+//    (K <= 1024: the expert's fc2 in fprop): the 64x256 pingpong, whose alternating
+//    warpgroups hide each tile's epilogue behind the other's mainloop. (A 64x128 pingpong
+//    was AUTO's decode kernel until the H200 sweep of 2026-11-28 found the two within 3 % at
+//    decode, the wider one ahead in 3 of 4 cases; it was deleted for CI time.)
 //  - otherwise 128x256 cooperative without a cluster: the 2x1 cluster lost on every E >= 32
 //    shape by 10-15 %, and on mixtral's dense-sized experts (fprop 1.11x, dgrad 1.03-1.16x);
 //  - WGRAD (its reduction is the expert's row count): 128x256 cooperative with the 2x1
-//    cluster, which is also the fallback wherever this build has no kernel of the preferred
-//    config (every fprop / dgrad dtype pair that has the clustered kernel has the candidate
-//    tiles too, bf16 and fp16 alike).
+//    cluster, the only SM90 wgrad kernel. The clustered kernel's fprop / dgrad forms and the
+//    no-cluster wgrad won no swept case on the H100 or the H200 and were deleted (they cost
+//    CI time), so SM90_COOPERATIVE is a wgrad config and SM90_COOPERATIVE_NOCLUSTER a fprop /
+//    dgrad one; a forced config without a kernel is UNSUPPORTED.
 // SM100: the 2-SM kernel needs 256-row tiles to pay off, so it is used from 256 rows per
 // expert; WGRAD always 1-SM. (No Blackwell GPU has run these.)
 int auto_candidates(const capmoe_grouped_gemm_desc_t& d, capmoe_gemm_config_t out[4]) {
@@ -109,10 +112,8 @@ int auto_candidates(const capmoe_grouped_gemm_desc_t& d, capmoe_gemm_config_t ou
     out[n++] = CAPMOE_CONFIG_SM100_1SM;
     return n;
   }
-  if (!wgrad && rows_per_expert <= 64) {
-    out[n++] = CAPMOE_CONFIG_SM90_PINGPONG;
-  } else if (!wgrad) {
-    if (reduction <= 1024) out[n++] = CAPMOE_CONFIG_SM90_PINGPONG_WIDE;
+  if (!wgrad) {
+    if (rows_per_expert <= 64 || reduction <= 1024) out[n++] = CAPMOE_CONFIG_SM90_PINGPONG_WIDE;
     out[n++] = CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER;
   }
   out[n++] = CAPMOE_CONFIG_SM90_COOPERATIVE;

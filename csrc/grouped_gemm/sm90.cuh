@@ -30,12 +30,10 @@ struct TileConfig {
                                               cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 };
 
-// Many rows per expert: a 128x256 tile, 2-CTA cluster along M so the B (weight) tile is
-// multicast.
+// The wgrad kernel: a 128x256 tile, 2-CTA cluster along M so the B tile is multicast.
 using Cooperative = TileConfig<128, 256, 2, false>;
-// Few rows per expert (decode): 64-row tiles.
-using Pingpong = TileConfig<64, 128, 1, true>;
-// AUTO's choices for fprop / dgrad above 64 rows per expert (the sweep in bench/README.md).
+// AUTO's choices for fprop / dgrad (the sweeps in bench/README.md): 64-row tiles for few rows
+// per expert or a short reduction, 128-row tiles otherwise.
 using CooperativeNoCluster = TileConfig<128, 256, 1, false>;
 using PingpongWide = TileConfig<64, 256, 1, true>;
 

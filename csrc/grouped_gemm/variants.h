@@ -1,5 +1,6 @@
 // The list of compiled grouped GEMM variants, read by the dispatcher (dispatch.cu) and by
-// scripts/gen-gemm-instances.sh, which writes one instantiation TU per line into inst/.
+// scripts/gen-gemm-instances.sh, which writes the instantiation TUs into inst/ (one per arch and
+// majorness, holding each of their variants).
 #pragma once
 
 #include "grouped_gemm/launch.h"
@@ -14,20 +15,12 @@ enum class Majorness { RC, RR, CR };
 
 // Every variant: X(name, arch, config, majorness, in dtype, out dtype, reads C). Variants that
 // read C (D = C + AB, the fp32 WGRAD accumulate mode) are separate from plain-output ones, which
-// have no source operand at all. The instantiation TU
-// inst/<name>.cu defines capmoe::gg::variant_<name>.
+// have no source operand at all. inst/<arch>_<majorness>.cu (e.g. inst/sm90_rc.cu) defines
+// capmoe::gg::variant_<name> of every variant whose name starts so.
 #define CAPMOE_GG_SM90_VARIANTS(X)                                                        \
-  X(sm90_rc_bf16_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, RC, BF16, BF16, 0)               \
-  X(sm90_rc_bf16_pingpong, 90, CAPMOE_CONFIG_SM90_PINGPONG, RC, BF16, BF16, 0)              \
-  X(sm90_rr_bf16_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, RR, BF16, BF16, 0)               \
-  X(sm90_rr_bf16_pingpong, 90, CAPMOE_CONFIG_SM90_PINGPONG, RR, BF16, BF16, 0)              \
   X(sm90_cr_bf16_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, CR, BF16, BF16, 0)               \
   X(sm90_cr_bf16_f32_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, CR, BF16, F32, 0)            \
   X(sm90_cr_bf16_f32acc_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, CR, BF16, F32, 1)            \
-  X(sm90_rc_f16_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, RC, F16, F16, 0)                  \
-  X(sm90_rc_f16_pingpong, 90, CAPMOE_CONFIG_SM90_PINGPONG, RC, F16, F16, 0)                 \
-  X(sm90_rr_f16_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, RR, F16, F16, 0)                  \
-  X(sm90_rr_f16_pingpong, 90, CAPMOE_CONFIG_SM90_PINGPONG, RR, F16, F16, 0)                 \
   X(sm90_cr_f16_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, CR, F16, F16, 0)                  \
   X(sm90_cr_f16_f32_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, CR, F16, F32, 0) \
   X(sm90_cr_f16_f32acc_coop, 90, CAPMOE_CONFIG_SM90_COOPERATIVE, CR, F16, F32, 1) \
@@ -35,7 +28,6 @@ enum class Majorness { RC, RR, CR };
   X(sm90_rc_bf16_ppwide, 90, CAPMOE_CONFIG_SM90_PINGPONG_WIDE, RC, BF16, BF16, 0) \
   X(sm90_rr_bf16_coopnc, 90, CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER, RR, BF16, BF16, 0) \
   X(sm90_rr_bf16_ppwide, 90, CAPMOE_CONFIG_SM90_PINGPONG_WIDE, RR, BF16, BF16, 0) \
-  X(sm90_cr_bf16_coopnc, 90, CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER, CR, BF16, BF16, 0) \
   X(sm90_rc_f16_coopnc, 90, CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER, RC, F16, F16, 0) \
   X(sm90_rr_f16_coopnc, 90, CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER, RR, F16, F16, 0) \
   X(sm90_rc_f16_ppwide, 90, CAPMOE_CONFIG_SM90_PINGPONG_WIDE, RC, F16, F16, 0) \

@@ -65,11 +65,10 @@ pub enum WeightLayout {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GemmConfig {
     Auto,
-    /// SM90, 128x256x64 tile, 2x1 cluster: many rows per expert.
+    /// SM90, 128x256x64 tile, 2x1 cluster: the wgrad kernel (its fprop / dgrad forms won no
+    /// swept case and were deleted; forced there, it is [`Error::Unsupported`]).
     Sm90Cooperative,
-    /// SM90, 64x128x64 tile: few rows per expert (decode).
-    Sm90Pingpong,
-    /// SM90, 128x256x64 tile, no cluster.
+    /// SM90, 128x256x64 tile, no cluster: fprop / dgrad with many rows per expert.
     Sm90CooperativeNoCluster,
     /// SM90, 64x256x64 tile per warpgroup, the two warpgroups alternating.
     Sm90PingpongWide,
@@ -85,7 +84,6 @@ impl GemmConfig {
         (match self {
             GemmConfig::Auto => sys::CAPMOE_CONFIG_AUTO,
             GemmConfig::Sm90Cooperative => sys::CAPMOE_CONFIG_SM90_COOPERATIVE,
-            GemmConfig::Sm90Pingpong => sys::CAPMOE_CONFIG_SM90_PINGPONG,
             GemmConfig::Sm90CooperativeNoCluster => sys::CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER,
             GemmConfig::Sm90PingpongWide => sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE,
             GemmConfig::Sm100OneSm => sys::CAPMOE_CONFIG_SM100_1SM,
@@ -99,7 +97,6 @@ impl GemmConfig {
         let config = match u32::try_from(code).ok()? {
             sys::CAPMOE_CONFIG_AUTO => GemmConfig::Auto,
             sys::CAPMOE_CONFIG_SM90_COOPERATIVE => GemmConfig::Sm90Cooperative,
-            sys::CAPMOE_CONFIG_SM90_PINGPONG => GemmConfig::Sm90Pingpong,
             sys::CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER => GemmConfig::Sm90CooperativeNoCluster,
             sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE => GemmConfig::Sm90PingpongWide,
             sys::CAPMOE_CONFIG_SM100_1SM => GemmConfig::Sm100OneSm,
@@ -110,10 +107,9 @@ impl GemmConfig {
     }
 
     /// Every configuration, `Auto` first.
-    pub const ALL: [GemmConfig; 7] = [
+    pub const ALL: [GemmConfig; 6] = [
         GemmConfig::Auto,
         GemmConfig::Sm90Cooperative,
-        GemmConfig::Sm90Pingpong,
         GemmConfig::Sm90CooperativeNoCluster,
         GemmConfig::Sm90PingpongWide,
         GemmConfig::Sm100OneSm,
@@ -125,7 +121,6 @@ impl GemmConfig {
         match self {
             GemmConfig::Auto => "auto",
             GemmConfig::Sm90Cooperative => "sm90-coop",
-            GemmConfig::Sm90Pingpong => "sm90-pingpong",
             GemmConfig::Sm90CooperativeNoCluster => "sm90-coop-nocluster",
             GemmConfig::Sm90PingpongWide => "sm90-pingpong-wide",
             GemmConfig::Sm100OneSm => "sm100-1sm",
@@ -141,10 +136,9 @@ impl GemmConfig {
     fn arch(self) -> Option<Arch> {
         match self {
             GemmConfig::Auto => None,
-            GemmConfig::Sm90Cooperative
-            | GemmConfig::Sm90Pingpong
-            | GemmConfig::Sm90CooperativeNoCluster
-            | GemmConfig::Sm90PingpongWide => Some(Arch::Sm90),
+            GemmConfig::Sm90Cooperative | GemmConfig::Sm90CooperativeNoCluster | GemmConfig::Sm90PingpongWide => {
+                Some(Arch::Sm90)
+            }
             GemmConfig::Sm100OneSm | GemmConfig::Sm100TwoSm => Some(Arch::Sm100),
         }
     }

@@ -61,13 +61,15 @@ enum {
 typedef int32_t capmoe_gemm_config_t;
 enum {
   CAPMOE_CONFIG_AUTO = 0,
-  CAPMOE_CONFIG_SM90_COOPERATIVE = 1, /* 128x256x64 tile, 2x1 cluster: many rows per expert */
-  CAPMOE_CONFIG_SM90_PINGPONG = 2,    /* 64x128x64 tile, 1x1 cluster: few rows per expert */
+  CAPMOE_CONFIG_SM90_COOPERATIVE = 1, /* 128x256x64 tile, 2x1 cluster: WGRAD only (its fprop /
+                                       * dgrad forms won no swept case and were deleted) */
   CAPMOE_CONFIG_SM100_1SM = 3,        /* 128x256x64 per SM */
   CAPMOE_CONFIG_SM100_2SM = 4,        /* 256x256x64 across an SM pair */
-  CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER = 5, /* 128x256x64 tile, 1x1 cluster */
-  /* 6 and 7 were the 256x128 cooperative and 128x128 pingpong tiles, deleted after the
-   * 2026-11-28 sweep on the H100 (best nowhere); the codes stay unused. */
+  CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER = 5, /* 128x256x64 tile, 1x1 cluster: FPROP / DGRAD */
+  /* 2 was the 64x128 pingpong (deleted after the H200 sweep of 2026-11-28: within 3 % of the
+   * 64x256 one at decode, behind it in 3 of 4 cases), 6 and 7 the 256x128 cooperative and
+   * 128x128 pingpong tiles (deleted after the 2026-11-28 sweep on the H100: best nowhere); the
+   * codes stay unused. */
   CAPMOE_CONFIG_SM90_PINGPONG_WIDE = 8          /* 64x256x64 tile per warpgroup, 1x1 cluster */
 };
 
