@@ -14,8 +14,8 @@
 //  - warps 0-3, the producer: the Hopper kernel's CP_ASYNC gather loop (produce_gathered_a in
 //    fused/gather_rows.cuh: 16-byte chunks at fc1_smem_offset, four whole rows per warp-wide
 //    copy, invalid tokens zero-filled, rows past the expert's end not loaded); thread 0 also
-//    loads the W1 tile by TMA. No TMA_ROWS form here: its per-row 128-byte boxes are unproven
-//    on Hopper already, and on Blackwell nothing could test them (fc1.cu refuses it on 10.0);
+//    loads the W1 tile by TMA; the tiles come in the static order (StridedTiles,
+//    fused/tile_source.cuh), which the tail below counts on;
 //  - warps 4-11, the epilogue: a warp may read only TMEM lanes [32 (w % 4), 32 (w % 4) + 32)
 //    (a warp's tcgen05.ld reaches the lane quarter of its rank in its warpgroup), so warp w
 //    takes tile rows 32 (w % 4) + lane and act columns [64 (w / 4 - 1), 64 (w / 4 - 1) + 64);

@@ -13,6 +13,10 @@
 #include "fused/entry.h"
 #include "fused/swiglu_dgrad_launch.h"
 #include "fused/tile_list.cuh"
+#include "fused/tile_schedule.cuh"
+
+static_assert(CAPMOE_FUSED_SWIGLU_DGRAD_SCHEDULE_WORDS == capmoe::fused::TileSchedule::kWords,
+              "the C ABI's schedule words are the kernel's");
 
 namespace capmoe::fused {
 namespace {
