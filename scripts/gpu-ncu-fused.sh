@@ -8,7 +8,7 @@
 # ~1.8x the bytes they need; the memory tables say through which unit), warp stall reasons,
 # issue slots.
 #   OUT=<dir> [BUDGET=<s>] [SPECS="bin:filter:kernel ..."] bash scripts/gpu-ncu-fused.sh
-# Results: $OUT/ncu-fused.tgz (one text report per kernel) and a short table on stdout.
+# Results: $OUT/ncu-fused.tgz (one text report per spec and kernel, <binary>_<test>_<kernel>.txt) and a short table on stdout.
 set -uo pipefail
 R=${R:-${OUT:?set OUT to a folder for the reports}}; BUNDLE=${BUNDLE:-gpu-bundle}
 source scripts/device-common.sh
@@ -29,7 +29,7 @@ for spec in $SPECS; do
     CAPMOE_REQUIRE_GPU=1 timeout -k 10 "$(limit 90 0)" $NCU_BIN --clock-control none \
       -k regex:$kernel -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
       --section SchedulerStats --section LaunchStats --section ComputeWorkloadAnalysis --metrics $METRICS \
-      $T/$bin --ignored --nocapture --test-threads=1 --exact $filter > $W/${bin}_$kernel.txt 2>&1
+      $T/$bin --ignored --nocapture --test-threads=1 --exact $filter > $W/${bin}_${filter}_$kernel.txt 2>&1
     echo "ncu $bin $kernel rc=$?"
     save_tarball $W "$R/ncu-fused.tgz"
   done
