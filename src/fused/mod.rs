@@ -156,6 +156,37 @@ impl Gather {
     }
 }
 
+/// The device words of a persistent sm_90a kernel's tile schedule (`csrc/fused/tile_schedule.cuh`:
+/// a tile counter and a finished-CTA count, zero before a launch and set back to zero by its
+/// last CTA), owned by a plan together with the stream whose launches share them: launches that
+/// may overlap (other streams) must not, so any other stream is [`Error::WrongStream`].
+#[derive(Debug)]
+struct ScheduleWords {
+    words: CudaSlice<i32>,
+    stream: Arc<CudaStream>,
+}
+
+impl ScheduleWords {
+    fn new(stream: &Arc<CudaStream>, count: u32) -> Result<ScheduleWords> {
+        Ok(ScheduleWords { words: stream.alloc_zeros::<i32>(count as usize)?, stream: stream.clone() })
+    }
+
+    /// `Ok` on the stream the words belong to.
+    fn ensure_stream(&self, op: &'static str, stream: &CudaStream) -> Result<()> {
+        ensure_bound_stream(op, &self.stream, stream)
+    }
+
+    /// The words' address for a launch on `stream` (checked as [`ScheduleWords::ensure_stream`]),
+    /// with the guard to hold until the launch is enqueued. The kernel writes the words and
+    /// leaves them zero; a read guard is enough because only launches on this one stream use
+    /// them, so no other stream's order depends on it.
+    fn for_launch<'a>(&'a self, op: &'static str, stream: &'a CudaStream) -> Result<(*mut i32, impl Drop + 'a)> {
+        self.ensure_stream(op, stream)?;
+        let (words, guard) = self.words.device_ptr(stream);
+        Ok((words as usize as *mut i32, guard))
+    }
+}
+
 /// A validated fused fc1 + SwiGLU launch plan for one routing plan's shapes on one device,
 /// bound to the stream it was made on: it owns the device words of the kernel's tile schedule
 /// (`CAPMOE_FUSED_FC1_SCHEDULE_WORDS`, which launches ordered on one stream share), so a launch
@@ -169,8 +200,7 @@ pub struct FusedFc1 {
     max_tokens: usize,
     capacity: usize,
     dtype: DType,
-    schedule: CudaSlice<i32>,
-    stream: Arc<CudaStream>,
+    schedule: ScheduleWords,
 }
 
 impl FusedFc1 {
@@ -201,7 +231,7 @@ impl FusedFc1 {
         };
         stream.context().bind_to_thread()?;
         check(unsafe { sys::capmoe_fused_fc1_supported(&desc) }, OP)?;
-        let schedule = stream.alloc_zeros::<i32>(sys::CAPMOE_FUSED_FC1_SCHEDULE_WORDS as usize)?;
+        let schedule = ScheduleWords::new(stream, sys::CAPMOE_FUSED_FC1_SCHEDULE_WORDS)?;
         Ok(FusedFc1 {
             desc,
             experts: c.num_experts,
@@ -211,7 +241,6 @@ impl FusedFc1 {
             capacity: routing.capacity(),
             dtype: c.dtype,
             schedule,
-            stream: stream.clone(),
         })
     }
 
@@ -282,7 +311,7 @@ impl FusedFc1 {
     ) -> Result<()> {
         const OP: &str = "fused fc1";
         ensure_dtype::<T>(OP, self.dtype)?;
-        ensure_bound_stream(OP, &self.stream, stream)?;
+        self.schedule.ensure_stream(OP, stream)?;
         let (e, hd, f, cap) = (self.experts, self.hidden, self.ffn, self.capacity);
         ensure_buffer(OP, "x [T_max, H]", stream, x, self.max_tokens * hd)?;
         ensure_buffer(OP, "w1 [E, 2F, H]", stream, w1, e * 2 * f * hd)?;
@@ -333,13 +362,10 @@ impl FusedFc1 {
         act: CUdeviceptr,
         h: CUdeviceptr,
     ) -> Result<()> {
-        ensure_bound_stream("fused fc1", &self.stream, stream)?;
         stream.context().bind_to_thread()?;
+        let (schedule, _guard) = self.schedule.for_launch("fused fc1", stream)?;
         let s = stream.cu_stream() as *mut c_void;
         let ptr = |p: CUdeviceptr| p as usize as *mut c_void;
-        // The kernel writes these words (and leaves them zero); a read guard is enough because
-        // the plan only ever runs on its one stream, so no other stream's order depends on it.
-        let (schedule, _guard) = self.schedule.device_ptr(stream);
         check(
             sys::capmoe_fused_fc1(
                 &self.desc,
@@ -350,7 +376,7 @@ impl FusedFc1 {
                 prob_of_row as usize as *const f32,
                 ptr(act),
                 ptr(h),
-                schedule as usize as *mut i32,
+                schedule,
                 s,
             ),
             "fused fc1",
@@ -372,8 +398,7 @@ pub struct FusedSwigluDgrad {
     max_tokens: usize,
     capacity: usize,
     dtype: DType,
-    schedule: CudaSlice<i32>,
-    stream: Arc<CudaStream>,
+    schedule: ScheduleWords,
 }
 
 impl FusedSwigluDgrad {
@@ -398,7 +423,7 @@ impl FusedSwigluDgrad {
         };
         stream.context().bind_to_thread()?;
         check(unsafe { sys::capmoe_fused_swiglu_dgrad_supported(&desc) }, OP)?;
-        let schedule = stream.alloc_zeros::<i32>(sys::CAPMOE_FUSED_SWIGLU_DGRAD_SCHEDULE_WORDS as usize)?;
+        let schedule = ScheduleWords::new(stream, sys::CAPMOE_FUSED_SWIGLU_DGRAD_SCHEDULE_WORDS)?;
         Ok(FusedSwigluDgrad {
             desc,
             experts: c.num_experts,
@@ -408,7 +433,6 @@ impl FusedSwigluDgrad {
             capacity: routing.capacity(),
             dtype: c.dtype,
             schedule,
-            stream: stream.clone(),
         })
     }
 
@@ -448,7 +472,7 @@ impl FusedSwigluDgrad {
     ) -> Result<()> {
         const OP: &str = "fused fc2 dgrad + SwiGLU backward";
         ensure_dtype::<T>(OP, self.dtype)?;
-        ensure_bound_stream(OP, &self.stream, stream)?;
+        self.schedule.ensure_stream(OP, stream)?;
         let (e, hd, f, cap) = (self.experts, self.hidden, self.ffn, self.capacity);
         ensure_buffer(OP, "drows [capacity, H]", stream, drows, cap * hd)?;
         ensure_buffer(OP, "w2 [E, H, F]", stream, w2, e * hd * f)?;
@@ -495,11 +519,10 @@ impl FusedSwigluDgrad {
         dact: CUdeviceptr,
     ) -> Result<()> {
         const OP: &str = "fused fc2 dgrad + SwiGLU backward";
-        ensure_bound_stream(OP, &self.stream, stream)?;
         stream.context().bind_to_thread()?;
+        let (schedule, _guard) = self.schedule.for_launch(OP, stream)?;
         let s = stream.cu_stream() as *mut c_void;
         let ptr = |p: CUdeviceptr| p as usize as *mut c_void;
-        let (schedule, _guard) = self.schedule.device_ptr(stream);
         check(
             sys::capmoe_fused_swiglu_dgrad(
                 &self.desc,
@@ -509,7 +532,7 @@ impl FusedSwigluDgrad {
                 offsets as usize as *const i64,
                 ptr(dh),
                 ptr(dact),
-                schedule as usize as *mut i32,
+                schedule,
                 s,
             ),
             OP,
@@ -541,7 +564,7 @@ impl FusedSwigluDgrad {
     ) -> Result<()> {
         const OP: &str = "fused fc2 dgrad + SwiGLU backward (gathered)";
         ensure_dtype::<T>(OP, self.dtype)?;
-        ensure_bound_stream(OP, &self.stream, stream)?;
+        self.schedule.ensure_stream(OP, stream)?;
         let (e, hd, f, cap) = (self.experts, self.hidden, self.ffn, self.capacity);
         ensure_buffer(OP, "dy [T_max, H]", stream, dy, self.max_tokens * hd)?;
         ensure_buffer(OP, "w2 [E, H, F]", stream, w2, e * hd * f)?;
@@ -589,11 +612,10 @@ impl FusedSwigluDgrad {
         dprob_partials: CUdeviceptr,
     ) -> Result<()> {
         const OP: &str = "fused fc2 dgrad + SwiGLU backward (gathered)";
-        ensure_bound_stream(OP, &self.stream, stream)?;
         stream.context().bind_to_thread()?;
+        let (schedule, _guard) = self.schedule.for_launch(OP, stream)?;
         let s = stream.cu_stream() as *mut c_void;
         let ptr = |p: CUdeviceptr| p as usize as *mut c_void;
-        let (schedule, _guard) = self.schedule.device_ptr(stream);
         check(
             sys::capmoe_fused_swiglu_dgrad_gathered(
                 &self.desc,
@@ -605,7 +627,7 @@ impl FusedSwigluDgrad {
                 prob_of_row as usize as *const f32,
                 ptr(dh),
                 dprob_partials as usize as *mut f32,
-                schedule as usize as *mut i32,
+                schedule,
                 s,
             ),
             OP,
