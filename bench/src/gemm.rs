@@ -35,10 +35,14 @@ pub const SHAPES: &[Shape] = &[
 ];
 
 /// The routings [`routing`] draws (`--routing`).
-pub const ROUTINGS: &[&str] = &["uniform", "zipf", "onehot"];
+pub const ROUTINGS: &[&str] = &["uniform", "zipf", "onehot", "balanced"];
+/// The routings a report runs unless `--routing` names others.
+pub const DEFAULT_ROUTINGS: &[&str] = &["uniform", "zipf", "onehot"];
 
 /// m_splits as the torch anchor script draws them: uniform or zipf (weight 1/(e+1)) sampling
-/// of every row's expert, or every row on one expert.
+/// of every row's expert, or every row on one expert. `balanced` (not the script's) gives every
+/// expert rows/E rows (the first rows % E one more): uniform's mean without its spread, so the
+/// two rows show what the experts' partial last tiles cost.
 pub fn routing(kind: &str, experts: usize, rows: usize, seed: u64) -> Result<Vec<i64>, String> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut splits = vec![0i64; experts];
@@ -57,6 +61,10 @@ pub fn routing(kind: &str, experts: usize, rows: usize, seed: u64) -> Result<Vec
             }
         }
         "onehot" => splits[0] = rows as i64,
+        "balanced" => splits
+            .iter_mut()
+            .enumerate()
+            .for_each(|(e, s)| *s = (rows / experts + usize::from(e < rows % experts)) as i64),
         other => return Err(format!("unknown routing {other}")),
     }
     Ok(splits)
@@ -567,5 +575,18 @@ fn time_with_readback(
     match failed {
         Some(e) => Err(e),
         None => Ok((us, host, median(&mut readback_us))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::routing;
+
+    #[test]
+    fn balanced_routing_spreads_rows_evenly() {
+        assert_eq!(routing("balanced", 4, 10, 0).unwrap(), [3, 3, 2, 2]);
+        let uniform = routing("uniform", 32, 8192, 7).unwrap();
+        assert_eq!(uniform.iter().sum::<i64>(), 8192);
+        assert!(uniform.iter().any(|&s| s != 256), "uniform routing draws, so its counts spread");
     }
 }

@@ -5,7 +5,7 @@
 //! and writes `<out>/<gpu>.json`, `<gpu>.txt` (that table) and `<gpu>.png`. Without a GPU it
 //! says why and exits with status 2.
 //!
-//!   capmoe-bench [--shapes a,b] [--routing uniform,zipf,onehot] [--ops fprop,dgrad,wgrad]
+//!   capmoe-bench [--shapes a,b] [--routing uniform,zipf,onehot,balanced] [--ops fprop,dgrad,wgrad]
 //!                [--streams 4] [--reps 30] [--anchors torch_anchor.json] [--out DIR]
 //!                [--quick]      (10 reps and uniform routing, where --reps / --routing are not given)
 //!                [--only gemm,graphs,ep,echo,paths]  (these row families alone; default all)
@@ -43,7 +43,7 @@ use capturable_moe::device::{open, DeviceInfo};
 use capturable_moe::grouped_gemm::{GemmConfig, GemmOp, WeightLayout};
 use cudarc::driver::sys::CUdevice_attribute;
 
-use gemm::{bench_case, op_name, Shape, ROUTINGS, SHAPES};
+use gemm::{bench_case, op_name, Shape, DEFAULT_ROUTINGS, ROUTINGS, SHAPES};
 use runner::{Outputs, Runner};
 
 struct Args {
@@ -107,7 +107,7 @@ impl Args {
 fn parse_args(command_line: impl IntoIterator<Item = String>) -> Result<Args, String> {
     let mut args = Args {
         shapes: SHAPES.iter().map(|s| s.name.to_string()).collect(),
-        routings: ROUTINGS.iter().map(|r| r.to_string()).collect(),
+        routings: DEFAULT_ROUTINGS.iter().map(|r| r.to_string()).collect(),
         ops: vec![GemmOp::Fprop, GemmOp::Dgrad, GemmOp::Wgrad],
         streams: 4,
         reps: 30,
