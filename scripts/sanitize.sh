@@ -27,6 +27,8 @@
 #                         "target_shape_matches_reference": see below).
 #   SANITIZER             the compute-sanitizer binary (default /usr/local/cuda/bin/...).
 #   BUNDLE                the bundle folder (default gpu-bundle).
+#   SANITIZE_LOGS         the working log folder (default /tmp/sanitize-logs; one per instance
+#                         when several run at once, as scripts/sanitize-gpus.sh does).
 #
 # What the tests do under a tool: every run sets CAPMOE_SANITIZER=1, which the timing-only
 # and soak tests honour by printing "skipping: under a sanitizer" (they are #[ignore]d as
@@ -68,7 +70,7 @@ source scripts/nccl-env.sh
 export CAPMOE_ECHO_MOE_REPLAYS="${CAPMOE_ECHO_MOE_REPLAYS:-2}" CAPMOE_GRAPH_STEPS="${CAPMOE_GRAPH_STEPS:-20}"
 
 start_all=$(date +%s)
-logs=/tmp/sanitize-logs
+logs="${SANITIZE_LOGS:-/tmp/sanitize-logs}"
 rm -rf "$logs" && mkdir -p "$logs" "$out" "$bundle/run"
 bash scripts/unpack-bundle.sh "$bundle" || exit 2
 save() { save_tarball "$logs" "$out/sanitize-logs.tgz"; }

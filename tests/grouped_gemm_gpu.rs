@@ -41,6 +41,31 @@ fn small_integers_are_exact_for_every_op_and_config() {
     }
 }
 
+/// Experts whose last 128-row tile holds 1, 63, 64, 65, 127 and 128 rows (the cooperative
+/// kernel's two consumer warpgroups own 64 rows each, so these are the cases where the second
+/// one has no, one or all of its rows), and wgrads whose output rows (n) end 56, 72 and 128 rows
+/// into a tile; exact small-integer sums, every element of the output checked.
+#[test]
+fn partial_last_tiles_at_every_warpgroup_boundary_are_exact() {
+    let stream = gpu_or_skip!();
+    let splits = vec![63, 64, 65, 127, 128, 129, 0, 192, 193, 320, 1];
+    let capacity = splits.iter().sum::<i64>() as usize;
+    for op in [GemmOp::Fprop, GemmOp::Dgrad] {
+        for dtype in [DType::Bf16, DType::F16] {
+            let mut s = spec(op, splits.len(), 64, 48, capacity).with_dtype(dtype);
+            s.config = GemmConfig::Sm90CooperativeNoCluster;
+            let case = HostCase::new(s, splits.clone(), Data::SmallInt, 31);
+            case.run(&stream).assert_exact(&format!("{op:?} {dtype:?}"));
+        }
+    }
+    for n in [184, 200, 256] {
+        let mut s = spec(GemmOp::Wgrad, 4, n, 48, 200);
+        s.config = GemmConfig::Sm90Cooperative;
+        let case = HostCase::new(s, vec![37, 0, 64, 1], Data::SmallInt, 32);
+        case.run(&stream).assert_exact(&format!("Wgrad n={n}"));
+    }
+}
+
 /// The SM90 tile configurations measured against the two defaults (bf16 only), in both weight
 /// layouts, on splits with empty experts and partial tiles. Reductions stay <= 64 long so the
 /// small-integer sums (|x| <= 4 per product) are exact in bf16.
