@@ -2,10 +2,11 @@
 # The sanitizer matrix spread over the GPUs of one machine: one scripts/sanitize.sh instance
 # per lane, each lane on a GPU of its own (CUDA_VISIBLE_DEVICES, so the multi-GPU EP tests
 # skip there: scripts/ep-ranks.sh covers those), run at once inside one device call. Lanes are
-# "TOOLS:FILTER" arguments; a lane's own runs are sequential as in sanitize.sh, and every lane
-# gets the whole BUDGET. Run on the GPU machine from the repo root (gpu-bundle/ carried along):
+# "TOOLS:FILTER[:TEST_FILTER]" arguments (sanitize.sh's knobs of those names); a lane's own
+# runs are sequential as in sanitize.sh, and every lane gets the whole BUDGET. Run on the GPU machine from the repo root (gpu-bundle/ carried along):
 #
 #   OUT=<dir> bash scripts/sanitize-gpus.sh 'memcheck:^fused_' 'memcheck:^[a-e]' 'synccheck:' 'initcheck:'
+#   OUT=<dir> bash scripts/sanitize-gpus.sh 'racecheck:^moe_gpu$:replayed' 'racecheck:^moe_gpu$:megatron|pointer'
 #
 # Lane i writes $OUT/lane<i>/sanitize-{logs.tgz,summary.txt} (a device call returns at most 8
 # files: 4 lanes). Exit status: the worst of the lanes' (1 a run failed, 3 incomplete).
@@ -21,9 +22,9 @@ bash scripts/unpack-bundle.sh "${BUNDLE:-gpu-bundle}" || exit 2
 pids=()
 lane=0
 for spec in "$@"; do
-  tools="${spec%%:*}"; filter="${spec#*:}"
+  IFS=: read -r tools filter test_filter <<<"$spec"
   CUDA_VISIBLE_DEVICES=$lane OUT="$out/lane$lane" SANITIZE_LOGS="/tmp/sanitize-logs-$lane" \
-    TOOLS="$tools" FILTER="$filter" bash scripts/sanitize.sh >"$out/lane$lane.log" 2>&1 &
+    TOOLS="$tools" FILTER="$filter" TEST_FILTER="$test_filter" bash scripts/sanitize.sh >"$out/lane$lane.log" 2>&1 &
   pids+=($!)
   lane=$((lane + 1))
 done
