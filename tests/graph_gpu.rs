@@ -16,11 +16,11 @@ use std::time::Instant;
 use capturable_moe::echo::{Algorithm, EchoConfig, EchoPlan};
 use capturable_moe::fused::{FusedFc1, FusedSwigluDgrad, GatherWgrad, GatherWgradConfig, WgradOutput};
 use capturable_moe::graph::{
-    capture, capture_with, round_up, update, CaptureMode, CaptureOptions, FlagReport, FlagSource, FlagWords,
-    GraphTemplate, GraphVariants, MemoryPool, PoolRange,
+    capture, capture_with, round_up, update, ActiveTables, CaptureMode, CaptureOptions, FlagReport, FlagSource,
+    FlagWords, GraphTemplate, GraphVariants, LayerTables, LayerWeights, MemoryPool, PoolRange,
 };
 use capturable_moe::grouped_gemm::{GemmOp, GroupedGemm, GroupedGemmSpec};
-use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions};
+use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions, WeightForm};
 use capturable_moe::routing::{RoutingPlan, Tokens};
 use capturable_moe::Error;
 use common::expert_io::{bits16, bits32, layer_config, ExpertIo as Io, Step};
@@ -392,6 +392,61 @@ fn graph_variants_switch_layers_like_fresh_captures_gpu() {
         assert_outputs_equal(&format!("switch {i} to layer {layer} (T={t})"), &got, &outputs(&layers[layer], &stream));
     }
     assert!(matches!(variants.select(3), Err(Error::InvalidArgument { .. })));
+}
+
+/// One pointer-form graph captured once serves three layers: `LayerTables::select` (two
+/// copies of the pointer tables, no graph update) before each replay makes it equal, bit for
+/// bit, to the tensor-form plan run eagerly on that layer's weights; it writes that layer's
+/// weight gradients and no other layer's.
+#[test]
+fn layer_tables_switch_one_graph_between_layers_gpu() {
+    let stream = gpu_or_skip!();
+    let _lock = common::capture_lock();
+    let pointers = MoeOptions { weights: WeightForm::Pointers, ..MoeOptions::default() };
+    let mut graph_moe = MoeExperts::<bf16>::with_options(config(SMALL), pointers, &stream).unwrap();
+    let mut tensor_moe = MoeExperts::<bf16>::new(config(SMALL), &stream).unwrap();
+    // The graph's activations (its own weights unused) and three layers' weights and gradients.
+    let mut shared = layer_io(&stream, SMALL, 99);
+    let mut layers: Vec<Io> = (0..3).map(|l| layer_io(&stream, SMALL, 20 + l)).collect();
+    let weights: Vec<LayerWeights<bf16, bf16>> =
+        layers.iter().map(|io| LayerWeights { fc1: &io.w1, fc2: &io.w2, dw1: &io.dw1, dw2: &io.dw2 }).collect();
+    let mut tables = LayerTables::new(&stream, &config(SMALL), &weights).unwrap();
+    drop(weights);
+    assert_eq!(tables.layer_count(), 3);
+    let graph = capture(&stream, || {
+        let ActiveTables { fc1, fc2, mut dw1, mut dw2 } = tables.active();
+        let Io { x, ids, probs, tokens, y, dy, dx, dprobs, .. } = &mut shared;
+        let tokens = Tokens::Device(&*tokens);
+        graph_moe.forward(&stream, &*x, &*ids, &*probs, tokens, &fc1, &fc2, y)?;
+        graph_moe.backward(&stream, &*x, &*dy, &*probs, tokens, &fc1, &fc2, dx, dprobs, &mut dw1, &mut dw2)
+    })
+    .unwrap();
+    let mut rng = StdRng::seed_from_u64(21);
+    let order = [2usize, 0, 1, 1, 2, 0];
+    for (i, &layer) in order.iter().take(common::steps_under_sanitizer(order.len(), 3)).enumerate() {
+        let t = rng.random_range(1..=SMALL.t_max);
+        let step = random_step(&mut rng, SMALL, t);
+        shared.load(&stream, &step);
+        layers.iter_mut().for_each(|io| io.load(&stream, &step));
+        tables.select(&stream, layer).unwrap();
+        graph.launch().unwrap();
+        let got = Outputs {
+            y: bits16(&stream, &shared.y),
+            dx: bits16(&stream, &shared.dx),
+            dprobs: bits32(&stream, &shared.dprobs),
+            dw1: bits16(&stream, &layers[layer].dw1),
+            dw2: bits16(&stream, &layers[layer].dw2),
+        };
+        for (other, io) in layers.iter().enumerate().filter(|&(l, _)| l != layer) {
+            let dw1 = bits16(&stream, &io.dw1);
+            assert!(dw1.iter().all(|&v| v == POISON_BF16), "switch {i}: layer {layer}'s replay wrote layer {other}'s dW1");
+        }
+        layers[layer].step(&mut tensor_moe, &stream).unwrap();
+        assert_outputs_equal(&format!("switch {i} to layer {layer} (T={t})"), &got, &outputs(&layers[layer], &stream));
+    }
+    assert!(matches!(tables.select(&stream, 3), Err(Error::InvalidArgument { .. })));
+    let short = LayerWeights { fc1: &layers[0].w2, fc2: &layers[0].w2, dw1: &layers[0].dw1, dw2: &layers[0].dw2 };
+    assert!(matches!(LayerTables::new(&stream, &config(SMALL), &[short]), Err(Error::Shape { .. })));
 }
 
 /// Variants of another launch sequence are refused with a typed error when they are compared.
@@ -900,3 +955,7 @@ guard_test!(guard_gather_wgrad_new_gpu, "GatherWgrad::new", |stream| { fused_rou
     GatherWgradConfig::fc1(&routing, WgradOutput::Same),
     &stream
 ));
+guard_test!(guard_layer_tables_new_gpu, "LayerTables::new", |stream| layer_io(&stream, SMALL, 7), |io| {
+    let layer = LayerWeights { fc1: &io.w1, fc2: &io.w2, dw1: &io.dw1, dw2: &io.dw2 };
+    LayerTables::new(&stream, &config(SMALL), &[layer])
+});

@@ -9,8 +9,9 @@
 //!   that bucket's graph captured for exactly T (target: within 1.10x for T >= T_max/8);
 //! - `graph_update` (every path shape): re-pointing one layer's graph at another layer's
 //!   buffers ([`GraphTemplate::apply_to`], [`update`] = re-capture + apply, and
-//!   [`GraphVariants::select`], which sets only the nodes that differ) against capture
-//!   + instantiate, host wall times (target: <= 1/10);
+//!   [`GraphVariants::select`], which sets only the nodes that differ, and
+//!   [`LayerTables::select`], which sets no node: a pointer-form plan's weight tables are
+//!   rewritten by two copies) against capture + instantiate, host wall times (target: <= 1/10);
 //! - `graph_first_replay` (every path shape): launch-to-completion wall time of the first
 //!   replay of a graph instantiated without and with upload, and of a steady replay.
 
@@ -20,9 +21,10 @@ use std::time::Instant;
 
 use capturable_moe::dtype::DType;
 use capturable_moe::graph::{
-    capture, capture_with, update, CaptureOptions, FlagReport, GraphTemplate, GraphVariants, MemoryPool,
+    capture, capture_with, update, ActiveTables, CaptureOptions, FlagReport, GraphTemplate, GraphVariants,
+    LayerTables, LayerWeights as TableWeights, MemoryPool,
 };
-use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions};
+use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions, WeightForm};
 use capturable_moe::routing::Tokens;
 use capturable_moe::Result;
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
@@ -381,6 +383,7 @@ fn update_rows(stream: &Arc<CudaStream>, reps: usize, d: Dims, t: usize) -> Resu
     let weights_only = variant_switch_times(stream, &mut moe, layer_weights.len(), reps, |moe, l| {
         shared.run_with(&mut layer_weights[l], moe, stream)
     })?;
+    let tables = layer_table_times(stream, d, t, &mut layers[0], &weights, reps)?;
     let (fresh, apply) = (median(&mut fresh), median(&mut apply));
     let (recapture_apply, update_call) = (median(&mut recapture_apply), median(&mut update_call));
     let name = d.name(t);
@@ -413,6 +416,7 @@ fn update_rows(stream: &Arc<CudaStream>, reps: usize, d: Dims, t: usize) -> Resu
         ),
         switch_row(&name, "variants-select", "every buffer of the layer (weights, inputs, outputs)", &every_buffer, nodes, reps, of_fresh(every_buffer.select_us)),
         switch_row(&name, "variants-select-weights", "weights and weight gradients; inputs and outputs shared", &weights_only, nodes, reps, of_fresh(weights_only.select_us)),
+        tables_row(&name, &tables, reps),
         row(
             &name,
             "graph_update",
@@ -426,6 +430,86 @@ fn update_rows(stream: &Arc<CudaStream>, reps: usize, d: Dims, t: usize) -> Resu
             ),
         ),
     ])
+}
+
+/// What switching a pointer-form plan's graph between layers with [`LayerTables`] costs
+/// (medians, µs), beside that graph's own capture + instantiate.
+struct TableTimes {
+    select_us: f64,
+    capture_us: f64,
+    first_replay_us: f64,
+    steady_replay_us: f64,
+}
+
+/// A `WeightForm::Pointers` plan's forward + backward on `shared`'s activations, captured once
+/// over the active tables of `weights`' layers, then switched to the next layer `reps` times
+/// (each switch replayed twice, launch to completion, not part of the select).
+fn layer_table_times(
+    stream: &Arc<CudaStream>,
+    d: Dims,
+    t: usize,
+    shared: &mut Layer,
+    weights: &[LayerWeights],
+    reps: usize,
+) -> Result<TableTimes> {
+    let options = MoeOptions { weights: WeightForm::Pointers, ..MoeOptions::default() };
+    let mut moe = MoeExperts::<bf16>::with_options(d.config(t), options, stream)?;
+    let layers: Vec<_> =
+        weights.iter().map(|w| TableWeights { fc1: &w.w1, fc2: &w.w2, dw1: &w.dw1, dw2: &w.dw2 }).collect();
+    let mut tables = LayerTables::new(stream, &d.config(t), &layers)?;
+    let mut step = |moe: &mut MoeExperts<bf16>, tables: &mut LayerTables| -> Result<()> {
+        let ActiveTables { fc1, fc2, mut dw1, mut dw2 } = tables.active();
+        let Layer { x, ids, probs, tokens, y, dy, dx, dprobs, .. } = &mut *shared;
+        let tokens = Tokens::Device(&*tokens);
+        moe.forward(stream, &*x, &*ids, &*probs, tokens, &fc1, &fc2, y)?;
+        moe.backward(stream, &*x, &*dy, &*probs, tokens, &fc1, &fc2, dx, dprobs, &mut dw1, &mut dw2)
+    };
+    let mut captures = vec![];
+    for _ in 0..reps.min(10) {
+        let start = Instant::now();
+        let graph = capture_with(stream, CaptureOptions { upload: false, ..Default::default() }, || {
+            step(&mut moe, &mut tables)
+        })?;
+        captures.push(elapsed_us(start));
+        drop(graph);
+    }
+    let graph = capture(stream, || step(&mut moe, &mut tables))?;
+    let (mut select, mut first, mut steady) = (vec![], vec![], vec![]);
+    for i in 0..reps {
+        let start = Instant::now();
+        tables.select(stream, (i + 1) % tables.layer_count())?;
+        select.push(elapsed_us(start));
+        first.push(launch_to_completion_us(stream, &graph)?);
+        steady.push(launch_to_completion_us(stream, &graph)?);
+    }
+    Ok(TableTimes {
+        select_us: median(&mut select),
+        capture_us: median(&mut captures),
+        first_replay_us: median(&mut first),
+        steady_replay_us: median(&mut steady),
+    })
+}
+
+fn tables_row(name: &str, t: &TableTimes, reps: usize) -> Row {
+    let ratio = t.select_us / t.capture_us;
+    row(
+        name,
+        "graph_update",
+        "layer-tables-select",
+        t.select_us,
+        f64::NAN,
+        format!(
+            "LayerTables::select between {LAYERS} layers of a WeightForm::Pointers plan (weights and weight \
+             gradients differ; inputs and outputs shared): two device-to-device copies of the pointer tables, no \
+             graph node set; {ratio:.3}x that graph's capture + instantiate ({:.1} us; target <= 0.10: {}); host \
+             wall time, median of {reps}; launch to completion of the replay right after a select {:.1} us, of a \
+             second replay {:.1} us",
+            t.capture_us,
+            verdict(ratio <= 0.10),
+            t.first_replay_us,
+            t.steady_replay_us
+        ),
+    )
 }
 
 /// The row of one `GraphVariants` switch: `differs` says what the layers do not share.

@@ -2,7 +2,8 @@
 //! shapes ([`MemoryPool`]), re-pointing a graph at other buffers without re-instantiating it
 //! ([`update`](fn@update), [`GraphTemplate`]), the guard every host-side call of the crate runs first
 //! ([`ensure_not_capturing`]) and the device flag words read back into one report
-//! ([`FlagReport`]).
+//! ([`FlagReport`]). One graph for every layer: [`LayerTables`] switches a pointer-form plan's
+//! weight tables with one copy, no graph update.
 //!
 //! One graph for every token count: the launchers read T on the device
 //! ([`crate::routing::Tokens::Device`]), so a graph captured at T_max serves any T up to it;
@@ -32,6 +33,7 @@
 //!   allocate everything when they are made).
 
 mod flags;
+mod layers;
 mod pool;
 mod update;
 mod variants;
@@ -43,6 +45,7 @@ use cudarc::driver::sys::{cudaError_enum, CUgraphInstantiate_flags, CUstreamCapt
 use cudarc::driver::{CudaContext, CudaGraph, CudaStream, DriverError};
 
 pub use flags::{Flag, FlagReport, FlagSource, FlagWords};
+pub use layers::{ActiveTables, LayerTables, LayerWeights};
 pub use pool::{
     round_up, BumpCursor, DeviceBuffer, MemoryPool, PhysicalLayout, PoolRange, PoolSlice, PoolStats, Scratch,
     POOL_ALIGNMENT,
