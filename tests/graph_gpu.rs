@@ -439,7 +439,10 @@ fn layer_tables_switch_one_graph_between_layers_gpu() {
         };
         for (other, io) in layers.iter().enumerate().filter(|&(l, _)| l != layer) {
             let dw1 = bits16(&stream, &io.dw1);
-            assert!(dw1.iter().all(|&v| v == POISON_BF16), "switch {i}: layer {layer}'s replay wrote layer {other}'s dW1");
+            assert!(
+                dw1.iter().all(|&v| v == POISON_BF16),
+                "switch {i}: layer {layer}'s replay wrote layer {other}'s dW1"
+            );
         }
         layers[layer].step(&mut tensor_moe, &stream).unwrap();
         assert_outputs_equal(&format!("switch {i} to layer {layer} (T={t})"), &got, &outputs(&layers[layer], &stream));

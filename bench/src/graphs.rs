@@ -21,8 +21,8 @@ use std::time::Instant;
 
 use capturable_moe::dtype::DType;
 use capturable_moe::graph::{
-    capture, capture_with, update, ActiveTables, CaptureOptions, FlagReport, GraphTemplate, GraphVariants,
-    LayerTables, LayerWeights as TableWeights, MemoryPool,
+    capture, capture_with, update, ActiveTables, CaptureOptions, FlagReport, GraphTemplate, GraphVariants, LayerTables,
+    LayerWeights as TableWeights, MemoryPool,
 };
 use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions, WeightForm};
 use capturable_moe::routing::Tokens;

@@ -68,7 +68,8 @@ impl LayerTables {
         }
         let (e, fc1_matrix, fc2_matrix) =
             (config.num_experts, 2 * config.ffn * config.hidden, config.hidden * config.ffn);
-        let (mut weights, mut grads) = (Vec::with_capacity(layers.len() * 2 * e), Vec::with_capacity(layers.len() * 2 * e));
+        let (mut weights, mut grads) =
+            (Vec::with_capacity(layers.len() * 2 * e), Vec::with_capacity(layers.len() * 2 * e));
         for layer in layers {
             weights.extend(expert_addresses(stream, OP, "fc1 [E, 2F, H]", layer.fc1, e, fc1_matrix)?);
             weights.extend(expert_addresses(stream, OP, "fc2 [E, H, F]", layer.fc2, e, fc2_matrix)?);
