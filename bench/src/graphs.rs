@@ -11,7 +11,7 @@
 //!   buffers ([`GraphTemplate::apply_to`], [`update`] = re-capture + apply, and
 //!   [`GraphVariants::select`], which sets only the nodes that differ, and
 //!   [`LayerTables::select`], which sets no node: a pointer-form plan's weight tables are
-//!   rewritten by two copies) against capture + instantiate, host wall times (target: <= 1/10);
+//!   rewritten by one copy) against capture + instantiate, host wall times (target: <= 1/10);
 //! - `graph_first_replay` (every path shape): launch-to-completion wall time of the first
 //!   replay of a graph instantiated without and with upload, and of a steady replay.
 
@@ -458,11 +458,12 @@ fn layer_table_times(
         weights.iter().map(|w| TableWeights { fc1: &w.w1, fc2: &w.w2, dw1: &w.dw1, dw2: &w.dw2 }).collect();
     let mut tables = LayerTables::new(stream, &d.config(t), &layers)?;
     let mut step = |moe: &mut MoeExperts<bf16>, tables: &mut LayerTables| -> Result<()> {
-        let ActiveTables { fc1, fc2, mut dw1, mut dw2 } = tables.active();
-        let Layer { x, ids, probs, tokens, y, dy, dx, dprobs, .. } = &mut *shared;
-        let tokens = Tokens::Device(&*tokens);
-        moe.forward(stream, &*x, &*ids, &*probs, tokens, &fc1, &fc2, y)?;
-        moe.backward(stream, &*x, &*dy, &*probs, tokens, &fc1, &fc2, dx, dprobs, &mut dw1, &mut dw2)
+        tables.with_active(|ActiveTables { fc1, fc2, mut dw1, mut dw2 }| {
+            let Layer { x, ids, probs, tokens, y, dy, dx, dprobs, .. } = &mut *shared;
+            let tokens = Tokens::Device(&*tokens);
+            moe.forward(stream, &*x, &*ids, &*probs, tokens, &fc1, &fc2, y)?;
+            moe.backward(stream, &*x, &*dy, &*probs, tokens, &fc1, &fc2, dx, dprobs, &mut dw1, &mut dw2)
+        })
     };
     let mut captures = vec![];
     for _ in 0..reps.min(10) {
@@ -500,7 +501,7 @@ fn tables_row(name: &str, t: &TableTimes, reps: usize) -> Row {
         f64::NAN,
         format!(
             "LayerTables::select between {LAYERS} layers of a WeightForm::Pointers plan (weights and weight \
-             gradients differ; inputs and outputs shared): two device-to-device copies of the pointer tables, no \
+             gradients differ; inputs and outputs shared): one device-to-device copy of the pointer tables, no \
              graph node set; {ratio:.3}x that graph's capture + instantiate ({:.1} us; target <= 0.10: {}); host \
              wall time, median of {reps}; launch to completion of the replay right after a select {:.1} us, of a \
              second replay {:.1} us",

@@ -5,8 +5,8 @@
 //! per-expert pointer arrays (fc1, fc2, dW1, dW2) on the device at every launch, so a graph
 //! captured once over arrays that stay put runs whichever layer those arrays point at.
 //! [`LayerTables`] holds those four arrays (the "active" tables the graph reads) and, built once,
-//! every layer's own addresses; [`LayerTables::select`] is then two device-to-device copies of
-//! `2 · E` addresses on the replay stream, ordered before the next replay like any other work. No node
+//! every layer's own addresses; [`LayerTables::select`] is then one device-to-device copy of
+//! `4 · E` addresses on the replay stream, ordered before the next replay like any other work. No node
 //! of the graph changes, so the cost does not grow with the graph ([`GraphTemplate::apply_to`]
 //! and [`GraphVariants::select`] set nodes: 14-20 of the expert path's 23 per switch).
 //!
@@ -38,19 +38,15 @@ pub struct LayerWeights<'a, W, G> {
     pub dw2: &'a CudaSlice<G>,
 }
 
-/// The four pointer arrays a pointer-form plan reads (the "active" tables: fc1 and fc2 in one
-/// buffer, dW1 and dW2 in another, `[2, E]` each) and every layer's addresses (`[L, 2, E]` for
-/// the weights, the same for the gradients). The addresses are plain numbers: the layers'
+/// The four pointer arrays a pointer-form plan reads (the "active" tables, `[4, E]`: fc1, fc2,
+/// dW1, dW2) and every layer's (`[L, 4, E]`). The addresses are plain numbers: the layers'
 /// tensors must stay allocated and unmoved while a graph reading them is replayed.
 pub struct LayerTables {
-    weights: CudaSlice<u64>,
-    grads: CudaSlice<u64>,
-    /// Every layer's tables, `[L, 2, E]` each: owned here, read only through `addresses`.
-    _layer_weights: CudaSlice<u64>,
-    _layer_grads: CudaSlice<u64>,
-    /// The four buffers' device addresses (active weights, active gradients, every layer's
-    /// weights, every layer's gradients), for the raw copies of `select`.
-    addresses: [sys::CUdeviceptr; 4],
+    active: CudaSlice<u64>,
+    /// Every layer's tables: owned here, read only through `addresses` (raw copies).
+    _layers: CudaSlice<u64>,
+    /// The device addresses of `active` and of the layers' tables.
+    addresses: [sys::CUdeviceptr; 2],
     context: Arc<CudaContext>,
     experts: usize,
     count: usize,
@@ -73,25 +69,19 @@ impl LayerTables {
         }
         let (e, fc1_matrix, fc2_matrix) =
             (config.num_experts, 2 * config.ffn * config.hidden, config.hidden * config.ffn);
-        let (mut weights, mut grads) =
-            (Vec::with_capacity(layers.len() * 2 * e), Vec::with_capacity(layers.len() * 2 * e));
+        let mut table = Vec::with_capacity(layers.len() * 4 * e);
         for layer in layers {
-            weights.extend(expert_addresses(stream, OP, "fc1 [E, 2F, H]", layer.fc1, e, fc1_matrix)?);
-            weights.extend(expert_addresses(stream, OP, "fc2 [E, H, F]", layer.fc2, e, fc2_matrix)?);
-            grads.extend(expert_addresses(stream, OP, "dW1 [E, 2F, H]", layer.dw1, e, fc1_matrix)?);
-            grads.extend(expert_addresses(stream, OP, "dW2 [E, H, F]", layer.dw2, e, fc2_matrix)?);
+            table.extend(expert_addresses(stream, OP, "fc1 [E, 2F, H]", layer.fc1, e, fc1_matrix)?);
+            table.extend(expert_addresses(stream, OP, "fc2 [E, H, F]", layer.fc2, e, fc2_matrix)?);
+            table.extend(expert_addresses(stream, OP, "dW1 [E, 2F, H]", layer.dw1, e, fc1_matrix)?);
+            table.extend(expert_addresses(stream, OP, "dW2 [E, H, F]", layer.dw2, e, fc2_matrix)?);
         }
-        let buffers = [&weights[..2 * e], &grads[..2 * e], &weights[..], &grads[..]].map(|t| stream.clone_htod(t));
-        let [active_weights, active_grads, layer_weights, layer_grads] = buffers;
-        let (weights, grads) = (active_weights?, active_grads?);
-        let (layer_weights, layer_grads) = (layer_weights?, layer_grads?);
-        let addresses = [&weights, &grads, &layer_weights, &layer_grads].map(|b| b.device_ptr(stream).0);
+        let (active, all) = (stream.clone_htod(&table[..4 * e])?, stream.clone_htod(&table)?);
+        let addresses = [active.device_ptr(stream).0, all.device_ptr(stream).0];
         stream.synchronize()?;
         Ok(LayerTables {
-            weights,
-            grads,
-            _layer_weights: layer_weights,
-            _layer_grads: layer_grads,
+            active,
+            _layers: all,
             addresses,
             context: stream.context().clone(),
             experts: e,
@@ -104,12 +94,11 @@ impl LayerTables {
         self.count
     }
 
-    /// Points the active tables at layer `layer`: two device-to-device copies (weights,
-    /// gradients; `2 · E` addresses each) enqueued on `stream`, which must be the stream the
-    /// graph is replayed on (or the one being captured): the copies are raw driver calls,
-    /// without cudarc's per-buffer events (several driver calls per copy, 10-19 µs for the two
-    /// on the H200's host), so nothing orders them against another stream. Allocates nothing
-    /// and does not wait.
+    /// Points the active tables at layer `layer`: one device-to-device copy of `4 · E`
+    /// addresses enqueued on `stream`, which must be the stream the graph is replayed on (or
+    /// the one being captured): it is a raw driver call, without cudarc's per-buffer events
+    /// (several driver calls per copy: two safe copies took 12-19 µs on the H200's host), so
+    /// nothing orders it against another stream. Allocates nothing and does not wait.
     pub fn select(&mut self, stream: &Arc<CudaStream>, layer: usize) -> Result<()> {
         const OP: &str = "LayerTables::select";
         if layer >= self.count {
@@ -121,29 +110,27 @@ impl LayerTables {
                 why: "a stream of another CUDA context than the tables'".into(),
             });
         }
-        let bytes = 2 * self.experts * std::mem::size_of::<u64>();
-        let [weights, grads, layer_weights, layer_grads] = self.addresses;
-        let from = (layer * bytes) as u64;
+        let bytes = 4 * self.experts * std::mem::size_of::<u64>();
+        let [active, layers] = self.addresses;
         self.context.bind_to_thread()?;
-        // SAFETY: both sources are `bytes` long at `from` (layer < count) and both destinations
-        // `bytes` long, all owned by `self` and alive; the copies are ordered on `stream`.
-        unsafe {
-            result::memcpy_dtod_async(weights, layer_weights + from, bytes, stream.cu_stream())?;
-            result::memcpy_dtod_async(grads, layer_grads + from, bytes, stream.cu_stream())?;
-        }
+        // SAFETY: the source is `bytes` long at that offset (layer < count) and the destination
+        // `bytes` long, both owned by `self` and alive; the copy is ordered on `stream`.
+        unsafe { result::memcpy_dtod_async(active, layers + (layer * bytes) as u64, bytes, stream.cu_stream())? };
         Ok(())
     }
 
-    /// The active tables, in the order `MoeExperts::forward` / `backward` take them:
-    /// fc1, fc2 (read) and dW1, dW2 (the gradients written through them).
-    pub fn active(&mut self) -> ActiveTables<'_> {
+    /// Runs `body` with views of the active tables, in the order `MoeExperts::forward` /
+    /// `backward` take them: fc1, fc2 (read) and dW1, dW2 (the gradients written through
+    /// them). A closure because the four views are cut from one buffer.
+    pub fn with_active<R>(&mut self, body: impl FnOnce(ActiveTables<'_>) -> R) -> R {
         let e = self.experts;
-        let (dw1, dw2) = self.grads.split_at_mut(e);
-        ActiveTables { fc1: self.weights.slice(..e), fc2: self.weights.slice(e..), dw1, dw2 }
+        let (weights, mut grads) = self.active.split_at_mut(2 * e);
+        let (dw1, dw2) = grads.split_at_mut(e);
+        body(ActiveTables { fc1: weights.slice(..e), fc2: weights.slice(e..), dw1, dw2 })
     }
 }
 
-/// Views of the active pointer tables ([`LayerTables::active`]).
+/// Views of the active pointer tables ([`LayerTables::with_active`]).
 pub struct ActiveTables<'a> {
     pub fc1: CudaView<'a, u64>,
     pub fc2: CudaView<'a, u64>,
