@@ -4,17 +4,18 @@
 //! A plan with [`WeightForm::Pointers`](crate::moe::WeightForm::Pointers) reads its four
 //! per-expert pointer arrays (fc1, fc2, dW1, dW2) on the device at every launch, so a graph
 //! captured once over arrays that stay put runs whichever layer those arrays point at.
-//! [`LayerTables`] holds those four arrays (the "active" tables the graph reads) and, built once,
-//! every layer's own addresses; [`LayerTables::select`] is then one device-to-device copy of
-//! `4 · E` addresses on the replay stream, ordered before the next replay like any other work. No node
-//! of the graph changes, so the cost does not grow with the graph ([`GraphTemplate::apply_to`]
-//! and [`GraphVariants::select`] set nodes: 14-20 of the expert path's 23 per switch).
+//! [`LayerTables`] holds those four arrays (the "active" tables the graph reads) and, built
+//! once, every layer's own addresses; [`LayerTables::select`] is then one device-to-device copy
+//! of `4 · E` addresses on the replay stream, ordered before the next replay like any other
+//! work. No node of the graph changes, so the cost does not grow with the graph
+//! ([`GraphTemplate::apply_to`] and [`GraphVariants::select`] set nodes: 14-20 of the expert
+//! path's 23 per switch). On the H200's host a select took 4.9-5.5 µs, 0.05-0.06x of the
+//! graph's capture + instantiate (bench/README.md, issue 16).
 //!
 //! What it covers: the weights and weight gradients. Activations the layers do not share
 //! (inputs, outputs, the backward's dy) stay what the graph was captured with: an engine copies
 //! each layer's inputs into them, or switches those with [`GraphVariants`]. The copy is an
-//! ordinary stream operation, so a graph may capture it too (e.g. one graph stepping through
-//! several layers, a `select` before each).
+//! ordinary stream operation, so a capture records it as a copy node (untested here).
 //!
 //! [`GraphTemplate::apply_to`]: super::GraphTemplate::apply_to
 //! [`GraphVariants`]: super::GraphVariants
