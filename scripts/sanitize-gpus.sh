@@ -3,7 +3,8 @@
 # per lane, each lane on a GPU of its own (CUDA_VISIBLE_DEVICES, so the multi-GPU EP tests
 # skip there: scripts/ep-ranks.sh covers those), run at once inside one device call. Lanes are
 # "TOOLS:FILTER[:TEST_FILTER]" arguments (sanitize.sh's knobs of those names); a lane's own
-# runs are sequential as in sanitize.sh, and every lane gets the whole BUDGET. Run on the GPU machine from the repo root (gpu-bundle/ carried along):
+# runs are sequential as in sanitize.sh, and every lane gets the whole BUDGET. Run on the GPU
+# machine from the repo root (gpu-bundle/ carried along):
 #
 #   OUT=<dir> bash scripts/sanitize-gpus.sh 'memcheck:^fused_' 'memcheck:^[a-e]' 'synccheck:' 'initcheck:'
 #   OUT=<dir> bash scripts/sanitize-gpus.sh 'racecheck:^moe_gpu$:replayed' 'racecheck:^moe_gpu$:megatron|pointer'
@@ -14,6 +15,7 @@ set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 out="${OUT:?set OUT to a folder for the logs}"
+mkdir -p "$out"
 (( $# > 0 )) || { echo "usage: OUT=<dir> $0 'TOOLS:FILTER' ..." >&2; exit 64; }
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 (( gpus >= $# )) || { echo "sanitize-gpus: $# lanes but $gpus GPU(s)" >&2; exit 2; }
@@ -28,7 +30,7 @@ for spec in "$@"; do
   pids+=($!)
   lane=$((lane + 1))
 done
-worst=0
+worst=0  # 1 when a lane had a failed run, else the first other nonzero status (3: incomplete)
 for i in "${!pids[@]}"; do
   wait "${pids[$i]}"; rc=$?
   echo "== lane $i rc=$rc"
