@@ -41,7 +41,10 @@ pub struct LayerWeights<'a, W, G> {
 
 /// The four pointer arrays a pointer-form plan reads (the "active" tables, `[4, E]`: fc1, fc2,
 /// dW1, dW2) and every layer's (`[L, 4, E]`). The addresses are plain numbers: the layers'
-/// tensors must stay allocated and unmoved while a graph reading them is replayed.
+/// tensors, and these tables, must stay allocated and unmoved while a graph reading them is
+/// replayed. `W` and `G` set each matrix's stride, so they must be the types the plan reads and
+/// writes (the activation dtype; `f32` gradients for a `wgrad_accumulate` plan): the plan sees
+/// only addresses and cannot check them.
 pub struct LayerTables {
     active: CudaSlice<u64>,
     /// Every layer's tables: owned here, read only through `addresses` (raw copies).
