@@ -142,8 +142,7 @@ pub struct ActiveTables<'a> {
     pub dw2: CudaViewMut<'a, u64>,
 }
 
-/// The `experts` matrix addresses of `tensor` (`[experts, matrix]` elements), each checked to
-/// be 16-byte aligned.
+/// The `experts` matrix addresses of `tensor` (`[experts, matrix]` elements).
 fn expert_addresses<T: DeviceRepr>(
     stream: &CudaStream,
     op: &'static str,
@@ -153,10 +152,40 @@ fn expert_addresses<T: DeviceRepr>(
     matrix: usize,
 ) -> Result<Vec<u64>> {
     ensure_len(op, what, tensor.len(), experts * matrix, "")?;
-    let bytes = (matrix * std::mem::size_of::<T>()) as u64;
     let (base, _guard) = tensor.device_ptr(stream);
-    if !base.is_multiple_of(16) || !bytes.is_multiple_of(16) {
+    matrix_addresses(op, what, base, experts, matrix * std::mem::size_of::<T>())
+}
+
+/// `experts` consecutive matrices of `matrix_bytes` from `base`, every one 16-byte aligned (the
+/// GEMM's TMA rows need it): `what` names the tensor in the error.
+fn matrix_addresses(
+    op: &'static str,
+    what: &'static str,
+    base: u64,
+    experts: usize,
+    matrix_bytes: usize,
+) -> Result<Vec<u64>> {
+    if !matrix_bytes.is_multiple_of(16) {
+        return Err(Error::Alignment { op, what: "bytes per expert matrix", value: matrix_bytes as i64, multiple: 16 });
+    }
+    if !base.is_multiple_of(16) {
         return Err(Error::Alignment { op, what, value: base as i64, multiple: 16 });
     }
-    Ok((0..experts as u64).map(|e| base + e * bytes).collect())
+    Ok((0..experts as u64).map(|e| base + e * matrix_bytes as u64).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::matrix_addresses;
+    use crate::Error;
+
+    #[test]
+    fn matrix_addresses_step_by_the_matrix_and_refuse_misalignment() {
+        assert_eq!(matrix_addresses("op", "fc1", 0x1000, 3, 32).unwrap(), [0x1000, 0x1020, 0x1040]);
+        assert!(matrix_addresses("op", "fc1", 0x1000, 0, 32).unwrap().is_empty());
+        let misaligned = matrix_addresses("op", "fc1", 0x1008, 3, 32);
+        assert!(matches!(misaligned, Err(Error::Alignment { what: "fc1", value: 0x1008, .. })), "{misaligned:?}");
+        let odd_stride = matrix_addresses("op", "fc1", 0x1000, 3, 24);
+        assert!(matches!(odd_stride, Err(Error::Alignment { what: "bytes per expert matrix", value: 24, .. })));
+    }
 }
