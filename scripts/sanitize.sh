@@ -204,12 +204,12 @@ for tool in $tools; do
     limit=${TIMEOUT:-$(default_timeout "$tool")}
     ((limit > left - 10)) && limit=$((left - 10))
     args=(--test-threads=1 "${test_args[@]}")
-    if [[ "$tool" == racecheck* && -n "$racecheck_skip" ]]; then
-      for s in $racecheck_skip; do args+=(--skip "$s"); done
-    fi
-    if [[ "$tool" == initcheck && -n "$initcheck_skip" ]]; then
-      for s in $initcheck_skip; do args+=(--skip "$s"); done
-    fi
+    case "$tool" in
+      racecheck*) skips=$racecheck_skip ;;
+      initcheck) skips=$initcheck_skip ;;
+      *) skips= ;;
+    esac
+    for s in $skips; do args+=(--skip "$s"); done
     mapfile -t flags < <(tool_flags "$tool"; sanitizer_flags_for "$name")
     log="$logs/${tool}__${name}.log"
     : >"$log"

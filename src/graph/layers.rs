@@ -27,7 +27,7 @@ use cudarc::driver::{result, sys, CudaContext, CudaSlice, CudaStream, CudaView, 
 
 use super::ensure_not_capturing;
 use crate::error::ensure_len;
-use crate::moe::MoeConfig;
+use crate::moe::{expert_matrix_bytes, MoeConfig};
 use crate::{Error, Result};
 
 /// One layer's weight tensors and gradient tensors (`[E, 2F, H]`, `[E, H, F]`, and the same
@@ -152,12 +152,13 @@ fn expert_addresses<T: DeviceRepr>(
     matrix: usize,
 ) -> Result<Vec<u64>> {
     ensure_len(op, what, tensor.len(), experts * matrix, "")?;
+    let bytes = expert_matrix_bytes::<T>(op, matrix)?;
     let (base, _guard) = tensor.device_ptr(stream);
-    matrix_addresses(op, what, base, experts, matrix * std::mem::size_of::<T>())
+    matrix_addresses(op, what, base, experts, bytes)
 }
 
-/// `experts` consecutive matrices of `matrix_bytes` from `base`, every one 16-byte aligned (the
-/// GEMM's TMA rows need it): `what` names the tensor in the error.
+/// `experts` consecutive matrices of `matrix_bytes` (a multiple of 16) from `base`, which must
+/// be 16-byte aligned (the GEMM's TMA rows need it): `what` names the tensor in the error.
 fn matrix_addresses(
     op: &'static str,
     what: &'static str,
@@ -165,9 +166,6 @@ fn matrix_addresses(
     experts: usize,
     matrix_bytes: usize,
 ) -> Result<Vec<u64>> {
-    if !matrix_bytes.is_multiple_of(16) {
-        return Err(Error::Alignment { op, what: "bytes per expert matrix", value: matrix_bytes as i64, multiple: 16 });
-    }
     if !base.is_multiple_of(16) {
         return Err(Error::Alignment { op, what, value: base as i64, multiple: 16 });
     }
@@ -177,6 +175,7 @@ fn matrix_addresses(
 #[cfg(test)]
 mod tests {
     use super::matrix_addresses;
+    use crate::moe::expert_matrix_bytes;
     use crate::Error;
 
     #[test]
@@ -185,7 +184,7 @@ mod tests {
         assert!(matrix_addresses("op", "fc1", 0x1000, 0, 32).unwrap().is_empty());
         let misaligned = matrix_addresses("op", "fc1", 0x1008, 3, 32);
         assert!(matches!(misaligned, Err(Error::Alignment { what: "fc1", value: 0x1008, .. })), "{misaligned:?}");
-        let odd_stride = matrix_addresses("op", "fc1", 0x1000, 3, 24);
+        let odd_stride = expert_matrix_bytes::<u8>("op", 24);
         assert!(matches!(odd_stride, Err(Error::Alignment { what: "bytes per expert matrix", value: 24, .. })));
     }
 }

@@ -59,6 +59,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, ValidAsZeroBits};
 
 pub use fused::FusedKernel;
+pub(crate) use slots::expert_matrix_bytes;
 pub use slots::{echo_slot_pointers, echo_slot_table};
 
 use crate::device::{ensure_aligned16, ensure_bound_stream, ensure_same_context};

@@ -31,6 +31,16 @@ pub fn echo_slot_table(cfg: &EchoConfig, home: u64, spare: u64, bytes_per_expert
     table
 }
 
+/// Bytes of one expert matrix of `per_expert` elements of `T`, the stride of a pointer table:
+/// a multiple of 16, or every matrix after the first would miss the GEMM's 16-byte alignment.
+pub(crate) fn expert_matrix_bytes<T>(op: &'static str, per_expert: usize) -> Result<usize> {
+    let bytes = per_expert * std::mem::size_of::<T>();
+    if !bytes.is_multiple_of(16) {
+        return Err(Error::Alignment { op, what: "bytes per expert matrix", value: bytes as i64, multiple: 16 });
+    }
+    Ok(bytes)
+}
+
 /// [`echo_slot_table`] for device buffers: checks that `home` holds `E · per_expert` and
 /// `spare` `S · per_expert` elements and that every entry is 16-byte aligned, then returns the
 /// table for the caller to upload (a `[E + S]` u64 device array) once. The entries are plain
@@ -53,10 +63,7 @@ pub fn echo_slot_pointers<T: DeviceRepr>(
     ] {
         ensure_len(OP, what, len, need, "")?;
     }
-    let bytes = per_expert * std::mem::size_of::<T>();
-    if !bytes.is_multiple_of(16) {
-        return Err(Error::Alignment { op: OP, what: "bytes per expert matrix", value: bytes as i64, multiple: 16 });
-    }
+    let bytes = expert_matrix_bytes::<T>(OP, per_expert)?;
     let (h, _gh) = home.device_ptr(stream);
     let (s, _gs) = spare.device_ptr(stream);
     if !h.is_multiple_of(16) || !s.is_multiple_of(16) {
