@@ -81,12 +81,20 @@ struct CountedTiles {
 
 // The consumers' side of CountedTiles: waits for the ring's next stage and returns the tile
 // whose first K block it holds, or kNoMoreTiles. (The tile's mainloop waits for the same
-// phase again, which has completed.)
+// phase again, which has completed.) Called by whole consumer warps. Lane 0 alone reads the
+// word and shuffles it to the others: lane 0 is the lane that later arrives on the stage's
+// empty barrier (the producer rewrites the word only after that barrier completes), so the
+// read is ordered before the rewrite by program order and the barrier alone, not also by a
+// __syncwarp between 31 lanes' reads and lane 0's arrival, an ordering compute-sanitizer's
+// racecheck did not follow (2026-11-28: "potential WAR" reports on this word, lane 31's
+// read against the producer's next publish, in the fc2 dgrad).
 template <int kStages>
 __device__ __forceinline__ int32_t next_published_tile(const StageRing<kStages>& ring, uint64_t* full,
                                                        const int32_t* stage_tile) {
   wait_barrier(&full[ring.stage], ring.phase, "consumer, next tile");
-  return read_stage_tile(stage_tile, ring.stage);
+  int32_t tile = 0;
+  if ((threadIdx.x & 31) == 0) tile = read_stage_tile(stage_tile, ring.stage);
+  return __shfl_sync(0xffffffffu, tile, 0);
 }
 
 }  // namespace capmoe::fused
