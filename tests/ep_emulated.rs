@@ -242,7 +242,7 @@ fn run(calls: &[Call]) -> Vec<Outcome> {
 fn buffer_names(op: Op) -> &'static [&'static str] {
     match op {
         Op::Count => &["expert_ids", "counts"],
-        Op::Layout => &["dest", "probs", "slot_of_route", "send_ids", "send_probs", "send_counts", "dropped"],
+        Op::Layout => &["dest", "probs", "slot_of_route", "send_ids", "send_probs", "send_counts", "dropped", "chunk_counts"],
         Op::Gather => &["x", "slot_of_route", "rows"],
         Op::Reduce => &["rows", "slot_of_route", "y"],
         Op::Values => &["values", "slot_of_route", "out"],
@@ -316,7 +316,7 @@ fn spread(rng: &mut StdRng) -> f32 {
     rng.random_range(-1.0f32..1.0) * 2f32.powi(rng.random_range(-10..10))
 }
 
-/// `large`: more routes than one chunk of dispatch_layout's scan (4096).
+/// `large`: more routes than one chunk of dispatch_layout's scan (several chunks of 1024).
 fn random_config(rng: &mut StdRng, ranks: usize, echo: bool, dtype: DType, large: bool) -> EpConfig {
     let local = rng.random_range(1..=4);
     let topk = if large {
@@ -398,6 +398,25 @@ fn count_case(rt: &Routing, with_flags: bool) -> (Call, Outcome) {
     (call, want)
 }
 
+/// Chunks of the dispatch layout's scan for `c` (the C ABI's capmoe_ep_layout_chunks).
+fn layout_chunks(c: &EpConfig) -> usize {
+    c.routes_len().div_ceil(sys::CAPMOE_EP_LAYOUT_CHUNK as usize).max(1)
+}
+
+/// The layout's workspace after it ran: routes of each chunk (t < T) per peer of their final
+/// column (dest outside the column space counts nowhere).
+fn chunk_counts(c: &EpConfig, dest: &[i32], t: usize) -> Vec<i32> {
+    let chunk = sys::CAPMOE_EP_LAYOUT_CHUNK as usize;
+    let cols = (c.ranks * c.cols_per_rank()) as i32;
+    let mut counts = vec![0i32; layout_chunks(c) * c.ranks];
+    for (r, &col) in dest.iter().enumerate().take(t * c.topk) {
+        if (0..cols).contains(&col) {
+            counts[(r / chunk) * c.ranks + col as usize / c.cols_per_rank()] += 1;
+        }
+    }
+    counts
+}
+
 fn layout_case(rt: &Routing) -> (Call, Outcome, Vec<i32>) {
     let c = &rt.cfg;
     let (t, tok_flag) = rt.tokens.resolve(c.max_tokens);
@@ -416,6 +435,7 @@ fn layout_case(rt: &Routing) -> (Call, Outcome, Vec<i32>) {
             buf(&poisoned::<f32>(rows)),
             buf(&poisoned::<i32>(c.ranks)),
             buf(&poisoned::<i32>(c.ranks)),
+            buf(&poisoned::<i32>(layout_chunks(c) * c.ranks)),
         ],
     );
     let want = Outcome {
@@ -429,6 +449,7 @@ fn layout_case(rt: &Routing) -> (Call, Outcome, Vec<i32>) {
             bytes(&guarded(&l.send_probs)),
             bytes(&guarded(&l.send_counts)),
             bytes(&guarded(&l.dropped)),
+            bytes(&guarded(&chunk_counts(c, &rt.dest, t))),
         ],
     };
     (call, want, l.slot_of_route)
@@ -840,7 +861,7 @@ fn entry_points_reject_bad_arguments() {
     cases.push(rejected(count, "counts off 8-byte alignment", MISALIGNED, shift(1, 4)));
     cases.push(rejected(count, "expert_ids off 4-byte alignment", MISALIGNED, shift(0, 2)));
     for (i, name) in
-        [(1, "probs"), (2, "slot_of_route"), (3, "send_ids"), (4, "send_probs"), (5, "send_counts"), (6, "dropped")]
+        [(1, "probs"), (2, "slot_of_route"), (3, "send_ids"), (4, "send_probs"), (5, "send_counts"), (6, "dropped"), (7, "chunk_counts")]
     {
         cases.push(rejected(layout, &format!("NULL {name}"), INVALID, null(i)));
         cases.push(rejected(layout, &format!("{name} misaligned"), MISALIGNED, shift(i, 2)));
@@ -1090,6 +1111,7 @@ fn whole_step(ranks: usize, echo: bool, tight: bool, seed: u64) {
                         buf(&poisoned::<f32>(rows)),
                         buf(&poisoned::<i32>(ranks)),
                         buf(&poisoned::<i32>(ranks)),
+                        buf(&poisoned::<i32>(layout_chunks(&g.cfg) * ranks)),
                     ],
                 )
             })

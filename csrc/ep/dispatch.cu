@@ -3,12 +3,18 @@
 // Expert-parallel dispatch / combine, the device side (contract: capturable_moe/ep.h):
 //   count_routes         counts[e] = routes of this rank to home expert e (zero, then integer
 //                        atomics: the sum is exact whatever the order)
-//   dispatch_layout      one block per peer p scans every route in ascending (t, j) order and
-//                        numbers the ones whose final column lives on p with a block-wide scan:
-//                        the first `capacity` get rows of p's block, the rest drop. Block 0
-//                        also writes -1 for the routes that go nowhere (no / bad dest, t >= T).
+//   dispatch_layout      two launches over chunks of CAPMOE_EP_LAYOUT_CHUNK routes: the first
+//                        counts each chunk's routes per peer (chunk_counts); the second, one
+//                        block per (chunk, peer p), numbers the chunk's routes to p with a
+//                        block-wide scan after the earlier chunks' counts, so every route gets
+//                        its position in ascending (t, j) order among the routes to p: the first
+//                        `capacity` get rows of p's block, the rest drop. The peer-0 blocks also
+//                        write -1 for the routes that go nowhere (no / bad dest, t >= T); the
+//                        last chunk's block of each peer writes its totals and unused rows.
 //                        Each output element has one writer and no position comes from an
-//                        atomic, so the layout is deterministic.
+//                        atomic, so the layout is deterministic. (Until 2026-11-28 one block
+//                        per peer scanned every route: 83 us at T*k = 32768 on an H200, the
+//                        largest part of the dispatch's time beyond NCCL's.)
 //   gather_rows          rows[slot(t, j)] = x[t]              (one block per token)
 //   reduce_rows          y[t] = sum_j rows[slot(t, j)]        (fp32, ascending j, one rounding)
 //   gather_route_values  out[t, j] = values[slot(t, j)] or 0
@@ -25,8 +31,9 @@ namespace {
 constexpr int kCountThreads = 256;
 constexpr int kCountBlocks = 1024;
 constexpr int kSmemBins = 48 * 1024 / 4;  // per-block histogram fits the default smem
-constexpr int kLayoutThreads = 512;
-constexpr int kLayoutItems = 8;  // consecutive routes per thread and chunk (4096 per chunk)
+constexpr int kLayoutThreads = 256;
+constexpr int kLayoutItems = CAPMOE_EP_LAYOUT_CHUNK / kLayoutThreads;  // consecutive routes per thread
+static_assert(kLayoutItems * kLayoutThreads == CAPMOE_EP_LAYOUT_CHUNK, "a chunk is one pass of the block");
 constexpr int kValueThreads = 256;
 
 // ---------------------------------------------------------------- count_routes
@@ -84,7 +91,8 @@ struct LayoutParams {
   const float* probs;
   int64_t host_tokens;
   const int32_t* device_tokens;
-  int t_max, k, cols_per_rank, num_cols, capacity;
+  int t_max, k, cols_per_rank, num_cols, capacity, ranks, chunks;
+  int32_t* chunk_counts;  // [chunks, ranks]
   int32_t* slot_of_route;
   int32_t* send_ids;
   float* send_probs;
@@ -101,62 +109,98 @@ __device__ __forceinline__ int peer_of(int col, int cols_per_rank, int num_cols,
   return -1;
 }
 
-__global__ void __launch_bounds__(kLayoutThreads) dispatch_layout_kernel(LayoutParams p) {
+// First launch, one block per chunk: chunk_counts[chunk][p] = routes r < T * k of the chunk
+// whose final column lives on peer p (every p written).
+__global__ void __launch_bounds__(kLayoutThreads) layout_count_kernel(LayoutParams p) {
+  __shared__ int hist[CAPMOE_EP_MAX_RANKS];
+  const int chunk = blockIdx.x;
+  const int routes = resolve_tokens(p.host_tokens, p.device_tokens, p.t_max, nullptr, false) * p.k;
+  for (int q = threadIdx.x; q < p.ranks; q += blockDim.x) hist[q] = 0;
+  __syncthreads();
+  const int64_t first = static_cast<int64_t>(chunk) * CAPMOE_EP_LAYOUT_CHUNK;
+  bool bad = false;
+  for (int i = threadIdx.x; i < CAPMOE_EP_LAYOUT_CHUNK; i += blockDim.x) {
+    const int64_t r = first + i;
+    if (r >= routes) break;
+    const int to = peer_of(__ldg(p.dest + r), p.cols_per_rank, p.num_cols, bad);
+    if (to >= 0) atomicAdd(&hist[to], 1);
+  }
+  __syncthreads();
+  int32_t* row = p.chunk_counts + static_cast<int64_t>(chunk) * p.ranks;
+  for (int q = threadIdx.x; q < p.ranks; q += blockDim.x) row[q] = hist[q];
+}
+
+// Routes to `peer` in the chunks before `chunk` (the first launch's counts), by the whole
+// block; the same value on every thread.
+__device__ int routes_before(const LayoutParams& p, int chunk, int peer) {
+  __shared__ int warp_sums[kLayoutThreads / 32];
+  int sum = 0;
+  for (int c = threadIdx.x; c < chunk; c += blockDim.x) sum += p.chunk_counts[static_cast<int64_t>(c) * p.ranks + peer];
+  sum = __reduce_add_sync(kFull, sum);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = sum;
+  __syncthreads();
+  int total = 0;
+  for (int w = 0; w < kLayoutThreads / 32; ++w) total += warp_sums[w];
+  return total;
+}
+
+// Second launch, block (chunk, peer): the chunk's routes to the peer get positions after the
+// earlier chunks' (see the top of this file).
+__global__ void __launch_bounds__(kLayoutThreads) layout_write_kernel(LayoutParams p) {
   using Scan = cub::BlockScan<int, kLayoutThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
-  const int peer = blockIdx.x;
-  const bool block0 = peer == 0;  // also owns the routes that go to no peer
-  const int routes =
-      resolve_tokens(p.host_tokens, p.device_tokens, p.t_max, p.flags, block0 && threadIdx.x == 0) * p.k;
-  const int scanned = block0 ? p.t_max * p.k : routes;  // block 0 writes -1 past T too
+  const int chunk = blockIdx.x, peer = blockIdx.y;
+  const bool owns_no_peer = peer == 0;  // also writes the routes that go to no peer
+  const int routes = resolve_tokens(p.host_tokens, p.device_tokens, p.t_max, p.flags,
+                                    owns_no_peer && chunk == 0 && threadIdx.x == 0) * p.k;
+  const int scanned = owns_no_peer ? p.t_max * p.k : routes;  // -1 past T too
   int32_t* block_ids = p.send_ids + static_cast<int64_t>(peer) * p.capacity;
   float* block_probs = p.send_probs + static_cast<int64_t>(peer) * p.capacity;
-  constexpr int kChunk = kLayoutThreads * kLayoutItems;
-  int before = 0;  // routes to this peer in earlier chunks
+  const int before = routes_before(p, chunk, peer);
+  const int64_t first = static_cast<int64_t>(chunk) * CAPMOE_EP_LAYOUT_CHUNK + threadIdx.x * kLayoutItems;
   bool bad = false;
-  for (int64_t base = 0; base < scanned; base += kChunk) {
-    const int64_t first = base + threadIdx.x * kLayoutItems;
-    int col[kLayoutItems];
-    bool mine[kLayoutItems];
-    int count = 0;
+  int col[kLayoutItems];
+  bool mine[kLayoutItems];
+  int count = 0;
 #pragma unroll
-    for (int i = 0; i < kLayoutItems; ++i) {
-      const int64_t r = first + i;
-      col[i] = r < routes ? __ldg(p.dest + r) : -1;
-      const int to = peer_of(col[i], p.cols_per_rank, p.num_cols, bad);
-      mine[i] = to == peer && r < routes;
-      count += mine[i];
-      if (block0 && to < 0 && r < scanned) p.slot_of_route[r] = -1;
-    }
-    int position = 0, chunk_total = 0;
-    Scan(scan_storage).ExclusiveSum(count, position, chunk_total);
-    position += before;
+  for (int i = 0; i < kLayoutItems; ++i) {
+    const int64_t r = first + i;
+    col[i] = r < routes ? __ldg(p.dest + r) : -1;
+    const int to = peer_of(col[i], p.cols_per_rank, p.num_cols, bad);
+    mine[i] = to == peer && r < routes;
+    count += mine[i];
+    if (owns_no_peer && to < 0 && r < scanned) p.slot_of_route[r] = -1;
+  }
+  int position = 0, chunk_total = 0;
+  Scan(scan_storage).ExclusiveSum(count, position, chunk_total);
+  position += before;
 #pragma unroll
-    for (int i = 0; i < kLayoutItems; ++i) {
-      if (!mine[i]) continue;
-      const int64_t r = first + i;
-      if (position < p.capacity) {
-        p.slot_of_route[r] = peer * p.capacity + position;
-        block_ids[position] = col[i] - peer * p.cols_per_rank;
-        block_probs[position] = __ldg(p.probs + r);
-      } else {
-        p.slot_of_route[r] = -1;  // dropped: the block is full
-      }
-      ++position;
+  for (int i = 0; i < kLayoutItems; ++i) {
+    if (!mine[i]) continue;
+    const int64_t r = first + i;
+    if (position < p.capacity) {
+      p.slot_of_route[r] = peer * p.capacity + position;
+      block_ids[position] = col[i] - peer * p.cols_per_rank;
+      block_probs[position] = __ldg(p.probs + r);
+    } else {
+      p.slot_of_route[r] = -1;  // dropped: the block is full
     }
-    before += chunk_total;
-    __syncthreads();  // scan_storage is reused by the next chunk
+    ++position;
   }
-  const int used = before < p.capacity ? before : p.capacity;
-  for (int64_t row = used + threadIdx.x; row < p.capacity; row += blockDim.x) {
-    block_ids[row] = -1;
-    block_probs[row] = 0.0f;
-  }
-  int bits = block0 && bad ? CAPMOE_EP_BAD_DEST : 0;
-  if (threadIdx.x == 0) {
-    p.send_counts[peer] = used;
-    p.dropped[peer] = before - used;
-    if (before > used) bits |= CAPMOE_EP_OVERFLOW;
+  int bits = owns_no_peer && bad ? CAPMOE_EP_BAD_DEST : 0;
+  if (chunk == p.chunks - 1) {
+    // The peer's totals, and its block's rows past the last route: unused.
+    const int total = before + chunk_total;
+    const int used = total < p.capacity ? total : p.capacity;
+    for (int64_t row = used + threadIdx.x; row < p.capacity; row += blockDim.x) {
+      block_ids[row] = -1;
+      block_probs[row] = 0.0f;
+    }
+    if (threadIdx.x == 0) {
+      p.send_counts[peer] = used;
+      p.dropped[peer] = total - used;
+      if (total > used) bits |= CAPMOE_EP_OVERFLOW;
+    }
   }
   raise_flags(p.flags, bits);
 }
@@ -285,8 +329,8 @@ extern "C" capmoe_status_t capmoe_ep_dispatch_layout(const capmoe_ep_desc_t* des
                                                      const int32_t* num_tokens_device,
                                                      int32_t* slot_of_route, int32_t* send_ids,
                                                      float* send_probs, int32_t* send_counts,
-                                                     int32_t* dropped, int32_t* flags,
-                                                     void* stream) {
+                                                     int32_t* dropped, int32_t* chunk_counts,
+                                                     int32_t* flags, void* stream) {
   return capmoe::guarded([&]() -> capmoe_status_t {
     CAPMOE_TRY(check_routes(desc, num_tokens, num_tokens_device, dest));
     const bool routes = route_count(desc) > 0, rows = block_rows(desc) > 0;
@@ -296,15 +340,38 @@ extern "C" capmoe_status_t capmoe_ep_dispatch_layout(const capmoe_ep_desc_t* des
     CAPMOE_TRY(check_buffer(rows, send_probs, 4));
     CAPMOE_TRY(check_buffer(true, send_counts, 4));
     CAPMOE_TRY(check_buffer(true, dropped, 4));
+    CAPMOE_TRY(check_buffer(true, chunk_counts, 4));
     CAPMOE_TRY(check_buffer(true, flags, 4));
-    const LayoutParams p{dest, probs, num_tokens, num_tokens_device,
-                         static_cast<int>(desc->max_tokens), static_cast<int>(desc->topk),
-                         cols_per_rank(desc), ranks(desc) * cols_per_rank(desc),
-                         static_cast<int>(desc->capacity), slot_of_route, send_ids, send_probs,
-                         send_counts, dropped, flags};
-    return capmoe::launch(dispatch_layout_kernel, dim3(static_cast<unsigned>(ranks(desc))),
-                          kLayoutThreads, 0, static_cast<cudaStream_t>(stream), p);
+    const int chunks = static_cast<int>(capmoe_ep_layout_chunks(desc));
+    const LayoutParams p{dest,
+                         probs,
+                         num_tokens,
+                         num_tokens_device,
+                         static_cast<int>(desc->max_tokens),
+                         static_cast<int>(desc->topk),
+                         cols_per_rank(desc),
+                         ranks(desc) * cols_per_rank(desc),
+                         static_cast<int>(desc->capacity),
+                         ranks(desc),
+                         chunks,
+                         chunk_counts,
+                         slot_of_route,
+                         send_ids,
+                         send_probs,
+                         send_counts,
+                         dropped,
+                         flags};
+    const auto s = static_cast<cudaStream_t>(stream);
+    CAPMOE_TRY(capmoe::launch(layout_count_kernel, dim3(static_cast<unsigned>(chunks)), kLayoutThreads, 0, s, p));
+    return capmoe::launch(layout_write_kernel, dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(ranks(desc))),
+                          kLayoutThreads, 0, s, p);
   });
+}
+
+extern "C" int64_t capmoe_ep_layout_chunks(const capmoe_ep_desc_t* desc) {
+  const int64_t routes = desc->max_tokens * desc->topk;
+  const int64_t chunks = (routes + CAPMOE_EP_LAYOUT_CHUNK - 1) / CAPMOE_EP_LAYOUT_CHUNK;
+  return chunks > 0 ? chunks : 1;
 }
 
 namespace {

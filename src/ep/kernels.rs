@@ -197,6 +197,8 @@ pub struct DispatchLayout {
     pub send_counts: CudaSlice<i32>,
     /// `[R]` routes to peer p that did not fit its block.
     pub dropped: CudaSlice<i32>,
+    /// `[chunks, R]` workspace: each chunk's routes per peer (`capmoe_ep_layout_chunks`).
+    pub chunk_counts: CudaSlice<i32>,
 }
 
 /// The EP plan: a validated [`EpConfig`] and its C descriptor. Launchers allocate nothing,
@@ -225,6 +227,10 @@ impl EpKernels {
     pub fn abi_desc(&self) -> &sys::capmoe_ep_desc_t {
         &self.desc
     }
+    /// Chunks of the dispatch layout's scan (rows of its `chunk_counts` workspace).
+    pub fn layout_chunks(&self) -> usize {
+        unsafe { sys::capmoe_ep_layout_chunks(&self.desc) as usize }
+    }
 
     /// Allocates the buffers of [`EpKernels::dispatch_layout`] (slot_of_route and send_ids -1,
     /// the rest zero). Allocation happens here, never in a launch.
@@ -238,6 +244,7 @@ impl EpKernels {
             send_probs: stream.alloc_zeros(c.block_rows().max(1))?,
             send_counts: stream.alloc_zeros(c.ranks)?,
             dropped: stream.alloc_zeros(c.ranks)?,
+            chunk_counts: stream.alloc_zeros(self.layout_chunks() * c.ranks)?,
         })
     }
 
@@ -347,6 +354,7 @@ impl EpKernels {
         ensure_buffer(OP, "send_probs", stream, &layout.send_probs, c.block_rows())?;
         ensure_buffer(OP, "send_counts", stream, &layout.send_counts, c.ranks)?;
         ensure_buffer(OP, "dropped", stream, &layout.dropped, c.ranks)?;
+        ensure_buffer(OP, "chunk_counts", stream, &layout.chunk_counts, self.layout_chunks() * c.ranks)?;
         ensure_buffer(OP, "flags", stream, flags, 1)?;
         self.check_tokens(OP, stream, tokens)?;
         stream.context().bind_to_thread()?;
@@ -357,6 +365,7 @@ impl EpKernels {
         let (sp, _g4) = layout.send_probs.device_ptr_mut(stream);
         let (sc, _g5) = layout.send_counts.device_ptr_mut(stream);
         let (dr, _g6) = layout.dropped.device_ptr_mut(stream);
+        let (cc, _g8) = layout.chunk_counts.device_ptr_mut(stream);
         let (fl, _g7) = flags.device_ptr_mut(stream);
         with_tokens(stream, tokens, |t, td| {
             check(
@@ -372,6 +381,7 @@ impl EpKernels {
                         sp as *mut f32,
                         sc as *mut i32,
                         dr as *mut i32,
+                        cc as *mut i32,
                         fl as *mut i32,
                         raw_stream(stream),
                     )

@@ -76,11 +76,11 @@ int run_case(FILE* in, FILE* out) {
                                         as<int64_t>(b[1]), flags_ptr, nullptr);
       break;
     case 1:
-      if (need(7))
+      if (need(8))
         status = capmoe_ep_dispatch_layout(&d, as<const int32_t>(b[0]), as<const float>(b[1]),
                                            host_tokens, tokens_dev, as<int32_t>(b[2]),
                                            as<int32_t>(b[3]), as<float>(b[4]), as<int32_t>(b[5]),
-                                           as<int32_t>(b[6]), flags_ptr, nullptr);
+                                           as<int32_t>(b[6]), as<int32_t>(b[7]), flags_ptr, nullptr);
       break;
     case 2:
       if (need(3))

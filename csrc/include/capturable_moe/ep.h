@@ -21,6 +21,8 @@
  *   send_probs    [R, capacity]         f32    that row's prob; 0 for unused rows
  *   send_counts   [R]                   int32  rows used in peer p's block (<= capacity)
  *   dropped       [R]                   int32  routes to peer p that did not fit its block
+ *   chunk_counts  [chunks, R]           int32  dispatch_layout's workspace (chunks =
+ *                                              capmoe_ep_layout_chunks(desc))
  *   rows          [R, capacity, H]      BF16 / F16 (desc.dtype), activations sent or received
  *   slot_expert   [R * S_per]           int64  Echo's slot -> home expert table (-1 empty),
  *                                              identical on every rank (the plan state's
@@ -65,8 +67,8 @@ enum {
   CAPMOE_EP_BAD_SLOT_EXPERT = 16 /* weight kernels: slot_expert outside [-1, E): slot skipped */
 };
 
-/* Plan limits. */
-enum { CAPMOE_EP_MAX_RANKS = 1024, CAPMOE_EP_MAX_TOPK = 32 };
+/* Plan limits. CAPMOE_EP_LAYOUT_CHUNK: routes per chunk of dispatch_layout (its workspace). */
+enum { CAPMOE_EP_MAX_RANKS = 1024, CAPMOE_EP_MAX_TOPK = 32, CAPMOE_EP_LAYOUT_CHUNK = 1024 };
 
 typedef struct capmoe_ep_desc {
   int64_t ranks;          /* R, 1 ..= CAPMOE_EP_MAX_RANKS */
@@ -91,14 +93,21 @@ capmoe_status_t capmoe_ep_count_routes(const capmoe_ep_desc_t* desc, const int32
                                        int64_t num_tokens, const int32_t* num_tokens_device,
                                        int64_t* counts, int32_t* flags, void* stream);
 
+/* Chunks of CAPMOE_EP_LAYOUT_CHUNK routes that dispatch_layout splits T_max * k into (at
+ * least 1): its workspace chunk_counts holds chunks * R int32. */
+int64_t capmoe_ep_layout_chunks(const capmoe_ep_desc_t* desc);
+
 /* The dispatch layout from the final columns: slot_of_route, send_ids, send_probs,
- * send_counts and dropped (all written in full; see the buffer table). flags may not be NULL. */
+ * send_counts and dropped (all written in full; see the buffer table), through the
+ * workspace chunk_counts [capmoe_ep_layout_chunks(desc), R] (int32, contents on entry
+ * ignored). Two launches, fixed grids. flags may not be NULL. */
 capmoe_status_t capmoe_ep_dispatch_layout(const capmoe_ep_desc_t* desc, const int32_t* dest,
                                           const float* probs, int64_t num_tokens,
                                           const int32_t* num_tokens_device,
                                           int32_t* slot_of_route, int32_t* send_ids,
                                           float* send_probs, int32_t* send_counts,
-                                          int32_t* dropped, int32_t* flags, void* stream);
+                                          int32_t* dropped, int32_t* chunk_counts,
+                                          int32_t* flags, void* stream);
 
 /* rows[slot_of_route[t, j]] = x[t] for every kept route of every t < T (x [T_max, H]). Rows of
  * `rows` no route points at are not written. Forward: x; backward: dy. */
