@@ -168,6 +168,7 @@ fn run_dispatch<T: MoeElement + Pod>(s: &Arc<CudaStream>, case: &Case, seed: u64
         send_probs: poisoned(s, rows),
         send_counts: poisoned(s, c.ranks),
         dropped: poisoned(s, c.ranks),
+        chunk_counts: poisoned(s, plan.layout_chunks() * c.ranks),
     };
     let mut flags_d = upload(s, &[0x100i32]);
     plan.dispatch_layout(s, &dest_d, &probs_d, tokens, &mut layout, &mut flags_d).unwrap();
