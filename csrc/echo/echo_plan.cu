@@ -9,11 +9,13 @@
 //      Every block lets the dependent reroute launch start at once (griddepcontrol).
 //   2. reroute_kernel<<<num_tiles, 512>>>, a programmatic dependent launch: each block first
 //      reads its tile of 32*W tokens while the plan still runs (a per-expert bitmask of its
-//      routed tokens; the dense form also stages the tile's probs in shared memory, the top-k
-//      form copies its probs), then waits for the plan (griddepcontrol.wait), gets the rank of
-//      every routed token within its expert's (ascending) token list from the tile prefix +
-//      popcounts, and writes the outputs in gather form: each output element is computed
-//      independently from the plan, so there are no write races and the result is deterministic.
+//      routed tokens; the dense form also stages the tile's probs in shared memory and zeroes
+//      its output rows, the top-k form copies its probs), then waits for the plan
+//      (griddepcontrol.wait), gets the rank of every routed token within its expert's
+//      (ascending) token list from the tile prefix + popcounts, and writes each route's final
+//      column (top-k: every output element; dense: the one nonzero entry of each route, after
+//      the zeroing, ordered by the block barrier). Every element has one writer per phase, so
+//      there are no write races and the result is deterministic.
 //
 // Planner phases (block 0, one __syncthreads between phases):
 //   A  load C [EP, E] (int32 copy in shared memory, transposed) and column partial sums
@@ -194,14 +196,40 @@ struct PlanSmem {
   }
 };
 
+// Makes a pointer opaque to the optimizer: it can no longer recompute it from how it was made
+// (at 64 registers a thread it would otherwise redo a long address computation at every use
+// in a hot loop), at the price of a generic address (no shared-memory instruction).
+template <class T>
+__device__ inline T* opaque_pointer(T* p) {
+#ifndef CAPMOE_CPU_EMULATION
+  asm volatile("mov.b64 %0, %0;" : "+l"(p));
+#endif
+  return p;
+}
+
+// Profiling build only (bench/tools/echo_phases.cu): the plan block's phase boundaries in SM
+// clocks (ECHO_PROF), and a timeline of both launches in global-timer nanoseconds, the earliest
+// (ECHO_NS_FIRST) or latest (ECHO_NS_LAST) block to pass a point, by each block's thread 0.
 #ifdef CAPMOE_ECHO_PROF
 }  // namespace
 __device__ long long g_echo_prof[32];
+__device__ unsigned long long g_echo_ns[16];
 namespace {
+__device__ inline unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 #define ECHO_PROF(i) \
   do { if (threadIdx.x == 0) g_echo_prof[i] = clock64(); } while (0)
+#define ECHO_NS_FIRST(i) \
+  do { if (threadIdx.x == 0) atomicMin(&g_echo_ns[i], global_ns()); } while (0)
+#define ECHO_NS_LAST(i) \
+  do { if (threadIdx.x == 0) atomicMax(&g_echo_ns[i], global_ns()); } while (0)
 #else
 #define ECHO_PROF(i) do { } while (0)
+#define ECHO_NS_FIRST(i) do { } while (0)
+#define ECHO_NS_LAST(i) do { } while (0)
 #endif
 
 __device__ inline int64_t warp_sum64(int64_t v) {
@@ -520,12 +548,21 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
       }
       __syncwarp();
     }
+    ECHO_PROF(10);
     if (lane == 0) {
       // Pops never go below `cur` and `cur` never decreases (a remainder re-queues at or above
       // it), so only the FIFO popped last is live in registers: its front word and tail. The
       // others keep head | tail << 16 in shared memory (0xffff: none), read when a remainder
       // joins them or when the pops move on to them (at most 8 times).
-      uint32_t* ht = reinterpret_cast<uint32_t*>(sm.flags + 4);
+      // NOTE: the arrays as opaque pointers: the compiler (at 64 registers a thread) otherwise
+      // recomputed each one's shared-memory offset from the carve at every pop, a chain of
+      // some 30 dependent 64-bit operations (H200, 2026-11-28: 600 cycles a pop).
+      uint32_t* ht = opaque_pointer(reinterpret_cast<uint32_t*>(sm.flags + 4));
+      word = opaque_pointer(word);
+      const int32_t* pc = opaque_pointer(sm.pc);
+      const int32_t* cps = opaque_pointer(sm.cps);
+      int32_t* hexp = opaque_pointer(sm.hexp);
+      int32_t* hval = opaque_pointer(sm.hval);
       unsigned nonempty = 0;
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
@@ -535,12 +572,12 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
       int cur = 0, loaded = -1;
       uint64_t front = 0;
       uint32_t ctail = 0;
-      int q_next = Q > 0 ? sm.pc[0] : 0, cp_next = Q > 0 ? sm.cps[0] : 0;
+      int q_next = Q > 0 ? pc[0] : 0, cp_next = Q > 0 ? cps[0] : 0;
       for (int b = 0; b < Q; ++b) {
         const int q = q_next, cp = cp_next;
         if (b + 1 < Q) {
-          q_next = sm.pc[b + 1];
-          cp_next = sm.cps[b + 1];
+          q_next = pc[b + 1];
+          cp_next = cps[b + 1];
         }
         const unsigned avail = nonempty & ~((1u << cur) - 1u);
         if (avail == 0) break;
@@ -559,8 +596,8 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
         if (drained) nonempty &= ~(1u << k);
         const int x = v < cp ? v : cp;
         const int left = v - x;
-        sm.hexp[q] = a;  // chunk position; S_per == 1: slot index == rank index
-        sm.hval[q] = x;
+        hexp[q] = a;  // chunk position; S_per == 1: slot index == rank index
+        hval[q] = x;
         front = nf;
         if (left > 0) {
           const int k2 = bucket(left);
@@ -585,7 +622,14 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
           }
         }
         cur = k;
+#ifdef CAPMOE_ECHO_PROF
+        g_echo_prof[11] = b + 1;  // pops done
+#endif
       }
+#ifdef CAPMOE_ECHO_PROF
+      g_echo_prof[12] = Q;
+      g_echo_prof[13] = P;
+#endif
     }
   }
   __syncthreads();
@@ -855,22 +899,37 @@ __global__ void __launch_bounds__(kPlanThreads, 1) plan_kernel(const Params p) {
   // NOTE: the reroute launch may start now; it reads nothing of ours before its
   // griddepcontrol.wait, which waits for this whole grid to finish and flush.
   launch_dependents();
+  ECHO_NS_FIRST(0);
   if (blockIdx.x == 0) {
+    ECHO_NS_LAST(1);
     plan_block(p, smem);
+    ECHO_NS_LAST(2);
   } else {
     count_tile(p, blockIdx.x - 1, reinterpret_cast<int32_t*>(smem));
+    ECHO_NS_LAST(3);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Reroute: one block per token tile.
+
+// Zeroes n bytes at dst with the block's threads: 16-byte stores over the aligned middle.
+__device__ inline void zero_bytes(uint8_t* dst, int64_t n, int tid, int nt) {
+  int64_t head = (16 - (int64_t)(reinterpret_cast<uintptr_t>(dst) & 15)) & 15;
+  if (head > n) head = n;
+  const int64_t vectors = (n - head) / 16;
+  for (int64_t i = tid; i < head; i += nt) dst[i] = 0;
+  uint4* middle = reinterpret_cast<uint4*>(dst + head);
+  for (int64_t i = tid; i < vectors; i += nt) middle[i] = make_uint4(0, 0, 0, 0);
+  for (int64_t i = head + 16 * vectors + tid; i < n; i += nt) dst[i] = 0;
+}
+
 struct RerouteSmem {
   uint32_t* mask;    // [E][W]
   int32_t* wbase;    // [E][W]: rank of the first token of word w in the expert's token list
   int4* slot;        // [S] the state's slot_route
   int2* expr;        // [E] the state's expert_route
   int32_t* part;     // [kPartLen] partial tile prefixes (>= groups * E in both prefix paths)
-  int32_t* colx;     // [E + S] dense form: home expert of final column c, or -(slot + 1)
   int32_t* ids;      // [32 W k] top-k form: the tile's expert ids
   uint32_t* probs;   // [32 W E] dense form with stage_probs: the tile's probs
   int32_t* flags;    // [1]
@@ -885,7 +944,6 @@ struct RerouteSmem {
     slot = c.take<int4>(s);
     expr = c.take<int2>(ne);
     part = c.take<int32_t>(kPartLen);
-    colx = c.take<int32_t>(form == kFormDense ? ne + s : 0);
     ids = c.take<int32_t>(form == kFormTopk ? (size_t)32 * words * topk : 0);
     probs = c.take<uint32_t>(stage_probs ? (size_t)32 * words * ne : 0);
     flags = c.take<int32_t>(1);
@@ -906,6 +964,7 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
   RerouteSmem sm;
   sm.carve(smem, ne, S, W, p.form, d.topk, p.stage_probs);
   const int L = d.l, sp = d.sp, B = L + sp;
+  ECHO_NS_FIRST(4);
 
   // Before the plan is known: the tile's routes (and probs).
   if (tid == 0) sm.flags[0] = 0;  // (an out-of-range device T is flagged by the plan block)
@@ -917,10 +976,11 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
       const int chunks = rows * ne / 4;  // 16-byte pieces (host: E % 4 == 0, 16-byte aligned)
       for (int i = tid; i < chunks; i += nt) cp_async16(dst + 16 * (size_t)i, src + 16 * (size_t)i);
     }
-    for (int c = tid; c < ne + S; c += nt) {
-      const int q = c / B, li = c % B;
-      sm.colx[c] = li < L ? q * L + li : -(q * sp + (li - L) + 1);
-    }
+    // The tile's output rows start all zero (the plan is not needed for that): after the
+    // wait only its routes are written.
+    const int64_t width = ne + S;
+    zero_bytes(p.out_map + t0 * width, rows * width, tid, nt);
+    zero_bytes(reinterpret_cast<uint8_t*>(p.out_probs_bits + t0 * width), rows * width * 4, tid, nt);
   } else {
     const int k = d.topk;
     const int32_t* ids = p.ids + t0 * k;
@@ -959,12 +1019,35 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
   }
 
   // The plan (and every tile's counts) from here on.
+  ECHO_NS_LAST(5);
   grid_dependency_wait();
+  ECHO_NS_FIRST(6);
+  ECHO_NS_LAST(9);
+  // Every global load of this section is issued before any of them is used, so the block
+  // waits about one memory latency here, not one per kind of value (the slowest block of
+  // this section, the last tile, set the critical path after the plan: 4 us on an H200).
+  // Per thread: its (up to kPerThread) slots and experts of the plan, its experts' count in
+  // this tile and (last tile) on this rank, and its share of the earlier tiles' counts.
+  constexpr int kPerThread = (kMaxExperts + kRerouteThreads - 1) / kRerouteThreads;
+  static_assert(kMaxSpare <= kPerThread * kRerouteThreads, "one pass of the block covers every slot");
+  const bool last_tile = tile == p.num_tiles - 1;
+  int4 slot_v[kPerThread];
+  int2 expr_v[kPerThread];
+  int own_v[kPerThread];
+  int64_t rank_total_v[kPerThread];
   {
     const int4* sr = reinterpret_cast<const int4*>(st + lay.off_slot_route);
     const int2* er = reinterpret_cast<const int2*>(st + lay.off_expert_route);
-    for (int j = tid; j < S; j += nt) sm.slot[j] = sr[j];
-    for (int x = tid; x < ne; x += nt) sm.expr[x] = er[x];
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int j = tid + i * nt, x = tid + i * nt;
+      if (j < S) slot_v[i] = sr[j];
+      if (x < ne) {
+        expr_v[i] = er[x];
+        own_v[i] = p.tile_counts[(int64_t)tile * ne + x];
+        rank_total_v[i] = last_tile ? p.counts[(int64_t)d.rho * ne + x] : 0;
+      }
+    }
   }
   // Rank of each mask word's first token in its expert's list: earlier tiles + earlier words.
   // Threads of one expert split the earlier tiles; partial sums combined in a fixed order.
@@ -996,8 +1079,17 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
       sm.part[i] = acc;
     }
   }
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int j = tid + i * nt, x = tid + i * nt;
+    if (j < S) sm.slot[j] = slot_v[i];
+    if (x < ne) sm.expr[x] = expr_v[i];
+  }
   __syncthreads();
-  for (int x = tid; x < ne; x += nt) {
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int x = tid + i * nt;
+    if (x >= ne) continue;
     int64_t base = 0;
     for (int g = 0; g < groups; ++g) base += sm.part[g * ne + x];
     int64_t in_tile = 0;
@@ -1005,80 +1097,44 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
       sm.wbase[x * W + w] = (int32_t)(base + in_tile);
       in_tile += __popc(sm.mask[x * W + w]);
     }
-    if (in_tile != p.tile_counts[(int64_t)tile * ne + x])
-      atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_DUPLICATE_ROUTE);
-    if (tile == p.num_tiles - 1 && base + in_tile != p.counts[(int64_t)d.rho * ne + x])
-      atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_ROUTING_MISMATCH);
+    if (in_tile != own_v[i]) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_DUPLICATE_ROUTE);
+    if (last_tile && base + in_tile != rank_total_v[i]) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_ROUTING_MISMATCH);
   }
   if (p.stage_probs) cp_async_wait_all();
   __syncthreads();
+  ECHO_NS_LAST(7);
 
   const int width = ne + S;
   if (p.form == kFormDense) {
-    // Probs of row t, expert x: the staged tile or global memory (a uniform branch: shared
-    // and global accesses stay what they are).
+    // Every route of the tile, one mask word (an expert's routes among 32 tokens) per thread
+    // at a time: its column is the home column past the routes moved off the expert, else
+    // the slot whose range of the expert's list holds it; the rest of the rows was zeroed
+    // before the wait. A route no column takes (only an inconsistent plan) is not written.
+    uint8_t* om = p.out_map + t0 * width;
+    uint32_t* op = p.out_probs_bits + t0 * width;
     const uint32_t* prg = p.probs_bits + t0 * ne;
-    auto prob = [&](int t, int x) -> uint32_t {
-      if (p.stage_probs) return sm.probs[t * ne + x];
-      return prg[(int64_t)t * ne + x];
-    };
-    // Whether row t goes to final column c; `x` gets the home expert whose prob it carries.
-    // A home column keeps the routes past those moved off the expert; a slot column takes
-    // its range [start, end) of the expert's routes.
-    auto column_on = [&](int t, int c, int& x) -> bool {
-      const int cx = sm.colx[c];
-      const int j = cx < 0 ? -cx - 1 : -1;
-      const int4 sl = j >= 0 ? sm.slot[j] : make_int4(-1, -1, 0, 0);
-      x = cx < 0 ? sl.x : cx;
-      if (x < 0) return false;
-      const uint32_t word = sm.mask[x * W + (t >> 5)];
-      const uint32_t bit = 1u << (t & 31);
-      if (!(word & bit)) return false;
-      const int pos = sm.wbase[x * W + (t >> 5)] + __popc(word & (bit - 1u));
-      return j < 0 ? pos >= sm.expr[x].y : (pos >= sl.z && pos < sl.w);
-    };
-    if ((width & 3) == 0 && (reinterpret_cast<uintptr_t>(p.out_map) & 3) == 0 &&
-        (reinterpret_cast<uintptr_t>(p.out_probs_bits) & 15) == 0) {
-      // Four consecutive columns per thread: one 4-byte map store, one 16-byte probs store.
-      const int wq = width >> 2;
-      uchar4* om = reinterpret_cast<uchar4*>(p.out_map + t0 * width);
-      uint4* op = reinterpret_cast<uint4*>(p.out_probs_bits + t0 * width);
-      const int step_t = nt / wq, step_c = nt % wq;
-      for (int t = tid / wq, cq = tid % wq; t < rows;) {
-        uint32_t mv[4], pv[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          int x;
-          const bool on = column_on(t, cq * 4 + u, x);
-          mv[u] = on ? 1u : 0u;
-          pv[u] = on ? prob(t, x) : 0u;
+    for (int i = tid; i < ne * W; i += nt) {
+      uint32_t word = sm.mask[i];
+      if (word == 0) continue;
+      const int x = i / W, w = i % W;
+      const int2 ex = sm.expr[x];
+      int j = ex.x;
+      int4 sl = j >= 0 ? sm.slot[j] : make_int4(-1, -1, 0, 0);
+      for (int pos = sm.wbase[i]; word != 0; ++pos, word &= word - 1) {
+        const int t = 32 * w + __ffs(word) - 1;
+        int col = -1;
+        if (pos >= ex.y) {
+          col = (x / L) * B + x % L;
+        } else {
+          while (j >= 0 && pos >= sl.w) {  // positions only grow: the walk goes on from here
+            j = sl.y;
+            if (j >= 0) sl = sm.slot[j];
+          }
+          if (j >= 0 && pos >= sl.z) col = (j / sp) * B + L + j % sp;
         }
-        om[(int64_t)t * wq + cq] = make_uchar4(mv[0], mv[1], mv[2], mv[3]);
-        op[(int64_t)t * wq + cq] = make_uint4(pv[0], pv[1], pv[2], pv[3]);
-        cq += step_c;
-        t += step_t;
-        if (cq >= wq) {
-          cq -= wq;
-          ++t;
-        }
-      }
-    } else {
-      uint8_t* om = p.out_map + t0 * width;
-      uint32_t* op = p.out_probs_bits + t0 * width;
-      // (t, c) advanced incrementally: no division per element.
-      const int step_t = nt / width, step_c = nt % width;
-      for (int t = tid / width, c = tid % width; t < rows;) {
-        const int64_t i = (int64_t)t * width + c;
-        int x;
-        const bool on = column_on(t, c, x);
-        om[i] = on ? 1 : 0;
-        op[i] = on ? prob(t, x) : 0u;
-        c += step_c;
-        t += step_t;
-        if (c >= width) {
-          c -= width;
-          ++t;
-        }
+        if (col < 0) continue;
+        om[(int64_t)t * width + col] = 1;
+        op[(int64_t)t * width + col] = p.stage_probs ? sm.probs[t * ne + x] : prg[(int64_t)t * ne + x];
       }
     }
   } else {
@@ -1131,6 +1187,7 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
   if (tid == 0 && sm.flags[0] != 0)
     atomicOr(reinterpret_cast<unsigned long long*>(p.state + lay.off_error),
              (unsigned long long)sm.flags[0]);
+  ECHO_NS_LAST(8);
 }
 
 // ---------------------------------------------------------------------------------------------
