@@ -97,11 +97,12 @@ T* zeros(size_t n) {
 }
 
 // g_echo_ns's points (echo_plan.cu's ECHO_NS_FIRST / ECHO_NS_LAST).
-constexpr int kTimeline = 10;
+constexpr int kTimeline = 12;
 const char* kTimelineNames[kTimeline] = {"plan first block",  "plan block start",       "plan block end",
                                          "last count block",  "reroute first block",    "reroute loads done",
                                          "reroute past wait", "reroute prefix done",    "reroute last block end",
-                                         "reroute last past wait"};
+                                         "reroute last past wait", "reroute prefix loads issued+summed",
+                                         "reroute tables in smem"};
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -185,8 +186,10 @@ int main(int argc, char** argv) {
       if (spare == 1) {
         long long last[32];
         CHECK(cudaMemcpyFromSymbol(last, capmoe::echo::g_echo_prof, sizeof(last)));
-        std::printf(" (F: queues built after %.0f; last run: %lld pops, Q %lld ranks with capacity, P %lld spilling experts)",
+        std::printf(" (F: queues built after %.0f; last run: %lld pops, Q %lld ranks with capacity, P %lld spilling experts; first pops at cycles after the queues:",
                     median(queue[0]), last[11], last[12], last[13]);
+        for (int b = 0; b < 16 && b < last[11]; ++b) std::printf(" %lld", last[16 + b] - last[10]);
+        std::printf(")");
       }
       std::printf("\n    timeline, us after the plan's first block starts (median; -1: not reached):");
       for (int j = 1; j < kTimeline; ++j) std::printf(" %s %.2f,", kTimelineNames[j], median(ns[j]));
