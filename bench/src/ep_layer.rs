@@ -78,8 +78,8 @@ pub fn ep_layer_rows(runner: &mut Runner, stream: &Arc<CudaStream>, reps: usize)
                 let cap_note =
                     format!("capacity factor {factor}: {capacity} rows per peer block, R = {ranks} in one process");
                 let row_shape = match timed {
-                    Timed::DispatchCombine => format!("ep_E{e}_T{t}_k{k}_H{h}_R{ranks}"),
                     Timed::Step => shape.clone(),
+                    _ => format!("ep_E{e}_T{t}_k{k}_H{h}_R{ranks}"),
                 };
                 runner.run(&label, |rows| {
                     let Some(taken) = groups.take() else { return };
@@ -88,8 +88,8 @@ pub fn ep_layer_rows(runner: &mut Runner, stream: &Arc<CudaStream>, reps: usize)
                         Ok((back, Ok(us))) => {
                             groups = Some(back);
                             let (gbps, what) = match timed {
-                                Timed::DispatchCombine => dispatch_combine_gbps(ranks, capacity, h, us),
                                 Timed::Step => (f64::NAN, "forward + backward".into()),
+                                _ => exchange_gbps(timed, ranks, capacity, h, us),
                             };
                             (us, gbps, format!("{what}; {cap_note}"))
                         }
@@ -120,6 +120,10 @@ fn unavailable(e: &capturable_moe::Error) -> String {
 enum Timed {
     /// `EpMoe::dispatch` + `EpMoe::combine` (op `ep_dispatch_combine`).
     DispatchCombine,
+    /// `EpMoe::dispatch` alone (op `ep_dispatch`, beside the `nccl-alltoall` row of its bytes).
+    Dispatch,
+    /// `EpMoe::combine` alone, after one dispatch (op `ep_combine`, likewise).
+    Combine,
     /// Forward + backward of the whole layer (op `ep_step`).
     Step,
 }
@@ -128,6 +132,8 @@ impl Timed {
     fn op(self) -> &'static str {
         match self {
             Timed::DispatchCombine => "ep_dispatch_combine",
+            Timed::Dispatch => "ep_dispatch",
+            Timed::Combine => "ep_combine",
             Timed::Step => "ep_step",
         }
     }
@@ -139,23 +145,33 @@ impl Timed {
 fn cases(routing: &str) -> Vec<(bool, f64, Timed)> {
     let mut cases = Vec::new();
     if routing == "uniform" {
-        cases.push((false, 1.0, Timed::DispatchCombine));
+        cases.extend([
+            (false, 1.0, Timed::DispatchCombine),
+            (false, 1.0, Timed::Dispatch),
+            (false, 1.0, Timed::Combine),
+        ]);
     }
     cases.extend([(false, 1.25, Timed::Step), (true, 1.25, Timed::Step)]);
     cases
 }
 
-/// GB/s of one dispatch + combine taking `us` and what they are: busbw for R > 1, algbw at
-/// R = 1 (no link is crossed).
-fn dispatch_combine_gbps(ranks: usize, capacity: usize, h: usize, us: f64) -> (f64, String) {
-    let bytes = (ranks * capacity * (4 * h + 8)) as f64;
+/// GB/s of the exchange(s) `timed` names taking `us`, and what they are: busbw for R > 1,
+/// algbw at R = 1 (no link is crossed). The bytes are those of the `nccl-alltoall` rows:
+/// dispatch `R · capacity · (2H + 8)` (rows, ids, probs), combine `R · capacity · 2H`.
+fn exchange_gbps(timed: Timed, ranks: usize, capacity: usize, h: usize, us: f64) -> (f64, String) {
+    let per_row = match timed {
+        Timed::Dispatch => 2 * h + 8,
+        Timed::Combine => 2 * h,
+        _ => 4 * h + 8,
+    };
+    let bytes = (ranks * capacity * per_row) as f64;
     let algbw = bytes / us * 1e-3;
     let (gbps, what) = if ranks > 1 {
         (algbw * (ranks - 1) as f64 / ranks as f64, "busbw")
     } else {
         (algbw, "algbw (R = 1: NCCL's self-copy path only)")
     };
-    (gbps, format!("GB/s = {what} over dispatch + combine bytes ({:.1} MB per rank)", bytes / 1e6))
+    (gbps, format!("GB/s = {what} over {} bytes ({:.1} MB per rank)", timed.op(), bytes / 1e6))
 }
 
 /// One case of the layer: shape, Echo or not, block capacity; the routing of every rank; what
@@ -307,6 +323,13 @@ fn time_rank(
             keep_first(&mut first_error, layer.dispatch(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2));
             keep_first(&mut first_error, layer.combine(tokens, &mut b.y));
         }),
+        Timed::Dispatch => time(&stream, reps, |_| {
+            keep_first(&mut first_error, layer.dispatch(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2));
+        }),
+        Timed::Combine => {
+            keep_first(&mut first_error, layer.dispatch(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2));
+            time(&stream, reps, |_| keep_first(&mut first_error, layer.combine(tokens, &mut b.y)))
+        }
         Timed::Step => time(&stream, reps, |_| {
             keep_first(&mut first_error, layer.forward(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2, &mut b.y));
             let backward = layer.backward(&b.x, tokens, &b.w1, &b.w2, &mut b.dx, &mut b.dprobs, &mut b.dw1, &mut b.dw2);

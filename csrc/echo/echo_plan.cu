@@ -970,9 +970,6 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
   // Before the plan is known: the tile's routes (and probs).
   if (tid == 0) sm.flags[0] = 0;  // (an out-of-range device T is flagged by the plan block)
   for (int i = tid; i < ne * W; i += nt) sm.mask[i] = 0;
-  const bool prefix_from_ids = p.form == kFormTopk;  // see below
-  if (prefix_from_ids)
-    for (int x = tid; x < ne; x += nt) sm.part[x] = 0;
   if (p.form == kFormDense) {
     if (p.stage_probs) {
       const char* src = reinterpret_cast<const char*>(p.probs_bits + t0 * ne);
@@ -1020,19 +1017,6 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
       if (x >= 0 && x < ne) atomicOr(&sm.mask[x * W + (t >> 5)], 1u << (t & 31));
       else atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_EXPERT_OUT_OF_RANGE);
     }
-    // The tile prefix (routes per expert in the earlier tiles, every valid id counted as the
-    // count blocks count it), from the ids themselves while the plan still runs: read after
-    // the wait from the count blocks' tile counts it cost the last tile 2.7 us on an H200
-    // (127 rows of counts), on the critical path. Tokens at or past T count nowhere (a tile
-    // past T still needs the whole prefix: the last tile checks it against C[ep_rank]). (The
-    // dense form's earlier rows are E bytes a token, too many to reread.)
-    const int64_t t_end = resolve_tokens(p);
-    const int64_t earlier = (t0 < t_end ? t0 : t_end) * k;
-#pragma unroll 4
-    for (int64_t i = tid; i < earlier; i += nt) {
-      const int32_t x = __ldg(p.ids + i);
-      if (x >= 0 && x < ne) atomicAdd(&sm.part[x], 1);
-    }
   }
 
   // The plan (and every tile's counts) from here on.
@@ -1041,7 +1025,9 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
   ECHO_NS_FIRST(6);
   ECHO_NS_LAST(9);
   // Every global load of this section is issued before any of them is used, so the block
-  // waits about one memory latency for all of them. Per thread: its (up to kPerThread) slots and experts of the plan, its experts' count in
+  // waits about one memory latency for all of them. (The section still takes the last tile
+  // about 3 us on an H200, most of it summing 127 earlier tiles' counts; counting the earlier
+  // tiles' ids before the wait instead took over 20 us of shared-memory atomics.) Per thread: its (up to kPerThread) slots and experts of the plan, its experts' count in
   // this tile and (last tile) on this rank, and its share of the earlier tiles' counts.
   constexpr int kPerThread = (kMaxExperts + kRerouteThreads - 1) / kRerouteThreads;
   static_assert(kMaxSpare <= kPerThread * kRerouteThreads, "one pass of the block covers every slot");
@@ -1067,9 +1053,7 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
   // Rank of each mask word's first token in its expert's list: earlier tiles + earlier words.
   // Threads of one expert split the earlier tiles; partial sums combined in a fixed order.
   int groups;
-  if (prefix_from_ids) {
-    groups = 1;  // sm.part holds the prefix already
-  } else if ((ne & 3) == 0 && (reinterpret_cast<uintptr_t>(p.tile_counts) & 15) == 0) {
+  if ((ne & 3) == 0 && (reinterpret_cast<uintptr_t>(p.tile_counts) & 15) == 0) {
     // 16-byte loads of 4 experts' counts; nt / (E/4) groups of threads split the earlier tiles.
     const int nq = ne >> 2;
     groups = nq <= nt ? nt / nq : 1;
