@@ -1027,8 +1027,9 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
   // Every global load of this section is issued before any of them is used, so the block
   // waits about one memory latency for all of them. (The section still takes the last tile
   // about 3 us on an H200, most of it summing 127 earlier tiles' counts; counting the earlier
-  // tiles' ids before the wait instead took over 20 us of shared-memory atomics.) Per thread: its (up to kPerThread) slots and experts of the plan, its experts' count in
-  // this tile and (last tile) on this rank, and its share of the earlier tiles' counts.
+  // tiles' ids before the wait instead took over 20 us of shared-memory atomics.) Per
+  // thread: its (up to kPerThread) slots and experts of the plan, its experts' count in this
+  // tile and (last tile) on this rank, and its share of the earlier tiles' counts.
   constexpr int kPerThread = (kMaxExperts + kRerouteThreads - 1) / kRerouteThreads;
   static_assert(kMaxSpare <= kPerThread * kRerouteThreads, "one pass of the block covers every slot");
   const bool last_tile = tile == p.num_tiles - 1;
