@@ -556,7 +556,8 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
       // joins them or when the pops move on to them (at most 8 times).
       // NOTE: the arrays as opaque pointers: the compiler (at 64 registers a thread) otherwise
       // recomputed each one's shared-memory offset from the carve at every pop, a chain of
-      // some 30 dependent 64-bit operations (H200, 2026-11-28: 600 cycles a pop).
+      // some 30 dependent 64-bit operations (H200, 2026-11-28: 38 pops took 22.5 K cycles,
+      // 17.5 K with these; what the rest of a pop's 350-600 cycles is, is open: bench/README).
       uint32_t* ht = opaque_pointer(reinterpret_cast<uint32_t*>(sm.flags + 4));
       word = opaque_pointer(word);
       const int32_t* pc = opaque_pointer(sm.pc);
