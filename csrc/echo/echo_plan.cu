@@ -1103,7 +1103,8 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
       in_tile += __popc(sm.mask[x * W + w]);
     }
     if (in_tile != own_v[i]) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_DUPLICATE_ROUTE);
-    if (last_tile && base + in_tile != rank_total_v[i]) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_ROUTING_MISMATCH);
+    if (last_tile && base + in_tile != rank_total_v[i])
+      atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_ROUTING_MISMATCH);
   }
   if (p.stage_probs) cp_async_wait_all();
   __syncthreads();
