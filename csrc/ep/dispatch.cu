@@ -369,6 +369,7 @@ extern "C" capmoe_status_t capmoe_ep_dispatch_layout(const capmoe_ep_desc_t* des
 }
 
 extern "C" int64_t capmoe_ep_layout_chunks(const capmoe_ep_desc_t* desc) {
+  if (!desc) return 0;
   const int64_t routes = desc->max_tokens * desc->topk;
   const int64_t chunks = (routes + CAPMOE_EP_LAYOUT_CHUNK - 1) / CAPMOE_EP_LAYOUT_CHUNK;
   return chunks > 0 ? chunks : 1;

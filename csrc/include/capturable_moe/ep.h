@@ -94,7 +94,7 @@ capmoe_status_t capmoe_ep_count_routes(const capmoe_ep_desc_t* desc, const int32
                                        int64_t* counts, int32_t* flags, void* stream);
 
 /* Chunks of CAPMOE_EP_LAYOUT_CHUNK routes that dispatch_layout splits T_max * k into (at
- * least 1): its workspace chunk_counts holds chunks * R int32. */
+ * least 1; 0 for a NULL desc): its workspace chunk_counts holds chunks * R int32. */
 int64_t capmoe_ep_layout_chunks(const capmoe_ep_desc_t* desc);
 
 /* The dispatch layout from the final columns: slot_of_route, send_ids, send_probs,
