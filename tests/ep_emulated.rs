@@ -242,7 +242,9 @@ fn run(calls: &[Call]) -> Vec<Outcome> {
 fn buffer_names(op: Op) -> &'static [&'static str] {
     match op {
         Op::Count => &["expert_ids", "counts"],
-        Op::Layout => &["dest", "probs", "slot_of_route", "send_ids", "send_probs", "send_counts", "dropped", "chunk_counts"],
+        Op::Layout => {
+            &["dest", "probs", "slot_of_route", "send_ids", "send_probs", "send_counts", "dropped", "chunk_counts"]
+        }
         Op::Gather => &["x", "slot_of_route", "rows"],
         Op::Reduce => &["rows", "slot_of_route", "y"],
         Op::Values => &["values", "slot_of_route", "out"],
@@ -860,9 +862,15 @@ fn entry_points_reject_bad_arguments() {
     cases.push(rejected(count, "NULL counts", INVALID, null(1)));
     cases.push(rejected(count, "counts off 8-byte alignment", MISALIGNED, shift(1, 4)));
     cases.push(rejected(count, "expert_ids off 4-byte alignment", MISALIGNED, shift(0, 2)));
-    for (i, name) in
-        [(1, "probs"), (2, "slot_of_route"), (3, "send_ids"), (4, "send_probs"), (5, "send_counts"), (6, "dropped"), (7, "chunk_counts")]
-    {
+    for (i, name) in [
+        (1, "probs"),
+        (2, "slot_of_route"),
+        (3, "send_ids"),
+        (4, "send_probs"),
+        (5, "send_counts"),
+        (6, "dropped"),
+        (7, "chunk_counts"),
+    ] {
         cases.push(rejected(layout, &format!("NULL {name}"), INVALID, null(i)));
         cases.push(rejected(layout, &format!("{name} misaligned"), MISALIGNED, shift(i, 2)));
     }

@@ -138,8 +138,21 @@ fn c_entry_points_reject_before_launching_host() {
         assert_eq!(sys::capmoe_ep_count_routes(d, ids, 1, std::ptr::null(), fake(4), fake(0), stream), misaligned);
         // dispatch_layout: flags may not be NULL.
         let (i, f) = (fake::<i32>(0), fake::<f32>(0));
-        let status =
-            sys::capmoe_ep_dispatch_layout(d, i, f, 1, std::ptr::null(), i, i, f, i, i, i, std::ptr::null_mut(), stream);
+        let status = sys::capmoe_ep_dispatch_layout(
+            d,
+            i,
+            f,
+            1,
+            std::ptr::null(),
+            i,
+            i,
+            f,
+            i,
+            i,
+            i,
+            std::ptr::null_mut(),
+            stream,
+        );
         assert_eq!(status, invalid);
         // Rows 16-byte aligned.
         assert_eq!(sys::capmoe_ep_gather_rows(d, fake(8), i, 1, std::ptr::null(), fake(0), stream), misaligned);
