@@ -6,7 +6,7 @@ cd "$(dirname "$0")/../.."
 DEST=${DEST:-gpu-bundle/extra}
 mkdir -p "$DEST"
 NVCC=${NVCC:-.toolchain/nvidia/cu13/bin/nvcc}
-"$NVCC" -O3 -std=c++17 --expt-relaxed-constexpr -DNDEBUG -Icsrc/include -Icsrc \
+"$NVCC" -O3 -lineinfo -std=c++17 --expt-relaxed-constexpr -DNDEBUG -Icsrc/include -Icsrc \
   -gencode arch=compute_90a,code=sm_90a bench/tools/echo_phases.cu csrc/common/status.cu \
   -L"$(dirname "$NVCC")/../lib" -o "$DEST/echo_phases"
 echo "built $DEST/echo_phases"

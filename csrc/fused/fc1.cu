@@ -11,6 +11,7 @@
 #include "common/boundary.cuh"
 #include "fused/entry.h"
 #include "fused/fc1_launch.h"
+#include "fused/fc1_layout.h"
 #include "fused/tile_list.cuh"
 #include "fused/tile_schedule.cuh"
 
@@ -34,6 +35,7 @@ capmoe_status_t check_desc(const capmoe_fused_fc1_desc_t* d) {
   if (d->capacity < 0 || d->capacity > INT32_MAX) return CAPMOE_ERR_INVALID_ARGUMENT;
   if (d->sm_count < 1) return CAPMOE_ERR_INVALID_ARGUMENT;
   if (d->hidden % 8 != 0) return CAPMOE_ERR_MISALIGNED;
+  if (!gather_source_fits(d->max_tokens, d->hidden)) return CAPMOE_ERR_UNSUPPORTED;  // x past 64 GB
   if (d->dtype != CAPMOE_DTYPE_BF16 && d->dtype != CAPMOE_DTYPE_F16) return CAPMOE_ERR_UNSUPPORTED;
   if (d->ffn % CAPMOE_FUSED_FC1_TILE_N != 0) return CAPMOE_ERR_UNSUPPORTED;
   // The kernel indexes tiles with int32.

@@ -24,4 +24,10 @@ __host__ __device__ constexpr uint32_t fc1_smem_offset(int r, int c) {
 __host__ __device__ constexpr int gather_chunk(int thread) { return thread % 8; }
 __host__ __device__ constexpr int gather_row(int thread, int i) { return (thread / 32) * 4 + (thread % 32) / 8 + 16 * i; }
 
+// Whether GatherRows can address every 16-byte chunk of a [max_tokens, hidden] source of 16-bit
+// elements in 32 bits (64 GB of source).
+__host__ __device__ constexpr bool gather_source_fits(int64_t max_tokens, int64_t hidden) {
+  return max_tokens >= 0 && hidden >= 0 && max_tokens * (hidden / 8) <= int64_t(UINT32_MAX);
+}
+
 }  // namespace capmoe::fused

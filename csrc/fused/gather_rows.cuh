@@ -31,13 +31,19 @@ struct GatherRows {
   static constexpr int kThreads = 128;
   static constexpr int kRowStep = kThreads / 8;             // between one thread's rows
   static constexpr int kRowsPerThread = kTileM / kRowStep;  // 8 for a 128-row tile
-  static constexpr int kPastTile = -2;                      // token of a row past the tile's rows
   static_assert(kTileM % kRowStep == 0, "whole passes of 16 rows");
+  static_assert(kRowsPerThread <= 32, "one bit a row");
 
   int first_row, chunk;
-  // Per row of this thread: a source row (>= 0), -1 (an invalid token: zero-filled), or
-  // kPastTile (not copied; its accumulators are never stored).
-  int token[kRowsPerThread];
+  // Per row of this thread, set once per tile so that a K block costs an add and a copy per
+  // row (2026-11-28, H200: recomputing token * hidden + col and its predicates for every K
+  // block made the producer issue ~130 dependent instructions a stage, ~750 of a stage's ~1000
+  // cycles, and the consumers waited on it): the source's 16-byte chunk holding the row's K
+  // block 0 chunk, token * hidden / 8 + chunk (16-byte units: 32 bits address 64 GB of source,
+  // which gather_source_fits checks at plan time); 0 where the row is not read.
+  uint32_t source_chunk[kRowsPerThread];
+  uint32_t in_tile = 0;  // bit i: row(i) is a row of the tile (copied: data or zeros)
+  uint32_t valid = 0;    // bit i: row(i)'s token is in [0, max_tokens) (its bytes are read)
 
   __device__ __forceinline__ explicit GatherRows(int producer_thread)
       : first_row(gather_row(producer_thread, 0)), chunk(gather_chunk(producer_thread)) {}
@@ -46,13 +52,20 @@ struct GatherRows {
   static_assert(gather_row(0, 1) == kRowStep, "fc1_layout.h's gather_row steps by kRowStep");
 
   // The tokens of a tile's rows: token_of_row[r] for r < rows, any value outside
-  // [0, max_tokens) making a zero row.
-  __device__ __forceinline__ void set_tile(const int32_t* token_of_row, int rows, int max_tokens) {
+  // [0, max_tokens) making a zero row. Rows past `rows` are not copied (their accumulators are
+  // never stored).
+  __device__ __forceinline__ void set_tile(const int32_t* token_of_row, int rows, int max_tokens, int hidden) {
+    in_tile = 0;
+    valid = 0;
+    const uint32_t chunks_per_row = uint32_t(hidden) / 8;
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
       const int r = row(i);
-      const int t = r < rows ? __ldg(token_of_row + r) : 0;
-      token[i] = r >= rows ? kPastTile : (t >= 0 && t < max_tokens ? t : -1);
+      const int t = r < rows ? __ldg(token_of_row + r) : -1;
+      const bool readable = t >= 0 && t < max_tokens;
+      in_tile |= uint32_t(r < rows) << i;
+      valid |= uint32_t(readable) << i;
+      source_chunk[i] = readable ? uint32_t(t) * chunks_per_row + uint32_t(chunk) : 0u;
     }
   }
 
@@ -63,14 +76,16 @@ struct GatherRows {
   __device__ __forceinline__ void copy(const T* src, int hidden, int k0, uint8_t* stage_a) const {
     using Copy16 = cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>;
     static_assert(8 * 16 == 64 * sizeof(T), "8 chunks of 16 bytes are one 64-element K block");
-    const int col = k0 + chunk * 8;
+    const auto* source = reinterpret_cast<const cute::uint128_t*>(src);
+    const uint32_t k_chunks = uint32_t(k0) / 8;
+    const bool in_row = k0 + chunk * 8 < hidden;
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
-      if (token[i] == kPastTile) continue;
-      const bool load = token[i] >= 0 && col < hidden;
-      const T* from = src + (load ? int64_t(token[i]) * hidden + col : 0);
-      Copy16::copy(*reinterpret_cast<const cute::uint128_t*>(from),
-                   *reinterpret_cast<cute::uint128_t*>(stage_a + fc1_smem_offset(row(i), chunk)), load);
+      if (!((in_tile >> i) & 1u)) continue;
+      const bool load = in_row && ((valid >> i) & 1u);
+      // A zero-filled chunk reads nothing; its address is the source's first chunk.
+      const cute::uint128_t* from = source + (load ? source_chunk[i] + k_chunks : 0u);
+      Copy16::copy(*from, *reinterpret_cast<cute::uint128_t*>(stage_a + fc1_smem_offset(row(i), chunk)), load);
     }
   }
 };
@@ -82,7 +97,9 @@ struct GatherRows {
 // load_b(stage, tile, k0); every thread copies its chunks of the tile's gathered A rows
 // (src [max_tokens, hidden] of T through token_of_row) and arrives when they land. The full
 // barriers therefore take 1 + 128 arrivals (the stop stage too). locate(tile) maps a linear tile
-// index to its Tile. The scalars come by reference to the kernel's parameters, so they are read
+// index to its Tile. The next tile is claimed kClaimLead K blocks before the current one's last
+// (tile_source.cuh's claim / hand_over), so the schedule's atomic is in flight while stages
+// are still being filled. The scalars come by reference to the kernel's parameters, so they are read
 // from parameter space where needed instead of held in the producer's few registers (it runs
 // under setmaxnreg).
 template <int kTileM, int kTileK, int kStages, class T, class Tiles, class Locate, class LoadB>
@@ -92,14 +109,20 @@ __device__ __forceinline__ void produce_gathered_a(const void* const& src, const
                                                    Tiles tiles, Locate locate, LoadB load_b) {
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   const int k_blocks = (hidden + kTileK - 1) / kTileK;
+  // The next tile is claimed this many K blocks before the current one's last is loaded.
+  constexpr int kClaimLead = 4;
+  const int claim_kb = k_blocks > kClaimLead ? k_blocks - kClaimLead : 0;
   GatherRows<kTileM> gather(threadIdx.x);
   StageRing<kStages> ring;
+  int claimed = 0;
+  tiles.claim(claimed);
   for (;;) {
-    const int tile = tiles.take();
+    const int tile = tiles.hand_over(claimed);
     if (tile >= total_tiles) break;
     const Tile t = locate(tile);
-    gather.set_tile(token_of_row + t.row0, t.rows, max_tokens);
+    gather.set_tile(token_of_row + t.row0, t.rows, max_tokens, hidden);
     for (int kb = 0; kb < k_blocks; ++kb) {
+      if (kb == claim_kb) tiles.claim(claimed);
       wait_barrier(&empty[ring.stage], ring.phase ^ 1, "gathering producer, empty");
       const int stage = ring.stage;
       const int k0 = kb * kTileK;

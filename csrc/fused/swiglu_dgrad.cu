@@ -11,6 +11,7 @@
 #include "common/alignment.h"
 #include "common/boundary.cuh"
 #include "fused/entry.h"
+#include "fused/fc1_layout.h"
 #include "fused/swiglu_dgrad_launch.h"
 #include "fused/tile_list.cuh"
 #include "fused/tile_schedule.cuh"
@@ -97,6 +98,8 @@ using namespace capmoe::fused;
 extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad_supported(const capmoe_fused_swiglu_dgrad_desc_t* desc) {
   return capmoe::guarded([&]() -> capmoe_status_t {
     CAPMOE_TRY(check_desc(desc));
+    // The gathered form's dy past 64 GB (a drows-only caller may leave max_tokens 0).
+    if (desc->max_tokens > 0 && !gather_source_fits(desc->max_tokens, desc->hidden)) return CAPMOE_ERR_UNSUPPORTED;
     DgradKernel kernel{};
     CAPMOE_TRY(check_device(&kernel));
 #if CAPMOE_FUSED_HAS_KERNEL
@@ -152,6 +155,7 @@ extern "C" capmoe_status_t capmoe_fused_swiglu_dgrad_gathered(const capmoe_fused
     const capmoe_fused_swiglu_dgrad_desc_t& d = *desc;
     // Tokens are compared with max_tokens in int32 on the device.
     if (d.max_tokens < 0 || d.max_tokens > INT32_MAX) return CAPMOE_ERR_INVALID_ARGUMENT;
+    if (!gather_source_fits(d.max_tokens, d.hidden)) return CAPMOE_ERR_UNSUPPORTED;  // dy past 64 GB
     if (offsets == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
     CAPMOE_TRY(capmoe::check_aligned(8, {offsets}));
     if (d.capacity == 0) return CAPMOE_OK;  // no row can be written

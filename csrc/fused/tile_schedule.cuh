@@ -1,6 +1,7 @@
 // The dynamic tile order of the persistent sm_90a fused fc1 and fc2 dgrad (through
 // tile_source.cuh's CountedTiles): each CTA's producer takes
-// its next linear tile (tile_list.cuh's numbering) from a device counter when it starts on it,
+// its next linear tile (tile_list.cuh's numbering) from a device counter shortly before it
+// starts on it (the gathered producers claim it a few K blocks ahead, tile_source.cuh),
 // and tells its consumers which tile a stage begins through shared memory.
 //
 // Why not the static stride (CTA b runs tiles b, b + grid, ...): the M tiles that share one

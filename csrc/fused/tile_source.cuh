@@ -29,6 +29,9 @@ struct StridedTiles {
     next_tile += gridDim.x;
     return tile;
   }
+  // claim + hand_over (CountedTiles' early take) is take() here.
+  __device__ __forceinline__ void claim(int& claimed) { claimed = take(); }
+  __device__ __forceinline__ int hand_over(int claimed) const { return claimed; }
   __device__ __forceinline__ void publish(int, int32_t) const {}
   // No stop stage: returns false.
   template <int kStages>
@@ -48,13 +51,26 @@ struct CountedTiles {
   int32_t* handoff;     // shared word; unused with one fetcher
 
   __device__ __forceinline__ int take() const {
+    int claimed = 0;
+    claim(claimed);
+    return hand_over(claimed);
+  }
+
+  // take() in two steps, so that a producer can fetch its next tile while it still loads the
+  // current one and the counter's round trip (an L2 atomic, ~1-2 us at the traffic of these
+  // kernels) is off its critical path: claim() sends the fetch (thread 0 of the warpgroup
+  // holds the answer), hand_over() gives it to every fetcher when it is needed.
+  __device__ __forceinline__ void claim(int& claimed) const {
+    if (kFetchers == 1 || threadIdx.x == 0) claimed = schedule.take();
+  }
+  __device__ __forceinline__ int hand_over(int claimed) const {
     if constexpr (kFetchers == 1) {
-      return schedule.take();
+      return claimed;
     } else {
-      if (threadIdx.x == 0) *handoff = schedule.take();
+      if (threadIdx.x == 0) *handoff = claimed;
       asm volatile("bar.sync 1, 128;" ::: "memory");
       const int tile = *reinterpret_cast<volatile int32_t*>(handoff);
-      asm volatile("bar.sync 1, 128;" ::: "memory");  // read by all before thread 0 takes the next one
+      asm volatile("bar.sync 1, 128;" ::: "memory");  // read by all before thread 0 hands over the next one
       return tile;
     }
   }

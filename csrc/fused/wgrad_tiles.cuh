@@ -66,32 +66,65 @@ __device__ __forceinline__ bool skipped(const WgradGatherParams& p, const WgradT
   return p.accumulate && t.row_end == t.row_begin;
 }
 
+// The tokens of a gathered operand's K block: lanes 0-15 of each producer warp hold those of
+// the 16 rows that warp copies (row_of_lane), loaded one block ahead (produce_wgrad_stages), and
+// the copies take them by shuffle. Each copy used to load its own row's token first: a
+// dependent L2 round trip every few rows, so the producer took several round trips per stage
+// and the tensor cores waited (2026-11-28, H200: the gathered wgrad 4x CUTLASS's time at DRAM
+// 14 %, issue slots 14 %).
+template <int kRowsMN>
+struct BlockTokens {
+  static constexpr int kChunksPerRow = kRowsMN / 8;
+  static constexpr int kRowsPerPass = kWgradProducerThreads / kChunksPerRow;
+  static constexpr int kWarpRowsPerPass = 32 / kChunksPerRow;
+  static_assert(32 % kChunksPerRow == 0, "a warp copies whole rows");
+  static_assert(kWarpRowsPerPass * (kWgradTileK / kRowsPerPass) == 16, "a warp copies 16 rows of a K block");
+
+  // The K block row (0..63) whose token lane `lane` (< 16) of this thread's warp holds.
+  __device__ __forceinline__ static int row_of_lane(int lane) {
+    return (threadIdx.x / 32) * kWarpRowsPerPass + lane % kWarpRowsPerPass + kRowsPerPass * (lane / kWarpRowsPerPass);
+  }
+  // The lane holding the token of this thread's row in copy pass `pass` (copy_wgrad_block's k).
+  __device__ __forceinline__ static int lane_of(int pass) {
+    return (threadIdx.x % 32) / kChunksPerRow + kWarpRowsPerPass * pass;
+  }
+  // This lane's token of the K block at `row` (the expert's rows end at row_end): -1 past
+  // row_end, on lanes 16-31 and for a plain operand.
+  __device__ __forceinline__ static int fetch(bool gathered, const int32_t* token_of_row, int row, int row_end) {
+    const int lane = threadIdx.x % 32;
+    if (!gathered || lane >= 16) return -1;
+    const int r = row + row_of_lane(lane);
+    return r < row_end ? __ldg(token_of_row + r) : -1;
+  }
+};
+
 // One operand's K block: kRowsMN values (a tile's m or n extent) of each of 64 rows, copied by
 // the 128 producer threads (threadIdx.x < 128), consecutive threads on consecutive 16-byte
 // chunks of a row, so a warp's copy instruction reads whole rows (two 256-byte A rows, one
-// 512-byte B row). Zero-filled: rows past row_end, rows whose token is invalid, columns past
-// `cols`. Zero-filling BOTH operands matters: a row past offsets[E] may hold NaN, and
-// 0 * NaN is NaN.
+// 512-byte B row). A gathered operand's source rows come from `lane_token`
+// (BlockTokens<kRowsMN>::fetch of this block). Zero-filled: rows past row_end, rows whose token
+// is invalid, columns past `cols`. Zero-filling BOTH operands matters: a row past offsets[E]
+// may hold NaN, and 0 * NaN is NaN.
 template <class T, int kRowsMN>
 __device__ __forceinline__ void copy_wgrad_block(const T* src, int ld, int cols, bool gathered, int src_rows,
-                                                 const int32_t* token_of_row, int row, int row_end, int mn0,
-                                                 uint8_t* stage) {
+                                                 int lane_token, int row, int row_end, int mn0, uint8_t* stage) {
   using Copy16 = cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>;
-  constexpr int kChunksPerRow = kRowsMN / 8;
-  constexpr int kRowsPerPass = kWgradProducerThreads / kChunksPerRow;
+  using Tokens = BlockTokens<kRowsMN>;
+  constexpr int kChunksPerRow = Tokens::kChunksPerRow;
+  constexpr int kRowsPerPass = Tokens::kRowsPerPass;
   const int c = threadIdx.x % kChunksPerRow;
   const int col = mn0 + c * 8;
   const bool col_inside = col < cols;  // M and N are multiples of 8: a chunk is all in or all out
-  // NOTE: unrolled by 4, not fully: the sm_90a producer runs under setmaxnreg 40, and 16 row
-  // lookups hoisted at once spill.
+  // NOTE: unrolled by 4, not fully: the sm_90a producer runs under setmaxnreg 40.
 #pragma unroll 4
   for (int pass = 0; pass < kWgradTileK / kRowsPerPass; ++pass) {
     const int k = threadIdx.x / kChunksPerRow + pass * kRowsPerPass;
-    const int r = row + k;
-    int src_row = -1;
-    if (r < row_end) {
-      src_row = gathered ? __ldg(token_of_row + r) : r;
+    int src_row;
+    if (gathered) {
+      src_row = __shfl_sync(0xffffffffu, lane_token, Tokens::lane_of(pass));
       if (src_row >= src_rows) src_row = -1;  // a negative token stays negative
+    } else {
+      src_row = row + k < row_end ? row + k : -1;
     }
     const bool inside = col_inside && src_row >= 0;
     // A zero-size copy reads nothing; its address only has to be formed.
@@ -101,11 +134,34 @@ __device__ __forceinline__ void copy_wgrad_block(const T* src, int ld, int cols,
   }
 }
 
-// The producer's loop, run by the 128 producer threads: per tile of this CTA and K block, wait
-// for a free stage, copy both operands' blocks, and arrive on the stage's full barrier when the
-// copies land (cp.async.mbarrier.arrive.noinc: the full barriers take 128 arrivals). Tiles
-// skipped in accumulate mode load nothing. Returns the stage fills it made (the sm_100a
-// producer's tail needs them; drain_stage_ring).
+// A K block the producer loads: rows [row, row + 64) of tile `tile` (clipped at row_end), or
+// tile == total_tiles after the CTA's last.
+struct WgradBlock {
+  int tile, row, row_end, m0, n0;
+};
+
+// The first block of this CTA's first tile at or after `tile` that has rows (tiles without
+// rows load nothing: plain output writes their zeros, accumulate skips them).
+__device__ __forceinline__ WgradBlock first_wgrad_block(const WgradGatherParams& p, int tile, int total_tiles) {
+  for (; tile < total_tiles; tile += gridDim.x) {
+    const WgradTile t = locate(p, tile);
+    if (t.row_end > t.row_begin) return WgradBlock{tile, t.row_begin, t.row_end, t.m0, t.n0};
+  }
+  return WgradBlock{total_tiles, 0, 0, 0, 0};
+}
+
+__device__ __forceinline__ WgradBlock next_wgrad_block(const WgradGatherParams& p, const WgradBlock& b,
+                                                       int total_tiles) {
+  if (b.row + kWgradTileK < b.row_end) return WgradBlock{b.tile, b.row + kWgradTileK, b.row_end, b.m0, b.n0};
+  return first_wgrad_block(p, b.tile + gridDim.x, total_tiles);
+}
+
+// The producer's loop, run by the 128 producer threads over this CTA's K blocks (tiles strided
+// over the grid, each tile's blocks in order): wait for a free stage, copy both operands'
+// blocks, arrive on the stage's full barrier when the copies land
+// (cp.async.mbarrier.arrive.noinc: the full barriers take 128 arrivals), then find the next
+// block and send for its tokens, which land while this thread waits for the next free stage.
+// Returns the stage fills it made (the sm_100a producer's tail needs them; drain_stage_ring).
 template <class T, int kStages>
 __device__ __forceinline__ int64_t produce_wgrad_stages(const WgradGatherParams& p, uint8_t* a_stages,
                                                         uint8_t* b_stages, uint64_t* full, uint64_t* empty,
@@ -113,26 +169,30 @@ __device__ __forceinline__ int64_t produce_wgrad_stages(const WgradGatherParams&
   constexpr int kStageBytesA = kWgradTileM * kWgradTileK * 2;
   constexpr int kStageBytesB = kWgradTileN * kWgradTileK * 2;
   static_assert(sizeof(T) == 2, "16-bit operands: one 128-byte line holds 64 values");
+  using TokensA = BlockTokens<kWgradTileM>;
+  using TokensB = BlockTokens<kWgradTileN>;
   const T* a = static_cast<const T*>(p.a);
   const T* b = static_cast<const T*>(p.b);
   const int a_rows = p.a_gathered ? p.max_tokens : p.capacity;
   const int b_rows = p.b_gathered ? p.max_tokens : p.capacity;
   StageRing<kStages> ring;
   int64_t fills = 0;
-  for (int tile = blockIdx.x; tile < total_tiles; tile += gridDim.x) {
-    const WgradTile t = locate(p, tile);
-    if (skipped(p, t)) continue;
-    for (int row = t.row_begin; row < t.row_end; row += kWgradTileK) {
-      wait_barrier(&empty[ring.stage], ring.phase ^ 1, "wgrad producer, empty");
-      const int stage = ring.stage;
-      copy_wgrad_block<T, kWgradTileM>(a, p.m, p.m, p.a_gathered, a_rows, p.token_of_row, row, t.row_end, t.m0,
-                                       a_stages + stage * kStageBytesA);
-      copy_wgrad_block<T, kWgradTileN>(b, p.n, p.n, p.b_gathered, b_rows, p.token_of_row, row, t.row_end, t.n0,
-                                       b_stages + stage * kStageBytesB);
-      cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
-      ring.advance();
-      ++fills;
-    }
+  WgradBlock block = first_wgrad_block(p, blockIdx.x, total_tiles);
+  int a_token = TokensA::fetch(p.a_gathered, p.token_of_row, block.row, block.row_end);
+  int b_token = TokensB::fetch(p.b_gathered, p.token_of_row, block.row, block.row_end);
+  while (block.tile < total_tiles) {
+    wait_barrier(&empty[ring.stage], ring.phase ^ 1, "wgrad producer, empty");
+    const int stage = ring.stage;
+    copy_wgrad_block<T, kWgradTileM>(a, p.m, p.m, p.a_gathered, a_rows, a_token, block.row, block.row_end, block.m0,
+                                     a_stages + stage * kStageBytesA);
+    copy_wgrad_block<T, kWgradTileN>(b, p.n, p.n, p.b_gathered, b_rows, b_token, block.row, block.row_end, block.n0,
+                                     b_stages + stage * kStageBytesB);
+    cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
+    ring.advance();
+    ++fills;
+    block = next_wgrad_block(p, block, total_tiles);
+    a_token = TokensA::fetch(p.a_gathered, p.token_of_row, block.row, block.row_end);
+    b_token = TokensB::fetch(p.b_gathered, p.token_of_row, block.row, block.row_end);
   }
   cute::cp_async_wait<0>();  // no thread exits with copies in flight
   return fills;

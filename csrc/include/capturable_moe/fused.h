@@ -63,7 +63,7 @@ typedef struct capmoe_fused_fc1_desc {
   int64_t num_experts; /* E, 1 ..= CAPMOE_FUSED_MAX_EXPERTS */
   int64_t hidden;      /* H, a positive multiple of 8 */
   int64_t ffn;         /* F, a positive multiple of CAPMOE_FUSED_FC1_TILE_N */
-  int64_t max_tokens;  /* T_max, rows of x, < 2^31 */
+  int64_t max_tokens;  /* T_max, rows of x, < 2^31; x of at most 64 GB (T_max * H / 8 < 2^32) */
   int64_t capacity;    /* rows of act / h, 0 ..= 2^31 - 1 */
   int32_t sm_count;    /* SMs of the device (the persistent grid), >= 1 */
   capmoe_dtype_t dtype; /* BF16 or F16 */
@@ -137,7 +137,8 @@ typedef struct capmoe_fused_swiglu_dgrad_desc {
 
 /* CAPMOE_OK when the fused fc2 dgrad + SwiGLU backward exists for this descriptor on the
  * current device, in both forms; otherwise the status the launch would return. max_tokens is
- * not read (the gathered launch checks it). No CUDA work beyond device attribute queries. */
+ * read only when positive: a dy past 64 GB (T_max * H / 8 >= 2^32) is CAPMOE_ERR_UNSUPPORTED
+ * (the gathered launch checks the rest). No CUDA work beyond device attribute queries. */
 capmoe_status_t capmoe_fused_swiglu_dgrad_supported(const capmoe_fused_swiglu_dgrad_desc_t* desc);
 
 /* Device words a fused fc2 dgrad launch (either form) uses for its tile schedule. */
@@ -181,7 +182,7 @@ capmoe_status_t capmoe_fused_swiglu_dgrad(const capmoe_fused_swiglu_dgrad_desc_t
  * dy rows are read only through token_of_row.
  *
  * Limits as capmoe_fused_swiglu_dgrad; desc.max_tokens outside [0, 2^31) is
- * CAPMOE_ERR_INVALID_ARGUMENT. capacity 0: OK, nothing launched (only offsets is checked).
+ * CAPMOE_ERR_INVALID_ARGUMENT, a dy past 64 GB CAPMOE_ERR_UNSUPPORTED. capacity 0: OK, nothing launched (only offsets is checked).
  * schedule (required) as capmoe_fused_swiglu_dgrad's.
  * Alignment: dy, w2, h, dh 16-byte aligned; offsets 8; token_of_row, prob_of_row,
  * dprob_partials, schedule 4 (else MISALIGNED). Capturable, as above (only w2's TMA descriptor is
