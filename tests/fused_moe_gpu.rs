@@ -19,7 +19,7 @@ mod common;
 
 use std::sync::Arc;
 
-use capturable_moe::device::Arch;
+use capturable_moe::device::{Arch, DeviceInfo};
 use capturable_moe::dtype::DType;
 use capturable_moe::graph::capture;
 use capturable_moe::moe::{FusedKernel, MoeConfig, MoeExperts, MoeOptions, WeightForm};
@@ -192,10 +192,20 @@ fn fused_moe_forward_only_y_equals_unfused_and_backward_is_refused() {
 #[test]
 fn fused_moe_plan_choices() {
     let stream = gpu_of_arch_or_skip!("the fused fc1", Arch::Sm90, Arch::Sm100);
-    // Auto stays on the unfused path until the fused kernel's GPU suite has passed (FusedKernel);
-    // a forced Fused plan takes it on the H100 (sm_90a) for tensor weights and F % 128 == 0.
+    // Auto takes the fused fc1 in forward-only plans on a 9.0 device (FusedKernel::Auto says
+    // why not in training), never on 10.0 (the sm_100a kernel has not run); a forced Fused plan
+    // takes it on either for tensor weights and F % 128 == 0.
+    let arch = DeviceInfo::of_stream(&stream).unwrap().arch;
     let auto = MoeExperts::<bf16>::new(config(None), &stream).unwrap();
-    assert!(!auto.fc1_is_fused(), "Auto must keep the unfused fc1 for now");
+    assert!(!auto.fc1_is_fused(), "Auto keeps the unfused fc1 in training");
+    let inference = MoeOptions { forward_only: true, ..MoeOptions::default() };
+    let auto = MoeExperts::<bf16>::with_options(config(None), inference, &stream).unwrap();
+    assert_eq!(auto.fc1_is_fused(), arch == Arch::Sm90, "Auto's forward-only fc1 on {arch:?}");
+    // A shape the kernel does not take (F not a multiple of 128): Auto falls back, no error.
+    let odd_ffn = MoeConfig { ffn: 120, ..config(None) };
+    assert!(!MoeExperts::<bf16>::with_options(odd_ffn, inference, &stream).unwrap().fc1_is_fused());
+    let ptrs = MoeOptions { weights: WeightForm::Pointers, ..inference };
+    assert!(!MoeExperts::<bf16>::with_options(config(None), ptrs, &stream).unwrap().fc1_is_fused());
     let fused = MoeOptions { fc1: FusedKernel::Fused, ..MoeOptions::default() };
     assert!(MoeExperts::<bf16>::with_options(config(None), fused, &stream).unwrap().fc1_is_fused());
     // Pointer weights: Auto falls back, a forced Fused is an error.
@@ -360,9 +370,9 @@ fn fused_moe_swiglu_dgrad_graph_replays_equal_eager() {
 #[test]
 fn fused_moe_swiglu_dgrad_plan_choices() {
     let stream = gpu_of_arch_or_skip!("the fused fc1 and fc2 dgrad", Arch::Sm90, Arch::Sm100);
-    // Auto stays on the unfused path until the fused kernels' GPU suites have passed.
+    // Auto keeps the unfused fc2 dgrad + SwiGLU backward (the fused one measured slower).
     let auto = MoeExperts::<bf16>::new(config(None), &stream).unwrap();
-    assert!(!auto.swiglu_dgrad_is_fused(), "Auto must keep the unfused backward for now");
+    assert!(!auto.swiglu_dgrad_is_fused(), "Auto must keep the unfused backward");
     // Pointer weights: a forced Fused is an error; forward-only plans plan no backward.
     let forced =
         MoeOptions { weights: WeightForm::Pointers, swiglu_dgrad: FusedKernel::Fused, ..MoeOptions::default() };
@@ -566,7 +576,7 @@ fn fused_moe_every_fused_kernel_graph_replays_equal_eager() {
 #[test]
 fn fused_moe_gathered_fc1_wgrad_plan_choices() {
     let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
-    // Auto keeps the grouped GEMM's WGRAD until the gathered kernel's GPU suite has passed.
+    // Auto keeps the grouped GEMM's WGRAD (the gathered one measured slower).
     assert!(!MoeExperts::<bf16>::new(config(None), &stream).unwrap().fc1_wgrad_is_gathered());
     // Pointer weights (dW1 a pointer table): a forced gather is an error before anything runs.
     let forced = MoeOptions { weights: WeightForm::Pointers, fc1_wgrad: FusedKernel::Fused, ..MoeOptions::default() };
@@ -682,7 +692,7 @@ fn fused_moe_prob_in_fc1_plan_choices() {
     let base = MoeOptions { prob_in_fc1: FusedKernel::Fused, ..MoeOptions::default() };
     // Without the fused fc1 (its epilogue applies it), or in training without the fused fc2
     // dgrad (it gathers dy), a forced Fused is an error before anything runs.
-    let no_fc1 = MoeOptions { swiglu_dgrad: FusedKernel::Fused, ..base };
+    let no_fc1 = MoeOptions { fc1: FusedKernel::Unfused, swiglu_dgrad: FusedKernel::Fused, ..base };
     let r = MoeExperts::<bf16>::with_options(config(None), no_fc1, &stream);
     assert!(matches!(r, Err(Error::InvalidArgument { .. })), "no fused fc1: {:?}", r.err());
     let no_dgrad = MoeOptions { fc1: FusedKernel::Fused, ..base };

@@ -10,7 +10,7 @@
 //!                [--quick]      (10 reps and uniform routing, where --reps / --routing are not given)
 //!                [--only gemm,graphs,ep,echo,paths]  (these row families alone; default all)
 //!                [--no-paths]   (the GEMM rows alone: no graph, EP, Echo or expert-path rows)
-//!                [--no-fused]   (expert-path rows without the fused variants)
+//!                [--no-fused]   (expert-path rows of the default plan alone: no unfused or forced fused variants)
 //!                [--configs sm90-coop,sm90-pingpong-wide,...]  (also time these kernel configs)
 //!                [--weight-layout enk|ekn]  (weights [E, N, K], the default, or [E, K, N])
 //!                [--sweep]  (a config sweep: graph rows, dense cuBLAS, floor and roofline only;
@@ -56,7 +56,7 @@ struct Args {
     pub out: String,
     /// Every family but the GEMM rows too (`--no-paths` clears it).
     pub paths: bool,
-    /// The expert path's fused variants (`--no-fused` clears it).
+    /// The expert path's variants beside the default plan (`--no-fused` clears it).
     pub fused: bool,
     /// Explicit kernel configurations timed beside `Auto` (`--configs`).
     pub configs: Vec<GemmConfig>,

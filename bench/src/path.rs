@@ -113,20 +113,31 @@ pub fn topk_routing(e: usize, t: usize, k: usize, seed: u64) -> (Vec<i32>, Vec<f
     (ids, probs)
 }
 
-/// The expert-path plans timed on every shape: the unfused path, the fused kernels with the
+/// The expert-path plans timed on every shape: the crate's default (`MoeOptions::default()`,
+/// every choice `Auto`: what `MoeExperts` picks) and the unfused path, each also as a
+/// forward-only plan (`*-inference-graph`: an `expert_fwd` row alone), the fused kernels with the
 /// probability applied in the combine, and every fused kernel with the probability in fc1's
 /// epilogue (no drows, dy gathered by the fc2 dgrad). A plan the fused kernels do not cover
 /// becomes an "unavailable" row.
-fn variants() -> [(&'static str, MoeOptions); 3] {
+fn variants() -> [(&'static str, MoeOptions); 6] {
     let every = |kernel: FusedKernel| MoeOptions {
         fc1: kernel,
         swiglu_dgrad: kernel,
         fc1_wgrad: kernel,
+        prob_in_fc1: FusedKernel::Unfused,
         ..MoeOptions::default()
     };
     let (fused, unfused) = (every(FusedKernel::Fused), every(FusedKernel::Unfused));
     let prob_in_fc1 = MoeOptions { prob_in_fc1: FusedKernel::Fused, ..fused };
-    [("capmoe-graph", unfused), ("capmoe-fused-graph", fused), ("capmoe-fused-prob-in-fc1-graph", prob_in_fc1)]
+    let inference = |options: MoeOptions| MoeOptions { forward_only: true, ..options };
+    [
+        ("capmoe-graph", MoeOptions::default()),
+        ("capmoe-inference-graph", inference(MoeOptions::default())),
+        ("capmoe-unfused-graph", unfused),
+        ("capmoe-unfused-inference-graph", inference(unfused)),
+        ("capmoe-fused-graph", fused),
+        ("capmoe-fused-prob-in-fc1-graph", prob_in_fc1),
+    ]
 }
 
 /// Every expert-path shape: the anchors' ([`PATHS`]) and the published ones ([`PUBLISHED`]).
@@ -135,18 +146,18 @@ fn all_path_shapes() -> impl Iterator<Item = PathShape> {
 }
 
 /// Every expert-path shape and variant, a runner unit each (`paths/<shape>/<variant>`): first
-/// the unfused variant of every shape, with its grouped GEMMs alone, routing stages and
-/// published figures; then, when `fused`, the fused variants, whose kernels are the likeliest
-/// to fault or hang: that loses no unfused row.
+/// the default plan of every shape, with its grouped GEMMs alone, routing stages and published
+/// figures; then, when `fused`, the unfused path and the forced fused variants (whose kernels
+/// are the likeliest to fault or hang: that loses no default row).
 pub fn expert_rows(runner: &mut Runner, stream: &Arc<CudaStream>, reps: usize, fused: bool) {
-    let [unfused, fused_variants @ ..] = variants();
+    let [default, other_variants @ ..] = variants();
     // (forward, backward) GEMMs-alone times of each shape, for the fused rows' notes.
     let mut gemm_us: Vec<(PathShape, (f64, f64))> = Vec::new();
     for shape in all_path_shapes() {
         let name = shape_name(shape);
-        eprintln!("[expert path] {name} {}", unfused.0);
-        runner.run(&format!("paths/{name}/{}", unfused.0), |rows| {
-            variant_rows(stream, reps, shape, unfused, rows);
+        eprintln!("[expert path] {name} {}", default.0);
+        runner.run(&format!("paths/{name}/{}", default.0), |rows| {
+            variant_rows(stream, reps, shape, default, rows);
             let measured = rows.len();
             match gemms_and_stages(stream, reps, &name, shape, rows) {
                 Ok(us) => {
@@ -160,7 +171,7 @@ pub fn expert_rows(runner: &mut Runner, stream: &Arc<CudaStream>, reps: usize, f
     }
     for shape in all_path_shapes().filter(|_| fused) {
         let name = shape_name(shape);
-        for variant in fused_variants {
+        for variant in other_variants {
             eprintln!("[expert path] {name} {}", variant.0);
             runner.run(&format!("paths/{name}/{}", variant.0), |rows| {
                 variant_rows(stream, reps, shape, variant, rows);
@@ -322,6 +333,12 @@ fn timed_expert_case(
 
     moe.forward(stream, &x, &ids, &probs, tok, &w1, &w2, &mut y)?;
     let fwd = capture(stream, || moe.forward(stream, &x, &ids, &probs, tok, &w1, &w2, &mut y))?;
+    let kernels = plan_kernels(&moe);
+    if options.forward_only {
+        let (fwd_us, _) = time(stream, reps, |_| fwd.launch().unwrap());
+        let note = format!("{kernels}; forward graph of a forward-only plan");
+        return Ok(vec![row(name, "expert_fwd", imp, fwd_us, op_flops(shape, "expert_fwd"), None, Some(note))]);
+    }
     stage.set("expert_bwd");
     let bwd = capture(stream, || {
         moe.backward(stream, &x, &dy, &probs, tok, &w1, &w2, &mut dx, &mut dprobs, &mut dw1, &mut dw2)
@@ -348,14 +365,6 @@ fn timed_expert_case(
         stream.synchronize()?;
     }
     let replay_host = median(&mut host);
-    let fused_or_not = |fused: bool| if fused { "fused" } else { "unfused" };
-    let kernels = format!(
-        "fc1 {}, fc2 dgrad + SwiGLU backward {}, fc1 wgrad {}, probability in {}",
-        fused_or_not(moe.fc1_is_fused()),
-        fused_or_not(moe.swiglu_dgrad_is_fused()),
-        if moe.fc1_wgrad_is_gathered() { "gathered" } else { "over permuted rows" },
-        if moe.prob_is_in_fc1() { "fc1's epilogue (dy gathered)" } else { "the combine" }
-    );
     let timed = |op: &str, us: f64, host_us: Option<f64>, note: String| {
         row(name, op, imp, us, op_flops(shape, op), host_us, Some(format!("{kernels}; {note}")))
     };
@@ -369,6 +378,18 @@ fn timed_expert_case(
             format!("host time of one replay {replay_host:.1} us (launch only)"),
         ),
     ])
+}
+
+/// Which kernels a plan runs, for the rows' notes.
+fn plan_kernels(moe: &MoeExperts<bf16>) -> String {
+    let fused_or_not = |fused: bool| if fused { "fused" } else { "unfused" };
+    format!(
+        "fc1 {}, fc2 dgrad + SwiGLU backward {}, fc1 wgrad {}, probability in {}",
+        fused_or_not(moe.fc1_is_fused()),
+        fused_or_not(moe.swiglu_dgrad_is_fused()),
+        if moe.fc1_wgrad_is_gathered() { "gathered" } else { "over permuted rows" },
+        if moe.prob_is_in_fc1() { "fc1's epilogue (dy gathered)" } else { "the combine" }
+    )
 }
 
 /// The grouped GEMMs alone (on the routing of the shape's inputs, as graphs) and the

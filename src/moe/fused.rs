@@ -30,6 +30,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
 use super::{MoeConfig, MoeOptions, WeightForm};
+use crate::device::{Arch, DeviceInfo};
 use crate::fused::{FusedFc1, FusedSwigluDgrad, GatherWgrad, GatherWgradConfig, WgradOutput};
 use crate::grouped_gemm::GemmOperand;
 use crate::routing::{self, RouteMaps, RoutingPlan};
@@ -38,13 +39,18 @@ use crate::{Error, Result};
 /// Whether a step of the expert path runs its fused kernel.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum FusedKernel {
-    /// The unfused path for now. NOTE: the fused kernels have not run on a GPU yet (no device
-    /// was available when they were written); once `tests/fused_gpu.rs`,
-    /// `tests/fused_dgrad_gpu.rs` and `tests/fused_moe_gpu.rs` pass on an H100, Auto takes a
-    /// fused kernel where it applies (sm_90a device and build, or sm_100a once a B200 has run
-    /// those kernels too, [`WeightForm::Tensor`], `F` a multiple of the kernel's column tile,
-    /// 128). A forced `Fused` takes the sm_100a kernels on a 10.0 device today (all four
-    /// options; compiled only, never run).
+    /// The fused kernel where it was measured faster than the chain it replaces, else the
+    /// unfused chain. Today that is fc1 ([`MoeOptions::fc1`]) in a
+    /// [`MoeOptions::forward_only`] plan, where it skips the permuted copy of x and `h`
+    /// altogether: on a 9.0 device with an sm_90a build, [`WeightForm::Tensor`] and shapes the
+    /// kernel takes (`F` a multiple of 128, `E` at most [`crate::fused::MAX_EXPERTS`], a 16-bit
+    /// dtype). In a training plan the backward's fc1 wgrad still reads the permuted copy, so the
+    /// forward permutes anyway and the fused fc1 only replaces fc1 + SwiGLU, which it does not
+    /// beat (H200, 2026-11-29: 732 against 716 us at E128 T4096); `bench/README.md` ("Fused
+    /// expert path") has the measurements. The other options' fused kernels are slower than
+    /// their chains on an H200, so Auto leaves them unfused, and no sm_100a kernel has run (no
+    /// Blackwell GPU here), so Auto takes none there. A forced `Fused` takes the sm_100a kernels
+    /// on a 10.0 device (all four options; compiled only, never run).
     #[default]
     Auto,
     /// The fused kernel; a plan where it does not apply is an error.
@@ -77,7 +83,8 @@ impl FusedPlans {
                 ensure_tensor_weights(options, "MoeExperts::new (fused fc1)", "fc1 [E, 2F, H]")?;
                 Some(FusedFc1::new(routing, stream)?)
             }
-            FusedKernel::Auto | FusedKernel::Unfused => None,
+            FusedKernel::Auto => auto_fc1(options, routing, stream)?,
+            FusedKernel::Unfused => None,
         };
         // A forward-only plan never runs the backward: nothing to plan (or refuse) for it.
         let swiglu_dgrad = match options.swiglu_dgrad {
@@ -109,6 +116,23 @@ impl FusedPlans {
     /// Whether the forward writes the permuted rows ([`forward_permutes`]).
     pub(super) fn permutes(&self, forward_only: bool) -> bool {
         forward_permutes(self.fc1.is_some(), self.fc1_wgrad.is_some(), forward_only)
+    }
+}
+
+/// [`FusedKernel::Auto`]'s fc1: the fused kernel in a forward-only plan on a 9.0 device where
+/// it takes the plan, `None` (the unfused chain) otherwise; any other error is the caller's.
+fn auto_fc1(options: &MoeOptions, routing: &RoutingPlan, stream: &Arc<CudaStream>) -> Result<Option<FusedFc1>> {
+    let takes = options.forward_only && options.weights == WeightForm::Tensor;
+    if !takes || FusedFc1::check_shapes(routing.config()).is_err() {
+        return Ok(None);
+    }
+    if DeviceInfo::of_stream(stream)?.arch != Arch::Sm90 {
+        return Ok(None);
+    }
+    match FusedFc1::new(routing, stream) {
+        Ok(plan) => Ok(Some(plan)),
+        Err(Error::Unsupported { .. } | Error::UnsupportedArch { .. } | Error::NotBuilt { .. }) => Ok(None),
+        Err(other) => Err(other),
     }
 }
 
