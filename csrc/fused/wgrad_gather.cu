@@ -10,6 +10,7 @@
 #include "common/alignment.h"
 #include "common/boundary.cuh"
 #include "fused/entry.h"
+#include "fused/fc1_layout.h"
 #include "fused/wgrad_gather_launch.h"
 
 namespace capmoe::fused {
@@ -42,6 +43,9 @@ capmoe_status_t check_desc(const capmoe_wgrad_gather_desc_t* d) {
   if (d->out_dtype != d->dtype && d->out_dtype != CAPMOE_DTYPE_F32) return CAPMOE_ERR_UNSUPPORTED;
   if (d->accumulate && d->out_dtype != CAPMOE_DTYPE_F32) return CAPMOE_ERR_UNSUPPORTED;
   if (!persistent_loop_fits_int(total_tiles(*d), d->sm_count)) return CAPMOE_ERR_UNSUPPORTED;
+  // The producer addresses a gathered operand's 16-byte chunks in 32 bits (64 GB of it).
+  if (d->a_rows == CAPMOE_WGRAD_ROWS_GATHERED && !gather_source_fits(d->max_tokens, d->m)) return CAPMOE_ERR_UNSUPPORTED;
+  if (d->b_rows == CAPMOE_WGRAD_ROWS_GATHERED && !gather_source_fits(d->max_tokens, d->n)) return CAPMOE_ERR_UNSUPPORTED;
   return CAPMOE_OK;
 }
 

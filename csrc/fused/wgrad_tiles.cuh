@@ -66,71 +66,82 @@ __device__ __forceinline__ bool skipped(const WgradGatherParams& p, const WgradT
   return p.accumulate && t.row_end == t.row_begin;
 }
 
-// The tokens of a gathered operand's K block: lanes 0-15 of each producer warp hold those of
-// the 16 rows that warp copies (row_of_lane), loaded one block ahead (produce_wgrad_stages), and
-// the copies take them by shuffle. Each copy used to load its own row's token first: a
-// dependent L2 round trip every few rows, so the producer took several round trips per stage
-// and the tensor cores waited (2026-11-28, H200: the gathered wgrad 4x CUTLASS's time at DRAM
-// 14 %, issue slots 14 %).
+// Where a gathered operand's K block comes from: lanes 0-15 of each producer warp hold the
+// sources of the 16 rows that warp copies (row_of_lane), loaded one block ahead
+// (produce_wgrad_stages), and the copies take them by shuffle. A source is the row's first
+// 16-byte chunk in the operand, token * ld / 8 (32 bits: wgrad_gather.cu checks that
+// max_tokens * ld / 8 fits at plan time), or kNoRow. (Each copy used to load its own row's
+// token and form a 64-bit address from it: a dependent L2 round trip every few rows and ~10
+// instructions a copy, so the producer took longer to issue a stage than the tensor cores took
+// to use one; 2026-11-28, H200: 4x CUTLASS's time at DRAM 14 %.)
 template <int kRowsMN>
-struct BlockTokens {
+struct BlockSources {
   static constexpr int kChunksPerRow = kRowsMN / 8;
   static constexpr int kRowsPerPass = kWgradProducerThreads / kChunksPerRow;
   static constexpr int kWarpRowsPerPass = 32 / kChunksPerRow;
+  static constexpr uint32_t kNoRow = 0xffffffffu;  // past the expert's rows, or an invalid token
   static_assert(32 % kChunksPerRow == 0, "a warp copies whole rows");
   static_assert(kWarpRowsPerPass * (kWgradTileK / kRowsPerPass) == 16, "a warp copies 16 rows of a K block");
 
-  // The K block row (0..63) whose token lane `lane` (< 16) of this thread's warp holds.
+  // The K block row (0..63) whose source lane `lane` (< 16) of this thread's warp holds.
   __device__ __forceinline__ static int row_of_lane(int lane) {
     return (threadIdx.x / 32) * kWarpRowsPerPass + lane % kWarpRowsPerPass + kRowsPerPass * (lane / kWarpRowsPerPass);
   }
-  // The lane holding the token of this thread's row in copy pass `pass` (copy_wgrad_block's k).
+  // The lane holding the source of this thread's row in copy pass `pass` (copy_wgrad_block's k).
   __device__ __forceinline__ static int lane_of(int pass) {
     return (threadIdx.x % 32) / kChunksPerRow + kWarpRowsPerPass * pass;
   }
-  // This lane's token of the K block at `row` (the expert's rows end at row_end): -1 past
-  // row_end, on lanes 16-31 and for a plain operand.
-  __device__ __forceinline__ static int fetch(bool gathered, const int32_t* token_of_row, int row, int row_end) {
+  // This lane's source for the K block at `row` (the expert's rows end at row_end): kNoRow past
+  // row_end, for a token outside [0, src_rows), on lanes 16-31 and for a plain operand.
+  __device__ __forceinline__ static uint32_t fetch(bool gathered, const int32_t* token_of_row, int src_rows, int ld,
+                                                   int row, int row_end) {
     const int lane = threadIdx.x % 32;
-    if (!gathered || lane >= 16) return -1;
+    if (!gathered || lane >= 16) return kNoRow;
     const int r = row + row_of_lane(lane);
-    return r < row_end ? __ldg(token_of_row + r) : -1;
+    const int token = r < row_end ? __ldg(token_of_row + r) : -1;
+    return token >= 0 && token < src_rows ? uint32_t(token) * uint32_t(ld / 8) : kNoRow;
   }
 };
 
 // One operand's K block: kRowsMN values (a tile's m or n extent) of each of 64 rows, copied by
 // the 128 producer threads (threadIdx.x < 128), consecutive threads on consecutive 16-byte
 // chunks of a row, so a warp's copy instruction reads whole rows (two 256-byte A rows, one
-// 512-byte B row). A gathered operand's source rows come from `lane_token`
-// (BlockTokens<kRowsMN>::fetch of this block). Zero-filled: rows past row_end, rows whose token
-// is invalid, columns past `cols`. Zero-filling BOTH operands matters: a row past offsets[E]
-// may hold NaN, and 0 * NaN is NaN.
+// 512-byte B row). A gathered operand's rows come from `lane_source` (BlockSources<kRowsMN>::
+// fetch of this block), a plain one's are rows [row, row_end) of src. Zero-filled: rows past
+// row_end, rows whose token is invalid, columns past `cols`. Zero-filling BOTH operands matters:
+// a row past offsets[E] may hold NaN, and 0 * NaN is NaN.
 template <class T, int kRowsMN>
-__device__ __forceinline__ void copy_wgrad_block(const T* src, int ld, int cols, bool gathered, int src_rows,
-                                                 int lane_token, int row, int row_end, int mn0, uint8_t* stage) {
+__device__ __forceinline__ void copy_wgrad_block(const T* src, int ld, int cols, bool gathered, uint32_t lane_source,
+                                                 int row, int row_end, int mn0, uint8_t* stage) {
   using Copy16 = cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>;
-  using Tokens = BlockTokens<kRowsMN>;
-  constexpr int kChunksPerRow = Tokens::kChunksPerRow;
-  constexpr int kRowsPerPass = Tokens::kRowsPerPass;
+  using Sources = BlockSources<kRowsMN>;
+  constexpr int kChunksPerRow = Sources::kChunksPerRow;
+  constexpr int kRowsPerPass = Sources::kRowsPerPass;
+  const auto* chunks = reinterpret_cast<const cute::uint128_t*>(src);
   const int c = threadIdx.x % kChunksPerRow;
   const int col = mn0 + c * 8;
   const bool col_inside = col < cols;  // M and N are multiples of 8: a chunk is all in or all out
+  const uint32_t col_chunk = uint32_t(col) / 8;
+  const int first_k = threadIdx.x / kChunksPerRow;
+  // A plain operand's rows, one pass apart: row + k of src, ld elements each.
+  const cute::uint128_t* plain = chunks + (int64_t(row + first_k) * ld + col) / 8;
+  const int64_t plain_step = int64_t(kRowsPerPass) * ld / 8;
   // NOTE: unrolled by 4, not fully: the sm_90a producer runs under setmaxnreg 40.
 #pragma unroll 4
   for (int pass = 0; pass < kWgradTileK / kRowsPerPass; ++pass) {
-    const int k = threadIdx.x / kChunksPerRow + pass * kRowsPerPass;
-    int src_row;
+    const int k = first_k + pass * kRowsPerPass;
+    const cute::uint128_t* from;
+    bool inside;
     if (gathered) {
-      src_row = __shfl_sync(0xffffffffu, lane_token, Tokens::lane_of(pass));
-      if (src_row >= src_rows) src_row = -1;  // a negative token stays negative
+      const uint32_t source = __shfl_sync(0xffffffffu, lane_source, Sources::lane_of(pass));
+      inside = col_inside && source != Sources::kNoRow;
+      from = chunks + (inside ? source + col_chunk : 0u);
     } else {
-      src_row = row + k < row_end ? row + k : -1;
+      inside = col_inside && row + k < row_end;
+      from = inside ? plain + pass * plain_step : chunks;
     }
-    const bool inside = col_inside && src_row >= 0;
     // A zero-size copy reads nothing; its address only has to be formed.
-    const T* from = inside ? src + int64_t(src_row) * ld + col : src;
-    Copy16::copy(*reinterpret_cast<const cute::uint128_t*>(from),
-                 *reinterpret_cast<cute::uint128_t*>(stage + wgrad_smem_offset(k, c)), inside);
+    Copy16::copy(*from, *reinterpret_cast<cute::uint128_t*>(stage + wgrad_smem_offset(k, c)), inside);
   }
 }
 
@@ -160,7 +171,7 @@ __device__ __forceinline__ WgradBlock next_wgrad_block(const WgradGatherParams& 
 // over the grid, each tile's blocks in order): wait for a free stage, copy both operands'
 // blocks, arrive on the stage's full barrier when the copies land
 // (cp.async.mbarrier.arrive.noinc: the full barriers take 128 arrivals), then find the next
-// block and send for its tokens, which land while this thread waits for the next free stage.
+// block and send for its row sources, which land while this thread waits for the next free stage.
 // Returns the stage fills it made (the sm_100a producer's tail needs them; drain_stage_ring).
 template <class T, int kStages>
 __device__ __forceinline__ int64_t produce_wgrad_stages(const WgradGatherParams& p, uint8_t* a_stages,
@@ -169,8 +180,8 @@ __device__ __forceinline__ int64_t produce_wgrad_stages(const WgradGatherParams&
   constexpr int kStageBytesA = kWgradTileM * kWgradTileK * 2;
   constexpr int kStageBytesB = kWgradTileN * kWgradTileK * 2;
   static_assert(sizeof(T) == 2, "16-bit operands: one 128-byte line holds 64 values");
-  using TokensA = BlockTokens<kWgradTileM>;
-  using TokensB = BlockTokens<kWgradTileN>;
+  using SourcesA = BlockSources<kWgradTileM>;
+  using SourcesB = BlockSources<kWgradTileN>;
   const T* a = static_cast<const T*>(p.a);
   const T* b = static_cast<const T*>(p.b);
   const int a_rows = p.a_gathered ? p.max_tokens : p.capacity;
@@ -178,21 +189,21 @@ __device__ __forceinline__ int64_t produce_wgrad_stages(const WgradGatherParams&
   StageRing<kStages> ring;
   int64_t fills = 0;
   WgradBlock block = first_wgrad_block(p, blockIdx.x, total_tiles);
-  int a_token = TokensA::fetch(p.a_gathered, p.token_of_row, block.row, block.row_end);
-  int b_token = TokensB::fetch(p.b_gathered, p.token_of_row, block.row, block.row_end);
+  uint32_t a_source = SourcesA::fetch(p.a_gathered, p.token_of_row, a_rows, p.m, block.row, block.row_end);
+  uint32_t b_source = SourcesB::fetch(p.b_gathered, p.token_of_row, b_rows, p.n, block.row, block.row_end);
   while (block.tile < total_tiles) {
     wait_barrier(&empty[ring.stage], ring.phase ^ 1, "wgrad producer, empty");
     const int stage = ring.stage;
-    copy_wgrad_block<T, kWgradTileM>(a, p.m, p.m, p.a_gathered, a_rows, a_token, block.row, block.row_end, block.m0,
+    copy_wgrad_block<T, kWgradTileM>(a, p.m, p.m, p.a_gathered, a_source, block.row, block.row_end, block.m0,
                                      a_stages + stage * kStageBytesA);
-    copy_wgrad_block<T, kWgradTileN>(b, p.n, p.n, p.b_gathered, b_rows, b_token, block.row, block.row_end, block.n0,
+    copy_wgrad_block<T, kWgradTileN>(b, p.n, p.n, p.b_gathered, b_source, block.row, block.row_end, block.n0,
                                      b_stages + stage * kStageBytesB);
     cutlass::arch::cpasync_barrier_arrive_noinc(&full[stage]);
     ring.advance();
     ++fills;
     block = next_wgrad_block(p, block, total_tiles);
-    a_token = TokensA::fetch(p.a_gathered, p.token_of_row, block.row, block.row_end);
-    b_token = TokensB::fetch(p.b_gathered, p.token_of_row, block.row, block.row_end);
+    a_source = SourcesA::fetch(p.a_gathered, p.token_of_row, a_rows, p.m, block.row, block.row_end);
+    b_source = SourcesB::fetch(p.b_gathered, p.token_of_row, b_rows, p.n, block.row, block.row_end);
   }
   cute::cp_async_wait<0>();  // no thread exits with copies in flight
   return fills;

@@ -23,7 +23,8 @@
  * Limits (else CAPMOE_ERR_INVALID_ARGUMENT): E >= 1; 8 <= M, N <= INT32_MAX; 0 <= capacity
  * <= INT32_MAX - 128; 0 <= max_tokens <= INT32_MAX; sm_count >= 1; tiles = E * ceil(M / TILE_M) * ceil(N / TILE_N)
  * with tiles - 1 + min(tiles, sm_count) <= INT32_MAX (else UNSUPPORTED). M and N multiples of 8 (else MISALIGNED). dtype BF16 or F16, out_dtype
- * dtype or F32, accumulate only with F32 (else UNSUPPORTED).
+ * dtype or F32, accumulate only with F32 (else UNSUPPORTED). A GATHERED operand of at most
+ * 64 GB: max_tokens * M / 8 (a) or max_tokens * N / 8 (b) < 2^32 (else UNSUPPORTED).
  * Alignment: a, b, dw 16 bytes; offsets 8; token_of_row 4 (else MISALIGNED). a, b and
  * token_of_row (needed only when an operand is GATHERED) may be NULL only when capacity is 0.
  * Kernels: sm_90a on a compute capability 9.0 device, sm_100a (tcgen05; compiled, never run)
