@@ -166,8 +166,10 @@ mod abi {
             },
             INVALID
         );
-        let cases: [(&str, EditDesc, i32); 10] = [
+        let cases: [(&str, EditDesc, i32); 11] = [
             ("E = 0", |d| d.num_experts = 0, INVALID),
+            // The gather addresses x's 16-byte chunks in 32 bits: T_max * H / 8 = 2^42.
+            ("x past 64 GB", |d| (d.max_tokens, d.hidden) = (1 << 30, 1 << 15), UNSUPPORTED),
             ("E = 1025", |d| d.num_experts = 1025, INVALID),
             ("H = 260 (not a multiple of 8)", |d| d.hidden = 260, MISALIGNED),
             // K-block indices past H would wrap in int32.
@@ -419,8 +421,15 @@ mod dgrad_abi {
             &[
                 ("negative max_tokens", |d| d.max_tokens = -1, INVALID),
                 ("max_tokens 2^31", |d| d.max_tokens = 1 << 31, INVALID),
+                (
+                    "dy past 64 GB (T_max * H / 8 = 2^42)",
+                    |d| (d.max_tokens, d.hidden) = (1 << 30, 1 << 15),
+                    UNSUPPORTED,
+                ),
             ],
         );
+        let d = Desc { max_tokens: 1 << 30, hidden: 1 << 15, ..desc() };
+        assert_eq!(unsafe { sys::capmoe_fused_swiglu_dgrad_supported(&d) }, UNSUPPORTED, "dy past 64 GB (supported)");
         // max_tokens is the gathered launch's alone: the drows form and `supported` ignore it.
         let d = Desc { max_tokens: -1, capacity: 0, ..desc() };
         assert_eq!(call(Form::Drows, &d, &ptrs()), OK, "drows form, capacity 0, max_tokens -1");

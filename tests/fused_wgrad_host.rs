@@ -139,7 +139,7 @@ mod abi {
         );
         assert_eq!(unsafe { sys::capmoe_wgrad_gather_supported(null()) }, INVALID);
         let f32 = sys::CAPMOE_DTYPE_F32 as i32;
-        let cases: [(&str, EditDesc, i32); 18] = [
+        let cases: [(&str, EditDesc, i32); 19] = [
             ("E = 0", |d| d.num_experts = 0, INVALID),
             ("M = 0", |d| d.m = 0, INVALID),
             ("N past i32", |d| d.n = 1 << 31, INVALID),
@@ -147,6 +147,12 @@ mod abi {
             // The producer's row steps past the last expert's end would wrap in int32 (a hang).
             ("capacity 2^31 - 120", |d| d.capacity = (1 << 31) - 120, INVALID),
             ("negative max_tokens", |d| d.max_tokens = -1, INVALID),
+            // The producer addresses a gathered operand's 16-byte chunks in 32 bits: 2^30 * 2^15 / 8.
+            (
+                "gathered b past 64 GB",
+                |d| (d.b_rows, d.max_tokens, d.n) = (sys::CAPMOE_WGRAD_ROWS_GATHERED as i32, 1 << 30, 1 << 15),
+                UNSUPPORTED,
+            ),
             ("sm_count 0", |d| d.sm_count = 0, INVALID),
             ("accumulate 2", |d| d.accumulate = 2, INVALID),
             ("a_rows 2", |d| d.a_rows = 2, INVALID),
