@@ -36,7 +36,7 @@ struct GatherRows {
 
   int first_row, chunk;
   // Per row of this thread, set once per tile so that a K block costs an add and a copy per
-  // row (2026-11-28, H200: recomputing token * hidden + col and its predicates for every K
+  // row (2026-11-29, H200: recomputing token * hidden + col and its predicates for every K
   // block made the producer issue ~130 dependent instructions a stage, ~750 of a stage's ~1000
   // cycles, and the consumers waited on it): the source's 16-byte chunk holding the row's K
   // block 0 chunk, token * hidden / 8 + chunk (16-byte units: 32 bits address 64 GB of source,

@@ -73,7 +73,7 @@ __device__ __forceinline__ bool skipped(const WgradGatherParams& p, const WgradT
 // max_tokens * ld / 8 fits at plan time), or kNoRow. (Each copy used to load its own row's
 // token and form a 64-bit address from it: a dependent L2 round trip every few rows and ~10
 // instructions a copy, so the producer took longer to issue a stage than the tensor cores took
-// to use one; 2026-11-28, H200: 4x CUTLASS's time at DRAM 14 %.)
+// to use one: 4x CUTLASS's time at DRAM 14 % on an H100, 2026-11-28.)
 template <int kRowsMN>
 struct BlockSources {
   static constexpr int kChunksPerRow = kRowsMN / 8;
