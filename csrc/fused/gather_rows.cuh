@@ -97,9 +97,8 @@ struct GatherRows {
 // load_b(stage, tile, k0); every thread copies its chunks of the tile's gathered A rows
 // (src [max_tokens, hidden] of T through token_of_row) and arrives when they land. The full
 // barriers therefore take 1 + 128 arrivals (the stop stage too). locate(tile) maps a linear tile
-// index to its Tile. The next tile is claimed kClaimLead K blocks before the current one's last
-// (tile_source.cuh's claim / hand_over), so the schedule's atomic is in flight while stages
-// are still being filled. The scalars come by reference to the kernel's parameters, so they are read
+// index to its Tile; the next tile is claimed a few K blocks early (tile_source.cuh's
+// ClaimAhead). The scalars come by reference to the kernel's parameters, so they are read
 // from parameter space where needed instead of held in the producer's few registers (it runs
 // under setmaxnreg).
 template <int kTileM, int kTileK, int kStages, class T, class Tiles, class Locate, class LoadB>
@@ -109,25 +108,21 @@ __device__ __forceinline__ void produce_gathered_a(const void* const& src, const
                                                    Tiles tiles, Locate locate, LoadB load_b) {
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   const int k_blocks = (hidden + kTileK - 1) / kTileK;
-  // The next tile is claimed this many K blocks before the current one's last is loaded.
-  constexpr int kClaimLead = 4;
-  const int claim_kb = k_blocks > kClaimLead ? k_blocks - kClaimLead : 0;
   GatherRows<kTileM> gather(threadIdx.x);
   StageRing<kStages> ring;
-  int claimed = 0;
-  tiles.claim(claimed);
+  ClaimAhead<Tiles> walk(tiles, k_blocks);
   for (;;) {
-    const int tile = tiles.hand_over(claimed);
+    const int tile = walk.next();
     if (tile >= total_tiles) break;
     const Tile t = locate(tile);
     gather.set_tile(token_of_row + t.row0, t.rows, max_tokens, hidden);
     for (int kb = 0; kb < k_blocks; ++kb) {
-      if (kb == claim_kb) tiles.claim(claimed);
+      walk.at_block(kb);
       wait_barrier(&empty[ring.stage], ring.phase ^ 1, "gathering producer, empty");
       const int stage = ring.stage;
       const int k0 = kb * kTileK;
       if (threadIdx.x == 0) {
-        if (kb == 0) tiles.publish(stage, tile);
+        if (kb == 0) walk.tiles.publish(stage, tile);
         Barrier::arrive_and_expect_tx(&full[stage], bytes_b);
         load_b(stage, t, k0);
       }
@@ -136,7 +131,7 @@ __device__ __forceinline__ void produce_gathered_a(const void* const& src, const
       ring.advance();
     }
   }
-  if (tiles.stop(full, empty, ring, threadIdx.x == 0, "gathering producer, empty (end)")) {
+  if (walk.tiles.stop(full, empty, ring, threadIdx.x == 0, "gathering producer, empty (end)")) {
     cutlass::arch::cpasync_barrier_arrive_noinc(&full[ring.stage]);  // the stop stage's other 128 arrivals
   }
   cute::cp_async_wait<0>();  // no thread exits with copies in flight

@@ -44,7 +44,8 @@ __device__ __forceinline__ void load_w2_tile(const SwigluDgradParams& p, uint64_
 // tile and K block, wait for a free stage, publish the tile in its first stage, arm the stage's
 // full barrier with the whole stage's bytes (TMA counts every byte of a box, zero-filled ones
 // included, so the stage is always full), then the drows box at (k0, row0) and the W2 boxes.
-// locate(tile) maps a linear tile index to its Tile.
+// locate(tile) maps a linear tile index to its Tile; the next tile is claimed a few K blocks
+// early (tile_source.cuh's ClaimAhead).
 template <int kTileM, int kTileN, int kBoxN, int kTileK, int kStages, class T, class Tiles, class Locate>
 __device__ __forceinline__ void produce_drows(const SwigluDgradParams& p, uint64_t* full, uint64_t* empty, T* a_stages,
                                               T* b_stages, int total_tiles, Tiles tiles, Locate locate,
@@ -53,14 +54,16 @@ __device__ __forceinline__ void produce_drows(const SwigluDgradParams& p, uint64
   constexpr uint32_t kStageBytes = (kTileM + kTileN) * kTileK * sizeof(T);
   const int k_blocks = (p.hidden + kTileK - 1) / kTileK;
   StageRing<kStages> ring;
+  ClaimAhead<Tiles> walk(tiles, k_blocks);
   for (;;) {
-    const int tile = tiles.take();
+    const int tile = walk.next();
     if (tile >= total_tiles) break;
     const Tile t = locate(tile);
     for (int kb = 0; kb < k_blocks; ++kb) {
+      walk.at_block(kb);
       wait_barrier(&empty[ring.stage], ring.phase ^ 1, role);
       const int stage = ring.stage;
-      if (kb == 0) tiles.publish(stage, tile);
+      if (kb == 0) walk.tiles.publish(stage, tile);
       Barrier::arrive_and_expect_tx(&full[stage], kStageBytes);
       const int k0 = kb * kTileK;
       cute::SM90_TMA_LOAD_2D::copy(&p.drows_map, &full[stage], kTmaEvictNormal, a_stages + stage * kTileM * kTileK, k0,
@@ -69,7 +72,7 @@ __device__ __forceinline__ void produce_drows(const SwigluDgradParams& p, uint64
       ring.advance();
     }
   }
-  tiles.stop(full, empty, ring, true, role);
+  walk.tiles.stop(full, empty, ring, true, role);
 }
 
 }  // namespace capmoe::fused
