@@ -152,9 +152,9 @@ pub struct MoeOptions {
     /// `act = p · SwiGLU(h)` (SonicMoE's form), so fc2's output rows come out weighted and the
     /// combine over k is an unweighted gather-sum. The backward then needs neither a `drows`
     /// buffer nor the fc2 output rows: the fused fc2 dgrad gathers `dy` itself and makes
-    /// dprobs in its epilogue, and fc2's wgrad reads `dy` through the routing map. Needs
-    /// `fc1 = Fused` and, unless `forward_only`, `swiglu_dgrad = Fused` (else
-    /// [`Error::InvalidArgument`]). `Auto` / `Unfused`: the probability is applied in the
+    /// dprobs in its epilogue, and fc2's wgrad reads `dy` through the routing map. Needs the
+    /// fused fc1 (`fc1 = Fused`, or `Auto` where Auto takes it: a forward-only plan on sm_90a)
+    /// and, unless `forward_only`, `swiglu_dgrad = Fused` (else [`Error::InvalidArgument`]). `Auto` / `Unfused`: the probability is applied in the
     /// combine. The two agree within rounding: act is rounded once after the product, and fc2
     /// sums weighted terms.
     pub prob_in_fc1: FusedKernel,
