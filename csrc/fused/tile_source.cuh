@@ -23,14 +23,11 @@ struct StridedTiles {
   int next_tile;
   __device__ __forceinline__ StridedTiles() : next_tile(blockIdx.x) {}
 
-  // The same on every producer thread.
-  __device__ __forceinline__ int take() {
-    const int tile = next_tile;
+  // The next tile of the sequence, the same on every producer thread (nothing to hand over).
+  __device__ __forceinline__ void claim(int& claimed) {
+    claimed = next_tile;
     next_tile += gridDim.x;
-    return tile;
   }
-  // claim + hand_over (CountedTiles' early take) is take() here.
-  __device__ __forceinline__ void claim(int& claimed) { claimed = take(); }
   __device__ __forceinline__ int hand_over(int claimed) const { return claimed; }
   __device__ __forceinline__ void publish(int, int32_t) const {}
   // No stop stage: returns false.
@@ -40,9 +37,9 @@ struct StridedTiles {
   }
 };
 
-// kFetchers: the producer threads that call take() together, 1 (a single-thread producer) or
-// 128 (the producer warpgroup, threads 0-127, which syncs on named barrier 1; thread 0 fetches
-// and hands the tile over through `handoff`).
+// kFetchers: the producer threads that call claim() / hand_over() together, 1 (a single-thread
+// producer) or 128 (the producer warpgroup, threads 0-127, which syncs on named barrier 1;
+// thread 0 fetches and hands the tile over through `handoff`).
 template <int kFetchers>
 struct CountedTiles {
   static_assert(kFetchers == 1 || kFetchers == 128, "one thread or the producer warpgroup");
@@ -50,14 +47,8 @@ struct CountedTiles {
   int32_t* stage_tile;  // shared, [kStages]
   int32_t* handoff;     // shared word; unused with one fetcher
 
-  __device__ __forceinline__ int take() const {
-    int claimed = 0;
-    claim(claimed);
-    return hand_over(claimed);
-  }
-
-  // take() in two steps, so that a producer can fetch its next tile while it still loads the
-  // current one and the counter's round trip (an L2 atomic, ~1-2 us at the traffic of these
+  // A tile is taken in two steps, so that a producer can fetch its next tile while it still
+  // loads the current one and the counter's round trip (an L2 atomic, ~1-2 us at the traffic of these
   // kernels) is off its critical path: claim() sends the fetch (thread 0 of the warpgroup
   // holds the answer), hand_over() gives it to every fetcher when it is needed.
   __device__ __forceinline__ void claim(int& claimed) const {
