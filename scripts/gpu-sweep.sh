@@ -35,7 +35,7 @@ if [[ "${NCU:-1}" == 1 ]]; then
   NCU_BIN=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
   for spec in ${NCU_CASES:-dsv3_ep8_fc1:fprop:sm90-coop-nocluster qwen3moe_fc1:fprop:sm90-coop-nocluster qwen3moe_fc2:fprop:sm90-pingpong-wide qwen3moe_fc1:wgrad:sm90-coop}; do
     IFS=: read -r shape op cfg <<<"$spec"
-    timeout -k 10 "$(limit 120 0)" $NCU_BIN --clock-control none -k regex:'device_kernel|dependent_gemm' -s 5 -c 1 \
+    timeout -k 10 "$(limit 120 0)" $NCU_BIN --clock-control none -k regex:'device_kernel|dependent_gemm|counter_gemm' -s 5 -c 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
       --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,lts__t_sector_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       $B --sweep --shapes $shape --routing uniform --ops $op --configs $cfg --reps 1 --out /tmp/ncu > $W/ncu_${shape}_${op}_${cfg}.txt 2>&1

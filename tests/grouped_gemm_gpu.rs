@@ -22,7 +22,7 @@ fn spec(op: GemmOp, experts: usize, n: usize, k: usize, capacity: usize) -> Grou
 fn configs_for(op: GemmOp) -> Vec<GemmConfig> {
     match op {
         GemmOp::Wgrad => vec![GemmConfig::Sm90Cooperative],
-        _ => vec![GemmConfig::Sm90CooperativeNoCluster, GemmConfig::Sm90PingpongWide],
+        _ => vec![GemmConfig::Sm90CooperativeNoCluster, GemmConfig::Sm90PingpongWide, GemmConfig::Sm90Counter],
     }
 }
 
@@ -51,11 +51,13 @@ fn partial_last_tiles_at_every_warpgroup_boundary_are_exact() {
     let splits = vec![63, 64, 65, 127, 128, 129, 0, 192, 193, 320, 1];
     let capacity = splits.iter().sum::<i64>() as usize;
     for op in [GemmOp::Fprop, GemmOp::Dgrad] {
-        for dtype in [DType::Bf16, DType::F16] {
-            let mut s = spec(op, splits.len(), 64, 48, capacity).with_dtype(dtype);
-            s.config = GemmConfig::Sm90CooperativeNoCluster;
-            let case = HostCase::new(s, splits.clone(), Data::SmallInt, 31);
-            case.run(&stream).assert_exact(&format!("{op:?} {dtype:?}"));
+        for config in [GemmConfig::Sm90CooperativeNoCluster, GemmConfig::Sm90Counter] {
+            for dtype in [DType::Bf16, DType::F16] {
+                let mut s = spec(op, splits.len(), 64, 48, capacity).with_dtype(dtype);
+                s.config = config;
+                let case = HostCase::new(s, splits.clone(), Data::SmallInt, 31);
+                case.run(&stream).assert_exact(&format!("{op:?} {config:?} {dtype:?}"));
+            }
         }
     }
     for n in [184, 200, 256] {
@@ -72,8 +74,8 @@ fn partial_last_tiles_at_every_warpgroup_boundary_are_exact() {
 #[test]
 fn candidate_sm90_configs_are_exact() {
     let stream = gpu_or_skip!();
-    let candidates = [GemmConfig::Sm90CooperativeNoCluster, GemmConfig::Sm90PingpongWide];
-    // Neither has a wgrad kernel (the wgrad is the clustered cooperative, tested above).
+    let candidates = [GemmConfig::Sm90CooperativeNoCluster, GemmConfig::Sm90PingpongWide, GemmConfig::Sm90Counter];
+    // None has a wgrad kernel (the wgrad is the clustered cooperative, tested above).
     for op in [GemmOp::Fprop, GemmOp::Dgrad] {
         for config in candidates {
             for layout in [WeightLayout::Enk, WeightLayout::Ekn] {
@@ -94,7 +96,7 @@ fn candidate_sm90_configs_are_exact() {
 fn candidate_sm90_configs_are_exact_in_f16() {
     let stream = gpu_or_skip!();
     for op in [GemmOp::Fprop, GemmOp::Dgrad] {
-        for config in [GemmConfig::Sm90CooperativeNoCluster, GemmConfig::Sm90PingpongWide] {
+        for config in [GemmConfig::Sm90CooperativeNoCluster, GemmConfig::Sm90PingpongWide, GemmConfig::Sm90Counter] {
             for layout in [WeightLayout::Enk, WeightLayout::Ekn] {
                 let mut s = spec(op, 5, 64, 48, 700).with_dtype(DType::F16);
                 s.config = config;
@@ -406,6 +408,128 @@ fn diagnose_wgrad() {
                 "out={out:?} splits={splits:?} mismatches per expert {bad:?} first {:?}",
                 first.map(|i| (i, o.got[i], o.expected[i]))
             );
+        }
+    }
+}
+
+/// The hand-written `Sm90Counter` kernel (grouped_gemm/sm90_counter.cu) through the cases the
+/// tests above run with AUTO's CUTLASS kernels: fp64 reference with N and K off the tile grid
+/// (TMA's zero fill past K and N, the epilogue's column bound), awkward routings, over-capacity
+/// clamping and flags, rows past the total untouched, both layouts and dtypes, repeated runs bit
+/// identical, two runs back to back on one workspace (its tile counter and row offsets come
+/// from the argument kernel it depends on), and graph replay with new m_splits bit-equal to
+/// eager.
+#[test]
+fn counter_kernel_matches_the_reference_everywhere_the_cutlass_ones_do() {
+    let stream = gpu_or_skip!();
+    let counter = |s: GroupedGemmSpec| GroupedGemmSpec { config: GemmConfig::Sm90Counter, ..s };
+    for op in [GemmOp::Fprop, GemmOp::Dgrad] {
+        for layout in [WeightLayout::Enk, WeightLayout::Ekn] {
+            for dtype in [DType::Bf16, DType::F16] {
+                // 200 and 520: neither a multiple of the 256-column tile nor of the 64-wide K block.
+                let mut s = counter(spec(op, 8, 200, 520, 2048).with_dtype(dtype));
+                s.weight_layout = layout;
+                let what = format!("{op:?} {layout:?} {dtype:?}");
+                let case = HostCase::new(s, skewed_splits(8, 1900, 7), Data::Random, 2);
+                case.run(&stream).assert_close(&what, 1e-2);
+            }
+        }
+        let cases: Vec<(&str, usize, Vec<i64>)> = vec![
+            ("one expert", 1, vec![333]),
+            ("all rows on one expert", 16, (0..16).map(|e| if e == 11 { 500 } else { 0 }).collect()),
+            ("every expert empty", 8, vec![0; 8]),
+            ("odd row counts", 7, vec![1, 3, 5, 7, 9, 11, 13]),
+            ("1024 experts", 1024, skewed_splits(1024, 6000, 9)),
+            // Last tiles at the A boxes' edges (16, 32, 64, 128 rows) and one past them.
+            ("A box edges", 10, vec![16, 17, 32, 33, 64, 65, 144, 161, 1, 128]),
+        ];
+        for (name, experts, splits) in &cases {
+            let capacity = 512usize.max(splits.iter().sum::<i64>() as usize);
+            let s = counter(spec(op, *experts, 64, 64, capacity));
+            let out = HostCase::new(s, splits.clone(), Data::SmallInt, 6).run(&stream);
+            out.assert_exact(&format!("{op:?} {name}"));
+            assert_eq!(out.flags, 0, "{op:?} {name}: no overflow expected");
+        }
+        for split_dtype in [DType::I32, DType::I64] {
+            let mut s = counter(spec(op, 4, 64, 64, 200));
+            s.split_dtype = split_dtype;
+            let out = HostCase::new(s, vec![90, 60, 140, 100], Data::SmallInt, 8).run(&stream);
+            assert_eq!(out.flags & OVERFLOW_CAPACITY, OVERFLOW_CAPACITY, "{op:?}: capacity flag");
+            out.assert_exact(&format!("{op:?} {split_dtype:?} over capacity"));
+        }
+        let out = HostCase::new(counter(spec(op, 3, 64, 64, 100)), vec![20, -5, 30], Data::SmallInt, 9).run(&stream);
+        assert_eq!(out.flags & OVERFLOW_NEGATIVE, OVERFLOW_NEGATIVE);
+        out.assert_exact(&format!("{op:?} negative count"));
+        let out = HostCase::new(counter(spec(op, 4, 128, 64, 1024)), vec![100, 0, 150, 50], Data::Random, 7).run(&stream);
+        assert!(!out.untouched.is_empty());
+        out.assert_close(&format!("{op:?} rows past the total"), 1e-2);
+
+        // Repeated runs from a poisoned output, then a second run on the same workspace right
+        // behind the first with other m_splits.
+        let s = counter(spec(op, 1024, 128, 256, 8192));
+        let first_case = HostCase::new(s.clone(), skewed_splits(1024, 8000, 21), Data::Random, 22);
+        let second_case = HostCase::new(s, skewed_splits(1024, 5000, 23), Data::Random, 24);
+        let mut first = DeviceCase::upload(&first_case, &stream);
+        let mut second = DeviceCase::upload(&second_case, &stream);
+        // A workspace of garbage: the tile counter must start from the argument kernel's zero.
+        stream.memcpy_htod(&vec![0xffu8; first.workspace.len()], &mut first.workspace).unwrap();
+        first.launch(&stream).unwrap();
+        let reference = first.outcome(&first_case, &stream);
+        reference.assert_close(&format!("{op:?} first run"), 1e-2);
+        for _ in 0..3 {
+            first.reset_output(&first_case, &stream);
+            first.launch(&stream).unwrap();
+            assert!(first.outcome(&first_case, &stream).bits == reference.bits, "{op:?}: runs differ");
+        }
+        first.reset_output(&first_case, &stream);
+        stream.synchronize().unwrap();
+        first.launch(&stream).unwrap();
+        std::mem::swap(&mut first.workspace, &mut second.workspace);
+        second.launch(&stream).unwrap();
+        assert!(first.outcome(&first_case, &stream).bits == reference.bits, "{op:?}: back to back, first");
+        second.outcome(&second_case, &stream).assert_close(&format!("{op:?} back to back, second"), 1e-2);
+    }
+}
+
+#[test]
+fn counter_kernel_graph_replay_with_new_m_splits_matches_eager() {
+    let stream = gpu_or_skip!();
+    let _lock = common::capture_lock();
+    let ctx = stream.context().clone();
+    for op in [GemmOp::Fprop, GemmOp::Dgrad] {
+        let (experts, capacity) = (8, 2048);
+        let s = GroupedGemmSpec { config: GemmConfig::Sm90Counter, ..spec(op, experts, 320, 192, capacity) };
+        let base = HostCase::new(s, skewed_splits(experts, 2000, 12), Data::Random, 13);
+        let mut graph_case = DeviceCase::upload(&base, &stream);
+        let mut eager_case = DeviceCase::upload(&base, &stream);
+        stream.synchronize().unwrap();
+
+        unsafe { ctx.disable_event_tracking() };
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+        let captured = graph_case.launch(&stream);
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+        unsafe { ctx.enable_event_tracking() };
+        captured.unwrap();
+
+        for replay in 0..6u64 {
+            let splits = match replay {
+                0 => skewed_splits(experts, 2000, 100),
+                1 => vec![0; experts],
+                2 => (0..experts as i64).map(|e| if e == 3 { capacity as i64 } else { 0 }).collect(),
+                _ => skewed_splits(experts, 500 + 300 * replay as usize, 100 + replay),
+            };
+            graph_case.set_splits(&stream, &splits);
+            eager_case.set_splits(&stream, &splits);
+            graph_case.reset_output(&base, &stream);
+            eager_case.reset_output(&base, &stream);
+            graph.launch().unwrap();
+            eager_case.launch(&stream).unwrap();
+            let case =
+                HostCase { splits: splits.clone(), ..HostCase::new(base.spec.clone(), vec![], Data::Random, 13) };
+            let from_graph = graph_case.outcome(&case, &stream);
+            let eager = eager_case.outcome(&case, &stream);
+            assert!(from_graph.bits == eager.bits, "{op:?} replay {replay}: graph and eager differ");
+            from_graph.assert_close(&format!("{op:?} replay {replay}"), 1e-2);
         }
     }
 }

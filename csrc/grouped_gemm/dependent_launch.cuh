@@ -10,6 +10,7 @@
 #include "common/boundary.cuh"
 #include "common/device_primitives.cuh"
 #include "cutlass/cutlass.h"
+#include "cutlass/device_kernel.h"  // CUTLASS_GRID_CONSTANT
 
 namespace capmoe::gg {
 

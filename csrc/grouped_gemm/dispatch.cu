@@ -23,20 +23,25 @@ struct Variant {
   capmoe_dtype_t out;
   bool reads_c;
   VariantFn fn;
+  bool (*takes)(const capmoe_grouped_gemm_desc_t&);  // null: every descriptor of its kind
 };
 
 #define CAPMOE_GG_ENTRY(name, arch, config, majorness, in, out, reads_c) \
-  {arch, config, Majorness::majorness, CAPMOE_DTYPE_##in, CAPMOE_DTYPE_##out, reads_c != 0, &variant_##name},
+  {arch, config, Majorness::majorness, CAPMOE_DTYPE_##in, CAPMOE_DTYPE_##out, reads_c != 0, &variant_##name, nullptr},
+#define CAPMOE_GG_HAND_ENTRY(name, arch, config, majorness, in, out, reads_c, takes) \
+  {arch, config, Majorness::majorness, CAPMOE_DTYPE_##in, CAPMOE_DTYPE_##out, reads_c != 0, &variant_##name, &takes},
 
 constexpr Variant kVariants[] = {
 #if CAPMOE_HAS_SM90
     CAPMOE_GG_SM90_VARIANTS(CAPMOE_GG_ENTRY)
+    CAPMOE_GG_SM90_HAND_VARIANTS(CAPMOE_GG_HAND_ENTRY)
 #endif
 #if CAPMOE_HAS_SM100
         CAPMOE_GG_SM100_VARIANTS(CAPMOE_GG_ENTRY)
 #endif
-            {0, CAPMOE_CONFIG_AUTO, Majorness::RC, -1, -1, false, nullptr}};  // sentinel
+            {0, CAPMOE_CONFIG_AUTO, Majorness::RC, -1, -1, false, nullptr, nullptr}};  // sentinel
 #undef CAPMOE_GG_ENTRY
+#undef CAPMOE_GG_HAND_ENTRY
 
 Majorness majorness_of(const capmoe_grouped_gemm_desc_t& d) {
   const bool transposed = d.weight_layout == CAPMOE_WEIGHT_EKN;
@@ -77,7 +82,7 @@ bool has_variant(const capmoe_grouped_gemm_desc_t& d, capmoe_gemm_config_t confi
   const Majorness majorness = majorness_of(d);
   for (const Variant& v : kVariants) {
     if (v.fn && v.arch == d.arch && v.config == config && v.majorness == majorness && v.in == d.dtype &&
-        v.out == d.out_dtype && v.reads_c == (d.accumulate != 0)) {
+        v.out == d.out_dtype && v.reads_c == (d.accumulate != 0) && (v.takes == nullptr || v.takes(d))) {
       if (fn) *fn = v.fn;
       return true;
     }

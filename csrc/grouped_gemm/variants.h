@@ -3,6 +3,7 @@
 // majorness, holding each of their variants).
 #pragma once
 
+#include "grouped_gemm/counter.h"
 #include "grouped_gemm/launch.h"
 
 namespace capmoe::gg {
@@ -49,8 +50,19 @@ enum class Majorness { RC, RR, CR };
   X(sm100_cr_f16_f32_1sm, 100, CAPMOE_CONFIG_SM100_1SM, CR, F16, F32, 0) \
   X(sm100_cr_f16_f32acc_1sm, 100, CAPMOE_CONFIG_SM100_1SM, CR, F16, F32, 1)
 
+// Hand-written variants (not CUTLASS instantiations: gen-gemm-instances.sh reads only the X
+// lines above), same fields; each defined in its own TU and offered by the dispatcher only where
+// its `takes` check holds: H(name, arch, config, majorness, in, out, reads C, takes).
+// sm90_counter.cu: the counter-scheduled 128x256 kernel (grouped_gemm/counter.h).
+#define CAPMOE_GG_SM90_HAND_VARIANTS(H)                                                            \
+  H(sm90_rc_bf16_counter, 90, CAPMOE_CONFIG_SM90_COUNTER, RC, BF16, BF16, 0, counter::counter_takes) \
+  H(sm90_rr_bf16_counter, 90, CAPMOE_CONFIG_SM90_COUNTER, RR, BF16, BF16, 0, counter::counter_takes) \
+  H(sm90_rc_f16_counter, 90, CAPMOE_CONFIG_SM90_COUNTER, RC, F16, F16, 0, counter::counter_takes)    \
+  H(sm90_rr_f16_counter, 90, CAPMOE_CONFIG_SM90_COUNTER, RR, F16, F16, 0, counter::counter_takes)
+
 #define CAPMOE_GG_DECLARE_VARIANT(name, ...) capmoe_status_t variant_##name(const Launch&, uint64_t*);
 CAPMOE_GG_SM90_VARIANTS(CAPMOE_GG_DECLARE_VARIANT)
+CAPMOE_GG_SM90_HAND_VARIANTS(CAPMOE_GG_DECLARE_VARIANT)
 CAPMOE_GG_SM100_VARIANTS(CAPMOE_GG_DECLARE_VARIANT)
 #undef CAPMOE_GG_DECLARE_VARIANT
 

@@ -72,6 +72,10 @@ pub enum GemmConfig {
     Sm90CooperativeNoCluster,
     /// SM90, 64x256x64 tile per warpgroup, the two warpgroups alternating.
     Sm90PingpongWide,
+    /// SM90, the crate's own 128x256x64 kernel (not CUTLASS): fprop / dgrad, tiles handed out
+    /// weight slice by weight slice from a device counter. One weight tensor (no pointer
+    /// array), at most 1024 experts, 16-bit out; [`Error::Unsupported`] otherwise.
+    Sm90Counter,
     /// SM100, 128x256 tile per SM (compiled, never run here: no Blackwell GPU).
     Sm100OneSm,
     /// SM100, 256x256 tile across an SM pair (compiled, never run here).
@@ -86,6 +90,7 @@ impl GemmConfig {
             GemmConfig::Sm90Cooperative => sys::CAPMOE_CONFIG_SM90_COOPERATIVE,
             GemmConfig::Sm90CooperativeNoCluster => sys::CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER,
             GemmConfig::Sm90PingpongWide => sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE,
+            GemmConfig::Sm90Counter => sys::CAPMOE_CONFIG_SM90_COUNTER,
             GemmConfig::Sm100OneSm => sys::CAPMOE_CONFIG_SM100_1SM,
             GemmConfig::Sm100TwoSm => sys::CAPMOE_CONFIG_SM100_2SM,
         }) as sys::capmoe_gemm_config_t
@@ -99,6 +104,7 @@ impl GemmConfig {
             sys::CAPMOE_CONFIG_SM90_COOPERATIVE => GemmConfig::Sm90Cooperative,
             sys::CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER => GemmConfig::Sm90CooperativeNoCluster,
             sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE => GemmConfig::Sm90PingpongWide,
+            sys::CAPMOE_CONFIG_SM90_COUNTER => GemmConfig::Sm90Counter,
             sys::CAPMOE_CONFIG_SM100_1SM => GemmConfig::Sm100OneSm,
             sys::CAPMOE_CONFIG_SM100_2SM => GemmConfig::Sm100TwoSm,
             _ => return None,
@@ -107,11 +113,12 @@ impl GemmConfig {
     }
 
     /// Every configuration, `Auto` first.
-    pub const ALL: [GemmConfig; 6] = [
+    pub const ALL: [GemmConfig; 7] = [
         GemmConfig::Auto,
         GemmConfig::Sm90Cooperative,
         GemmConfig::Sm90CooperativeNoCluster,
         GemmConfig::Sm90PingpongWide,
+        GemmConfig::Sm90Counter,
         GemmConfig::Sm100OneSm,
         GemmConfig::Sm100TwoSm,
     ];
@@ -123,6 +130,7 @@ impl GemmConfig {
             GemmConfig::Sm90Cooperative => "sm90-coop",
             GemmConfig::Sm90CooperativeNoCluster => "sm90-coop-nocluster",
             GemmConfig::Sm90PingpongWide => "sm90-pingpong-wide",
+            GemmConfig::Sm90Counter => "sm90-counter",
             GemmConfig::Sm100OneSm => "sm100-1sm",
             GemmConfig::Sm100TwoSm => "sm100-2sm",
         }
@@ -136,9 +144,10 @@ impl GemmConfig {
     fn arch(self) -> Option<Arch> {
         match self {
             GemmConfig::Auto => None,
-            GemmConfig::Sm90Cooperative | GemmConfig::Sm90CooperativeNoCluster | GemmConfig::Sm90PingpongWide => {
-                Some(Arch::Sm90)
-            }
+            GemmConfig::Sm90Cooperative
+            | GemmConfig::Sm90CooperativeNoCluster
+            | GemmConfig::Sm90PingpongWide
+            | GemmConfig::Sm90Counter => Some(Arch::Sm90),
             GemmConfig::Sm100OneSm | GemmConfig::Sm100TwoSm => Some(Arch::Sm100),
         }
     }

@@ -70,7 +70,10 @@ enum {
    * 64x256 one at decode, behind it in 3 of 4 cases), 6 and 7 the 256x128 cooperative and
    * 128x128 pingpong tiles (deleted after the 2026-11-28 sweep on the H100: best nowhere); the
    * codes stay unused. */
-  CAPMOE_CONFIG_SM90_PINGPONG_WIDE = 8          /* 64x256x64 tile per warpgroup, 1x1 cluster */
+  CAPMOE_CONFIG_SM90_PINGPONG_WIDE = 8,         /* 64x256x64 tile per warpgroup, 1x1 cluster */
+  CAPMOE_CONFIG_SM90_COUNTER = 9 /* hand-written 128x256x64 FPROP / DGRAD, tiles from a device
+                                  * counter; one weight tensor (no pointer array), at most
+                                  * CAPMOE_FUSED_MAX_EXPERTS experts: UNSUPPORTED otherwise */
 };
 
 /* Overflow flag bits (device int32, sticky). MISALIGNED / NULL_POINTER: a per-expert pointer of

@@ -1,0 +1,40 @@
+// What the hand-written SM90_COUNTER grouped GEMM (grouped_gemm/sm90_counter.cu) takes, as host
+// facts: the dispatcher (dispatch.cu) offers the variant only where this holds, so AUTO and a
+// forced config both see it. Free of CUDA and CUTLASS headers.
+#pragma once
+
+#include <cstdint>
+
+#include "capturable_moe/fused.h"
+#include "capturable_moe/grouped_gemm.h"
+
+namespace capmoe::gg::counter {
+
+constexpr int kCounterTileM = 128;
+constexpr int kCounterTileN = 256;
+// The per-expert tile list lives in shared memory, as the fused kernels' does.
+constexpr int kCounterMaxExperts = CAPMOE_FUSED_MAX_EXPERTS;
+
+// The most tiles a launch can have: every expert adds at most one partial M tile.
+inline int64_t counter_max_tiles(const capmoe_grouped_gemm_desc_t& d) {
+  const int64_t n_out = d.op == CAPMOE_GEMM_FPROP ? d.n : d.k;
+  return ((d.capacity + kCounterTileM - 1) / kCounterTileM + d.num_experts) *
+         ((n_out + kCounterTileN - 1) / kCounterTileN);
+}
+
+// FPROP / DGRAD with one weight tensor (no pointer array), 16-bit out, at most
+// kCounterMaxExperts experts, and extents the kernel's int32 indices and TMA's strides hold
+// (rows and the reduction walked in steps of at most 128, tile indices up to tiles + grid, an
+// expert's matrix under TMA's 2^40-byte stride limit). Assumes a descriptor that passed
+// dispatch.cu's validate().
+inline bool counter_takes(const capmoe_grouped_gemm_desc_t& d) {
+  if (d.op != CAPMOE_GEMM_FPROP && d.op != CAPMOE_GEMM_DGRAD) return false;
+  if (d.weights_as_pointers || d.accumulate || d.out_dtype != d.dtype) return false;
+  if (d.num_experts > kCounterMaxExperts) return false;
+  constexpr int64_t kMaxStepped = INT32_MAX - 2 * kCounterTileM;
+  if (d.capacity > kMaxStepped || d.n > kMaxStepped || d.k > kMaxStepped) return false;
+  if (d.n * d.k * 2 >= (int64_t(1) << 40)) return false;
+  return counter_max_tiles(d) + d.sm_count <= INT32_MAX;
+}
+
+}  // namespace capmoe::gg::counter

@@ -1,0 +1,456 @@
+// capmoe-archs: 90a
+// The hand-written grouped GEMM of config SM90_COUNTER (fprop and dgrad, 16-bit in and out,
+// tensor weights, at most CAPMOE_FUSED_MAX_EXPERTS experts): D_e = A_e op(W_e), every expert's
+// rows a slice of A and D, as the CUTLASS variants compute it (grouped_gemm.h's contract).
+//
+// Why a second kernel: the fused fc1 (fused/fc1_sm90.cu) runs the same 128 x 256 x 64 mainloop
+// as CUTLASS's cooperative kernel but takes its tiles from a device counter, weight slice by
+// weight slice, claimed a few K blocks ahead, and a consumer warpgroup whose 64 rows all lie
+// past its expert's end skips its MMAs; on the H200 it finished ahead of CUTLASS's kernel on the
+// same data (bench/README, issue 13). This is that mainloop with A by TMA (the rows are
+// contiguous here) and a plain epilogue.
+//
+// The launch sequence is the CUTLASS variants' (grouped_gemm.cuh): the one-block argument kernel
+// (arguments.cuh) turns m_splits into clamped row offsets, sets the overflow flags and zeroes
+// the tile counter; this kernel is its programmatic dependent and waits for it before reading
+// either. Per CTA (persistent, 384 threads):
+//  - warp 0 builds the tile list from the row offsets in shared memory (fused/tile_list.cuh:
+//    ceil(rows / 128) M tiles per expert, the M tiles of one 256-column slice consecutive);
+//  - thread 0 is the producer: per tile (fused/tile_source.cuh's CountedTiles, claimed
+//    ClaimAhead's lead early) and K block of 64, a box of A at (k0, row0), 128 rows or fewer
+//    for an expert's last tile (a_box_for; rows past the expert's end are another expert's or
+//    zero fill past capacity, never stored), and the
+//    256 x 64 B tile: one 64 x 256 box of W_e when the reduction is W's contiguous dim (RC), or
+//    four 64 x 64 boxes, MN-major, when the output columns are (RR);
+//  - warpgroups 1 and 2 consume, 64 rows each, one 64x256x16 wgmma per k16 step, and store
+//    their rows < the tile's row count straight from the accumulators, 16 bytes a lane
+//    (fused/quad_store.cuh), columns < N.
+// TMA zero-fills reads past K and past N, so neither needs to be a multiple of the tile.
+// First: CUTLASS includes <cudaTypedefs.h> inside its namespace (cuda_host_adapter.hpp), which
+// would leave the driver typedefs this header needs out of the global one.
+#include "common/tma_encode.h"
+
+#include <cuda_runtime.h>
+
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/bfloat16.h>
+#include <cutlass/half.h>
+
+#include "common/alignment.h"
+#include "common/boundary.cuh"
+#include "common/device_primitives.cuh"
+#include "fused/accumulator_layout.cuh"
+#include "fused/pair.cuh"
+#include "fused/pipeline.cuh"
+#include "fused/quad_store.cuh"
+#include "fused/tile_list.cuh"
+#include "fused/tile_source.cuh"
+#include "grouped_gemm/arguments.cuh"
+#include "grouped_gemm/counter.h"
+#include "grouped_gemm/dependent_launch.cuh"
+#include "grouped_gemm/launch.h"
+
+namespace capmoe::gg::counter {
+namespace {
+
+using namespace cute;
+using fused::StageRing;
+using fused::Tile;
+
+constexpr int kTileM = kCounterTileM;
+constexpr int kTileN = kCounterTileN;
+constexpr int kTileK = 64;  // 64 16-bit elements = one 128-byte swizzle row
+constexpr int kBoxN = 64;   // MN-major B: output columns per TMA box
+constexpr int kStages = 4;
+constexpr int kThreads = 384;
+constexpr int kConsumerWarps = 8;
+
+// A's row boxes, tallest first: a tile takes the shortest box that holds its rows, so an
+// expert's last tile does not read up to 127 rows of the next expert's A from L2 (and, when
+// the CTAs reading them drift apart, HBM) into rows it never stores. (TMA's box is fixed per
+// map; CUTLASS's per-expert maps end at the expert's last row, so it reads none of them.
+// 2026-11-29, H200, dsv3_ep8_fc1 fprop with one 128-row box: 2.34 GB read from HBM against
+// CUTLASS's 2.04.) Rows of the stage below the box keep an older stage's data: their
+// accumulator rows are never stored, and rows of an MMA do not mix.
+constexpr int kABoxes = 4;
+
+// Box i holds 128 >> i rows: 128, 64, 32, 16.
+__host__ __device__ constexpr int a_box_rows(int box) { return kTileM >> box; }
+
+// The shortest box that holds `rows` rows.
+__host__ __device__ constexpr int a_box_for(int rows) {
+  int box = 0;
+  while (box + 1 < kABoxes && a_box_rows(box + 1) >= rows) ++box;
+  return box;
+}
+static_assert(a_box_for(128) == 0 && a_box_for(65) == 0 && a_box_for(64) == 1 && a_box_for(17) == 2 &&
+              a_box_for(16) == 3 && a_box_for(1) == 3);
+
+struct Params {
+  CUtensorMap a_maps[kABoxes];  // A [capacity, K_in]: box 64 x a_box_rows(i) rows
+  CUtensorMap b_map;  // RC: W [E, N, K_in] box 64 x 256 x 1; RR: W [E, K_in, N] box 64 x 64 x 1
+  void* d;            // D [capacity, N]
+  const int64_t* row_offsets;  // E + 1 clamped row starts (the argument kernel's)
+  int32_t* schedule;           // the tile counter's words (fused/tile_schedule.cuh)
+  int32_t experts, k_in, n_out, capacity;
+};
+
+template <class T, bool kBMnMajor>
+struct MmaAtom;
+template <>
+struct MmaAtom<cutlass::bfloat16_t, false> {
+  using type = SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
+};
+template <>
+struct MmaAtom<cutlass::bfloat16_t, true> {
+  using type = SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>;
+};
+template <>
+struct MmaAtom<cutlass::half_t, false> {
+  using type = SM90_64x256x16_F32F16F16_SS<GMMA::Major::K, GMMA::Major::K>;
+};
+template <>
+struct MmaAtom<cutlass::half_t, true> {
+  using type = SM90_64x256x16_F32F16F16_SS<GMMA::Major::K, GMMA::Major::MN>;
+};
+
+template <bool kBMnMajor, class T>
+struct SmemLayoutB;
+template <class T>
+struct SmemLayoutB<false, T> {
+  using type = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
+                                      Shape<Int<kTileN>, Int<kTileK>, Int<kStages>>{}));
+};
+template <class T>
+struct SmemLayoutB<true, T> {
+  // K first: each 64-column chunk's 64 K rows are one contiguous 8 KB block, what one box writes
+  // (as the fused fc2 dgrad's W2 tile, fused/swiglu_dgrad_sm90.cu).
+  using type = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
+                                      Shape<Int<kTileN>, Int<kTileK>, Int<kStages>>{}, Step<_2, _1, _3>{}));
+};
+
+template <class T, bool kBMnMajor>
+struct Kernel {
+  using TiledMma = decltype(make_tiled_mma(typename MmaAtom<T, kBMnMajor>::type{}, Layout<Shape<_2, _1, _1>>{}));
+  using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
+                                             Shape<Int<kTileM>, Int<kTileK>, Int<kStages>>{}));
+  using LayoutB = typename SmemLayoutB<kBMnMajor, T>::type;
+  static constexpr int kStageElemsA = kTileM * kTileK;
+  static constexpr int kStageElemsB = kTileN * kTileK;
+
+  struct Shared {
+    alignas(1024) T a[cosize_v<SmemLayoutA>];
+    alignas(1024) T b[cosize_v<LayoutB>];
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
+    int32_t tile_prefix[kCounterMaxExperts + 1];  // M tiles of the experts before e
+    int32_t row_start[kCounterMaxExperts + 1];    // first row of expert e (clamped)
+    int32_t stage_tile[kStages];  // the tile whose first K block a stage holds
+  };
+  static constexpr size_t kSmemBytes = sizeof(Shared) + 1024;  // + room to align the base
+  static_assert(kSmemBytes <= 227 * 1024, "sm_90a allows 227 KB of dynamic shared memory per CTA");
+
+  // The layouts the boxes are written into (before the swizzle, a function of the address as
+  // TMA's is): A rows and K-major B rows are consecutive 128-byte rows; an MN-major B chunk's K
+  // row k is its 128-byte row k, chunk c starts at c * 64 * 64; stages are whole blocks.
+  using PlainA = decltype(get_nonswizzle_portion(SmemLayoutA{}));
+  using PlainB = decltype(get_nonswizzle_portion(LayoutB{}));
+  static_assert(kTileK * sizeof(T) == 128, "one K block is one 128-byte swizzle row");
+  static_assert(PlainA{}(_1{}, _0{}, _0{}) == kTileK && PlainA{}(_0{}, _0{}, _1{}) == kStageElemsA);
+  static_assert(kBMnMajor || PlainB{}(_1{}, _0{}, _0{}) == kTileK);
+  static_assert(!kBMnMajor || (PlainB{}(_1{}, _0{}, _0{}) == 1 && PlainB{}(_0{}, _1{}, _0{}) == kBoxN &&
+                               PlainB{}(Int<kBoxN>{}, _0{}, _0{}) == kBoxN * kTileK));
+  static_assert(PlainB{}(_0{}, _0{}, _1{}) == kStageElemsB);
+  static_assert(cosize_v<SmemLayoutA> == kStages * kStageElemsA && cosize_v<LayoutB> == kStages * kStageElemsB);
+};
+
+__device__ __forceinline__ Tile locate_tile(int tile, int slices, const int32_t* tile_prefix,
+                                            const int32_t* row_start, int experts) {
+  return fused::locate<kTileM, kTileN>(tile, slices, tile_prefix, row_start, experts);
+}
+
+// One stage's boxes: A rows [row0, row0 + a_box_rows(a_box)) x K [k0, k0 + 64), and W_e's
+// 256 x 64 B tile.
+template <class T, bool kBMnMajor>
+__device__ __forceinline__ void load_stage(const Params& p, uint64_t* full, T* a_stage, T* b_stage, const Tile& t,
+                                           int a_box, int k0) {
+  constexpr uint64_t kEvictNormal = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
+  SM90_TMA_LOAD_2D::copy(&p.a_maps[a_box], full, kEvictNormal, a_stage, k0, t.row0);
+  if constexpr (kBMnMajor) {
+#pragma unroll
+    for (int c = 0; c < kTileN / kBoxN; ++c)
+      SM90_TMA_LOAD_3D::copy(&p.b_map, full, kEvictNormal, b_stage + c * kBoxN * kTileK, t.n0 + c * kBoxN, k0,
+                             t.expert);
+  } else {
+    SM90_TMA_LOAD_3D::copy(&p.b_map, full, kEvictNormal, b_stage, k0, t.n0, t.expert);
+  }
+}
+
+// Thread 0: every K block of every tile the counter hands this CTA, then the stop stage.
+template <class T, bool kBMnMajor>
+__device__ void produce(const Params& p, typename Kernel<T, kBMnMajor>::Shared& s, int total_tiles, int slices) {
+  using K = Kernel<T, kBMnMajor>;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  using Tiles = fused::CountedTiles<1>;
+  const int k_blocks = (p.k_in + kTileK - 1) / kTileK;
+  StageRing<kStages> ring;
+  fused::ClaimAhead<Tiles> walk(Tiles{fused::TileSchedule{p.schedule}, s.stage_tile, nullptr}, k_blocks);
+  for (;;) {
+    const int tile = walk.next();
+    if (tile >= total_tiles) break;
+    const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
+    const int a_box = a_box_for(t.rows);
+    // TMA counts every byte of a box, zero-filled ones included.
+    const uint32_t stage_bytes = (a_box_rows(a_box) + kTileN) * kTileK * sizeof(T);
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      walk.at_block(kb);
+      fused::wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "counter producer, empty");
+      const int stage = ring.stage;
+      if (kb == 0) walk.tiles.publish(stage, tile);
+      Barrier::arrive_and_expect_tx(&s.full[stage], stage_bytes);
+      load_stage<T, kBMnMajor>(p, &s.full[stage], s.a + stage * K::kStageElemsA, s.b + stage * K::kStageElemsB, t,
+                               a_box, kb * kTileK);
+      ring.advance();
+    }
+  }
+  walk.tiles.stop(s.full, s.empty, ring, true, "counter producer, empty (end)");
+}
+
+// Rows m0 and m0 + 8 of the tile (this thread's), rounded to T, columns < N; the accumulator
+// layout is check_quad_accumulator_layout's.
+template <class T, class Accum>
+__device__ __forceinline__ void store_tile(const Params& p, const Tile& t, const Accum& acc, int m0) {
+  constexpr int kGroups = kTileN / 8;  // 8-column groups per row
+  static_assert(decltype(size(acc))::value == 4 * kGroups, "two rows x two columns per group");
+  const int quad_lane = threadIdx.x & 3;
+  T* d = static_cast<T*>(p.d);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int m = m0 + 8 * r;
+    const bool stored = m < t.rows;
+    const int64_t row = int64_t(t.row0) + m;
+#pragma unroll
+    for (int a = 0; a < kGroups / 4; ++a) {
+      uint32_t words[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int i = 4 * (4 * a + j) + 2 * r;
+        words[j] = fused::Pair<T>::pack(acc(i), acc(i + 1));
+      }
+      fused::quad_transpose(words);  // every lane: warp shuffles
+      const int col = t.n0 + 8 * (4 * a + quad_lane);
+      if (stored && col < p.n_out) fused::store16(d + row * p.n_out + col, words);
+    }
+  }
+}
+
+template <class T, bool kBMnMajor>
+__device__ void consume(const Params& p, typename Kernel<T, kBMnMajor>::Shared& s, int slices) {
+  using K = Kernel<T, kBMnMajor>;
+  const int consumer_thread = threadIdx.x - 128;
+  const bool warp_leader = (threadIdx.x & 31) == 0;
+  const int k_blocks = (p.k_in + kTileK - 1) / kTileK;
+
+  typename K::TiledMma mma;
+  Tensor sA = make_tensor(make_smem_ptr(s.a), typename K::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(s.b), typename K::LayoutB{});
+  auto thr = mma.get_thread_slice(consumer_thread);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stage)
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  Tensor acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<kTileN>>{});
+  Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
+  const int m0 = fused::check_quad_accumulator_layout(coords);
+
+  const int first_row = (consumer_thread / 128) * (kTileM / 2);  // this warpgroup's rows
+  StageRing<kStages> ring;
+  for (;;) {
+    const int tile = fused::next_published_tile(ring, s.full, s.stage_tile);
+    if (tile == fused::kNoMoreTiles) break;
+    const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
+    if (t.rows <= first_row) {
+      // An expert's last tile with at most 64 rows: this warpgroup has none and leaves the
+      // tensor cores to the other one (the fused fc1 measured the skip as a gain).
+      fused::pass_k_blocks(ring, s.full, s.empty, k_blocks, warp_leader);
+      continue;
+    }
+    fused::mma_k_blocks<false>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc);
+    store_tile<T>(p, t, acc, m0);
+  }
+}
+
+template <class T, bool kBMnMajor>
+__global__ void __launch_bounds__(kThreads, 1) counter_gemm_kernel(const __grid_constant__ Params p) {
+  using K = Kernel<T, kBMnMajor>;
+  extern __shared__ uint8_t raw[];
+  auto& s = fused::aligned_shared<typename K::Shared>(raw);
+  const int warp = threadIdx.x / 32;
+
+  // Nothing the argument kernel writes is read before this point's wait.
+  if (threadIdx.x == 32) fused::init_stage_barriers<kStages>(s.full, s.empty, 1, kConsumerWarps);
+  if (threadIdx.x == 64) {
+    for (int i = 0; i < kABoxes; ++i) cute::prefetch_tma_descriptor(&p.a_maps[i]);
+    cute::prefetch_tma_descriptor(&p.b_map);
+  }
+  grid_dependency_wait();
+  if (warp == 0) {
+    fused::build_tile_prefix<kTileM>(p.row_offsets, p.experts, p.capacity, s.tile_prefix, s.row_start);
+  }
+  __syncthreads();
+
+  const int slices = (p.n_out + kTileN - 1) / kTileN;
+  const int total_tiles = s.tile_prefix[p.experts] * slices;
+  if (warp < 4) {
+    // The producer needs few registers: 40 + 2 x 232 = 504 = 3 x 168, what the launch holds.
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 0) produce<T, kBMnMajor>(p, s, total_tiles, slices);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<232>();
+    consume<T, kBMnMajor>(p, s, slices);
+  }
+}
+
+// The argument arrays of this variant: the row offsets and the tile counter; no per-expert
+// problem sizes or pointers (the kernel derives them from the offsets).
+template <class T>
+struct CounterArrays {
+  using ElementA = T;
+  using ElementB = T;
+  using ElementD = T;
+  int64_t* row_offsets;
+  int32_t* schedule;
+  // Called once per expert by the thread that owns it; the owner of expert 0 also zeroes the
+  // tile counter, so that every launch starts from tile 0 whatever the workspace held.
+  __device__ void store(int64_t e, const Group&) const {
+    if (e == 0) {
+      schedule[0] = 0;
+      schedule[1] = 0;
+    }
+  }
+};
+
+// The workspace: the E + 1 row offsets, then the counter's words.
+struct Workspace {
+  int64_t* row_offsets;
+  int32_t* schedule;
+  static uint64_t offsets_bytes(int64_t experts) { return (uint64_t(experts + 1) * 8 + 255) / 256 * 256; }
+  static uint64_t bytes(int64_t experts) { return offsets_bytes(experts) + 256; }
+  static Workspace carve(void* base, int64_t experts) {
+    char* p = static_cast<char*>(base);
+    return {reinterpret_cast<int64_t*>(p), reinterpret_cast<int32_t*>(p + offsets_bytes(experts))};
+  }
+};
+
+capmoe_status_t encode_maps(const capmoe_grouped_gemm_desc_t& d, bool b_mn_major, int64_t k_in, int64_t n_out,
+                            const void* a, const void* b, Params* p) {
+  const cuuint64_t elem = 2;
+  const cuuint64_t a_dims[2] = {cuuint64_t(k_in), cuuint64_t(d.capacity)};
+  const cuuint64_t a_strides[1] = {cuuint64_t(k_in) * elem};
+  for (int i = 0; i < kABoxes; ++i) {
+    const cuuint32_t a_box[2] = {kTileK, cuuint32_t(a_box_rows(i))};
+    CAPMOE_TRY(tma_encode(&p->a_maps[i], d.dtype, a, 2, a_dims, a_strides, a_box));
+  }
+  const cuuint64_t matrix_bytes = cuuint64_t(k_in * n_out) * elem;
+  if (b_mn_major) {
+    const cuuint64_t b_dims[3] = {cuuint64_t(n_out), cuuint64_t(k_in), cuuint64_t(d.num_experts)};
+    const cuuint64_t b_strides[2] = {cuuint64_t(n_out) * elem, matrix_bytes};
+    const cuuint32_t b_box[3] = {kBoxN, kTileK, 1};
+    return tma_encode(&p->b_map, d.dtype, b, 3, b_dims, b_strides, b_box);
+  }
+  const cuuint64_t b_dims[3] = {cuuint64_t(k_in), cuuint64_t(n_out), cuuint64_t(d.num_experts)};
+  const cuuint64_t b_strides[2] = {cuuint64_t(k_in) * elem, matrix_bytes};
+  const cuuint32_t b_box[3] = {kTileK, kTileN, 1};
+  return tma_encode(&p->b_map, d.dtype, b, 3, b_dims, b_strides, b_box);
+}
+
+template <class T, bool kBMnMajor>
+capmoe_status_t launch_kernel(const Params& p, int grid, cudaStream_t stream) {
+  using K = Kernel<T, kBMnMajor>;
+  auto* kernel = &counter_gemm_kernel<T, kBMnMajor>;
+  CAPMOE_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(K::kSmemBytes))));
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = K::kSmemBytes;
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = gemm_pdl_enabled() ? 1 : 0;
+  return cuda_status(cudaLaunchKernelEx(&config, kernel, p));
+}
+
+// The VariantFn body: T the element type, kBMnMajor the RR majorness (W's output columns
+// contiguous).
+template <class T, bool kBMnMajor>
+capmoe_status_t run(const Launch& launch, uint64_t* workspace_bytes) {
+  const capmoe_grouped_gemm_desc_t& d = *launch.desc;
+  if (!counter_takes(d)) return CAPMOE_ERR_UNSUPPORTED;
+  if (workspace_bytes) {
+    *workspace_bytes = Workspace::bytes(d.num_experts);
+    return CAPMOE_OK;
+  }
+  if (launch.workspace_bytes < Workspace::bytes(d.num_experts)) return CAPMOE_ERR_WORKSPACE_TOO_SMALL;
+  const bool fprop = d.op == CAPMOE_GEMM_FPROP;
+  const int64_t k_in = fprop ? d.k : d.n, n_out = fprop ? d.n : d.k;
+  const Workspace ws = Workspace::carve(launch.workspace, d.num_experts);
+
+  // Everything that can fail on the host comes before the first launch, so a failure never
+  // leaves the argument kernel on the stream without its GEMM.
+  Params p{};
+  const bool gemm = d.capacity > 0;  // no row to compute: the argument kernel alone (flags)
+  if (gemm) CAPMOE_TRY(encode_maps(d, kBMnMajor, k_in, n_out, launch.a, launch.b, &p));
+  p.d = launch.d;
+  p.row_offsets = ws.row_offsets;
+  p.schedule = ws.schedule;
+  p.experts = int32_t(d.num_experts);
+  p.k_in = int32_t(k_in);
+  p.n_out = int32_t(n_out);
+  p.capacity = int32_t(d.capacity);
+
+  (void)cudaGetLastError();
+  ArgumentParams<CounterArrays<T>> args{CounterArrays<T>{ws.row_offsets, ws.schedule},
+                                        launch.m_splits,
+                                        d.split_dtype == CAPMOE_DTYPE_I64,
+                                        d.op,
+                                        false,
+                                        d.weight_layout == CAPMOE_WEIGHT_EKN,
+                                        d.num_experts,
+                                        d.n,
+                                        d.k,
+                                        d.capacity,
+                                        launch.a,
+                                        launch.b,
+                                        launch.d,
+                                        launch.overflow_flags};
+  CAPMOE_TRY(launch_write_arguments(args, launch.stream));
+  if (!gemm) return CAPMOE_OK;
+  const int64_t tiles = counter_max_tiles(d);
+  const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
+  return launch_kernel<T, kBMnMajor>(p, grid, launch.stream);
+}
+
+}  // namespace
+}  // namespace capmoe::gg::counter
+
+namespace capmoe::gg {
+
+capmoe_status_t variant_sm90_rc_bf16_counter(const Launch& launch, uint64_t* workspace_bytes) {
+  return counter::run<cutlass::bfloat16_t, false>(launch, workspace_bytes);
+}
+capmoe_status_t variant_sm90_rr_bf16_counter(const Launch& launch, uint64_t* workspace_bytes) {
+  return counter::run<cutlass::bfloat16_t, true>(launch, workspace_bytes);
+}
+capmoe_status_t variant_sm90_rc_f16_counter(const Launch& launch, uint64_t* workspace_bytes) {
+  return counter::run<cutlass::half_t, false>(launch, workspace_bytes);
+}
+capmoe_status_t variant_sm90_rr_f16_counter(const Launch& launch, uint64_t* workspace_bytes) {
+  return counter::run<cutlass::half_t, true>(launch, workspace_bytes);
+}
+
+}  // namespace capmoe::gg
