@@ -57,16 +57,19 @@ fn resolve_config_refuses_configurations_without_a_kernel() {
     if !sm90_built_or_skip() {
         return;
     }
-    // 128 rows per expert and a reduction of 128: AUTO's first choice, the 64x256 pingpong
-    // (built for bf16 and fp16); wgrad: the cooperative kernel.
+    // 128 rows per expert, an output of 256 over a reduction of 128: AUTO's first choice, the
+    // counter kernel (built for bf16 and fp16); with a pointer array of weights, which that
+    // kernel does not take, the 64x256 pingpong; wgrad: the cooperative kernel.
     let auto = gemm_desc(90, sys::CAPMOE_CONFIG_AUTO as i32);
-    assert_eq!(resolve(&auto), (OK, sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE as i32));
+    assert_eq!(resolve(&auto), (OK, sys::CAPMOE_CONFIG_SM90_COUNTER as i32));
+    let auto_pointers = sys::capmoe_grouped_gemm_desc_t { weights_as_pointers: 1, ..auto };
+    assert_eq!(resolve(&auto_pointers), (OK, sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE as i32));
     let auto_f16 = sys::capmoe_grouped_gemm_desc_t {
         dtype: sys::CAPMOE_DTYPE_F16 as i32,
         out_dtype: sys::CAPMOE_DTYPE_F16 as i32,
         ..auto
     };
-    assert_eq!(resolve(&auto_f16), (OK, sys::CAPMOE_CONFIG_SM90_PINGPONG_WIDE as i32));
+    assert_eq!(resolve(&auto_f16), (OK, sys::CAPMOE_CONFIG_SM90_COUNTER as i32));
     let auto_wgrad = sys::capmoe_grouped_gemm_desc_t { op: sys::CAPMOE_GEMM_WGRAD as i32, ..auto };
     assert_eq!(resolve(&auto_wgrad), (OK, sys::CAPMOE_CONFIG_SM90_COOPERATIVE as i32));
     for (what, desc) in [

@@ -460,7 +460,8 @@ fn counter_kernel_matches_the_reference_everywhere_the_cutlass_ones_do() {
         let out = HostCase::new(counter(spec(op, 3, 64, 64, 100)), vec![20, -5, 30], Data::SmallInt, 9).run(&stream);
         assert_eq!(out.flags & OVERFLOW_NEGATIVE, OVERFLOW_NEGATIVE);
         out.assert_exact(&format!("{op:?} negative count"));
-        let out = HostCase::new(counter(spec(op, 4, 128, 64, 1024)), vec![100, 0, 150, 50], Data::Random, 7).run(&stream);
+        let out =
+            HostCase::new(counter(spec(op, 4, 128, 64, 1024)), vec![100, 0, 150, 50], Data::Random, 7).run(&stream);
         assert!(!out.untouched.is_empty());
         out.assert_close(&format!("{op:?} rows past the total"), 1e-2);
 

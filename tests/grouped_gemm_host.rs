@@ -81,21 +81,32 @@ fn auto_config_heuristic_uses_host_facts_only() {
     let prefill = GroupedGemmSpec::new(GemmOp::Fprop, 8, 28672, 4096, 8192);
     let wgrad = GroupedGemmSpec::new(GemmOp::Wgrad, 64, 2816, 2048, 1024);
     if Arch::Sm90.is_built() {
-        assert_eq!(GroupedGemm::for_device(decode.clone(), &hopper).unwrap().config(), GemmConfig::Sm90PingpongWide);
-        // Dense-sized experts (mixtral, 1024 rows each): no cluster either (sweep of 2026-11-28).
-        assert_eq!(
-            GroupedGemm::for_device(prefill.clone(), &hopper).unwrap().config(),
-            GemmConfig::Sm90CooperativeNoCluster
-        );
-        assert_eq!(GroupedGemm::for_device(wgrad.clone(), &hopper).unwrap().config(), GemmConfig::Sm90Cooperative);
-        // E >= 32 at 256 rows per expert: no cluster; a short reduction (K = 768): 64x256
-        // pingpong, for bf16 and fp16 alike.
+        let auto = |s: &GroupedGemmSpec| GroupedGemm::for_device(s.clone(), &hopper).unwrap().config();
+        // The counter kernel at decode and where the output is at least as wide as the
+        // reduction (the sweeps of 2026-11-29), bf16 and fp16 alike; CUTLASS's kernels elsewhere.
+        assert_eq!(auto(&decode), GemmConfig::Sm90Counter);
+        assert_eq!(auto(&prefill), GemmConfig::Sm90Counter); // mixtral fc1: N 28672 >= K 4096
+        assert_eq!(auto(&wgrad), GemmConfig::Sm90Cooperative);
         let dsv3_fc1 = GroupedGemmSpec::new(GemmOp::Fprop, 32, 4096, 7168, 8192);
+        let dsv3_fc1_dgrad = GroupedGemmSpec { op: GemmOp::Dgrad, ..dsv3_fc1.clone() };
         let qwen3_fc2 = GroupedGemmSpec::new(GemmOp::Fprop, 128, 2048, 768, 32768);
         let qwen3_fc2_f16 = GroupedGemmSpec { dtype: DType::F16, out_dtype: DType::F16, ..qwen3_fc2.clone() };
-        assert_eq!(GroupedGemm::for_device(dsv3_fc1, &hopper).unwrap().config(), GemmConfig::Sm90CooperativeNoCluster);
-        assert_eq!(GroupedGemm::for_device(qwen3_fc2, &hopper).unwrap().config(), GemmConfig::Sm90PingpongWide);
-        assert_eq!(GroupedGemm::for_device(qwen3_fc2_f16, &hopper).unwrap().config(), GemmConfig::Sm90PingpongWide);
+        let qwen3_fc2_dgrad = GroupedGemmSpec { op: GemmOp::Dgrad, ..qwen3_fc2.clone() };
+        assert_eq!(auto(&dsv3_fc1), GemmConfig::Sm90CooperativeNoCluster); // reduction 7168 > 4096
+        assert_eq!(auto(&dsv3_fc1_dgrad), GemmConfig::Sm90Counter); // output 7168 >= 4096
+        assert_eq!(auto(&qwen3_fc2), GemmConfig::Sm90Counter);
+        assert_eq!(auto(&qwen3_fc2_f16), GemmConfig::Sm90Counter);
+        // Output 768 narrower than the reduction 2048, which is > 1024: the cooperative kernel.
+        assert_eq!(auto(&qwen3_fc2_dgrad), GemmConfig::Sm90CooperativeNoCluster);
+        // An output narrower than a short reduction (dgrad: N = 1024 -> K = 512): the pingpong.
+        let short_dgrad = GroupedGemmSpec::new(GemmOp::Dgrad, 128, 1024, 512, 32768);
+        assert_eq!(auto(&short_dgrad), GemmConfig::Sm90PingpongWide);
+        // Where the counter kernel does not go, the next candidate: a pointer array of
+        // weights, more than 1024 experts.
+        let decode_pointers = GroupedGemmSpec { weights_as_pointers: true, ..decode.clone() };
+        assert_eq!(auto(&decode_pointers), GemmConfig::Sm90PingpongWide);
+        let many = GroupedGemmSpec::new(GemmOp::Fprop, 2048, 2048, 768, 2048 * 256);
+        assert_eq!(auto(&many), GemmConfig::Sm90PingpongWide);
         let plan = GroupedGemm::for_device(prefill.clone(), &hopper).unwrap();
         assert!(plan.workspace_bytes() > 0);
     }

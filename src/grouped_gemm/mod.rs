@@ -57,11 +57,10 @@ pub enum WeightLayout {
 
 /// Kernel configuration; `Auto` applies the documented heuristic on host-known facts.
 ///
-/// `Sm90CooperativeNoCluster` and `Sm90PingpongWide` (AUTO's choices for fprop / dgrad at more
-/// than 64 rows per expert) are built for bf16 and fp16 fprop / dgrad; the no-cluster tile
-/// also for bf16 plain wgrad. Any other
-/// combination with them (fp32 out, fp32 accumulate) is [`Error::Unsupported`] when the plan
-/// is made.
+/// `Sm90CooperativeNoCluster`, `Sm90PingpongWide` and `Sm90Counter` (AUTO's choices for fprop
+/// / dgrad) are built for bf16 and fp16 fprop / dgrad. Any other combination with them (wgrad,
+/// fp32 out, fp32 accumulate) is [`Error::Unsupported`] when the plan is made, as is
+/// `Sm90Counter` with a pointer array of weights or more than 1024 experts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GemmConfig {
     Auto,
