@@ -5,6 +5,7 @@
 mod common;
 
 use capturable_moe::graph::capture;
+use capturable_moe::grouped_gemm::GemmConfig;
 use capturable_moe::moe::{MoeConfig, MoeExperts, MoeOptions, WeightForm};
 use capturable_moe::routing::{self, flags, Tokens};
 use capturable_moe::Error;
@@ -444,18 +445,25 @@ fn megatron_map_form_matches_topk_form() {
 }
 
 /// Per-expert pointer arrays into the same tensors give the tensor form's results bit for bit,
-/// with written (bf16) and accumulated (fp32) weight gradients.
+/// with written (bf16) and accumulated (fp32) weight gradients, when both run the same kernels.
+/// (Under `Auto` they need not: the counter kernel takes one weight tensor only, so the two
+/// forms may resolve to different fprop / dgrad kernels. Both plans force one here.)
 #[test]
 fn pointer_weights_match_tensor_weights() {
     let stream = gpu_or_skip!();
+    let gemm_config = match capturable_moe::device::DeviceInfo::of_stream(&stream).unwrap().arch {
+        capturable_moe::device::Arch::Sm90 => GemmConfig::Sm90CooperativeNoCluster,
+        _ => GemmConfig::Sm100OneSm,
+    };
     let w = weights(9);
     let ptrs = |base: u64, elems: usize, bytes: usize| -> Vec<u64> {
         (0..E).map(|e| base + (e * elems * bytes) as u64).collect()
     };
     for accumulate in [false, true] {
         let cfg = MoeConfig { wgrad_accumulate: accumulate, ..config() };
-        let mut tensor_moe = MoeExperts::<bf16>::new(cfg.clone(), &stream).unwrap();
-        let opts = MoeOptions { weights: WeightForm::Pointers, ..MoeOptions::default() };
+        let tensor_opts = MoeOptions { gemm_config, ..MoeOptions::default() };
+        let mut tensor_moe = MoeExperts::<bf16>::with_options(cfg.clone(), tensor_opts, &stream).unwrap();
+        let opts = MoeOptions { weights: WeightForm::Pointers, ..tensor_opts };
         let mut ptr_moe = MoeExperts::<bf16>::with_options(cfg, opts, &stream).unwrap();
         assert_eq!(tensor_moe.gemm_configs(), ptr_moe.gemm_configs());
         let mut io = layer_io(&stream, &w);

@@ -131,8 +131,10 @@ pub struct MoeOptions {
     pub weights: WeightForm,
     /// Kernel of the four row-wise GEMMs (fc1 / fc2 fprop and dgrad). `Auto` applies the grouped
     /// GEMM heuristic, which looks at `capacity / num_experts`, so two plans with different
-    /// `num_experts` may pick different kernels; force one to make them run the same kernel
-    /// (then each row's result is bitwise the same in both). The wgrad GEMMs always resolve
+    /// `num_experts` may pick different kernels, and so may the two [`WeightForm`]s (the
+    /// `Sm90Counter` kernel takes one weight tensor, not a pointer array); force one to make
+    /// them run the same kernel (then each row's result is bitwise the same in both). The
+    /// wgrad GEMMs always resolve
     /// `Auto`: one wgrad kernel exists per arch.
     pub gemm_config: GemmConfig,
     /// fc1 of the forward: fused (gather + GEMM + SwiGLU in one kernel) or not; see
