@@ -192,20 +192,25 @@ fn fused_moe_forward_only_y_equals_unfused_and_backward_is_refused() {
 #[test]
 fn fused_moe_plan_choices() {
     let stream = gpu_of_arch_or_skip!("the fused fc1", Arch::Sm90, Arch::Sm100);
-    // Auto takes the fused fc1 in forward-only plans on a 9.0 device (FusedKernel::Auto says
-    // why not in training), never on 10.0 (the sm_100a kernel has not run); a forced Fused plan
-    // takes it on either for tensor weights and F % 128 == 0.
+    // Auto takes the fused fc1 in forward-only plans with more than 64 rows per expert on a
+    // 9.0 device (FusedKernel::Auto says why not in training or at decode sizes), never on 10.0
+    // (the sm_100a kernel has not run); a forced Fused plan takes it on either for tensor
+    // weights and F % 128 == 0.
     let arch = DeviceInfo::of_stream(&stream).unwrap().arch;
     let auto = MoeExperts::<bf16>::new(config(None), &stream).unwrap();
     assert!(!auto.fc1_is_fused(), "Auto keeps the unfused fc1 in training");
     let inference = MoeOptions { forward_only: true, ..MoeOptions::default() };
-    let auto = MoeExperts::<bf16>::with_options(config(None), inference, &stream).unwrap();
+    let prefill = config(Some(E * 65));
+    let auto = MoeExperts::<bf16>::with_options(prefill.clone(), inference, &stream).unwrap();
     assert_eq!(auto.fc1_is_fused(), arch == Arch::Sm90, "Auto's forward-only fc1 on {arch:?}");
+    let decode = config(Some(E * 64));
+    let auto = MoeExperts::<bf16>::with_options(decode, inference, &stream).unwrap();
+    assert!(!auto.fc1_is_fused(), "Auto keeps the unfused fc1 at <= 64 rows per expert");
     // A shape the kernel does not take (F not a multiple of 128): Auto falls back, no error.
-    let odd_ffn = MoeConfig { ffn: 120, ..config(None) };
+    let odd_ffn = MoeConfig { ffn: 120, ..prefill.clone() };
     assert!(!MoeExperts::<bf16>::with_options(odd_ffn, inference, &stream).unwrap().fc1_is_fused());
     let ptrs = MoeOptions { weights: WeightForm::Pointers, ..inference };
-    assert!(!MoeExperts::<bf16>::with_options(config(None), ptrs, &stream).unwrap().fc1_is_fused());
+    assert!(!MoeExperts::<bf16>::with_options(prefill, ptrs, &stream).unwrap().fc1_is_fused());
     let fused = MoeOptions { fc1: FusedKernel::Fused, ..MoeOptions::default() };
     assert!(MoeExperts::<bf16>::with_options(config(None), fused, &stream).unwrap().fc1_is_fused());
     // Pointer weights: Auto falls back, a forced Fused is an error.

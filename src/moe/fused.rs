@@ -42,9 +42,10 @@ pub enum FusedKernel {
     /// The fused kernel where it was measured faster than the chain it replaces, else the
     /// unfused chain. Today that is fc1 ([`MoeOptions::fc1`]) in a
     /// [`MoeOptions::forward_only`] plan, where it skips the permuted copy of x and `h`
-    /// altogether: on a 9.0 device with an sm_90a build, [`WeightForm::Tensor`] and shapes the
-    /// kernel takes (`F` a multiple of 128, `E` at most [`crate::fused::MAX_EXPERTS`], a 16-bit
-    /// dtype). In a training plan the backward's fc1 wgrad still reads the permuted copy, so the
+    /// altogether: on a 9.0 device with an sm_90a build, [`WeightForm::Tensor`], more than 64
+    /// rows per expert on average (at decode sizes the unfused chain is faster since the
+    /// grouped GEMM runs its counter kernel there) and shapes the kernel takes (`F` a multiple
+    /// of 128, `E` at most [`crate::fused::MAX_EXPERTS`], a 16-bit dtype). In a training plan the backward's fc1 wgrad still reads the permuted copy, so the
     /// forward permutes anyway and the fused fc1 only replaces fc1 + SwiGLU, which it does not
     /// beat (H200, 2026-11-29: 732 against 716 us at E128 T4096); `bench/README.md` ("Fused
     /// expert path") has the measurements. The other options' fused kernels are slower than
@@ -119,10 +120,16 @@ impl FusedPlans {
     }
 }
 
-/// [`FusedKernel::Auto`]'s fc1: the fused kernel in a forward-only plan on a 9.0 device where
-/// it takes the plan, `None` (the unfused chain) otherwise; any other error is the caller's.
+/// [`FusedKernel::Auto`]'s fc1: the fused kernel in a forward-only plan on a 9.0 device with
+/// more than 64 rows per expert on average, where it takes the plan; `None` (the unfused
+/// chain) otherwise; any other error is the caller's. At decode sizes the unfused chain won
+/// once the grouped GEMM's AUTO took the counter kernel there (H200, 2026-11-29, report of
+/// b9ad269: E64 T128 k8 H2048 F1408 forward-only 352.3 us fused, 306.7 us unfused; at E128
+/// T4096 670.5 against 714.6 us).
 fn auto_fc1(options: &MoeOptions, routing: &RoutingPlan, stream: &Arc<CudaStream>) -> Result<Option<FusedFc1>> {
-    let takes = options.forward_only && options.weights == WeightForm::Tensor;
+    const DECODE_ROWS_PER_EXPERT: usize = 64;
+    let decode = routing.capacity() <= DECODE_ROWS_PER_EXPERT * routing.num_experts();
+    let takes = options.forward_only && options.weights == WeightForm::Tensor && !decode;
     if !takes || FusedFc1::check_shapes(routing.config()).is_err() {
         return Ok(None);
     }

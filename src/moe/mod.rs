@@ -155,7 +155,8 @@ pub struct MoeOptions {
     /// combine over k is an unweighted gather-sum. The backward then needs neither a `drows`
     /// buffer nor the fc2 output rows: the fused fc2 dgrad gathers `dy` itself and makes
     /// dprobs in its epilogue, and fc2's wgrad reads `dy` through the routing map. Needs the
-    /// fused fc1 (`fc1 = Fused`, or `Auto` where Auto takes it: a forward-only plan on sm_90a)
+    /// fused fc1 (`fc1 = Fused`, or `Auto` where Auto takes it: a forward-only plan on sm_90a with more than 64 rows per
+    /// expert)
     /// and, unless `forward_only`, `swiglu_dgrad = Fused` (else [`Error::InvalidArgument`]). `Auto` / `Unfused`: the probability is applied in the
     /// combine. The two agree within rounding: act is rounded once after the product, and fc2
     /// sums weighted terms.
