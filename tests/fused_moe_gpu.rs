@@ -200,10 +200,11 @@ fn fused_moe_plan_choices() {
     let auto = MoeExperts::<bf16>::new(config(None), &stream).unwrap();
     assert!(!auto.fc1_is_fused(), "Auto keeps the unfused fc1 in training");
     let inference = MoeOptions { forward_only: true, ..MoeOptions::default() };
-    let prefill = config(Some(E * 65));
+    // T_MAX * K / E = 40 rows per expert: decode-sized; 300 tokens: 75 rows per expert.
+    let prefill = MoeConfig { max_tokens: 300, ..config(None) };
     let auto = MoeExperts::<bf16>::with_options(prefill.clone(), inference, &stream).unwrap();
     assert_eq!(auto.fc1_is_fused(), arch == Arch::Sm90, "Auto's forward-only fc1 on {arch:?}");
-    let decode = config(Some(E * 64));
+    let decode = config(None);
     let auto = MoeExperts::<bf16>::with_options(decode, inference, &stream).unwrap();
     assert!(!auto.fc1_is_fused(), "Auto keeps the unfused fc1 at <= 64 rows per expert");
     // A shape the kernel does not take (F not a multiple of 128): Auto falls back, no error.
