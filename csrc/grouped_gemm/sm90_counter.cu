@@ -7,8 +7,10 @@
 // as CUTLASS's cooperative kernel but takes its tiles from a device counter, weight slice by
 // weight slice, claimed a few K blocks ahead, and a consumer warpgroup whose 64 rows all lie
 // past its expert's end skips its MMAs; on the H200 it finished ahead of CUTLASS's kernel on the
-// same data (bench/README, issue 13). This is that mainloop with A by TMA (the rows are
-// contiguous here) and a plain epilogue.
+// same data. This is that mainloop with A by TMA (the rows are contiguous here) and a plain
+// epilogue. Measured (H200, 2026-11-29, bench/README "That kernel"): 2-8 % ahead of the CUTLASS
+// kernels where the output is at least as wide as the reduction and at decode, level or 2-4 %
+// behind where the reduction is the longer side; AUTO (dispatch.cu) takes it where it led.
 //
 // The launch sequence is the CUTLASS variants' (grouped_gemm.cuh): the one-block argument kernel
 // (arguments.cuh) turns m_splits into clamped row offsets, sets the overflow flags and zeroes
@@ -19,9 +21,9 @@
 //  - thread 0 is the producer: per tile (fused/tile_source.cuh's CountedTiles, claimed
 //    ClaimAhead's lead early) and K block of 64, a box of A at (k0, row0), 128 rows or fewer
 //    for an expert's last tile (a_box_for; rows past the expert's end are another expert's or
-//    zero fill past capacity, never stored), and the
-//    256 x 64 B tile: one 64 x 256 box of W_e when the reduction is W's contiguous dim (RC), or
-//    four 64 x 64 boxes, MN-major, when the output columns are (RR);
+//    zero fill past capacity, never stored), and the 256 x 64 B tile: one 64 x 256 box of W_e
+//    when the reduction is W's contiguous dim (RC), or four 64 x 64 boxes, MN-major, when the
+//    output columns are (RR);
 //  - warpgroups 1 and 2 consume, 64 rows each, one 64x256x16 wgmma per k16 step, and store
 //    their rows < the tile's row count straight from the accumulators, 16 bytes a lane
 //    (fused/quad_store.cuh), columns < N.
@@ -71,12 +73,12 @@ constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
 
 // A's row boxes, tallest first: a tile takes the shortest box that holds its rows, so an
-// expert's last tile does not read up to 127 rows of the next expert's A from L2 (and, when
-// the CTAs reading them drift apart, HBM) into rows it never stores. (TMA's box is fixed per
-// map; CUTLASS's per-expert maps end at the expert's last row, so it reads none of them.
-// 2026-11-29, H200, dsv3_ep8_fc1 fprop with one 128-row box: 2.34 GB read from HBM against
-// CUTLASS's 2.04.) Rows of the stage below the box keep an older stage's data: their
-// accumulator rows are never stored, and rows of an MMA do not mix.
+// expert's last tile does not stream up to 127 rows of the next expert's A through L2 into
+// rows it never stores. (TMA's box is fixed per map; CUTLASS's per-expert maps end at the
+// expert's last row, so it reads none of them. H200, 2026-11-29, against one 128-row box:
+// dsv3_ep8_fc1 fprop 1.40x -> 1.34x of the roofline, dgrad 1.35x -> 1.31x.) Rows of the stage
+// below the box keep an older stage's data: their accumulator rows are never stored, and rows
+// of an MMA do not mix.
 constexpr int kABoxes = 4;
 
 // Box i holds 128 >> i rows: 128, 64, 32, 16.
@@ -274,7 +276,8 @@ __device__ void consume(const Params& p, typename Kernel<T, kBMnMajor>::Shared& 
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
     if (t.rows <= first_row) {
       // An expert's last tile with at most 64 rows: this warpgroup has none and leaves the
-      // tensor cores to the other one (the fused fc1 measured the skip as a gain).
+      // tensor cores to the other one (the fused fc1 measured the skip as a gain; both
+      // warpgroups on half the columns each measured the same as this, bench/README).
       fused::pass_k_blocks(ring, s.full, s.empty, k_blocks, warp_leader);
       continue;
     }
