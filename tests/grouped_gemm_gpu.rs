@@ -11,7 +11,8 @@ use capturable_moe::grouped_gemm::{
 use capturable_moe::Error;
 use common::gemm::{skewed_splits, Data, DeviceCase, HostCase, POISON};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::DevicePtr;
+use cudarc::driver::{CudaStream, DevicePtr};
+use std::sync::Arc;
 
 const OPS: [GemmOp; 3] = [GemmOp::Fprop, GemmOp::Dgrad, GemmOp::Wgrad];
 
@@ -335,50 +336,54 @@ fn safe_run_checks_operands() {
     assert!(matches!(&r, Err(Error::InvalidArgument { why, .. }) if why.contains("256-byte")), "{r:?}");
 }
 
-/// Captures one launch in a graph (global capture mode), then replays it with new m_splits
-/// written on the device between replays; every replay must equal an eager run bit for bit.
+/// Every op with AUTO's kernels through [`graph_replays_match_eager`].
 #[test]
 fn graph_replay_with_new_m_splits_matches_eager() {
     let stream = gpu_or_skip!();
+    for op in OPS {
+        graph_replays_match_eager(&stream, spec(op, 8, 128, 128, 2048));
+    }
+}
+
+/// Captures one launch of `s` (8 experts, capacity 2048) in a graph (global capture mode), then
+/// replays it with new m_splits written on the device between replays; every replay must
+/// equal an eager run bit for bit, and the reference within bf16 rounding.
+fn graph_replays_match_eager(stream: &Arc<CudaStream>, s: GroupedGemmSpec) {
     let _lock = common::capture_lock();
     let ctx = stream.context().clone();
-    for op in OPS {
-        let experts = 8;
-        let capacity = 2048;
-        let base =
-            HostCase::new(spec(op, experts, 128, 128, capacity), skewed_splits(experts, 2000, 12), Data::Random, 13);
-        let mut graph_case = DeviceCase::upload(&base, &stream);
-        let mut eager_case = DeviceCase::upload(&base, &stream);
-        stream.synchronize().unwrap();
+    let (op, experts, capacity) = (s.op, s.num_experts, s.capacity);
+    assert_eq!((experts, capacity), (8, 2048), "the replays' splits are written for this size");
+    let base = HostCase::new(s, skewed_splits(experts, 2000, 12), Data::Random, 13);
+    let mut graph_case = DeviceCase::upload(&base, stream);
+    let mut eager_case = DeviceCase::upload(&base, stream);
+    stream.synchronize().unwrap();
 
-        unsafe { ctx.disable_event_tracking() };
-        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
-        let captured = graph_case.launch(&stream);
-        let graph = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
-        unsafe { ctx.enable_event_tracking() };
-        captured.unwrap();
+    unsafe { ctx.disable_event_tracking() };
+    stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+    let captured = graph_case.launch(stream);
+    let graph = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+    unsafe { ctx.enable_event_tracking() };
+    captured.unwrap();
 
-        for replay in 0..6u64 {
-            let splits = match replay {
-                0 => skewed_splits(experts, 2000, 100),
-                1 => vec![0; experts],
-                2 => (0..experts as i64).map(|e| if e == 3 { capacity as i64 } else { 0 }).collect(),
-                _ => skewed_splits(experts, 500 + 300 * replay as usize, 100 + replay),
-            };
-            graph_case.set_splits(&stream, &splits);
-            eager_case.set_splits(&stream, &splits);
-            // Both outputs start poisoned, so rows past this replay's total must stay poison.
-            graph_case.reset_output(&base, &stream);
-            eager_case.reset_output(&base, &stream);
-            graph.launch().unwrap();
-            eager_case.launch(&stream).unwrap();
-            let case =
-                HostCase { splits: splits.clone(), ..HostCase::new(base.spec.clone(), vec![], Data::Random, 13) };
-            let from_graph = graph_case.outcome(&case, &stream);
-            let eager = eager_case.outcome(&case, &stream);
-            assert!(from_graph.bits == eager.bits, "{op:?} replay {replay}: graph and eager differ");
-            from_graph.assert_close(&format!("{op:?} replay {replay}"), 1e-2);
-        }
+    for replay in 0..6u64 {
+        let splits = match replay {
+            0 => skewed_splits(experts, 2000, 100),
+            1 => vec![0; experts],
+            2 => (0..experts as i64).map(|e| if e == 3 { capacity as i64 } else { 0 }).collect(),
+            _ => skewed_splits(experts, 500 + 300 * replay as usize, 100 + replay),
+        };
+        graph_case.set_splits(stream, &splits);
+        eager_case.set_splits(stream, &splits);
+        // Both outputs start poisoned, so rows past this replay's total must stay poison.
+        graph_case.reset_output(&base, stream);
+        eager_case.reset_output(&base, stream);
+        graph.launch().unwrap();
+        eager_case.launch(stream).unwrap();
+        let case = HostCase { splits: splits.clone(), ..HostCase::new(base.spec.clone(), vec![], Data::Random, 13) };
+        let from_graph = graph_case.outcome(&case, stream);
+        let eager = eager_case.outcome(&case, stream);
+        assert!(from_graph.bits == eager.bits, "{op:?} replay {replay}: graph and eager differ");
+        from_graph.assert_close(&format!("{op:?} replay {replay}"), 1e-2);
     }
 }
 
@@ -495,42 +500,8 @@ fn counter_kernel_matches_the_reference_everywhere_the_cutlass_ones_do() {
 #[test]
 fn counter_kernel_graph_replay_with_new_m_splits_matches_eager() {
     let stream = gpu_or_skip!();
-    let _lock = common::capture_lock();
-    let ctx = stream.context().clone();
     for op in [GemmOp::Fprop, GemmOp::Dgrad] {
-        let (experts, capacity) = (8, 2048);
-        let s = GroupedGemmSpec { config: GemmConfig::Sm90Counter, ..spec(op, experts, 320, 192, capacity) };
-        let base = HostCase::new(s, skewed_splits(experts, 2000, 12), Data::Random, 13);
-        let mut graph_case = DeviceCase::upload(&base, &stream);
-        let mut eager_case = DeviceCase::upload(&base, &stream);
-        stream.synchronize().unwrap();
-
-        unsafe { ctx.disable_event_tracking() };
-        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
-        let captured = graph_case.launch(&stream);
-        let graph = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
-        unsafe { ctx.enable_event_tracking() };
-        captured.unwrap();
-
-        for replay in 0..6u64 {
-            let splits = match replay {
-                0 => skewed_splits(experts, 2000, 100),
-                1 => vec![0; experts],
-                2 => (0..experts as i64).map(|e| if e == 3 { capacity as i64 } else { 0 }).collect(),
-                _ => skewed_splits(experts, 500 + 300 * replay as usize, 100 + replay),
-            };
-            graph_case.set_splits(&stream, &splits);
-            eager_case.set_splits(&stream, &splits);
-            graph_case.reset_output(&base, &stream);
-            eager_case.reset_output(&base, &stream);
-            graph.launch().unwrap();
-            eager_case.launch(&stream).unwrap();
-            let case =
-                HostCase { splits: splits.clone(), ..HostCase::new(base.spec.clone(), vec![], Data::Random, 13) };
-            let from_graph = graph_case.outcome(&case, &stream);
-            let eager = eager_case.outcome(&case, &stream);
-            assert!(from_graph.bits == eager.bits, "{op:?} replay {replay}: graph and eager differ");
-            from_graph.assert_close(&format!("{op:?} replay {replay}"), 1e-2);
-        }
+        let s = GroupedGemmSpec { config: GemmConfig::Sm90Counter, ..spec(op, 8, 320, 192, 2048) };
+        graph_replays_match_eager(&stream, s);
     }
 }
