@@ -90,8 +90,9 @@ bool has_variant(const capmoe_grouped_gemm_desc_t& d, capmoe_gemm_config_t confi
   return false;
 }
 
-// The AUTO heuristic, from host facts only (E, N, K, capacity, op, dtypes; never m_splits):
-// an ordered list of configurations, of which the first one this build has a kernel for wins.
+// The AUTO heuristic, from host facts only (E, N, K, capacity, op, dtypes, weight form; never
+// m_splits): an ordered list of configurations, of which the first one this build has a kernel
+// for (that takes the descriptor) wins.
 // SM90 (bench/README.md has the sweeps behind it; H100, 2026-11-23 and 2026-11-28; H200,
 // 2026-11-29 for SM90_COUNTER):
 //  - FPROP/DGRAD at most 64 rows per expert on average (decode), or with an output at least as
