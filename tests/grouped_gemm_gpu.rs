@@ -9,7 +9,7 @@ use capturable_moe::grouped_gemm::{
     OVERFLOW_NEGATIVE, OVERFLOW_NULL_POINTER,
 };
 use capturable_moe::Error;
-use common::gemm::{skewed_splits, Data, DeviceCase, HostCase, POISON};
+use common::gemm::{skewed_splits, Data, DeviceCase, HostCase, Outcome, POISON};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaStream, DevicePtr};
 use std::sync::Arc;
@@ -156,56 +156,80 @@ fn wgrad_fp32_output_and_accumulate_with_empty_experts() {
 #[test]
 fn awkward_routings() {
     let stream = gpu_or_skip!();
-    let cases: Vec<(&str, usize, Vec<i64>)> = vec![
+    let extra = vec![("256 experts", 256, skewed_splits(256, 3000, 9))];
+    for op in OPS {
+        awkward_routings_are_exact(&stream, spec_with(op, GemmConfig::Auto), extra.clone());
+    }
+}
+
+/// The routing cases every kernel must take (one expert, all rows on one, every expert empty,
+/// odd counts) plus `extra`, each exact in small integers with no overflow flag; `spec(experts,
+/// capacity)` makes the plan.
+fn awkward_routings_are_exact(
+    stream: &Arc<CudaStream>,
+    spec: impl Fn(usize, usize) -> GroupedGemmSpec,
+    extra: Vec<(&str, usize, Vec<i64>)>,
+) {
+    let mut cases: Vec<(&str, usize, Vec<i64>)> = vec![
         ("one expert", 1, vec![333]),
         ("all rows on one expert", 16, (0..16).map(|e| if e == 11 { 500 } else { 0 }).collect()),
         ("every expert empty", 8, vec![0; 8]),
         ("odd row counts", 7, vec![1, 3, 5, 7, 9, 11, 13]),
-        ("256 experts", 256, skewed_splits(256, 3000, 9)),
     ];
-    for op in OPS {
-        for (name, experts, splits) in &cases {
-            let capacity = 512usize.max(splits.iter().sum::<i64>() as usize);
-            let case = HostCase::new(spec(op, *experts, 64, 64, capacity), splits.clone(), Data::SmallInt, 6);
-            let out = case.run(&stream);
-            out.assert_exact(&format!("{op:?} {name}"));
-            assert_eq!(out.flags, 0, "{op:?} {name}: no overflow expected");
-        }
+    cases.extend(extra);
+    for (name, experts, splits) in &cases {
+        let capacity = 512usize.max(splits.iter().sum::<i64>() as usize);
+        let s = spec(*experts, capacity);
+        let what = format!("{:?} {:?} {name}", s.op, s.config);
+        let out = HostCase::new(s, splits.clone(), Data::SmallInt, 6).run(stream);
+        out.assert_exact(&what);
+        assert_eq!(out.flags, 0, "{what}: no overflow expected");
     }
+}
+
+/// `spec(op, experts, 64, 64, capacity)` with `config`, as a function of (experts, capacity).
+fn spec_with(op: GemmOp, config: GemmConfig) -> impl Fn(usize, usize) -> GroupedGemmSpec {
+    move |experts, capacity| GroupedGemmSpec { config, ..spec(op, experts, 64, 64, capacity) }
 }
 
 #[test]
 fn rows_past_the_total_are_untouched() {
     let stream = gpu_or_skip!();
     for op in [GemmOp::Fprop, GemmOp::Dgrad] {
-        // 300 of 1024 rows routed: rows 300.. keep the poison value.
-        let case = HostCase::new(spec(op, 4, 128, 64, 1024), vec![100, 0, 150, 50], Data::Random, 7);
-        let out = case.run(&stream);
-        assert!(!out.untouched.is_empty());
-        out.assert_close(&format!("{op:?}"), 1e-2);
+        rows_past_the_total_keep_their_poison(&stream, op, GemmConfig::Auto);
     }
+}
+
+/// 300 of 1024 rows routed: rows 300.. keep the poison value.
+fn rows_past_the_total_keep_their_poison(stream: &Arc<CudaStream>, op: GemmOp, config: GemmConfig) {
+    let s = GroupedGemmSpec { config, ..spec(op, 4, 128, 64, 1024) };
+    let out = HostCase::new(s, vec![100, 0, 150, 50], Data::Random, 7).run(stream);
+    assert!(!out.untouched.is_empty());
+    out.assert_close(&format!("{op:?} {config:?} rows past the total"), 1e-2);
 }
 
 #[test]
 fn over_capacity_is_clamped_and_flagged() {
     let stream = gpu_or_skip!();
     for op in OPS {
-        for split_dtype in [DType::I32, DType::I64] {
-            let mut s = spec(op, 4, 64, 64, 200);
-            s.split_dtype = split_dtype;
-            // 390 rows into 200: expert 2 is cut at row 200, expert 3 gets nothing. The d buffer
-            // has guard rows past capacity that must keep the poison value.
-            let case = HostCase::new(s, vec![90, 60, 140, 100], Data::SmallInt, 8);
-            let out = case.run(&stream);
-            assert_eq!(out.flags & OVERFLOW_CAPACITY, OVERFLOW_CAPACITY, "{op:?}: capacity flag");
-            out.assert_exact(&format!("{op:?} {split_dtype:?} over capacity"));
-        }
+        over_capacity_and_negative_counts_are_flagged(&stream, op, GemmConfig::Auto);
     }
-    // Negative counts are treated as empty and flagged.
-    let case = HostCase::new(spec(GemmOp::Fprop, 3, 64, 64, 100), vec![20, -5, 30], Data::SmallInt, 9);
-    let out = case.run(&stream);
-    assert_eq!(out.flags & OVERFLOW_NEGATIVE, OVERFLOW_NEGATIVE);
-    out.assert_exact("negative count");
+}
+
+/// 390 rows into 200 (both m_splits types): expert 2 is cut at row 200, expert 3 gets nothing,
+/// the capacity flag is set, and the d buffer's guard rows past capacity keep the poison value.
+/// Then negative counts: treated as empty and flagged.
+fn over_capacity_and_negative_counts_are_flagged(stream: &Arc<CudaStream>, op: GemmOp, config: GemmConfig) {
+    for split_dtype in [DType::I32, DType::I64] {
+        let s = GroupedGemmSpec { config, split_dtype, ..spec(op, 4, 64, 64, 200) };
+        let out = HostCase::new(s, vec![90, 60, 140, 100], Data::SmallInt, 8).run(stream);
+        assert_eq!(out.flags & OVERFLOW_CAPACITY, OVERFLOW_CAPACITY, "{op:?} {config:?}: capacity flag");
+        out.assert_exact(&format!("{op:?} {config:?} {split_dtype:?} over capacity"));
+    }
+    let s = GroupedGemmSpec { config, ..spec(op, 3, 64, 64, 100) };
+    let out = HostCase::new(s, vec![20, -5, 30], Data::SmallInt, 9).run(stream);
+    assert_eq!(out.flags & OVERFLOW_NEGATIVE, OVERFLOW_NEGATIVE, "{op:?} {config:?}: negative flag");
+    out.assert_exact(&format!("{op:?} {config:?} negative count"));
 }
 
 /// A null or misaligned entry of a pointer array skips that expert (nothing is read or
@@ -263,16 +287,23 @@ fn repeated_runs_are_bit_identical() {
     for op in OPS {
         let case = HostCase::new(spec(op, 16, 256, 256, 4096), skewed_splits(16, 4000, 10), Data::Random, 11);
         let mut dev = DeviceCase::upload(&case, &stream);
-        dev.launch(&stream).unwrap();
-        let first = dev.outcome(&case, &stream);
-        first.assert_close(&format!("{op:?}, first run"), 1e-2);
-        // Each rerun starts from the poisoned output: one that skipped work would leave poison.
-        for _ in 0..3 {
-            dev.reset_output(&case, &stream);
-            dev.launch(&stream).unwrap();
-            assert!(dev.outcome(&case, &stream).bits == first.bits, "{op:?}: results differ between runs");
-        }
+        runs_repeat_bit_for_bit(&stream, &mut dev, &case);
     }
+}
+
+/// Runs `dev` once against the reference, then three times more from the poisoned output (one
+/// that skipped work would leave poison), each bit-equal to the first; returns the first.
+fn runs_repeat_bit_for_bit(stream: &Arc<CudaStream>, dev: &mut DeviceCase, case: &HostCase) -> Outcome {
+    let what = format!("{:?} {:?}", case.spec.op, case.spec.config);
+    dev.launch(stream).unwrap();
+    let first = dev.outcome(case, stream);
+    first.assert_close(&format!("{what}, first run"), 1e-2);
+    for _ in 0..3 {
+        dev.reset_output(case, stream);
+        dev.launch(stream).unwrap();
+        assert!(dev.outcome(case, stream).bits == first.bits, "{what}: results differ between runs");
+    }
+    first
 }
 
 /// Two runs back to back on one workspace, with different m_splits and no host sync between
@@ -439,36 +470,14 @@ fn counter_kernel_matches_the_reference_everywhere_the_cutlass_ones_do() {
                 case.run(&stream).assert_close(&what, 1e-2);
             }
         }
-        let cases: Vec<(&str, usize, Vec<i64>)> = vec![
-            ("one expert", 1, vec![333]),
-            ("all rows on one expert", 16, (0..16).map(|e| if e == 11 { 500 } else { 0 }).collect()),
-            ("every expert empty", 8, vec![0; 8]),
-            ("odd row counts", 7, vec![1, 3, 5, 7, 9, 11, 13]),
+        let extra = vec![
             ("1024 experts", 1024, skewed_splits(1024, 6000, 9)),
             // Last tiles at the A boxes' edges (16, 32, 64, 128 rows) and one past them.
             ("A box edges", 10, vec![16, 17, 32, 33, 64, 65, 144, 161, 1, 128]),
         ];
-        for (name, experts, splits) in &cases {
-            let capacity = 512usize.max(splits.iter().sum::<i64>() as usize);
-            let s = counter(spec(op, *experts, 64, 64, capacity));
-            let out = HostCase::new(s, splits.clone(), Data::SmallInt, 6).run(&stream);
-            out.assert_exact(&format!("{op:?} {name}"));
-            assert_eq!(out.flags, 0, "{op:?} {name}: no overflow expected");
-        }
-        for split_dtype in [DType::I32, DType::I64] {
-            let mut s = counter(spec(op, 4, 64, 64, 200));
-            s.split_dtype = split_dtype;
-            let out = HostCase::new(s, vec![90, 60, 140, 100], Data::SmallInt, 8).run(&stream);
-            assert_eq!(out.flags & OVERFLOW_CAPACITY, OVERFLOW_CAPACITY, "{op:?}: capacity flag");
-            out.assert_exact(&format!("{op:?} {split_dtype:?} over capacity"));
-        }
-        let out = HostCase::new(counter(spec(op, 3, 64, 64, 100)), vec![20, -5, 30], Data::SmallInt, 9).run(&stream);
-        assert_eq!(out.flags & OVERFLOW_NEGATIVE, OVERFLOW_NEGATIVE);
-        out.assert_exact(&format!("{op:?} negative count"));
-        let out =
-            HostCase::new(counter(spec(op, 4, 128, 64, 1024)), vec![100, 0, 150, 50], Data::Random, 7).run(&stream);
-        assert!(!out.untouched.is_empty());
-        out.assert_close(&format!("{op:?} rows past the total"), 1e-2);
+        awkward_routings_are_exact(&stream, spec_with(op, GemmConfig::Sm90Counter), extra);
+        over_capacity_and_negative_counts_are_flagged(&stream, op, GemmConfig::Sm90Counter);
+        rows_past_the_total_keep_their_poison(&stream, op, GemmConfig::Sm90Counter);
 
         // Repeated runs from a poisoned output, then a second run on the same workspace right
         // behind the first with other m_splits.
@@ -479,14 +488,7 @@ fn counter_kernel_matches_the_reference_everywhere_the_cutlass_ones_do() {
         let mut second = DeviceCase::upload(&second_case, &stream);
         // A workspace of garbage: the tile counter must start from the argument kernel's zero.
         stream.memcpy_htod(&vec![0xffu8; first.workspace.len()], &mut first.workspace).unwrap();
-        first.launch(&stream).unwrap();
-        let reference = first.outcome(&first_case, &stream);
-        reference.assert_close(&format!("{op:?} first run"), 1e-2);
-        for _ in 0..3 {
-            first.reset_output(&first_case, &stream);
-            first.launch(&stream).unwrap();
-            assert!(first.outcome(&first_case, &stream).bits == reference.bits, "{op:?}: runs differ");
-        }
+        let reference = runs_repeat_bit_for_bit(&stream, &mut first, &first_case);
         first.reset_output(&first_case, &stream);
         stream.synchronize().unwrap();
         first.launch(&stream).unwrap();

@@ -78,10 +78,11 @@ __device__ __forceinline__ Tile locate(int tile, int slices, const int32_t* tile
   return Tile{e, row0, min(kTileM, row_end - row0), slice * kTileN};
 }
 
-// Host side: the most tiles a launch can have (every expert adds at most one partial M tile to
-// the full ones), which bounds the persistent grid.
-inline int64_t max_tiles(int64_t experts, int64_t capacity, int64_t ffn, int tile_m, int tile_n) {
-  return ((capacity + tile_m - 1) / tile_m + experts) * (ffn / tile_n);
+// Host side: the most tiles a launch can have over `columns` output columns (every expert adds
+// at most one partial M tile to the full ones; a partial last column slice counts whole), which
+// bounds the persistent grid.
+inline int64_t max_tiles(int64_t experts, int64_t capacity, int64_t columns, int tile_m, int tile_n) {
+  return ((capacity + tile_m - 1) / tile_m + experts) * ((columns + tile_n - 1) / tile_n);
 }
 
 }  // namespace capmoe::fused

@@ -20,6 +20,11 @@
 
 namespace capmoe::gg {
 
+// Sections of a variant's workspace start on 256-byte boundaries.
+constexpr uint64_t kSectionAlign = 256;
+
+inline uint64_t align_up(uint64_t bytes) { return (bytes + kSectionAlign - 1) / kSectionAlign * kSectionAlign; }
+
 constexpr int kArgumentThreads = 1024;
 constexpr int kZeroThreads = 256;
 constexpr int64_t kMaxZeroBlocksPerExpert = 64;

@@ -1,12 +1,13 @@
 // What the hand-written SM90_COUNTER grouped GEMM (grouped_gemm/sm90_counter.cu) takes, as host
 // facts: the dispatcher (dispatch.cu) offers the variant only where this holds, so AUTO and a
-// forced config both see it. Free of CUDA and CUTLASS headers.
+// forced config both see it. Free of CUDA and CUTLASS headers (tile_list.cuh includes neither).
 #pragma once
 
 #include <cstdint>
 
 #include "capturable_moe/fused.h"
 #include "capturable_moe/grouped_gemm.h"
+#include "fused/tile_list.cuh"
 
 namespace capmoe::gg::counter {
 
@@ -18,8 +19,7 @@ constexpr int kCounterMaxExperts = CAPMOE_FUSED_MAX_EXPERTS;
 // The most tiles a launch can have: every expert adds at most one partial M tile.
 inline int64_t counter_max_tiles(const capmoe_grouped_gemm_desc_t& d) {
   const int64_t n_out = d.op == CAPMOE_GEMM_FPROP ? d.n : d.k;
-  return ((d.capacity + kCounterTileM - 1) / kCounterTileM + d.num_experts) *
-         ((n_out + kCounterTileN - 1) / kCounterTileN);
+  return fused::max_tiles(d.num_experts, d.capacity, n_out, kCounterTileM, kCounterTileN);
 }
 
 // FPROP / DGRAD with one weight tensor (no pointer array), 16-bit out, at most

@@ -30,9 +30,6 @@
 
 namespace capmoe::gg {
 
-constexpr uint64_t kSectionAlign = 256;
-
-inline uint64_t align_up(uint64_t bytes) { return (bytes + kSectionAlign - 1) / kSectionAlign * kSectionAlign; }
 
 // The argument arrays CUTLASS reads, as typed pointers into the workspace.
 template <class Gemm>

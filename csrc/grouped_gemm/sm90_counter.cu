@@ -102,24 +102,15 @@ struct Params {
   int32_t experts, k_in, n_out, capacity;
 };
 
+// One consumer warpgroup's wgmma: 64 x 256 x 16, fp32 accumulators, A K-major, B K-major or
+// (kBMnMajor) MN-major, both from shared memory.
 template <class T, bool kBMnMajor>
-struct MmaAtom;
-template <>
-struct MmaAtom<cutlass::bfloat16_t, false> {
-  using type = SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>;
-};
-template <>
-struct MmaAtom<cutlass::bfloat16_t, true> {
-  using type = SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>;
-};
-template <>
-struct MmaAtom<cutlass::half_t, false> {
-  using type = SM90_64x256x16_F32F16F16_SS<GMMA::Major::K, GMMA::Major::K>;
-};
-template <>
-struct MmaAtom<cutlass::half_t, true> {
-  using type = SM90_64x256x16_F32F16F16_SS<GMMA::Major::K, GMMA::Major::MN>;
-};
+using MmaOp = decltype(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kTileN>, _16>, GMMA::Major::K,
+                                            kBMnMajor ? GMMA::Major::MN : GMMA::Major::K>());
+static_assert(std::is_same_v<MmaOp<cutlass::bfloat16_t, true>,
+                             SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::MN>> &&
+              std::is_same_v<MmaOp<cutlass::half_t, false>,
+                             SM90_64x256x16_F32F16F16_SS<GMMA::Major::K, GMMA::Major::K>>);
 
 template <bool kBMnMajor, class T>
 struct SmemLayoutB;
@@ -138,7 +129,7 @@ struct SmemLayoutB<true, T> {
 
 template <class T, bool kBMnMajor>
 struct Kernel {
-  using TiledMma = decltype(make_tiled_mma(typename MmaAtom<T, kBMnMajor>::type{}, Layout<Shape<_2, _1, _1>>{}));
+  using TiledMma = decltype(make_tiled_mma(MmaOp<T, kBMnMajor>{}, Layout<Shape<_2, _1, _1>>{}));
   using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
                                              Shape<Int<kTileM>, Int<kTileK>, Int<kStages>>{}));
   using LayoutB = typename SmemLayoutB<kBMnMajor, T>::type;
@@ -330,8 +321,7 @@ struct CounterArrays {
   // tile counter, so that every launch starts from tile 0 whatever the workspace held.
   __device__ void store(int64_t e, const Group&) const {
     if (e == 0) {
-      schedule[0] = 0;
-      schedule[1] = 0;
+      for (int i = 0; i < fused::TileSchedule::kWords; ++i) schedule[i] = 0;
     }
   }
 };
@@ -340,8 +330,10 @@ struct CounterArrays {
 struct Workspace {
   int64_t* row_offsets;
   int32_t* schedule;
-  static uint64_t offsets_bytes(int64_t experts) { return (uint64_t(experts + 1) * 8 + 255) / 256 * 256; }
-  static uint64_t bytes(int64_t experts) { return offsets_bytes(experts) + 256; }
+  static uint64_t offsets_bytes(int64_t experts) { return align_up(uint64_t(experts + 1) * sizeof(int64_t)); }
+  static uint64_t bytes(int64_t experts) {
+    return offsets_bytes(experts) + align_up(fused::TileSchedule::kWords * sizeof(int32_t));
+  }
   static Workspace carve(void* base, int64_t experts) {
     char* p = static_cast<char*>(base);
     return {reinterpret_cast<int64_t*>(p), reinterpret_cast<int32_t*>(p + offsets_bytes(experts))};
