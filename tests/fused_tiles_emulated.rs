@@ -4,7 +4,9 @@
 //! the CPU emulation of `tests/emulation/` and driven by `tests/emulation/tile_list_driver.cpp`.
 //! Checked against the contract written out below: expert e owns rows [offsets[e],
 //! offsets[e + 1]) clamped into [0, capacity]; its tiles are ceil(rows / 128) M tiles per
-//! column slice, the M tiles of one slice consecutive, experts in order; every (row, slice) of
+//! column slice (for SM90_COUNTER's list: one fewer for experts of 2 to 8 tiles where that
+//! many hold the rows at up to 128 + 16 each, and the rows spread evenly over the tiles), the M tiles of one slice
+//! consecutive, experts in order; every (row, slice) of
 //! the clamped rows lands in exactly one tile, no tile holds a row of another expert, and the
 //! count stays within the host bound that sizes the grid. Empty experts, a negative first
 //! offset, offsets past capacity, 1 to 1024 experts (up to 32 per lane of the building warp),
@@ -22,6 +24,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 const TILE: i64 = 128;
+/// `kCounterTailRows` (csrc/grouped_gemm/counter.h): rows an SM90_COUNTER tile holds past 128.
+const COUNTER_TAIL: i64 = 16;
 
 #[derive(Clone, Debug)]
 struct Case {
@@ -29,6 +33,8 @@ struct Case {
     slices: i64,
     blocks: i64,
     threads: i64,
+    /// Rows past 128 a tile may hold: 0 (the fused kernels) or COUNTER_TAIL.
+    tail: i64,
     offsets: Vec<i64>,
 }
 
@@ -38,7 +44,7 @@ impl Case {
     }
 
     fn write(&self, out: &mut Vec<u8>) {
-        for v in [self.experts() as i64, self.capacity, self.slices, self.blocks, self.threads] {
+        for v in [self.experts() as i64, self.capacity, self.slices, self.blocks, self.threads, self.tail] {
             out.extend(v.to_le_bytes());
         }
         for v in &self.offsets {
@@ -64,13 +70,22 @@ fn expected(c: &Case) -> Expected {
     for x in 0..e {
         let (start, end) = (clamp(c.offsets[x]), clamp(c.offsets[x + 1]));
         let rows = (end - start).max(0);
-        let m_tiles = (rows + TILE - 1) / TILE;
+        let whole = (rows + TILE - 1) / TILE;
+        let absorbs = (2..=8).contains(&whole) && rows <= (whole - 1) * (TILE + c.tail);
+        let m_tiles = if absorbs { whole - 1 } else { whole };
         row_start[x] = start;
         prefix[x + 1] = prefix[x] + m_tiles;
         for slice in 0..c.slices {
+            let mut row0 = start;
             for m in 0..m_tiles {
-                let row0 = start + m * TILE;
-                tiles.push([x as i64, row0, TILE.min(end - row0), slice * TILE]);
+                let rows = if c.tail == 0 {
+                    TILE.min(end - row0)
+                } else {
+                    // Spread evenly, the first rows % m_tiles tiles one row longer.
+                    rows / m_tiles + i64::from(m < rows % m_tiles)
+                };
+                tiles.push([x as i64, row0, rows, slice * TILE]);
+                row0 += rows;
             }
         }
     }
@@ -91,7 +106,7 @@ fn check_coverage(what: &str, c: &Case, tiles: &[[i64; 4]]) {
     let mut seen = vec![0u8; (c.capacity * c.slices) as usize];
     for (i, &[x, row0, rows, n0]) in tiles.iter().enumerate() {
         assert!(
-            (1..=TILE).contains(&rows) && n0 % TILE == 0 && n0 / TILE < c.slices,
+            (1..=TILE + c.tail).contains(&rows) && n0 % TILE == 0 && n0 / TILE < c.slices,
             "{what}: tile {i} {:?}",
             tiles[i]
         );
@@ -127,7 +142,10 @@ fn cases() -> Vec<(String, Case)> {
     let mut rng = StdRng::seed_from_u64(21);
     let mut out = Vec::new();
     let mut add = |name: String, capacity: i64, slices: i64, blocks: i64, threads: i64, offsets: Vec<i64>| {
-        out.push((name, Case { capacity, slices, blocks, threads, offsets }));
+        for tail in [0, COUNTER_TAIL] {
+            let case = Case { capacity, slices, blocks, threads, tail, offsets: offsets.clone() };
+            out.push((format!("{name}, tail {tail}"), case));
+        }
     };
     add("one expert, one row".into(), 1, 1, 1, 32, vec![0, 1]);
     add("one expert, every row, 6 slices".into(), 1000, 6, 7, 64, vec![0, 1000]);
@@ -135,13 +153,19 @@ fn cases() -> Vec<(String, Case)> {
     add("empty experts between".into(), 700, 2, 5, 64, offsets_of(0, &[0, 129, 0, 0, 128, 1, 0, 255, 0]));
     add("offsets past capacity, negative start".into(), 300, 2, 4, 32, vec![-5, 0, 120, 250, 10_000]);
     add("first expert starts mid-buffer".into(), 600, 1, 3, 32, offsets_of(37, &[100, 300, 5]));
+    // Around the tail's edges: 128 + 15 / 16 / 17 rows, 256 + 1, 16 alone, 2 x 144 and one
+    // more, 7 x 144 and 8 x 128 + 1 (9 tiles: not absorbed); 150 clamped from 160.
+    let edges = [143, 144, 145, 257, 16, 288, 0, 289, 1008, 1025];
+    add("tails at their edges".into(), 4000, 3, 4, 64, offsets_of(0, &edges));
+    add("a tail cut by the capacity".into(), 150, 2, 2, 32, vec![0, 160]);
     for (i, &e) in [7usize, 33, 64, 128, 1000, 1024].iter().enumerate() {
         let counts: Vec<i64> = (0..e)
-            .map(|_| match rng.random_range(0..6) {
+            .map(|_| match rng.random_range(0..7) {
                 0 => 0,
                 1 => rng.random_range(1..4),
                 2 => 128,
                 3 => rng.random_range(120..300),
+                4 => 128 * rng.random_range(1..9) + rng.random_range(1..40),
                 _ => rng.random_range(1..80),
             })
             .collect();

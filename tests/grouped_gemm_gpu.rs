@@ -474,6 +474,10 @@ fn counter_kernel_matches_the_reference_everywhere_the_cutlass_ones_do() {
             ("1024 experts", 1024, skewed_splits(1024, 6000, 9)),
             // Last tiles at the A boxes' edges (16, 32, 64, 128 rows) and one past them.
             ("A box edges", 10, vec![16, 17, 32, 33, 64, 65, 144, 161, 1, 128]),
+            // Experts whose rows fit one tile fewer at up to 128 + 16 rows a tile (129-144,
+            // 288, 400, 1008) and the first counts that do not (145, 289, 433; 1025 and 1153:
+            // 9 or 10 tiles, past the most absorbed).
+            ("tail edges", 12, vec![129, 143, 144, 145, 288, 289, 400, 432, 433, 1008, 1025, 1153]),
         ];
         awkward_routings_are_exact(&stream, spec_with(op, GemmConfig::Sm90Counter), extra);
         over_capacity_and_negative_counts_are_flagged(&stream, op, GemmConfig::Sm90Counter);

@@ -82,7 +82,7 @@ fn auto_config_heuristic_uses_host_facts_only() {
     let wgrad = GroupedGemmSpec::new(GemmOp::Wgrad, 64, 2816, 2048, 1024);
     if Arch::Sm90.is_built() {
         let auto = |s: &GroupedGemmSpec| GroupedGemm::for_device(s.clone(), &hopper).unwrap().config();
-        // The counter kernel at decode and where the output is at least as wide as the
+        // The counter kernel at decode and where the output is at least a third as wide as the
         // reduction (the sweeps of 2026-11-29), bf16 and fp16 alike; CUTLASS's kernels elsewhere.
         assert_eq!(auto(&decode), GemmConfig::Sm90Counter);
         assert_eq!(auto(&prefill), GemmConfig::Sm90Counter); // mixtral fc1: N 28672 >= K 4096
@@ -92,14 +92,17 @@ fn auto_config_heuristic_uses_host_facts_only() {
         let qwen3_fc2 = GroupedGemmSpec::new(GemmOp::Fprop, 128, 2048, 768, 32768);
         let qwen3_fc2_f16 = GroupedGemmSpec { dtype: DType::F16, out_dtype: DType::F16, ..qwen3_fc2.clone() };
         let qwen3_fc2_dgrad = GroupedGemmSpec { op: GemmOp::Dgrad, ..qwen3_fc2.clone() };
-        assert_eq!(auto(&dsv3_fc1), GemmConfig::Sm90CooperativeNoCluster); // reduction 7168 > 4096
+        assert_eq!(auto(&dsv3_fc1), GemmConfig::Sm90Counter); // 3 x 4096 >= 7168
         assert_eq!(auto(&dsv3_fc1_dgrad), GemmConfig::Sm90Counter); // output 7168 >= 4096
         assert_eq!(auto(&qwen3_fc2), GemmConfig::Sm90Counter);
         assert_eq!(auto(&qwen3_fc2_f16), GemmConfig::Sm90Counter);
-        // Output 768 narrower than the reduction 2048, which is > 1024: the cooperative kernel.
-        assert_eq!(auto(&qwen3_fc2_dgrad), GemmConfig::Sm90CooperativeNoCluster);
-        // An output narrower than a short reduction (dgrad: N = 1024 -> K = 512): the pingpong.
-        let short_dgrad = GroupedGemmSpec::new(GemmOp::Dgrad, 128, 1024, 512, 32768);
+        assert_eq!(auto(&qwen3_fc2_dgrad), GemmConfig::Sm90Counter); // 3 x 768 >= 2048
+        // Output 2048 under a third of the reduction 7168 (dsv3's fc2 dgrad), which is > 1024:
+        // the cooperative kernel.
+        let dsv3_fc2_dgrad = GroupedGemmSpec::new(GemmOp::Dgrad, 32, 7168, 2048, 8192);
+        assert_eq!(auto(&dsv3_fc2_dgrad), GemmConfig::Sm90CooperativeNoCluster);
+        // An output under a third of a short reduction (dgrad: N = 1024 -> K = 256): the pingpong.
+        let short_dgrad = GroupedGemmSpec::new(GemmOp::Dgrad, 128, 1024, 256, 32768);
         assert_eq!(auto(&short_dgrad), GemmConfig::Sm90PingpongWide);
         // Where the counter kernel does not go, the next candidate: a pointer array of
         // weights, more than 1024 experts.

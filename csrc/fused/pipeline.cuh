@@ -98,16 +98,15 @@ __device__ __forceinline__ void pass_k_blocks(StageRing<kStages>& ring, uint64_t
 }
 
 // A consumer warpgroup's mainloop over one tile: for each of the tile's k_blocks stages, waits
-// for it and runs its wgmmas into acc (the first one overwrites acc), keeping one batch in
-// flight: a stage goes back to the producer once the next stage's batch is issued and its own
-// has completed. kAfterCpAsync: the stage was written through the generic proxy (cp.async),
-// which wgmma (the async proxy) may read only after a proxy fence.
-template <bool kAfterCpAsync, int kStages, class Mma, class FragA, class FragB, class Acc>
-__device__ __forceinline__ void mma_k_blocks(StageRing<kStages>& ring, uint64_t* full, uint64_t* empty, int k_blocks,
-                                             bool warp_leader, Mma& mma, FragA& tCrA, FragB& tCrB, Acc& acc) {
+// for it, fences the accumulators (`fence()`) and issues the stage's wgmmas (`issue(stage)`),
+// keeping one batch in flight: a stage goes back to the producer once the next stage's batch is
+// issued and its own has completed. kAfterCpAsync: the stage was written through the generic
+// proxy (cp.async), which wgmma (the async proxy) may read only after a proxy fence.
+template <bool kAfterCpAsync, int kStages, class Issue, class Fence>
+__device__ __forceinline__ void wgmma_k_blocks(StageRing<kStages>& ring, uint64_t* full, uint64_t* empty,
+                                               int k_blocks, bool warp_leader, Issue&& issue, Fence&& fence) {
   using namespace cute;
   using Barrier = cutlass::arch::ClusterBarrier;
-  mma.accumulate_ = GMMA::ScaleOut::Zero;
   int previous = -1;
   for (int kb = 0; kb < k_blocks; ++kb) {
     wait_barrier(&full[ring.stage], ring.phase, "consumer, full");
@@ -115,24 +114,42 @@ __device__ __forceinline__ void mma_k_blocks(StageRing<kStages>& ring, uint64_t*
     // instructions need the warp converged (as the sm_100a MMA warp does after its waits).
     __syncwarp();
     if constexpr (kAfterCpAsync) cutlass::arch::fence_view_async_shared();
-    warpgroup_fence_operand(acc);
+    fence();
     warpgroup_arrive();
-#pragma unroll
-    for (int k = 0; k < size<2>(tCrA); ++k) {
-      cute::gemm(mma, tCrA(_, _, k, ring.stage), tCrB(_, _, k, ring.stage), acc);
-      mma.accumulate_ = GMMA::ScaleOut::One;
-    }
+    issue(ring.stage);
     warpgroup_commit_batch();
     // Keep one batch in flight: the previous stage's wgmmas are done once this returns.
     warpgroup_wait<1>();
-    warpgroup_fence_operand(acc);
+    fence();
     if (previous >= 0 && warp_leader) Barrier::arrive(&empty[previous]);
     previous = ring.stage;
     ring.advance();
   }
   warpgroup_wait<0>();
-  warpgroup_fence_operand(acc);
+  fence();
   if (previous >= 0 && warp_leader) Barrier::arrive(&empty[previous]);
+}
+
+// Issues one stage's wgmmas of `mma` into acc over every k16 step of the stage; the first
+// call of a tile (mma.accumulate_ == Zero) overwrites acc.
+template <class Mma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void wgmma_stage(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc, int stage) {
+  using namespace cute;
+#pragma unroll
+  for (int k = 0; k < size<2>(tCrA); ++k) {
+    cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+}
+
+// wgmma_k_blocks for one MMA: acc = the tile's A x B over its k_blocks stages.
+template <bool kAfterCpAsync, int kStages, class Mma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void mma_k_blocks(StageRing<kStages>& ring, uint64_t* full, uint64_t* empty, int k_blocks,
+                                             bool warp_leader, Mma& mma, FragA& tCrA, FragB& tCrB, Acc& acc) {
+  mma.accumulate_ = cute::GMMA::ScaleOut::Zero;
+  wgmma_k_blocks<kAfterCpAsync>(
+      ring, full, empty, k_blocks, warp_leader, [&](int stage) { wgmma_stage(mma, tCrA, tCrB, acc, stage); },
+      [&] { cute::warpgroup_fence_operand(acc); });
 }
 
 }  // namespace capmoe::fused

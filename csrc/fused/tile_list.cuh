@@ -1,7 +1,7 @@
 // The persistent fused kernels' tile list, built on the device from the routing build's
 // offsets (shared by fc1_sm90.cu and swiglu_dgrad_sm90.cu).
 //
-// Every CTA computes, per expert, m_tiles(e) = ceil(rows(e) / kTileM) and its prefix in shared
+// Every CTA computes, per expert, m_tiles(e) (m_tiles_of, below) and its prefix in shared
 // memory; linear tile i belongs to the expert whose [prefix(e) * S, prefix(e + 1) * S) holds it
 // (S = column slices of kTileN), and within an expert the M tiles of one slice are consecutive,
 // so the CTAs running together read the same weight slice (once from HBM, then from L2) — if
@@ -16,10 +16,28 @@
 namespace capmoe::fused {
 
 // Where a linear tile index lands: expert, first row, rows of the expert in the tile (at most
-// kTileM), first output column.
+// kTileM + kTailRows), first output column.
 struct Tile {
   int expert, row0, rows, n0;
 };
+
+// M tiles of an expert with `rows` rows: ceil(rows / kTileM), or with kTailRows > 0 one fewer
+// where that many tiles hold the rows at up to kTileM + kTailRows each, for experts of at most
+// kMostTilesAbsorbed tiles. SM90_COUNTER computes up to kTailRows (16) rows past a tile's 128
+// beside them, against the weight tile it holds anyway, instead of a tile of its own streaming
+// that weight tile again for a few rows; those rows cost a tile 1/8 more MMA work whatever their
+// count (one 16-wide wgmma), so taking one tile away from q pays while (q - 1) 9/8 < q.
+constexpr int kMostTilesAbsorbed = 8;
+
+template <int kTileM, int kTailRows>
+__host__ __device__ __forceinline__ int m_tiles_of(int rows) {
+  static_assert(kTailRows >= 0 && kTailRows < kTileM, "a tail is shorter than a tile");
+  if (rows <= 0) return 0;
+  const int tiles = (rows + kTileM - 1) / kTileM;
+  if constexpr (kTailRows == 0) return tiles;
+  const bool absorbed = tiles > 1 && tiles <= kMostTilesAbsorbed && rows <= (tiles - 1) * (kTileM + kTailRows);
+  return absorbed ? tiles - 1 : tiles;
+}
 
 __device__ __forceinline__ int64_t clamp_row(int64_t r, int capacity) {
   return r < 0 ? 0 : (r > capacity ? capacity : r);
@@ -27,7 +45,7 @@ __device__ __forceinline__ int64_t clamp_row(int64_t r, int capacity) {
 
 // One warp writes tile_prefix[0..E] (M tiles of the experts before e) and row_start[0..E]
 // (first row of expert e, clamped); the caller syncs before reading them.
-template <int kTileM>
+template <int kTileM, int kTailRows = 0>
 __device__ void build_tile_prefix(const int64_t* offsets, int experts, int capacity, int32_t* tile_prefix,
                                   int32_t* row_start) {
   const int lane = threadIdx.x & 31;
@@ -39,7 +57,7 @@ __device__ void build_tile_prefix(const int64_t* offsets, int experts, int capac
     const int64_t end = clamp_row(offsets[e + 1], capacity);
     const int rows = end > start ? int(end - start) : 0;
     row_start[e] = int(start);
-    local += (rows + kTileM - 1) / kTileM;
+    local += m_tiles_of<kTileM, kTailRows>(rows);
   }
   int inclusive = local;
 #pragma unroll
@@ -51,7 +69,7 @@ __device__ void build_tile_prefix(const int64_t* offsets, int experts, int capac
   for (int e = first; e < last; ++e) {
     tile_prefix[e] = running;
     const int rows = int(clamp_row(offsets[e + 1], capacity)) - row_start[e];
-    running += rows > 0 ? (rows + kTileM - 1) / kTileM : 0;
+    running += m_tiles_of<kTileM, kTailRows>(rows);
   }
   if (lane == 31) {
     tile_prefix[experts] = inclusive;
@@ -59,7 +77,7 @@ __device__ void build_tile_prefix(const int64_t* offsets, int experts, int capac
   }
 }
 
-template <int kTileM, int kTileN>
+template <int kTileM, int kTileN, int kTailRows = 0>
 __device__ __forceinline__ Tile locate(int tile, int slices, const int32_t* tile_prefix, const int32_t* row_start,
                                        int experts) {
   // Largest e with tile_prefix[e] * slices <= tile; it owns at least one tile.
@@ -74,8 +92,18 @@ __device__ __forceinline__ Tile locate(int tile, int slices, const int32_t* tile
   const int local = tile - tile_prefix[e] * slices;
   const int slice = local / m_tiles, m_tile = local - slice * m_tiles;
   const int row_end = max(row_start[e + 1], row_start[e]);
-  const int row0 = row_start[e] + m_tile * kTileM;
-  return Tile{e, row0, min(kTileM, row_end - row0), slice * kTileN};
+  if constexpr (kTailRows == 0) {
+    const int row0 = row_start[e] + m_tile * kTileM;
+    return Tile{e, row0, min(kTileM, row_end - row0), slice * kTileN};
+  } else {
+    // The rows spread evenly over the expert's M tiles (the first rows % m_tiles one more), so
+    // the tiles that share a weight slice take the same time and stream it together: one tile
+    // running behind the other reads the slice from HBM again once L2 has let it go.
+    const int rows = row_end - row_start[e];
+    const int base = rows / m_tiles, longer = rows % m_tiles;
+    const int row0 = row_start[e] + m_tile * base + min(m_tile, longer);
+    return Tile{e, row0, base + (m_tile < longer ? 1 : 0), slice * kTileN};
+  }
 }
 
 // Host side: the most tiles a launch can have over `columns` output columns (every expert adds

@@ -13,6 +13,9 @@ namespace capmoe::gg::counter {
 
 constexpr int kCounterTileM = 128;
 constexpr int kCounterTileN = 256;
+// Rows a tile may hold past its 128 (sm90_counter.cu computes them with a swapped 64 x 16 x 16
+// wgmma; fused/tile_list.cuh's m_tiles_of says which experts' tiles take them).
+constexpr int kCounterTailRows = 16;
 // The per-expert tile list lives in shared memory, as the fused kernels' does.
 constexpr int kCounterMaxExperts = CAPMOE_FUSED_MAX_EXPERTS;
 

@@ -95,12 +95,13 @@ bool has_variant(const capmoe_grouped_gemm_desc_t& d, capmoe_gemm_config_t confi
 // for (that takes the descriptor) wins.
 // SM90 (bench/README.md has the sweeps behind it; H100, 2026-11-23 and 2026-11-28; H200,
 // 2026-11-29 for SM90_COUNTER):
-//  - FPROP/DGRAD at most 64 rows per expert on average (decode), or with an output at least as
-//    wide as the reduction: the crate's own counter-scheduled kernel (grouped_gemm/counter.h,
-//    where it takes the descriptor: one weight tensor, <= 1024 experts). It led the CUTLASS
-//    kernels there by 2-8 % in both layouts and routings (dsv3 fc1 dgrad, fc2 fprop, qwen3moe
-//    fc1 dgrad, fc2 fprop, decode) and was level with or 2-4 % behind them where the
-//    reduction is the longer side (the fc1 fprops and fc2 dgrads), which keep:
+//  - FPROP/DGRAD at most 64 rows per expert on average (decode), or with an output at least a
+//    third as wide as the reduction: the crate's own counter-scheduled kernel
+//    (grouped_gemm/counter.h, where it takes the descriptor: one weight tensor, <= 1024
+//    experts). Since its tiles take up to 16 rows past 128 (2026-11-29, second sweep) it leads
+//    the CUTLASS kernels under uniform and zipf routing by 2-8 % on every E >= 32 shape but
+//    dsv3's fc2 dgrad (output 2048, reduction 7168: level uniform, 6 % behind zipf), which
+//    keeps:
 //  - FPROP/DGRAD with at most 64 rows per expert on average (decode), or a short reduction
 //    (K <= 1024: the expert's fc2 in fprop): the 64x256 pingpong, whose alternating
 //    warpgroups hide each tile's epilogue behind the other's mainloop. (A 64x128 pingpong
@@ -127,7 +128,7 @@ int auto_candidates(const capmoe_grouped_gemm_desc_t& d, capmoe_gemm_config_t ou
   }
   if (!wgrad) {
     const int64_t output = d.op == CAPMOE_GEMM_FPROP ? d.n : d.k;
-    if (rows_per_expert <= 64 || output >= reduction) out[n++] = CAPMOE_CONFIG_SM90_COUNTER;
+    if (rows_per_expert <= 64 || 3 * output >= reduction) out[n++] = CAPMOE_CONFIG_SM90_COUNTER;
     if (rows_per_expert <= 64 || reduction <= 1024) out[n++] = CAPMOE_CONFIG_SM90_PINGPONG_WIDE;
     out[n++] = CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER;
   }

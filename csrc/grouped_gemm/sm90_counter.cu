@@ -17,7 +17,9 @@
 // the tile counter; this kernel is its programmatic dependent and waits for it before reading
 // either. Per CTA (persistent, 384 threads):
 //  - warp 0 builds the tile list from the row offsets in shared memory (fused/tile_list.cuh:
-//    ceil(rows / 128) M tiles per expert, the M tiles of one 256-column slice consecutive);
+//    per expert the fewest M tiles of at most 128 + kTailRows rows, or of at most 128 where
+//    those are as few, its rows spread evenly over them; the M tiles of one 256-column slice
+//    consecutive);
 //  - thread 0 is the producer: per tile (fused/tile_source.cuh's CountedTiles, claimed
 //    ClaimAhead's lead early) and K block of 64, a box of A at (k0, row0), 128 rows or fewer
 //    for an expert's last tile (a_box_for; rows past the expert's end are another expert's or
@@ -70,6 +72,12 @@ constexpr int kTileK = 64;  // 64 16-bit elements = one 128-byte swizzle row
 constexpr int kBoxN = 64;   // MN-major B: output columns per TMA box
 constexpr int kStages = 4;
 constexpr int kThreads = 384;
+// A tile may hold up to kTailRows rows past its 128 (tile_list.cuh's m_tiles_of; an expert's
+// rows spread evenly over its tiles): those are computed swapped (D^T = W^T A^T: the weight tile's 256 columns as the
+// wgmma's M, the tail rows as its N), from the weight tile the stage already holds and a small
+// box of the tail's A rows, instead of as a tile of their own that streams the whole weight
+// tile through L2 again for a few rows.
+constexpr int kTailRows = kCounterTailRows;
 constexpr int kConsumerWarps = 8;
 
 // A's row boxes, tallest first: a tile takes the shortest box that holds its rows, so an
@@ -112,6 +120,14 @@ static_assert(std::is_same_v<MmaOp<cutlass::bfloat16_t, true>,
               std::is_same_v<MmaOp<cutlass::half_t, false>,
                              SM90_64x256x16_F32F16F16_SS<GMMA::Major::K, GMMA::Major::K>>);
 
+// The tail's wgmma: the weight tile as A (M = 64 of its columns), the tail rows as B (N =
+// kTailRows), both K-major but for an MN-major weight tile.
+template <class T, bool kBMnMajor>
+using TailMmaOp = decltype(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kTailRows>, _16>,
+                                                kBMnMajor ? GMMA::Major::MN : GMMA::Major::K, GMMA::Major::K>());
+static_assert(std::is_same_v<TailMmaOp<cutlass::bfloat16_t, true>,
+                             SM90_64x16x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::K>>);
+
 template <bool kBMnMajor, class T>
 struct SmemLayoutB;
 template <class T>
@@ -130,15 +146,21 @@ struct SmemLayoutB<true, T> {
 template <class T, bool kBMnMajor>
 struct Kernel {
   using TiledMma = decltype(make_tiled_mma(MmaOp<T, kBMnMajor>{}, Layout<Shape<_2, _1, _1>>{}));
+  // Each warpgroup computes the tail's rows for half the weight tile's columns.
+  using TailMma = decltype(make_tiled_mma(TailMmaOp<T, kBMnMajor>{}, Layout<Shape<_2, _1, _1>>{}));
   using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
                                              Shape<Int<kTileM>, Int<kTileK>, Int<kStages>>{}));
+  using SmemLayoutTail = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{},
+                                                Shape<Int<kTailRows>, Int<kTileK>, Int<kStages>>{}));
   using LayoutB = typename SmemLayoutB<kBMnMajor, T>::type;
   static constexpr int kStageElemsA = kTileM * kTileK;
   static constexpr int kStageElemsB = kTileN * kTileK;
+  static constexpr int kStageElemsTail = kTailRows * kTileK;
 
   struct Shared {
     alignas(1024) T a[cosize_v<SmemLayoutA>];
     alignas(1024) T b[cosize_v<LayoutB>];
+    alignas(1024) T tail[cosize_v<SmemLayoutTail>];  // A rows [row0 + 128, row0 + 128 + kTailRows)
     uint64_t full[kStages];
     uint64_t empty[kStages];
     int32_t tile_prefix[kCounterMaxExperts + 1];  // M tiles of the experts before e
@@ -153,27 +175,44 @@ struct Kernel {
   // row k is its 128-byte row k, chunk c starts at c * 64 * 64; stages are whole blocks.
   using PlainA = decltype(get_nonswizzle_portion(SmemLayoutA{}));
   using PlainB = decltype(get_nonswizzle_portion(LayoutB{}));
+  using PlainTail = decltype(get_nonswizzle_portion(SmemLayoutTail{}));
   static_assert(kTileK * sizeof(T) == 128, "one K block is one 128-byte swizzle row");
   static_assert(PlainA{}(_1{}, _0{}, _0{}) == kTileK && PlainA{}(_0{}, _0{}, _1{}) == kStageElemsA);
   static_assert(kBMnMajor || PlainB{}(_1{}, _0{}, _0{}) == kTileK);
   static_assert(!kBMnMajor || (PlainB{}(_1{}, _0{}, _0{}) == 1 && PlainB{}(_0{}, _1{}, _0{}) == kBoxN &&
                                PlainB{}(Int<kBoxN>{}, _0{}, _0{}) == kBoxN * kTileK));
   static_assert(PlainB{}(_0{}, _0{}, _1{}) == kStageElemsB);
-  static_assert(cosize_v<SmemLayoutA> == kStages * kStageElemsA && cosize_v<LayoutB> == kStages * kStageElemsB);
+  static_assert(PlainTail{}(_1{}, _0{}, _0{}) == kTileK && PlainTail{}(_0{}, _0{}, _1{}) == kStageElemsTail);
+  static_assert(cosize_v<SmemLayoutA> == kStages * kStageElemsA && cosize_v<LayoutB> == kStages * kStageElemsB &&
+                cosize_v<SmemLayoutTail> == kStages * kStageElemsTail);
 };
 
 __device__ __forceinline__ Tile locate_tile(int tile, int slices, const int32_t* tile_prefix,
                                             const int32_t* row_start, int experts) {
-  return fused::locate<kTileM, kTileN>(tile, slices, tile_prefix, row_start, experts);
+  return fused::locate<kTileM, kTileN, kTailRows>(tile, slices, tile_prefix, row_start, experts);
 }
 
-// One stage's boxes: A rows [row0, row0 + a_box_rows(a_box)) x K [k0, k0 + 64), and W_e's
-// 256 x 64 B tile.
+// The A boxes of one tile: the tile's rows and, past 128, its tail's.
+struct ABoxes {
+  int rows_box, tail_box;  // tail_box < 0: no tail
+  __device__ __forceinline__ explicit ABoxes(const Tile& t)
+      : rows_box(a_box_for(min(t.rows, kTileM))), tail_box(t.rows > kTileM ? a_box_for(t.rows - kTileM) : -1) {
+    static_assert(a_box_rows(a_box_for(kTailRows)) == kTailRows, "no tail box is taller than the tail's buffer");
+  }
+  __device__ __forceinline__ int rows_loaded() const {
+    return a_box_rows(rows_box) + (tail_box >= 0 ? a_box_rows(tail_box) : 0);
+  }
+};
+
+// One stage's boxes: A rows [row0, row0 + box rows) x K [k0, k0 + 64) (and the tail's rows from
+// row0 + 128), and W_e's 256 x 64 B tile.
 template <class T, bool kBMnMajor>
-__device__ __forceinline__ void load_stage(const Params& p, uint64_t* full, T* a_stage, T* b_stage, const Tile& t,
-                                           int a_box, int k0) {
+__device__ __forceinline__ void load_stage(const Params& p, uint64_t* full, T* a_stage, T* tail_stage, T* b_stage,
+                                           const Tile& t, const ABoxes& boxes, int k0) {
   constexpr uint64_t kEvictNormal = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
-  SM90_TMA_LOAD_2D::copy(&p.a_maps[a_box], full, kEvictNormal, a_stage, k0, t.row0);
+  SM90_TMA_LOAD_2D::copy(&p.a_maps[boxes.rows_box], full, kEvictNormal, a_stage, k0, t.row0);
+  if (boxes.tail_box >= 0)
+    SM90_TMA_LOAD_2D::copy(&p.a_maps[boxes.tail_box], full, kEvictNormal, tail_stage, k0, t.row0 + kTileM);
   if constexpr (kBMnMajor) {
 #pragma unroll
     for (int c = 0; c < kTileN / kBoxN; ++c)
@@ -197,17 +236,17 @@ __device__ void produce(const Params& p, typename Kernel<T, kBMnMajor>::Shared& 
     const int tile = walk.next();
     if (tile >= total_tiles) break;
     const Tile t = locate_tile(tile, slices, s.tile_prefix, s.row_start, p.experts);
-    const int a_box = a_box_for(t.rows);
+    const ABoxes boxes(t);
     // TMA counts every byte of a box, zero-filled ones included.
-    const uint32_t stage_bytes = (a_box_rows(a_box) + kTileN) * kTileK * sizeof(T);
+    const uint32_t stage_bytes = (boxes.rows_loaded() + kTileN) * kTileK * sizeof(T);
     for (int kb = 0; kb < k_blocks; ++kb) {
       walk.at_block(kb);
       fused::wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "counter producer, empty");
       const int stage = ring.stage;
       if (kb == 0) walk.tiles.publish(stage, tile);
       Barrier::arrive_and_expect_tx(&s.full[stage], stage_bytes);
-      load_stage<T, kBMnMajor>(p, &s.full[stage], s.a + stage * K::kStageElemsA, s.b + stage * K::kStageElemsB, t,
-                               a_box, kb * kTileK);
+      load_stage<T, kBMnMajor>(p, &s.full[stage], s.a + stage * K::kStageElemsA, s.tail + stage * K::kStageElemsTail,
+                               s.b + stage * K::kStageElemsB, t, boxes, kb * kTileK);
       ring.advance();
     }
   }
@@ -242,6 +281,19 @@ __device__ __forceinline__ void store_tile(const Params& p, const Tile& t, const
   }
 }
 
+// The tail's rows (row0 + 128 + r, r < rows - 128) from the swapped accumulators, whose (M, N)
+// coordinates are (column, tail row): one element a store, columns < N.
+template <class T, class Accum, class Coords>
+__device__ __forceinline__ void store_tail(const Params& p, const Tile& t, const Accum& acc, const Coords& coords) {
+  const int tail_rows = t.rows - kTileM;
+  T* d = static_cast<T*>(p.d);
+#pragma unroll
+  for (int i = 0; i < decltype(size(acc))::value; ++i) {
+    const int col = t.n0 + get<0>(coords(i)), r = get<1>(coords(i));
+    if (r < tail_rows && col < p.n_out) d[(int64_t(t.row0) + kTileM + r) * p.n_out + col] = T(acc(i));
+  }
+}
+
 template <class T, bool kBMnMajor>
 __device__ void consume(const Params& p, typename Kernel<T, kBMnMajor>::Shared& s, int slices) {
   using K = Kernel<T, kBMnMajor>;
@@ -259,6 +311,14 @@ __device__ void consume(const Params& p, typename Kernel<T, kBMnMajor>::Shared& 
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
   const int m0 = fused::check_quad_accumulator_layout(coords);
 
+  typename K::TailMma tail_mma;
+  Tensor sTail = make_tensor(make_smem_ptr(s.tail), typename K::SmemLayoutTail{});
+  auto tail_thr = tail_mma.get_thread_slice(consumer_thread);
+  Tensor tTrW = tail_thr.make_fragment_A(tail_thr.partition_A(sB));  // the weight tile as A
+  Tensor tTrX = tail_thr.make_fragment_B(tail_thr.partition_B(sTail));
+  Tensor tail_acc = partition_fragment_C(tail_mma, Shape<Int<kTileN>, Int<kTailRows>>{});
+  Tensor tail_coords = tail_thr.partition_C(make_identity_tensor(Shape<Int<kTileN>, Int<kTailRows>>{}));
+
   const int first_row = (consumer_thread / 128) * (kTileM / 2);  // this warpgroup's rows
   StageRing<kStages> ring;
   for (;;) {
@@ -272,8 +332,26 @@ __device__ void consume(const Params& p, typename Kernel<T, kBMnMajor>::Shared& 
       fused::pass_k_blocks(ring, s.full, s.empty, k_blocks, warp_leader);
       continue;
     }
-    fused::mma_k_blocks<false>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc);
+    if (t.rows <= kTileM) {
+      fused::mma_k_blocks<false>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc);
+      store_tile<T>(p, t, acc, m0);
+      continue;
+    }
+    // 128 rows and a tail: both MMAs on every stage.
+    mma.accumulate_ = GMMA::ScaleOut::Zero;
+    tail_mma.accumulate_ = GMMA::ScaleOut::Zero;
+    fused::wgmma_k_blocks<false>(
+        ring, s.full, s.empty, k_blocks, warp_leader,
+        [&](int stage) {
+          fused::wgmma_stage(mma, tCrA, tCrB, acc, stage);
+          fused::wgmma_stage(tail_mma, tTrW, tTrX, tail_acc, stage);
+        },
+        [&] {
+          warpgroup_fence_operand(acc);
+          warpgroup_fence_operand(tail_acc);
+        });
     store_tile<T>(p, t, acc, m0);
+    store_tail<T>(p, t, tail_acc, tail_coords);
   }
 }
 
@@ -292,7 +370,7 @@ __global__ void __launch_bounds__(kThreads, 1) counter_gemm_kernel(const __grid_
   }
   grid_dependency_wait();
   if (warp == 0) {
-    fused::build_tile_prefix<kTileM>(p.row_offsets, p.experts, p.capacity, s.tile_prefix, s.row_start);
+    fused::build_tile_prefix<kTileM, kTailRows>(p.row_offsets, p.experts, p.capacity, s.tile_prefix, s.row_start);
   }
   __syncthreads();
 
