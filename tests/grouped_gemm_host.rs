@@ -96,7 +96,8 @@ fn auto_config_heuristic_uses_host_facts_only() {
         assert_eq!(auto(&dsv3_fc1_dgrad), GemmConfig::Sm90Counter); // output 7168 >= 4096
         assert_eq!(auto(&qwen3_fc2), GemmConfig::Sm90Counter);
         assert_eq!(auto(&qwen3_fc2_f16), GemmConfig::Sm90Counter);
-        assert_eq!(auto(&qwen3_fc2_dgrad), GemmConfig::Sm90Counter); // 3 x 768 >= 2048
+        // qwen3moe's fc2 dgrad: 3 x 768 >= 2048.
+        assert_eq!(auto(&qwen3_fc2_dgrad), GemmConfig::Sm90Counter);
         // Output 2048 under a third of the reduction 7168 (dsv3's fc2 dgrad), which is > 1024:
         // the cooperative kernel.
         let dsv3_fc2_dgrad = GroupedGemmSpec::new(GemmOp::Dgrad, 32, 7168, 2048, 8192);
