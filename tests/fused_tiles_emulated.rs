@@ -5,7 +5,7 @@
 //! Checked against the contract written out below: expert e owns rows [offsets[e],
 //! offsets[e + 1]) clamped into [0, capacity]; its tiles are ceil(rows / 128) M tiles per
 //! column slice (for SM90_COUNTER's list: one fewer for experts of 2 to 8 tiles where that
-//! many hold the rows at up to 128 + 16 each, and the rows spread evenly over the tiles), the M tiles of one slice
+//! many hold the rows at up to 128 + 16 each, those rows spread evenly over the tiles), the M tiles of one slice
 //! consecutive, experts in order; every (row, slice) of
 //! the clamped rows lands in exactly one tile, no tile holds a row of another expert, and the
 //! count stays within the host bound that sizes the grid. Empty experts, a negative first
@@ -78,11 +78,11 @@ fn expected(c: &Case) -> Expected {
         for slice in 0..c.slices {
             let mut row0 = start;
             for m in 0..m_tiles {
-                let rows = if c.tail == 0 {
-                    TILE.min(end - row0)
-                } else {
-                    // Spread evenly, the first rows % m_tiles tiles one row longer.
+                let rows = if absorbs {
+                    // Tiles with tails: spread evenly, the first rows % m_tiles one row longer.
                     rows / m_tiles + i64::from(m < rows % m_tiles)
+                } else {
+                    TILE.min(end - row0)
                 };
                 tiles.push([x as i64, row0, rows, slice * TILE]);
                 row0 += rows;

@@ -34,6 +34,21 @@ pub const SHAPES: &[Shape] = &[
     Shape { name: "decode_fc1", experts: 64, rows: 1024, k: 2048, n: 2816 },
 ];
 
+/// Shapes a report leaves out and `--shapes` takes (for sweeps): the grouped GEMMs of the
+/// expert-path rows at the published shapes (E128 T32768 k8: 2048 rows per expert), which the
+/// named shapes above (256 rows per expert at E >= 32) do not stand for.
+pub const EXTRA_SHAPES: &[Shape] = &[
+    Shape { name: "liger_fc1", experts: 128, rows: 262144, k: 2048, n: 1536 },
+    Shape { name: "liger_fc2", experts: 128, rows: 262144, k: 768, n: 2048 },
+    Shape { name: "sonic30b_fc1", experts: 128, rows: 262144, k: 4096, n: 1024 },
+    Shape { name: "sonic30b_fc2", experts: 128, rows: 262144, k: 512, n: 4096 },
+];
+
+/// A named shape of either list.
+pub fn find_shape(name: &str) -> Option<&'static Shape> {
+    SHAPES.iter().chain(EXTRA_SHAPES).find(|s| s.name == name)
+}
+
 /// The routings [`routing`] draws (`--routing`).
 pub const ROUTINGS: &[&str] = &["uniform", "zipf", "onehot", "balanced"];
 /// The routings a report runs unless `--routing` names others.

@@ -6,6 +6,7 @@
 //! says why and exits with status 2.
 //!
 //!   capmoe-bench [--shapes a,b] [--routing uniform,zipf,onehot,balanced] [--ops fprop,dgrad,wgrad]
+//!                (shapes: gemm.rs's SHAPES, the default, and EXTRA_SHAPES, by name only)
 //!                [--streams 4] [--reps 30] [--anchors torch_anchor.json] [--out DIR]
 //!                [--quick]      (10 reps and uniform routing, where --reps / --routing are not given)
 //!                [--only gemm,graphs,ep,echo,paths]  (these row families alone; default all)
@@ -43,7 +44,7 @@ use capturable_moe::device::{open, DeviceInfo};
 use capturable_moe::grouped_gemm::{GemmConfig, GemmOp, WeightLayout};
 use cudarc::driver::sys::CUdevice_attribute;
 
-use gemm::{bench_case, op_name, Shape, DEFAULT_ROUTINGS, ROUTINGS, SHAPES};
+use gemm::{bench_case, find_shape, op_name, Shape, DEFAULT_ROUTINGS, ROUTINGS, SHAPES};
 use runner::{Outputs, Runner};
 
 struct Args {
@@ -204,7 +205,7 @@ fn parse_args(command_line: impl IntoIterator<Item = String>) -> Result<Args, St
         args.routings = vec!["uniform".into()];
     }
     for s in &args.shapes {
-        if !SHAPES.iter().any(|shape| shape.name == s) {
+        if find_shape(s).is_none() {
             return Err(format!("unknown shape {s}"));
         }
     }
@@ -277,7 +278,7 @@ fn main() {
 
 /// The GEMM rows, a unit per (shape, routing, op).
 fn gemm_rows(runner: &mut Runner, stream: &std::sync::Arc<cudarc::driver::CudaStream>, args: &Args) {
-    let shapes: Vec<&Shape> = SHAPES.iter().filter(|s| args.shapes.iter().any(|n| n == s.name)).collect();
+    let shapes: Vec<&Shape> = args.shapes.iter().filter_map(|n| find_shape(n)).collect();
     let total = shapes.len() * args.routings.len() * args.ops.len();
     let mut done = 0;
     for shape in shapes {

@@ -17,9 +17,8 @@
 // the tile counter; this kernel is its programmatic dependent and waits for it before reading
 // either. Per CTA (persistent, 384 threads):
 //  - warp 0 builds the tile list from the row offsets in shared memory (fused/tile_list.cuh:
-//    per expert the fewest M tiles of at most 128 + kTailRows rows, or of at most 128 where
-//    those are as few, its rows spread evenly over them; the M tiles of one 256-column slice
-//    consecutive);
+//    per expert ceil(rows / 128) M tiles, or one fewer holding up to 128 + kTailRows rows each
+//    with the rows spread evenly over them; the M tiles of one 256-column slice consecutive);
 //  - thread 0 is the producer: per tile (fused/tile_source.cuh's CountedTiles, claimed
 //    ClaimAhead's lead early) and K block of 64, a box of A at (k0, row0), 128 rows or fewer
 //    for an expert's last tile (a_box_for; rows past the expert's end are another expert's or
@@ -72,11 +71,12 @@ constexpr int kTileK = 64;  // 64 16-bit elements = one 128-byte swizzle row
 constexpr int kBoxN = 64;   // MN-major B: output columns per TMA box
 constexpr int kStages = 4;
 constexpr int kThreads = 384;
-// A tile may hold up to kTailRows rows past its 128 (tile_list.cuh's m_tiles_of; an expert's
-// rows spread evenly over its tiles): those are computed swapped (D^T = W^T A^T: the weight tile's 256 columns as the
+// A tile may hold up to kTailRows rows past its 128 (tile_list.cuh's m_tiles_of and locate say
+// which): those are computed swapped (D^T = W^T A^T: the weight tile's 256 columns as the
 // wgmma's M, the tail rows as its N), from the weight tile the stage already holds and a small
 // box of the tail's A rows, instead of as a tile of their own that streams the whole weight
-// tile through L2 again for a few rows.
+// tile through L2 again for a few rows. (Tails of up to 16 and of up to 32 rows a tile measured
+// the same, H200, bench/results/gemm_counter_tails_NVIDIA_H200.txt; 16 is the narrower wgmma.)
 constexpr int kTailRows = kCounterTailRows;
 constexpr int kConsumerWarps = 8;
 
