@@ -22,12 +22,15 @@
 //  - thread 0 is the producer: per tile (fused/tile_source.cuh's CountedTiles, claimed
 //    ClaimAhead's lead early) and K block of 64, a box of A at (k0, row0), 128 rows or fewer
 //    for an expert's last tile (a_box_for; rows past the expert's end are another expert's or
-//    zero fill past capacity, never stored), and the 256 x 64 B tile: one 64 x 256 box of W_e
+//    zero fill past capacity, never stored) and for a tile with a tail a 16-row box at row0 +
+//    128 into a buffer of its own, and the 256 x 64 B tile: one 64 x 256 box of W_e
 //    when the reduction is W's contiguous dim (RC), or four 64 x 64 boxes, MN-major, when the
 //    output columns are (RR);
 //  - warpgroups 1 and 2 consume, 64 rows each, one 64x256x16 wgmma per k16 step, and store
 //    their rows < the tile's row count straight from the accumulators, 16 bytes a lane
-//    (fused/quad_store.cuh), columns < N.
+//    (fused/quad_store.cuh), columns < N; a tile with rows past 128 (a tail, below) adds one
+//    swapped 64x16x16 wgmma per warpgroup and k16 step, over half the tile's columns each,
+//    whose rows are stored element by element.
 // TMA zero-fills reads past K and past N, so neither needs to be a multiple of the tile.
 // First: CUTLASS includes <cudaTypedefs.h> inside its namespace (cuda_host_adapter.hpp), which
 // would leave the driver typedefs this header needs out of the global one.
