@@ -8,9 +8,10 @@
 // weight slice, claimed a few K blocks ahead, and a consumer warpgroup whose 64 rows all lie
 // past its expert's end skips its MMAs; on the H200 it finished ahead of CUTLASS's kernel on the
 // same data. This is that mainloop with A by TMA (the rows are contiguous here) and a plain
-// epilogue. Measured (H200, 2026-11-29, bench/README "That kernel"): 2-8 % ahead of the CUTLASS
-// kernels where the output is at least as wide as the reduction and at decode, level or 2-4 %
-// behind where the reduction is the longer side; AUTO (dispatch.cu) takes it where it led.
+// epilogue. Measured (H200, 2026-11-29, bench/README "That kernel"): first 2-8 % ahead of the
+// CUTLASS kernels where the output is at least as wide as the reduction and at decode; since
+// its tiles take tails (below) ahead on every E >= 32 fprop / dgrad swept but dsv3's fc2 dgrad;
+// AUTO (dispatch.cu) takes it where it leads.
 //
 // The launch sequence is the CUTLASS variants' (grouped_gemm.cuh): the one-block argument kernel
 // (arguments.cuh) turns m_splits into clamped row offsets, sets the overflow flags and zeroes

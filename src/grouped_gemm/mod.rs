@@ -72,8 +72,9 @@ pub enum GemmConfig {
     /// SM90, 64x256x64 tile per warpgroup, the two warpgroups alternating.
     Sm90PingpongWide,
     /// SM90, the crate's own 128x256x64 kernel (not CUTLASS): fprop / dgrad, tiles handed out
-    /// weight slice by weight slice from a device counter. One weight tensor (no pointer
-    /// array), at most 1024 experts, 16-bit out; [`Error::Unsupported`] otherwise.
+    /// weight slice by weight slice from a device counter, up to 16 rows past a tile's 128
+    /// computed beside them. One weight tensor (no pointer array), at most 1024 experts, 16-bit
+    /// out; [`Error::Unsupported`] otherwise.
     Sm90Counter,
     /// SM100, 128x256 tile per SM (compiled, never run here: no Blackwell GPU).
     Sm100OneSm,
