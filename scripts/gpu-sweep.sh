@@ -19,7 +19,7 @@ save() { save_tarball $W "$R/sweep.tgz"; }
 bash scripts/unpack-bundle.sh "$BUNDLE" || exit 2
 B=$BUNDLE/run/bin/capmoe-bench
 ncu_reserve=0; [[ "${NCU:-1}" == 1 ]] && ncu_reserve=160
-CONFIGS=${CONFIGS:-sm90-coop,sm90-coop-nocluster,sm90-pingpong-wide}
+CONFIGS=${CONFIGS:-sm90-coop,sm90-coop-nocluster,sm90-pingpong-wide,sm90-counter}
 SHAPES=${SHAPES:-mixtral_fc1,dsv3_ep8_fc1,dsv3_ep8_fc2,qwen3moe_fc1,qwen3moe_fc2,decode_fc1}
 gpu_facts | tee $W/gpu.txt; cp $W/gpu.txt "$R/gpu.txt"
 failed=0  # 1 when a sweep exited non-zero (the call's exit status says so)
@@ -32,10 +32,14 @@ for layout in ${SWEEP_LAYOUTS:-enk ekn}; do
 done
 if [[ "${NCU:-1}" == 1 ]]; then
   # The config's first launch (-s 5 skips AUTO's four timed runs and its reference run). Per kernel: DRAM and tensor-pipe throughput, L2 hit rate, top warp stall reasons.
+  # The counter kernel has a name of its own: matched alone, one launch skipped (a --reps 1 sweep
+  # may launch it fewer than six times when AUTO picks another kernel, and -s 5 then skips them all).
   NCU_BIN=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  for spec in ${NCU_CASES:-dsv3_ep8_fc1:fprop:sm90-coop-nocluster qwen3moe_fc1:fprop:sm90-coop-nocluster qwen3moe_fc2:fprop:sm90-pingpong-wide qwen3moe_fc1:wgrad:sm90-coop}; do
+  for spec in ${NCU_CASES:-dsv3_ep8_fc1:fprop:sm90-counter qwen3moe_fc1:fprop:sm90-counter qwen3moe_fc2:fprop:sm90-counter qwen3moe_fc1:wgrad:sm90-coop}; do
     IFS=: read -r shape op cfg <<<"$spec"
-    timeout -k 10 "$(limit 120 0)" $NCU_BIN --clock-control none -k regex:'device_kernel|dependent_gemm|counter_gemm' -s 5 -c 1 \
+    kernels=(-k regex:'device_kernel|dependent_gemm' -s 5)
+    [[ $cfg == sm90-counter ]] && kernels=(-k regex:counter_gemm -s 1)
+    timeout -k 10 "$(limit 120 0)" $NCU_BIN --clock-control none "${kernels[@]}" -c 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
       --metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,lts__t_sector_hit_rate.pct,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       $B --sweep --shapes $shape --routing uniform --ops $op --configs $cfg --reps 1 --out /tmp/ncu > $W/ncu_${shape}_${op}_${cfg}.txt 2>&1
