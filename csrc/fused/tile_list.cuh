@@ -1,5 +1,5 @@
-// The persistent fused kernels' tile list, built on the device from the routing build's
-// offsets (shared by fc1_sm90.cu and swiglu_dgrad_sm90.cu).
+// The persistent kernels' tile list, built on the device from the routing build's offsets
+// (shared by the fused kernels and grouped_gemm/sm90_counter.cu, which alone takes tails).
 //
 // Every CTA computes, per expert, m_tiles(e) (m_tiles_of, below) and its prefix in shared
 // memory; linear tile i belongs to the expert whose [prefix(e) * S, prefix(e + 1) * S) holds it
@@ -101,8 +101,8 @@ __device__ __forceinline__ Tile locate(int tile, int slices, const int32_t* tile
   // Tiles with tails: the rows spread evenly over them (the first rows % m_tiles one row more),
   // so the tiles that share a weight slice take the same time and stream it together (one tile
   // running behind the other reads the slice from HBM again once L2 has let it go). Only
-  // here: spreading whole tiles would turn a cheap last tile of <= 64 rows into more tiles
-  // running both warpgroups (2026-11-29: 6-13 % slower GEMMs at 2048 rows per expert).
+  // here: spreading whole tiles would turn a cheap last tile of <= 64 rows (one warpgroup's
+  // MMAs) into more tiles running both warpgroups' (bench/README, "Tails").
   const int base = rows / m_tiles, longer = rows % m_tiles;
   const int row0 = row_start[e] + m_tile * base + min(m_tile, longer);
   return Tile{e, row0, base + (m_tile < longer ? 1 : 0), slice * kTileN};

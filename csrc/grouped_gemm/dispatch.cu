@@ -98,10 +98,10 @@ bool has_variant(const capmoe_grouped_gemm_desc_t& d, capmoe_gemm_config_t confi
 //  - FPROP/DGRAD at most 64 rows per expert on average (decode), or with an output at least a
 //    third as wide as the reduction: the crate's own counter-scheduled kernel
 //    (grouped_gemm/counter.h, where it takes the descriptor: one weight tensor, <= 1024
-//    experts). Since its tiles take up to 16 rows past 128 (2026-11-29, second sweep) it leads
-//    the CUTLASS kernels under uniform and zipf routing by 2-8 % on every E >= 32 shape but
-//    dsv3's fc2 dgrad (output 2048, reduction 7168: level uniform, 6 % behind zipf), which
-//    keeps:
+//    experts). Since its tiles take up to 16 rows past 128 (2026-11-29, second sweep) it is
+//    level with the CUTLASS kernels or up to 8 % ahead under uniform and zipf routing on every
+//    E >= 32 shape but dsv3's fc2 dgrad (output 2048, reduction 7168: level uniform, 3-6 %
+//    behind zipf), which keeps:
 //  - FPROP/DGRAD with at most 64 rows per expert on average (decode), or a short reduction
 //    (K <= 1024: the expert's fc2 in fprop): the 64x256 pingpong, whose alternating
 //    warpgroups hide each tile's epilogue behind the other's mainloop. (A 64x128 pingpong
