@@ -5,8 +5,8 @@
 //! Checked against the contract written out below: expert e owns rows [offsets[e],
 //! offsets[e + 1]) clamped into [0, capacity]; its tiles are ceil(rows / 128) M tiles per
 //! column slice (for SM90_COUNTER's list: one fewer for experts of 2 to 8 tiles where that
-//! many hold the rows at up to 128 + 16 each, those rows spread evenly over the tiles), the M tiles of one slice
-//! consecutive, experts in order; every (row, slice) of
+//! many hold the rows at up to 128 + 16 each, those rows spread evenly over the tiles), the M
+//! tiles of one slice consecutive, experts in order; every (row, slice) of
 //! the clamped rows lands in exactly one tile, no tile holds a row of another expert, and the
 //! count stays within the host bound that sizes the grid. Empty experts, a negative first
 //! offset, offsets past capacity, 1 to 1024 experts (up to 32 per lane of the building warp),

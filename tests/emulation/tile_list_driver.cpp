@@ -51,7 +51,8 @@ __global__ void tile_list_kernel(Params p) {
   }
   for (int tile = blockIdx.x; tile < total && tile < p.max_tiles; tile += gridDim.x) {
     if (threadIdx.x != (unsigned)(tile / gridDim.x) % blockDim.x) continue;
-    const capmoe::fused::Tile t = capmoe::fused::locate<kTile, kTile, kTailRows>(tile, p.slices, tile_prefix, row_start, p.experts);
+    const capmoe::fused::Tile t =
+        capmoe::fused::locate<kTile, kTile, kTailRows>(tile, p.slices, tile_prefix, row_start, p.experts);
     int32_t* o = p.tiles_out + 4 * (int64_t)tile;
     o[0] = t.expert, o[1] = t.row0, o[2] = t.rows, o[3] = t.n0;
     ++p.visits[tile];
