@@ -45,10 +45,11 @@ pub enum FusedKernel {
     /// altogether: on a 9.0 device with an sm_90a build, [`WeightForm::Tensor`], more than 64
     /// rows per expert on average (at decode sizes the unfused chain is faster since the
     /// grouped GEMM runs its counter kernel there) and shapes the kernel takes (`F` a multiple
-    /// of 128, `E` at most [`crate::fused::MAX_EXPERTS`], a 16-bit dtype). In a training plan the backward's fc1 wgrad still reads the permuted copy, so the
-    /// forward permutes anyway and the fused fc1 only replaces fc1 + SwiGLU, which it does not
-    /// beat (H200, 2026-11-29: 732 against 716 us at E128 T4096); `bench/README.md` ("Fused
-    /// expert path") has the measurements. The other options' fused kernels are slower than
+    /// of 128, `E` at most [`crate::fused::MAX_EXPERTS`], a 16-bit dtype). In a training plan
+    /// the backward's fc1 wgrad still reads the permuted copy, so the forward permutes anyway
+    /// and the fused fc1 only replaces fc1 + SwiGLU, which it does not beat (H200, 2026-11-29:
+    /// 732 against 716 us at E128 T4096); `bench/README.md` ("Fused expert path") has the
+    /// measurements. The other options' fused kernels are slower than
     /// their chains on an H200, so Auto leaves them unfused, and no sm_100a kernel has run (no
     /// Blackwell GPU here), so Auto takes none there. A forced `Fused` takes the sm_100a kernels
     /// on a 10.0 device (all four options; compiled only, never run).

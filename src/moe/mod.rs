@@ -134,8 +134,7 @@ pub struct MoeOptions {
     /// `num_experts` may pick different kernels, and so may the two [`WeightForm`]s (the
     /// `Sm90Counter` kernel takes one weight tensor, not a pointer array); force one to make
     /// them run the same kernel (then each row's result is bitwise the same in both). The
-    /// wgrad GEMMs always resolve
-    /// `Auto`: one wgrad kernel exists per arch.
+    /// wgrad GEMMs always resolve `Auto`: one wgrad kernel exists per arch.
     pub gemm_config: GemmConfig,
     /// fc1 of the forward: fused (gather + GEMM + SwiGLU in one kernel) or not; see
     /// [`FusedKernel`]. Both give the same bits.
@@ -155,9 +154,9 @@ pub struct MoeOptions {
     /// combine over k is an unweighted gather-sum. The backward then needs neither a `drows`
     /// buffer nor the fc2 output rows: the fused fc2 dgrad gathers `dy` itself and makes
     /// dprobs in its epilogue, and fc2's wgrad reads `dy` through the routing map. Needs the
-    /// fused fc1 (`fc1 = Fused`, or `Auto` where Auto takes it: a forward-only plan on sm_90a with more than 64 rows per
-    /// expert)
-    /// and, unless `forward_only`, `swiglu_dgrad = Fused` (else [`Error::InvalidArgument`]). `Auto` / `Unfused`: the probability is applied in the
+    /// fused fc1 (`fc1 = Fused`, or `Auto` where Auto takes it: a forward-only plan on sm_90a
+    /// with more than 64 rows per expert) and, unless `forward_only`, `swiglu_dgrad = Fused`
+    /// (else [`Error::InvalidArgument`]). `Auto` / `Unfused`: the probability is applied in the
     /// combine. The two agree within rounding: act is rounded once after the product, and fc2
     /// sums weighted terms.
     pub prob_in_fc1: FusedKernel,
