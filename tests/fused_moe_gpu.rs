@@ -207,6 +207,13 @@ fn fused_moe_plan_choices() {
     let decode = config(None);
     let auto = MoeExperts::<bf16>::with_options(decode, inference, &stream).unwrap();
     assert!(!auto.fc1_is_fused(), "Auto keeps the unfused fc1 at <= 64 rows per expert");
+    // The boundary reads capacity / E rounded down, as the grouped GEMM's AUTO does: 516 rows
+    // over 8 experts (64.5) are decode-sized, 520 (65) are not.
+    for (tokens, fused) in [(258, false), (260, arch == Arch::Sm90)] {
+        let at_edge = MoeConfig { max_tokens: tokens, ..config(None) };
+        let auto = MoeExperts::<bf16>::with_options(at_edge, inference, &stream).unwrap();
+        assert_eq!(auto.fc1_is_fused(), fused, "Auto's forward-only fc1 at {} rows", tokens * K);
+    }
     // A shape the kernel does not take (F not a multiple of 128): Auto falls back, no error.
     let odd_ffn = MoeConfig { ffn: 120, ..prefill.clone() };
     assert!(!MoeExperts::<bf16>::with_options(odd_ffn, inference, &stream).unwrap().fc1_is_fused());

@@ -122,14 +122,15 @@ impl FusedPlans {
 }
 
 /// [`FusedKernel::Auto`]'s fc1: the fused kernel in a forward-only plan on a 9.0 device with
-/// more than 64 rows per expert on average, where it takes the plan; `None` (the unfused
+/// more than 64 rows per expert on average (`capacity / E`, rounded down, as the grouped GEMM's
+/// AUTO reads it: the two agree on which plans are decode-sized), where it takes the plan; `None` (the unfused
 /// chain) otherwise; any other error is the caller's. At decode sizes the unfused chain won
 /// once the grouped GEMM's AUTO took the counter kernel there (H200, 2026-11-29, report of
 /// b9ad269: E64 T128 k8 H2048 F1408 forward-only 352.3 us fused, 306.7 us unfused; at E128
 /// T4096 670.5 against 714.6 us).
 fn auto_fc1(options: &MoeOptions, routing: &RoutingPlan, stream: &Arc<CudaStream>) -> Result<Option<FusedFc1>> {
     const DECODE_ROWS_PER_EXPERT: usize = 64;
-    let decode = routing.capacity() <= DECODE_ROWS_PER_EXPERT * routing.num_experts();
+    let decode = routing.capacity() / routing.num_experts() <= DECODE_ROWS_PER_EXPERT;
     let takes = options.forward_only && options.weights == WeightForm::Tensor && !decode;
     if !takes || FusedFc1::check_shapes(routing.config()).is_err() {
         return Ok(None);
