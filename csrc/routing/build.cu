@@ -14,6 +14,9 @@
 //   3. scatter: recomputes the per-warp counts of its chunk, adds the block base and the
 //      earlier warps' counts, then walks its routes in order giving each its rank within the
 //      expert: rank < m_splits[e] -> row offsets[e] + rank, else dropped (-1).
+// When T_max * k routes fit one chunk (decode sizes: 128 tokens x top-8), one block of
+// kScanThreads does all three (build_one_chunk_kernel): the same steps, the same results, one
+// launch instead of three, whose latencies were most of a decode step's routing time.
 #include "routing/common.cuh"
 
 namespace capmoe {
@@ -113,6 +116,41 @@ __device__ __forceinline__ long long block_inclusive_scan(long long v) {
   return warp > 0 ? v + warp_sums[warp - 1] : v;
 }
 
+// Expert e's rows (thread e of a kScanThreads block; every thread calls it): its `total` routes,
+// clipped to expert_capacity, laid out after the experts before it and clipped at capacity;
+// writes m_splits, offsets, expert_counts, raises CAPACITY where a route is dropped. Returns
+// expert e's rows [begin, end).
+struct ExpertRows {
+  long long begin, end;
+};
+__device__ __forceinline__ ExpertRows place_experts(int e, int E, long long total, long long capacity,
+                                                    long long expert_capacity, int32_t* flags,
+                                                    int32_t* __restrict__ m_splits_i32,
+                                                    int64_t* __restrict__ m_splits_i64,
+                                                    int64_t* __restrict__ offsets,
+                                                    int32_t* __restrict__ expert_counts) {
+  long long kept = total;
+  if (expert_capacity > 0 && kept > expert_capacity) kept = expert_capacity;
+  bool dropped = kept < total;
+  const long long incl = block_inclusive_scan(kept);
+  const long long excl = incl - kept;
+  const long long begin = excl < capacity ? excl : capacity;
+  const long long end = incl < capacity ? incl : capacity;
+  if (e < E) {
+    if (m_splits_i32 != nullptr) m_splits_i32[e] = static_cast<int32_t>(end - begin);
+    if (m_splits_i64 != nullptr) m_splits_i64[e] = end - begin;
+    if (expert_counts != nullptr) expert_counts[e] = static_cast<int32_t>(total);
+    offsets[e] = begin;
+    if (e == E - 1) {
+      offsets[E] = end;
+      dropped |= incl > capacity;
+    }
+  }
+  if (__syncthreads_or(dropped) && threadIdx.x == 0 && flags != nullptr)
+    atomicOr(flags, CAPMOE_ROUTING_CAPACITY);
+  return ExpertRows{begin, end};
+}
+
 __global__ void __launch_bounds__(kScanThreads)
     scan_kernel(int32_t* __restrict__ block_counts, int num_blocks, int E, long long capacity,
                 long long expert_capacity, int32_t* flags, int32_t* __restrict__ m_splits_i32,
@@ -136,25 +174,58 @@ __global__ void __launch_bounds__(kScanThreads)
       }
     }
   }
-  long long kept = total;
-  if (expert_capacity > 0 && kept > expert_capacity) kept = expert_capacity;
-  bool dropped = kept < total;
-  const long long incl = block_inclusive_scan(kept);
-  const long long excl = incl - kept;
-  const long long begin = excl < capacity ? excl : capacity;
-  const long long end = incl < capacity ? incl : capacity;
-  if (e < E) {
-    if (m_splits_i32 != nullptr) m_splits_i32[e] = static_cast<int32_t>(end - begin);
-    if (m_splits_i64 != nullptr) m_splits_i64[e] = end - begin;
-    if (expert_counts != nullptr) expert_counts[e] = static_cast<int32_t>(total);
-    offsets[e] = begin;
-    if (e == E - 1) {
-      offsets[E] = end;
-      dropped |= incl > capacity;
+  place_experts(e, E, total, capacity, expert_capacity, flags, m_splits_i32, m_splits_i64, offsets,
+                expert_counts);
+}
+
+// hist[w][e] <- the rank within expert e of warp w's first route to it: block_base[e] (the
+// routes of earlier chunks; nullptr: none) plus the counts of the warps before w. Threads
+// stride over the experts.
+__device__ __forceinline__ void first_ranks(int* hist, int E, const int32_t* __restrict__ block_base) {
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int run = block_base != nullptr ? block_base[e] : 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const int c = hist[w * E + e];
+      hist[w * E + e] = run;
+      run += c;
     }
   }
-  if (__syncthreads_or(dropped) && threadIdx.x == 0 && flags != nullptr)
-    atomicOr(flags, CAPMOE_ROUTING_CAPACITY);
+}
+
+// Warps 0 .. kWarps-1 walk their routes of this block's chunk in order (expert and match as
+// count_chunk left them; hist as first_ranks left it), giving each its rank within its expert:
+// rank < kept[e] -> row row_begin[e] + rank, else dropped (-1).
+__device__ __forceinline__ void scatter_chunk(const int (&expert)[kItersPerWarp], const unsigned (&match)[kItersPerWarp],
+                                              int* hist, const long long* row_begin, const int* kept, int t_max,
+                                              int k, int E, int32_t* __restrict__ row_of_route,
+                                              int32_t* __restrict__ token_of_row) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int first = blockIdx.x * kChunk + warp * kRoutesPerWarp;
+  const int all_routes = t_max * k;
+#pragma unroll
+  for (int it = 0; it < kItersPerWarp; ++it) {
+    const int r = first + it * 32 + lane;
+    const int e = expert[it];
+    const unsigned mask = match[it];
+    int rank = 0;
+    if (e >= 0) rank = hist[warp * E + e] + __popc(mask & lanemask_lt());
+    __syncwarp();
+    if (e >= 0 && lane == __ffs(mask) - 1) hist[warp * E + e] += __popc(mask);
+    __syncwarp();
+    int row = -1;
+    if (e >= 0 && rank < kept[e]) row = static_cast<int>(row_begin[e] + rank);
+    if (r < all_routes) row_of_route[r] = row;
+    if (row >= 0 && token_of_row != nullptr) token_of_row[row] = r / k;
+  }
+}
+
+// token_of_row = -1 for the rows [total, capacity) no route fills, the grid's threads striding.
+__device__ __forceinline__ void clear_unused_rows(long long total, long long capacity, int32_t* __restrict__ token_of_row) {
+  if (token_of_row == nullptr) return;
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long i = total + blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < capacity; i += stride)
+    token_of_row[i] = -1;
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -179,44 +250,56 @@ __global__ void __launch_bounds__(kThreads)
   unsigned match[kItersPerWarp];
   count_chunk(ids, T * k, E, hist, expert, match);
   __syncthreads();
+  first_ranks(hist, E, block_base + static_cast<int64_t>(blockIdx.x) * E);
+  __syncthreads();
+  scatter_chunk(expert, match, hist, row_begin, kept, t_max, k, E, row_of_route, token_of_row);
+  clear_unused_rows(offsets[E], capacity, token_of_row);
+}
 
-  // hist[w][e] <- rank of the first route of warp w to expert e.
-  for (int e = threadIdx.x; e < E; e += kThreads) {
-    int run = block_base[static_cast<int64_t>(blockIdx.x) * E + e];
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const int c = hist[w * E + e];
-      hist[w * E + e] = run;
-      run += c;
-    }
-  }
+// The three steps in one block of kScanThreads, for T_max * k <= kChunk routes: warps
+// 0 .. kWarps-1 count the chunk as histogram_kernel's block 0 would, every thread e places
+// expert e as scan_kernel does (one chunk: its counts are the totals and every block base is
+// 0), and the counting warps give the routes their rows as scatter_kernel does.
+__global__ void __launch_bounds__(kScanThreads)
+    build_one_chunk_kernel(const int32_t* __restrict__ ids, int64_t host_tokens,
+                           const int32_t* __restrict__ device_tokens, int t_max, int k, int E,
+                           long long capacity, long long expert_capacity, int32_t* flags,
+                           int32_t* __restrict__ m_splits_i32, int64_t* __restrict__ m_splits_i64,
+                           int64_t* __restrict__ offsets, int32_t* __restrict__ row_of_route,
+                           int32_t* __restrict__ token_of_row, int32_t* __restrict__ expert_counts) {
+  CAPMOE_DYNAMIC_SMEM(smem);
+  long long* row_begin = reinterpret_cast<long long*>(smem);  // [E]
+  int* kept = reinterpret_cast<int*>(row_begin + E);          // [E]
+  int* hist = kept + E;                                       // [kWarps][E]
+  for (int i = threadIdx.x; i < kWarps * E; i += blockDim.x) hist[i] = 0;
+  const int T = resolve_tokens(host_tokens, device_tokens, t_max, threadIdx.x == 0 ? flags : nullptr);
   __syncthreads();
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int first = blockIdx.x * kChunk + warp * kRoutesPerWarp;
-  const int all_routes = t_max * k;
-#pragma unroll
-  for (int it = 0; it < kItersPerWarp; ++it) {
-    const int r = first + it * 32 + lane;
-    const int e = expert[it];
-    const unsigned mask = match[it];
-    int rank = 0;
-    if (e >= 0) rank = hist[warp * E + e] + __popc(mask & lanemask_lt());
-    __syncwarp();
-    if (e >= 0 && lane == __ffs(mask) - 1) hist[warp * E + e] += __popc(mask);
-    __syncwarp();
-    int row = -1;
-    if (e >= 0 && rank < kept[e]) row = static_cast<int>(row_begin[e] + rank);
-    if (r < all_routes) row_of_route[r] = row;
-    if (row >= 0 && token_of_row != nullptr) token_of_row[row] = r / k;
-  }
+  const bool counts = threadIdx.x < kThreads;  // warps 0 .. kWarps-1, as one histogram block
+  int expert[kItersPerWarp];
+  unsigned match[kItersPerWarp];
+  const bool bad = counts && count_chunk(ids, T * k, E, hist, expert, match);
+  if (__syncthreads_or(bad) && threadIdx.x == 0 && flags != nullptr) atomicOr(flags, CAPMOE_ROUTING_BAD_EXPERT);
 
-  if (token_of_row != nullptr) {
-    const long long total = offsets[E];
-    for (long long i = total + blockIdx.x * static_cast<long long>(kThreads) + threadIdx.x;
-         i < capacity; i += static_cast<long long>(gridDim.x) * kThreads)
-      token_of_row[i] = -1;
+  const int e = threadIdx.x;
+  long long total = 0;
+  if (e < E) {
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += hist[w * E + e];
   }
+  const ExpertRows rows =
+      place_experts(e, E, total, capacity, expert_capacity, flags, m_splits_i32, m_splits_i64, offsets, expert_counts);
+  if (e < E) {
+    row_begin[e] = rows.begin;
+    kept[e] = static_cast<int>(rows.end - rows.begin);
+  }
+  first_ranks(hist, E, nullptr);
+  __syncthreads();
+  if (counts) scatter_chunk(expert, match, hist, row_begin, kept, t_max, k, E, row_of_route, token_of_row);
+  __shared__ long long placed;  // offsets[E]: the last expert's end
+  if (e == E - 1) placed = rows.end;
+  __syncthreads();
+  clear_unused_rows(placed, capacity, token_of_row);
 }
 
 // One warp per token: the experts with a nonzero map entry, in ascending order.
@@ -341,13 +424,18 @@ extern "C" capmoe_status_t capmoe_routing_build(
     int32_t* block_counts = static_cast<int32_t*>(workspace);
 
     const size_t hist_bytes = sizeof(int) * kWarps * E;
+    const long long expert_capacity = desc->expert_capacity > 0 ? desc->expert_capacity : 0;
+    const size_t scatter_bytes = (sizeof(long long) + sizeof(int)) * E + hist_bytes;
+    if (blocks == 1) {
+      return launch(build_one_chunk_kernel, 1, kScanThreads, scatter_bytes, s, expert_ids, num_tokens,
+                    num_tokens_device, t_max, k, E, static_cast<long long>(desc->capacity), expert_capacity, flags,
+                    m_splits_i32, m_splits_i64, offsets, row_of_route, token_of_row, expert_counts);
+    }
     CAPMOE_TRY(launch(histogram_kernel, blocks, kThreads, hist_bytes, s, expert_ids, num_tokens,
                       num_tokens_device, t_max, k, E, flags, block_counts));
-    const long long expert_capacity = desc->expert_capacity > 0 ? desc->expert_capacity : 0;
     CAPMOE_TRY(launch(scan_kernel, 1, kScanThreads, 0, s, block_counts, blocks, E,
                       desc->capacity, expert_capacity, flags, m_splits_i32, m_splits_i64, offsets,
                       expert_counts));
-    const size_t scatter_bytes = (sizeof(long long) + sizeof(int)) * E + hist_bytes;
     return launch(scatter_kernel, blocks, kThreads, scatter_bytes, s, expert_ids, num_tokens,
                   num_tokens_device, t_max, k, E, block_counts, offsets,
                   static_cast<int>(desc->capacity), row_of_route, token_of_row);
