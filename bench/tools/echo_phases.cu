@@ -3,10 +3,12 @@
 // CAPMOE_ECHO_PROF, which makes the plan block's thread 0 write clock64() at each phase boundary
 // (A load C .. I state) into g_echo_prof; the program reads them back after each run and prints
 // the median cycles of every phase, then the CUDA-event time of the plan launch alone and of
-// plan + reroute, per form and algorithm (eager launches, back to back, one sync per run).
+// plan + reroute, per form and algorithm (eager launches, back to back, one sync per run), and
+// the same launches captured once in a CUDA graph and replayed (what issue 17's target times).
+// Each (S_per, form) ends with one `SUMMARY` line of key=value medians for scripts.
 //
-//   bash bench/tools/build-echo-phases.sh      # here: writes gpu-bundle/run/echo_phases
-//   gpu-bundle/run/echo_phases [runs]          # on the GPU machine
+//   bash bench/tools/build-echo-phases.sh      # here: writes gpu-bundle/extra/echo_phases
+//   gpu-bundle/extra/echo_phases [runs]        # on the GPU machine
 #define CAPMOE_ECHO_PROF 1
 #include "echo/echo_plan.cu"
 
@@ -109,6 +111,32 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Median microseconds of one replay of `launch` captured in a CUDA graph (after 10 replays of
+// warm-up), each replay timed alone with events.
+template <class Launch>
+double graph_replay_us(Launch launch, cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop, int runs) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const auto captured = launch();
+  CHECK(cudaStreamEndCapture(stream, &graph));
+  CHECK(captured);
+  CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  std::vector<double> us;
+  for (int i = 0; i < runs + 10; ++i) {
+    CHECK(cudaEventRecord(start, stream));
+    CHECK(cudaGraphLaunch(exec, stream));
+    CHECK(cudaEventRecord(stop, stream));
+    CHECK(cudaStreamSynchronize(stream));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, start, stop));
+    if (i >= 10) us.push_back(ms * 1e3);
+  }
+  CHECK(cudaGraphExecDestroy(exec));
+  CHECK(cudaGraphDestroy(graph));
+  return median(us);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -175,8 +203,9 @@ int main(int argc, char** argv) {
           ns[j].push_back(stamped ? double((long long)(stamps[j] - stamps[0])) * 1e-3 : -1.0);
         }
       }
+      const double graph = graph_replay_us(launch, stream, start, stop, runs);
       double total = 0;
-      std::printf("S_per=%d %-20s event %6.1f us | ", spare, form_name, median(us));
+      std::printf("S_per=%d %-20s event %6.1f us, graph replay %6.1f us | ", spare, form_name, median(us), graph);
       for (int p = 0; p < 9; ++p) {
         const double c = median(phase[p]);
         total += c;
@@ -193,6 +222,13 @@ int main(int argc, char** argv) {
       }
       std::printf("\n    timeline, us after the plan's first block starts (median; -1: not reached):");
       for (int j = 1; j < kTimeline; ++j) std::printf(" %s %.2f,", kTimelineNames[j], median(ns[j]));
+      std::printf("\n");
+      std::printf("SUMMARY S=%d form=%s graph_us=%.2f event_us=%.2f block_cycles=%.0f plan_end_us=%.2f "
+                  "reroute_end_us=%.2f",
+                  spare, form == 0 ? "plan" : form == 1 ? "topk" : "dense", graph, median(us), total, median(ns[2]),
+                  median(ns[8]));
+      for (int p = 0; p < 9; ++p) std::printf(" %c=%.0f", 'A' + p, median(phase[p]));
+      if (spare == 1) std::printf(" queues=%.0f", median(queue[0]));
       std::printf("\n");
     }
   }

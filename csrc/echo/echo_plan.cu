@@ -23,10 +23,10 @@
 //   D  compact the experts with spill > 0 and the ranks with cap > 0
 //   E  rank them by packed key (value desc, index asc) with their interval ends (G.1-G.3)
 //   F  assignment: greedy, one thread per bucket over at most S_per + 2 candidate chunks;
-//      approx, one thread with the eight FIFO fronts in registers
-//   G  P3 reclaim (greedy, thr > 0), P4 slot_expert
-//   H  P5-P7, one warp per supplying expert, two source ranks per lane
-//   I  the rest of the state
+//      approx, one warp: the queue entries' keys in registers, a pop is a warp minimum
+//   G  P3 reclaim (greedy, thr > 0), P4 slot_expert, and the state P4 settles
+//   H  P5-P7, one warp per supplying expert, two source ranks per lane (no barrier after it)
+//   I  without tokens, the offload map
 //
 // Layout contract (all row-major, contiguous; see capturable_moe/echo.h):
 //   counts [EP, E] int64; state [layout.state_len] int64 with int32 sections;
@@ -54,6 +54,8 @@ constexpr int kPlanWarps = kPlanThreads / 32;
 // Phase E: threads [0, kChunkThreads) rank the chunks, the rest the buckets.
 constexpr int kChunkThreads = 768;
 constexpr int kRerouteThreads = 512;
+// Independent 16-byte loads a thread issues before using any (loops over count rows).
+constexpr int kLoadBatch = 8;
 constexpr int64_t kMaxExperts = 1024;
 constexpr int64_t kMaxSpare = 1024;
 // Words of the per-tile bitmask per expert: E * W <= kMaskBudget keeps shared memory <= ~120 KB.
@@ -67,6 +69,89 @@ constexpr size_t kSmemBudget = 220 * 1024;
 // The reroute stages its tile of dense probs in shared memory up to this size.
 constexpr size_t kProbStageBudget = 96 * 1024;
 constexpr int64_t kCountLimit = int64_t(1) << 24;
+static_assert(kMaxExperts <= kPlanThreads && kMaxSpare <= kPlanThreads,
+              "the planner block has a thread for every expert, rank and slot");
+
+// ---------------------------------------------------------------------------------------------
+// Shared memory of the planner block: X(type, name, element count) for each array, in carve
+// order (ne, ep, s: E, EP, S; approx, stage_c, stage_f as in Params).
+// NOTE: the host computes the offsets once (plan_smem_offsets) and passes them in the launch
+// parameters, so every array's address is the shared base plus a constant-bank operand. Carved
+// on the device, the compiler (64 registers a thread) recomputed an array's address from the
+// whole carve, a chain of 20-40 dependent operations, at nearly every use (SASS, 2026-11-29).
+#define CAPMOE_ECHO_PLAN_ARRAYS(X)                                   \
+  X(int64_t, red, 2 * kPlanThreads)                                  \
+  X(int64_t, wsum, kPlanWarps)                                       \
+  X(int64_t, n, ne)                                                  \
+  X(int64_t, load, ep)                                               \
+  X(int64_t, cap, ep)                                                \
+  X(int64_t, ce, ne)                                                 \
+  X(int64_t, be, ep)                                                 \
+  X(uint64_t, ckey, ne)                                              \
+  X(uint64_t, qkey, ep)                                              \
+  X(unsigned long long, outq, ep)                                    \
+  X(unsigned long long, inq, ep)                                     \
+  /* approx queue entries by chunk position (approx_pops) */         \
+  X(uint64_t, queue, approx ? ne : 0)                                \
+  X(int32_t, spill, ne)                                              \
+  X(int32_t, ps, ne)                                                 \
+  X(int32_t, sps, ne)                                                \
+  X(int32_t, pc, ep)                                                 \
+  X(int32_t, cps, ep)                                                \
+  X(int32_t, hexp, s)                                                \
+  X(int32_t, hval, s)                                                \
+  X(int32_t, se, s)                                                  \
+  X(int32_t, nxt, s)                                                 \
+  X(int32_t, rm, s)                                                  \
+  X(int32_t, filled, s)                                              \
+  X(int32_t, soff, s)                                                \
+  X(int32_t, send, s)                                                \
+  X(int32_t, first, ne)                                              \
+  /* [1] keep-all (reclaim) */                                       \
+  X(int32_t, flags, 4)                                               \
+  X(uint32_t, pmask, kPlanWarps)                                     \
+  X(uint32_t, qmask, kPlanWarps)                                     \
+  X(float, head, ep)                                                 \
+  /* [E, EP + 1] C transposed (row stride EP + 1 against bank conflicts) */ \
+  X(int32_t, ct, stage_c ? (size_t)ne * (ep + 1) : 0)                \
+  /* [S, EP] F transposed */                                         \
+  X(int32_t, fs, stage_f ? (size_t)s * ep : 0)
+
+// Byte offsets of the planner's arrays in its dynamic shared memory, and the bytes it takes.
+struct PlanSmemOffsets {
+#define CAPMOE_X(T, name, count) uint32_t name;
+  CAPMOE_ECHO_PLAN_ARRAYS(CAPMOE_X)
+#undef CAPMOE_X
+  uint32_t bytes;
+};
+
+// 16-byte aligned arrays one after another.
+inline PlanSmemOffsets plan_smem_offsets(int ne, int ep, int s, bool approx, bool stage_c, bool stage_f) {
+  PlanSmemOffsets o;
+  size_t off = 0;
+#define CAPMOE_X(T, name, count)          \
+  off = (off + 15) & ~size_t(15);         \
+  o.name = (uint32_t)off;                 \
+  off += (size_t)(count) * sizeof(T);
+  CAPMOE_ECHO_PLAN_ARRAYS(CAPMOE_X)
+#undef CAPMOE_X
+  // The largest layout (E = EP = S = 1024, C and F staged) is about 4.3 MB: no overflow; the
+  // launch refuses any layout past kSmemBudget.
+  o.bytes = (uint32_t)(off + 16);
+  return o;
+}
+
+// The planner's arrays in the block's shared memory.
+struct PlanSmem {
+#define CAPMOE_X(T, name, count) T* name;
+  CAPMOE_ECHO_PLAN_ARRAYS(CAPMOE_X)
+#undef CAPMOE_X
+  __device__ PlanSmem(unsigned char* base, const PlanSmemOffsets& o) {
+#define CAPMOE_X(T, name, count) name = reinterpret_cast<T*>(base + o.name);
+    CAPMOE_ECHO_PLAN_ARRAYS(CAPMOE_X)
+#undef CAPMOE_X
+  }
+};
 
 enum Form { kFormNone = 0, kFormDense = 1, kFormTopk = 2 };
 
@@ -83,6 +168,7 @@ struct Params {
   int form;
   bool stage_c;      // planner: C staged in shared memory (else read from global)
   bool stage_f;      // planner: F staged in shared memory (else read back from the state)
+  PlanSmemOffsets plan_smem;  // the planner block's arrays
   bool stage_probs;  // reroute (dense): the tile's probs staged in shared memory
   const uint8_t* map;
   const uint32_t* probs_bits;  // probs as raw bits: copied, never computed
@@ -141,71 +227,6 @@ struct Carver {
     return p;
   }
 };
-
-// ---------------------------------------------------------------------------------------------
-// Shared memory of the planner block.
-struct PlanSmem {
-  int64_t *red, *wsum, *n, *load, *cap, *ce, *be;
-  uint64_t *ckey, *qkey, *queue;  // queue: [E] approx FIFO words by chunk position
-  unsigned long long *outq, *inq;
-  int32_t *spill, *ps, *sps, *pc, *cps;
-  int32_t *hexp, *hval, *se, *nxt, *rm, *filled, *soff, *send;
-  int32_t *first, *flags;
-  uint32_t *pmask, *qmask;
-  float* head;
-  int32_t* ct;  // [E, EP + 1] C transposed (row stride EP + 1 against bank conflicts)
-  int32_t* fs;  // [S, EP] F transposed
-
-  // Returns the bytes used from `base`.
-  __host__ __device__ size_t carve(unsigned char* base, int ne, int ep, int s, bool approx,
-                                   bool stage_c, bool stage_f) {
-    Carver c{base, 0};
-    red = c.take<int64_t>(2 * kPlanThreads);
-    wsum = c.take<int64_t>(kPlanWarps);
-    n = c.take<int64_t>(ne);
-    load = c.take<int64_t>(ep);
-    cap = c.take<int64_t>(ep);
-    ce = c.take<int64_t>(ne);
-    be = c.take<int64_t>(ep);
-    ckey = c.take<uint64_t>(ne);
-    qkey = c.take<uint64_t>(ep);
-    outq = c.take<unsigned long long>(ep);
-    inq = c.take<unsigned long long>(ep);
-    queue = c.take<uint64_t>(approx ? ne : 0);
-    spill = c.take<int32_t>(ne);
-    ps = c.take<int32_t>(ne);
-    sps = c.take<int32_t>(ne);
-    pc = c.take<int32_t>(ep);
-    cps = c.take<int32_t>(ep);
-    hexp = c.take<int32_t>(s);
-    hval = c.take<int32_t>(s);
-    se = c.take<int32_t>(s);
-    nxt = c.take<int32_t>(s);
-    rm = c.take<int32_t>(s);
-    filled = c.take<int32_t>(s);
-    soff = c.take<int32_t>(s);
-    send = c.take<int32_t>(s);
-    first = c.take<int32_t>(ne);
-    flags = c.take<int32_t>(4 + 8);  // [0] error bits, [1] keep-all (reclaim), [4..12) FIFO heads
-    pmask = c.take<uint32_t>(kPlanWarps);
-    qmask = c.take<uint32_t>(kPlanWarps);
-    head = c.take<float>(ep);
-    ct = stage_c ? c.take<int32_t>((size_t)ne * (ep + 1)) : nullptr;
-    fs = stage_f ? c.take<int32_t>((size_t)s * ep) : nullptr;
-    return c.off + 16;
-  }
-};
-
-// Makes a pointer opaque to the optimizer: it can no longer recompute it from how it was made
-// (at 64 registers a thread it would otherwise redo a long address computation at every use
-// in a hot loop), at the price of a generic address (no shared-memory instruction).
-template <class T>
-__device__ inline T* opaque_pointer(T* p) {
-#ifndef CAPMOE_CPU_EMULATION
-  asm volatile("mov.b64 %0, %0;" : "+l"(p));
-#endif
-  return p;
-}
 
 // Profiling build only (bench/tools/echo_phases.cu): the plan block's phase boundaries in SM
 // clocks (ECHO_PROF), and a timeline of both launches in global-timer nanoseconds, the earliest
@@ -275,12 +296,187 @@ __device__ void rank_keys(const uint64_t* keys, int count, int t0, int nthr, Put
   }
 }
 
+// A.2 / A.3: the bucket of a remaining spill v > 0, division-free: for 0 < v < m and iv > 0,
+// min(7, (m - v) / iv + 1) == 1 + #{k in 1..6 : v <= m - k * iv}; v < 2^24, so clamping the
+// bounds changes nothing.
+struct ApproxBuckets {
+  int top;       // m (clamped); 0 when iv == 0, which puts every spill in bucket 0 (sec. 7)
+  int bound[6];  // m - (k + 1) * iv, clamped to [-1, 2^25]
+
+  __device__ explicit ApproxBuckets(int64_t avg) {
+    const int64_t m = avg, iv = avg / 7, lim = int64_t(1) << 25;
+    top = iv == 0 ? 0 : (int)(m < lim ? m : lim);
+#pragma unroll
+    for (int k = 0; k < 6; ++k) {
+      const int64_t t = m - (k + 1) * iv;
+      bound[k] = (int)(t < 0 ? -1 : (t > lim ? lim : t));
+      // NOTE: opaque to the compiler, which would otherwise recompute the 64-bit bounds inside
+      // the serial pops rather than keep six registers.
+      keep_in_register(bound[k]);
+    }
+  }
+
+  // 7 less the bounds below v; each term is -1 where v > bound[k] (no overflow: both are in
+  // [-1, 2^25]), summed as a tree so the serial pops wait on a short chain.
+  __device__ int operator()(int v) const {
+    auto below = [&](int k) { return (bound[k] - v) >> 31; };
+    const int b = 7 + ((below(0) + below(1) + below(2)) + (below(3) + below(4) + below(5)));
+    return v >= top ? 0 : b;
+  }
+};
+
+// The approx FIFOs as one priority order. A.5 pops the front of the lowest non-empty FIFO
+// (every FIFO below `cur` is empty, and a remainder re-queues at or past it), so a pop takes the
+// entry with the least (bucket, arrival). Arrival: a chunk's position for the entries A.4
+// queues (in position order), P + b for the remainder of pop b. Key = bucket << 21 |
+// arrival << 10 | position: unique, and the position rides along (P <= 1024, P + Q <= 2048).
+constexpr uint32_t kNoEntry = 0xffffffffu;
+
+__device__ __forceinline__ uint32_t queue_key(int bucket, int arrival, int a) {
+  return (uint32_t)bucket << 21 | (uint32_t)arrival << 10 | (uint32_t)a;
+}
+
+// Minimum over the warp (the CPU emulation has no __reduce_min_sync).
+__device__ __forceinline__ uint32_t warp_min_u32(uint32_t v) {
+#ifdef CAPMOE_CPU_EMULATION
+  for (int o = 16; o > 0; o >>= 1) {
+    const uint32_t w = __shfl_xor_sync(kFull, v, o);
+    v = w < v ? w : v;
+  }
+  return v;
+#else
+  return __reduce_min_sync(kFull, v);
+#endif
+}
+
+// Index of the n-th (from 0) set bit of m, n < popc(m): a binary search by popcounts.
+__device__ __forceinline__ int nth_set_bit(unsigned m, int n) {
+  int pos = 0;
+#pragma unroll
+  for (int w = 16; w > 0; w >>= 1) {
+    const unsigned lo = m & ((1u << w) - 1u);
+    const int c = __popc(lo);
+    if (n >= c) {
+      n -= c;
+      m >>= w;
+      pos += w;
+    } else {
+      m = lo;
+    }
+  }
+  return pos;
+}
+
+// Shared-memory stores under a predicate, as predicated instructions (the compiler made a
+// divergent branch of an `if` around them, on the serial chain of the pops).
+__device__ __forceinline__ void st_shared_if(bool c, int32_t* dst, int v) {
+#ifdef CAPMOE_CPU_EMULATION
+  if (c) *dst = v;
+#else
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %0, 0;\n\t@p st.shared.u32 [%1], %2;\n\t}"
+               :: "r"((unsigned)c), "r"((unsigned)__cvta_generic_to_shared(dst)), "r"(v) : "memory");
+#endif
+}
+__device__ __forceinline__ void st_shared_if(bool c, uint64_t* dst, uint64_t v) {
+#ifdef CAPMOE_CPU_EMULATION
+  if (c) *dst = v;
+#else
+  asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.u32 p, %0, 0;\n\t@p st.shared.u64 [%1], %2;\n\t}"
+               :: "r"((unsigned)c), "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(v) : "memory");
+#endif
+}
+
+// Least key among this lane's entries other than position `skip`: lane l holds the positions
+// a = l (mod 32) below A, each as queue[a] = key << 32 | remaining spill.
+__device__ inline uint32_t lane_min_except(const uint64_t* queue, int A, int lane, int skip) {
+  uint32_t m = kNoEntry;
+  for (int a = lane; a < A; a += 32) {
+    const uint32_t k = (uint32_t)(queue[a] >> 32);
+    if (a != skip && k < m) m = k;
+  }
+  return m;
+}
+
+// A.4 / A.5 by one warp. Only positions a < A = min(P, Q) can ever be popped (the queued entries
+// leave in position order, one a pop), so only they are queued. Each lane keeps its least entry
+// (key lk, spill lv) and its second least key (om) in registers; a pop is a warp minimum of lk,
+// and every lane works out beforehand what it would do if its entry were the one popped, so the
+// serial chain per pop is the minimum and a select. Only the popping lane touches shared memory
+// (its own entries), so the lanes need no synchronisation.
+__device__ void approx_pops(const PlanSmem& sm, int P, int Q, const ApproxBuckets& bucket, int lane) {
+  const int A = P < Q ? P : Q;
+  for (int a = lane; a < A; a += 32) {
+    const int v = sm.sps[a];
+    sm.queue[a] = (uint64_t)queue_key(bucket(v), a, a) << 32 | (uint32_t)v;
+  }
+  uint32_t lk = lane < A ? queue_key(bucket(sm.sps[lane]), lane, lane) : kNoEntry;
+  int lv = lane < A ? sm.sps[lane] : 0;
+  uint32_t om = lane_min_except(sm.queue, A, lane, lane);
+  ECHO_PROF(10);
+  int q_next = Q > 0 ? sm.pc[0] : 0, cp_next = Q > 0 ? sm.cps[0] : 0;
+#ifdef CAPMOE_ECHO_PROF
+  int pops = 0;
+#endif
+  for (int b = 0; b < Q; ++b) {
+    const int q = q_next, cp = cp_next;  // rank b in capacity order, cp > 0
+    if (b + 1 < Q) {
+      q_next = sm.pc[b + 1];
+      cp_next = sm.cps[b + 1];
+    }
+    const uint32_t m = warp_min_u32(lk);
+    // This lane's outcome should its least entry be the one popped, worked out while the
+    // minimum is in flight (branch-free, so the compiler keeps the minimum first).
+    const int x = lv < cp ? lv : cp, left = lv - x, a = (int)(lk & 1023);
+    const uint32_t nk = queue_key(bucket(left), P + b, a) | (left > 0 ? 0u : kNoEntry);
+    if (m == kNoEntry) break;
+    // NOTE: branch-free but for the rare rescan (a lane's second queued entry, only when
+    // A > 32): as nested branches the pop took ~290 cycles in the profile (2026-11-29), the
+    // minimum's latency plus the divergent region's branches and reconvergence.
+    const bool me = lk == m, take_nk = nk < om;
+    st_shared_if(me, sm.hexp + q, a);  // chunk position; S_per == 1: slot index == rank index
+    st_shared_if(me, sm.hval + q, x);
+    st_shared_if(me, sm.queue + a, (uint64_t)nk << 32 | (uint32_t)left);
+    const uint32_t om0 = om;
+    int lv2 = lv;
+    if (me && !take_nk && om0 != kNoEntry) {
+      const int a2 = (int)(om0 & 1023);
+      lv2 = (int)(uint32_t)sm.queue[a2];
+      om = lane_min_except(sm.queue, A, lane, a2);
+    }
+    lv = me ? (take_nk ? left : lv2) : lv;
+    lk = me ? (take_nk ? nk : om0) : lk;
+#ifdef CAPMOE_ECHO_PROF
+    pops = b + 1;
+    if (lane == 0 && b < 16) g_echo_prof[16 + b] = clock64();
+#endif
+  }
+#ifdef CAPMOE_ECHO_PROF
+  if (lane == 0) g_echo_prof[11] = pops;
+#endif
+}
+
+// A lane's two consecutive source ranks (ra, ra + 1) of one [S, EP] row of F or D: one 8-byte
+// store when EP is even (the row, ra and the sections are then 8-byte aligned, and va implies
+// vb), else one store each.
+// NOTE: whatever phase follows P5-P7 took thousands of cycles in the profile, seemingly waiting
+// for their stores to drain, so they are made as few and as full-sector as possible.
+__device__ __forceinline__ void store_rank_pair(int32_t* row, int ra, bool va, bool vb, int a, int b,
+                                                bool pairs) {
+  if (pairs) {
+    if (va) *reinterpret_cast<int2*>(row + ra) = make_int2(a, b);
+  } else {
+    if (va) row[ra] = a;
+    if (vb) row[ra + 1] = b;
+  }
+}
+
 // P1-P7, one block of kPlanThreads threads.
 __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
   const Dims d = p.d;
   const int ne = d.ne, ep = d.ep, sp = d.sp, L = d.l, S = d.s;
-  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
-  const int nwarps = nt >> 5;
+  // NOTE: the block size as a constant, so a strided loop's trip count needs no division.
+  constexpr int nt = kPlanThreads, nwarps = kPlanWarps;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const bool approx = d.algorithm == CAPMOE_ECHO_APPROX;
   const int64_t* C = p.counts;
   int64_t* st = p.state;
@@ -289,8 +485,7 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
   int32_t* Dg = reinterpret_cast<int32_t*>(st + lay.off_second_pass);
   int4* slot_route = reinterpret_cast<int4*>(st + lay.off_slot_route);
   int2* expert_route = reinterpret_cast<int2*>(st + lay.off_expert_route);
-  PlanSmem sm;
-  sm.carve(smem_raw, ne, ep, S, approx, p.stage_c, p.stage_f);
+  const PlanSmem sm(smem_raw, p.plan_smem);
   const int cst = ep + 1;  // row stride of the transposed C
   ECHO_PROF(0);
 
@@ -304,15 +499,27 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
     for (int i = tid; i < np * groups; i += nt) {
       const int pr = i % np, g = i / np;
       int64_t a0 = 0, a1 = 0;
-#pragma unroll 8
-      for (int r = g; r < ep; r += groups) {
-        const longlong2 c = __ldg(reinterpret_cast<const longlong2*>(C + (int64_t)r * ne) + pr);
-        negative |= (c.x | c.y) < 0;
-        a0 += c.x;
-        a1 += c.y;
-        if (p.stage_c) {
-          sm.ct[(2 * pr) * cst + r] = (int32_t)c.x;
-          sm.ct[(2 * pr + 1) * cst + r] = (int32_t)c.y;
+      // NOTE: a batch's loads are all issued before any is used. As one loop (unroll 8) the
+      // compiler kept the exit test between the loads, so one load was in flight a thread: 8
+      // memory round trips one after another (SASS, 2026-11-29).
+      for (int r0 = g; r0 < ep; r0 += kLoadBatch * groups) {
+        longlong2 c[kLoadBatch];
+#pragma unroll
+        for (int u = 0; u < kLoadBatch; ++u) {
+          const int r = r0 + u * groups;
+          c[u].x = c[u].y = 0;
+          if (r < ep) c[u] = __ldg(reinterpret_cast<const longlong2*>(C + (int64_t)r * ne) + pr);
+        }
+#pragma unroll
+        for (int u = 0; u < kLoadBatch; ++u) {
+          const int r = r0 + u * groups;
+          negative |= (c[u].x | c[u].y) < 0;
+          a0 += c[u].x;
+          a1 += c[u].y;
+          if (p.stage_c && r < ep) {
+            sm.ct[(2 * pr) * cst + r] = (int32_t)c[u].x;
+            sm.ct[(2 * pr + 1) * cst + r] = (int32_t)c[u].y;
+          }
         }
       }
       sm.red[g * ne + 2 * pr] = a0;
@@ -324,12 +531,20 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
     for (int i = tid; i < ne * groups; i += nt) {
       const int x = i % ne, g = i / ne;
       int64_t acc = 0;
-#pragma unroll 8
-      for (int r = g; r < ep; r += groups) {
-        const int64_t c = __ldg(&C[(int64_t)r * ne + x]);
-        negative |= c < 0;
-        acc += c;
-        if (p.stage_c) sm.ct[x * cst + r] = (int32_t)c;
+      for (int r0 = g; r0 < ep; r0 += kLoadBatch * groups) {  // batches as above
+        int64_t c[kLoadBatch];
+#pragma unroll
+        for (int u = 0; u < kLoadBatch; ++u) {
+          const int r = r0 + u * groups;
+          c[u] = r < ep ? __ldg(&C[(int64_t)r * ne + x]) : 0;
+        }
+#pragma unroll
+        for (int u = 0; u < kLoadBatch; ++u) {
+          const int r = r0 + u * groups;
+          negative |= c[u] < 0;
+          acc += c[u];
+          if (p.stage_c && r < ep) sm.ct[x * cst + r] = (int32_t)c[u];
+        }
       }
       sm.red[g * ne + x] = acc;
       tsum += acc;
@@ -338,7 +553,6 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
   tsum = warp_sum64(tsum);
   if (lane == 0) sm.wsum[warp] = tsum;
   if (tid == 0) {
-    sm.flags[0] = 0;
     sm.flags[1] = 0;
   }
   const bool neg_any = __syncthreads_or(negative);
@@ -346,7 +560,7 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
 
   // B: n[e]; slot and expert tables initialised.
   bool large = false;
-  for (int x = tid; x < ne; x += nt) {
+  if (const int x = tid; x < ne) {
     int64_t acc = 0;
     for (int g = 0; g < groups; ++g) acc += sm.red[g * ne + x];
     sm.n[x] = acc;
@@ -354,14 +568,14 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
     large |= acc >= kCountLimit;
     sm.first[x] = 0x7fffffff;
   }
-  for (int j = tid; j < S; j += nt) {
+  if (const int j = tid; j < S) {
     sm.hexp[j] = -1;
     sm.hval[j] = 0;
     sm.nxt[j] = -1;
     sm.rm[j] = 0;
     sm.filled[j] = 0;
   }
-  for (int q = tid; q < ep; q += nt) {
+  if (const int q = tid; q < ep) {
     sm.outq[q] = 0;
     sm.inq[q] = 0;
   }
@@ -498,141 +712,15 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
       if (has_hi) put(r_hi, a_hi, ov_hi);
     }
   } else if (warp == 0) {
-    // A.2-A.5. The eight FIFOs are linked lists over chunk positions: word[a] = remaining
-    // spill << 32 | a << 16 | next position in the same FIFO (0xffff: none); a position is in
-    // at most one FIFO at a time. The warp queues the chunks (ballots per bucket); one thread
-    // then pops, with each FIFO's front word and tail in registers, so a step waits on no
-    // shared-memory load of its own (the next front's load overlaps the rest of the step).
-    const int64_t m = avg, iv = avg / 7;
-    int thr[6];
-#pragma unroll
-    for (int k = 0; k < 6; ++k) {
-      const int64_t t = m - (k + 1) * iv;
-      thr[k] = (int)(t < 0 ? -1 : (t > (int64_t(1) << 25) ? (int64_t(1) << 25) : t));
-      // NOTE: opaque to the compiler, which would otherwise recompute the 64-bit bounds inside
-      // the serial loop below rather than keep six registers.
-      keep_in_register(thr[k]);
-    }
-    const int m32 = (int)(m < (int64_t(1) << 25) ? m : (int64_t(1) << 25));
-    // A.3, division-free: for 0 < v < m and iv > 0, min(7, (m - v) / iv + 1) ==
-    // 1 + #{k in 1..6 : v <= m - k * iv}; v < 2^24, so clamping the bounds changes nothing.
-    auto bucket = [&](int v) -> int {
-      if (v >= m32 || iv == 0) return 0;
-      int b = 1;
-#pragma unroll
-      for (int k = 0; k < 6; ++k) b += v <= thr[k] ? 1 : 0;
-      return b;
-    };
-    constexpr uint64_t kNone = 0xffff;
-    uint64_t* word = sm.queue;
-    int firstp[8], lastp[8];
-#pragma unroll
-    for (int k = 0; k < 8; ++k) firstp[k] = lastp[k] = -1;
-    for (int base = 0; base < P; base += 32) {
-      const int a = base + lane;
-      const int v = a < P ? sm.sps[a] : 0;
-      const int k = a < P ? bucket(v) : -1;
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk) {
-        const unsigned bal = __ballot_sync(kFull, k == kk);
-        if (bal == 0) continue;
-        if (k == kk) {
-          const unsigned above = bal & ~((2u << lane) - 1u);
-          const uint64_t nx = above ? (uint64_t)(base + __ffs(above) - 1) : kNone;
-          word[a] = ((uint64_t)v << 32) | ((uint64_t)a << 16) | nx;
-        }
-        const int lo = base + __ffs(bal) - 1, hi = base + 31 - __clz(bal);
-        if (lastp[kk] >= 0 && lane == 0) reinterpret_cast<uint16_t*>(word + lastp[kk])[0] = (uint16_t)lo;
-        if (firstp[kk] < 0) firstp[kk] = lo;
-        lastp[kk] = hi;
-      }
-      __syncwarp();
-    }
-    ECHO_PROF(10);
+    // A.2-A.5 by warp 0.
+    const ApproxBuckets bucket(avg);
+    approx_pops(sm, P, Q, bucket, lane);
+#ifdef CAPMOE_ECHO_PROF
     if (lane == 0) {
-      // Pops never go below `cur` and `cur` never decreases (a remainder re-queues at or above
-      // it), so only the FIFO popped last is live in registers: its front word and tail. The
-      // others keep head | tail << 16 in shared memory (0xffff: none), read when a remainder
-      // joins them or when the pops move on to them (at most 8 times).
-      // NOTE: the arrays as opaque pointers: the compiler (at 64 registers a thread) otherwise
-      // recomputed each one's shared-memory offset from the carve at every pop, a chain of
-      // some 30 dependent 64-bit operations (H200, 2026-11-28: 38 pops took 22.5 K cycles,
-      // 17.5 K with these; what the rest of a pop's 350-600 cycles is, is open: bench/README).
-      uint32_t* ht = opaque_pointer(reinterpret_cast<uint32_t*>(sm.flags + 4));
-      word = opaque_pointer(word);
-      const int32_t* pc = opaque_pointer(sm.pc);
-      const int32_t* cps = opaque_pointer(sm.cps);
-      int32_t* hexp = opaque_pointer(sm.hexp);
-      int32_t* hval = opaque_pointer(sm.hval);
-      unsigned nonempty = 0;
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        ht[k] = ((uint32_t)(lastp[k] & 0xffff) << 16) | (uint32_t)(firstp[k] & 0xffff);
-        nonempty |= (firstp[k] >= 0 ? 1u : 0u) << k;
-      }
-      int cur = 0, loaded = -1;
-      uint64_t front = 0;
-      uint32_t ctail = 0;
-      int q_next = Q > 0 ? pc[0] : 0, cp_next = Q > 0 ? cps[0] : 0;
-      for (int b = 0; b < Q; ++b) {
-        const int q = q_next, cp = cp_next;
-        if (b + 1 < Q) {
-          q_next = pc[b + 1];
-          cp_next = cps[b + 1];
-        }
-        const unsigned avail = nonempty & ~((1u << cur) - 1u);
-        if (avail == 0) break;
-        const int k = __ffs(avail) - 1;
-        if (k != loaded) {
-          const uint32_t h = ht[k];
-          front = word[h & 0xffffu];
-          ctail = h >> 16;
-          loaded = k;
-        }
-        const uint64_t e = front;
-        const int v = (int)(e >> 32), a = (int)((e >> 16) & 0xffff);
-        const uint32_t nx = (uint32_t)(e & kNone);
-        const bool drained = nx == (uint32_t)kNone;
-        const uint64_t nf = drained ? 0 : word[nx];  // the next front
-        if (drained) nonempty &= ~(1u << k);
-        const int x = v < cp ? v : cp;
-        const int left = v - x;
-        hexp[q] = a;  // chunk position; S_per == 1: slot index == rank index
-        hval[q] = x;
-        front = nf;
-        if (left > 0) {
-          const int k2 = bucket(left);
-          const uint64_t ent = ((uint64_t)left << 32) | ((uint64_t)a << 16) | kNone;
-          word[a] = ent;
-          if (k2 == k) {
-            if (drained) {
-              front = ent;
-              nonempty |= 1u << k;
-            } else {
-              reinterpret_cast<uint16_t*>(word + ctail)[0] = (uint16_t)a;
-              if (ctail == nx) front = (nf & ~kNone) | (uint64_t)a;  // the front is the tail
-            }
-            ctail = a;
-          } else if (nonempty & (1u << k2)) {
-            const uint32_t h = ht[k2];
-            reinterpret_cast<uint16_t*>(word + (h >> 16))[0] = (uint16_t)a;
-            ht[k2] = (h & 0xffffu) | ((uint32_t)a << 16);
-          } else {
-            ht[k2] = ((uint32_t)a << 16) | (uint32_t)a;
-            nonempty |= 1u << k2;
-          }
-        }
-        cur = k;
-#ifdef CAPMOE_ECHO_PROF
-        g_echo_prof[11] = b + 1;  // pops done
-        if (b < 16) g_echo_prof[16 + b] = clock64();
-#endif
-      }
-#ifdef CAPMOE_ECHO_PROF
       g_echo_prof[12] = Q;
       g_echo_prof[13] = P;
-#endif
     }
+#endif
   }
   __syncthreads();
   ECHO_PROF(6);
@@ -640,7 +728,7 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
   // G: H before reclaim; P3 reclaim (greedy, thr > 0); P4 slot_expert, each expert's lowest
   // slot, planned tokens out of / into every rank.
   const bool reclaim = !approx && d.thr > 0.0f;
-  for (int j = tid; j < S; j += nt) {
+  if (const int j = tid; j < S) {
     const int v = sm.hval[j];
     int e = sm.hexp[j];
     if (approx && v > 0) e = sm.ps[e];
@@ -652,7 +740,7 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
     __syncthreads();
     const float avgf = __ll2float_rn(avg);
     const float maxload = __fadd_rn(avgf, __fmul_rn(d.thr, avgf));
-    for (int q = tid; q < ep; q += nt) {
+    if (const int q = tid; q < ep) {
       int64_t out = 0;
       for (int j = 0; j < S; ++j)
         if (sm.hval[j] > 0 && sm.hexp[j] / L == q) out += sm.hval[j];
@@ -682,24 +770,46 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
       sm.hexp[tid] = -1;
     }
   }
-  for (int j = tid; j < S; j += nt) {
+  if (const int j = tid; j < S) {
     const int v = sm.hval[j];
     const int e = v > 0 ? sm.hexp[j] : -1;
     sm.se[j] = e;
+    st[lay.off_slot_expert + j] = e;
+    st[lay.off_slot_tokens + j] = e >= 0 ? v : 0;
     if (e < 0) {
       sm.hval[j] = 0;
+      st[lay.off_remaining_capacity + j] = 0;
+      slot_route[j] = make_int4(-1, -1, 0, 0);
     } else {
       atomicMin(&sm.first[e], j);
       atomicAdd(&sm.outq[e / L], (unsigned long long)v);
       atomicAdd(&sm.inq[j / sp], (unsigned long long)v);
     }
   }
+  // The error word before the barrier: P5-P7 below OR their flags into it.
+  if (tid == 0) {
+    st[lay.off_avg] = avg;
+    st[lay.off_error] = (neg_any ? CAPMOE_ECHO_ERR_NEGATIVE_COUNT : 0) |
+                        (large_any ? CAPMOE_ECHO_ERR_COUNT_TOO_LARGE : 0) |
+                        (tokens_out_of_range(p) ? CAPMOE_ECHO_ERR_BAD_TOKENS : 0);
+  }
   __syncthreads();
   ECHO_PROF(7);
+
+  // The rest of the state that P4 settles (no barrier follows: the block ends with P5-P7).
+  if (const int x = tid; x < ne)
+    if (sm.first[x] >= S) expert_route[x] = make_int2(-1, 0);
+  if (const int q = tid; q < ep)
+    st[lay.off_load_after + q] = sm.load[q] - (int64_t)sm.outq[q] + (int64_t)sm.inq[q];
 
   // H: P5-P7 fused, one warp per supplying expert (found at its lowest slot), two consecutive
   // source ranks per lane so one warp scan covers 64 ranks. Float32 stages use
   // __fdiv_rn/__fmul_rn exactly as the spec. Every value here is below 2^24 (valid counts).
+  // An inconsistent plan (never for valid counts): OR-ed into the error word written before P4's
+  // barrier.
+  auto flag_internal_error = [&] {
+    atomicOr(reinterpret_cast<unsigned long long*>(st + lay.off_error), (unsigned long long)CAPMOE_ECHO_ERR_INTERNAL);
+  };
   auto getC = [&](int r, int e) -> int {
     if (p.stage_c) return sm.ct[e * cst + r];
     return (int)__ldg(&C[(int64_t)r * ne + e]);
@@ -710,9 +820,9 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
     if (p.stage_f) return sm.fs[j * ep + r];
     return Fg[(int64_t)j * ep + r];
   };
-  for (int j0 = warp; j0 < S; j0 += nwarps) {
-    const int e = sm.se[j0];
-    if (e < 0 || sm.first[e] != j0) continue;
+  const bool pairs = (ep & 1) == 0;
+  // One supplying expert e, found at its lowest slot j0, by the whole warp.
+  auto supply = [&](int j0, int e) {
     // The expert's slots in ascending order, as a list in nxt[].
     {
       int prev = j0;
@@ -728,34 +838,38 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
       __syncwarp();
     }
     const float den = __int2float_rn((int)sm.n[e]);
-    // P5: F, and per slot the sum over ranks (-> Rm).
+    // P5: F, and per slot the sum over ranks (-> Rm, settled by lane 0 on the last pass).
+    // NOTE: no separate lane-0 pass over the slots afterwards: each walk of the slot list is a
+    // chain of dependent shared-memory loads, and H is the slowest warp's chains. With one pass
+    // (ep <= 64) the lane's F sums over the slots stay in registers for P6 (fsa, fsb).
+    int fsa = 0, fsb = 0;
     for (int r0 = 0; r0 < ep; r0 += 64) {
       const int ra = r0 + 2 * lane, rb = ra + 1;
-      const bool va = ra < ep, vb = rb < ep;
+      const bool va = ra < ep, vb = rb < ep, last = r0 + 64 >= ep;
       const float sa = __fdiv_rn(__int2float_rn(va ? getC(ra, e) : 0), den);
       const float sb = __fdiv_rn(__int2float_rn(vb ? getC(rb, e) : 0), den);
-      for (int j = j0; j >= 0; j = sm.nxt[j]) {
-        const float cj = __int2float_rn(sm.hval[j]);
+      for (int j = j0; j >= 0;) {
+        const int jn = sm.nxt[j], hv = sm.hval[j];
+        const float cj = __int2float_rn(hv);
         const int fa = va ? (int)floorf(__fmul_rn(sa, cj)) : 0;
         const int fb = vb ? (int)floorf(__fmul_rn(sb, cj)) : 0;
-        if (va) {
-          Fg[(int64_t)j * ep + ra] = fa;
-          if (p.stage_f) sm.fs[j * ep + ra] = fa;
-        }
-        if (vb) {
-          Fg[(int64_t)j * ep + rb] = fb;
-          if (p.stage_f) sm.fs[j * ep + rb] = fb;
-        }
+        store_rank_pair(Fg + (int64_t)j * ep, ra, va, vb, fa, fb, pairs);
+        if (p.stage_f) store_rank_pair(sm.fs + j * ep, ra, va, vb, fa, fb, pairs);
+        fsa += fa;
+        fsb += fb;
         const int tot = __reduce_add_sync(kFull, fa + fb);
-        if (lane == 0) sm.rm[j] += tot;
-      }
-    }
-    __syncwarp();
-    if (lane == 0) {
-      for (int j = j0; j >= 0; j = sm.nxt[j]) {
-        const int rmj = sm.hval[j] - sm.rm[j];
-        sm.rm[j] = rmj;
-        if (rmj < 0) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_INTERNAL);
+        if (lane == 0) {
+          const int acc = sm.rm[j] + tot;
+          if (last) {
+            const int rmj = hv - acc;
+            sm.rm[j] = rmj;
+            st[lay.off_remaining_capacity + j] = rmj;
+            if (rmj < 0) flag_internal_error();
+          } else {
+            sm.rm[j] = acc;
+          }
+        }
+        j = jn;
       }
     }
     __syncwarp();
@@ -766,9 +880,14 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
       const int ra = r0 + 2 * lane, rb = ra + 1;
       const bool va = ra < ep, vb = rb < ep;
       int c1a = va ? getC(ra, e) : 0, c1b = vb ? getC(rb, e) : 0;
-      for (int j = j0; j >= 0; j = sm.nxt[j]) {
-        if (va) c1a -= getF(j, ra);
-        if (vb) c1b -= getF(j, rb);
+      if (ep <= 64) {
+        c1a -= fsa;  // (0 where !va / !vb)
+        c1b -= fsb;
+      } else {
+        for (int j = j0; j >= 0; j = sm.nxt[j]) {
+          if (va) c1a -= getF(j, ra);
+          if (vb) c1b -= getF(j, rb);
+        }
       }
       const int pair = c1a + c1b;
       int incl = pair;
@@ -782,57 +901,63 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
       const bool has_rho = d.rho >= r0 && d.rho < r0 + 64;
       const int rho_lane = (d.rho - r0) >> 1;
       int bj = 0;
-      for (int j = j0; j >= 0; j = sm.nxt[j]) {
+      const bool last = r0 + 64 >= ep;
+      for (int j = j0; j >= 0;) {
+        const int jn = sm.nxt[j];
         const int rmj = sm.rm[j];
-        int fta = 0, ftb = 0;
-        if (va) {
-          const int da = max(0, min(aa + c1a, bj + rmj) - max(aa, bj));
-          Dg[(int64_t)j * ep + ra] = da;
-          fta = getF(j, ra) + da;
-        }
-        if (vb) {
-          const int db = max(0, min(ab + c1b, bj + rmj) - max(ab, bj));
-          Dg[(int64_t)j * ep + rb] = db;
-          ftb = getF(j, rb) + db;
-        }
+        const int da = va ? max(0, min(aa + c1a, bj + rmj) - max(aa, bj)) : 0;
+        const int db = vb ? max(0, min(ab + c1b, bj + rmj) - max(ab, bj)) : 0;
+        store_rank_pair(Dg + (int64_t)j * ep, ra, va, vb, da, db, pairs);
+        const int fta = va ? getF(j, ra) + da : 0, ftb = vb ? getF(j, rb) + db : 0;
         const int tot = __reduce_add_sync(kFull, fta + ftb);
         if (has_rho) {
-          const int fa = __shfl_sync(kFull, fta, rho_lane), fb = __shfl_sync(kFull, ftb, rho_lane);
-          const int f_rho = (d.rho & 1) ? fb : fa;
+          const int f_rho = __shfl_sync(kFull, (d.rho & 1) ? ftb : fta, rho_lane);
           if (lane == 0) {
             sm.soff[j] = off;
             sm.send[j] = off + f_rho;
           }
           off += f_rho;
         }
-        if (lane == 0) sm.filled[j] += tot;
+        if (lane == 0) {
+          const int fl = sm.filled[j] + tot;
+          if (last) {
+            // (soff / send: written above by this lane, in this pass or an earlier one)
+            if (fl != sm.hval[j]) flag_internal_error();
+            slot_route[j] = make_int4(e, jn, sm.soff[j], sm.send[j]);
+          } else {
+            sm.filled[j] = fl;
+          }
+        }
         bj += rmj;
+        j = jn;
       }
     }
+    if (lane == 0) expert_route[e] = make_int2(j0, off);
     __syncwarp();
-    if (lane == 0) {
-      for (int j = j0; j >= 0; j = sm.nxt[j]) {
-        if (sm.filled[j] != sm.hval[j]) atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_INTERNAL);
-        slot_route[j] = make_int4(e, sm.nxt[j], sm.soff[j], sm.send[j]);
-      }
-      expert_route[e] = make_int2(j0, off);
+  };
+  // The k-th supplying expert (in order of lowest slot) goes to warp k % nwarps: every warp
+  // finds them all (a ballot per 32 slots, no barrier), so the work spreads evenly however the
+  // lowest slots fall (by slot index, one warp could get S / nwarps experts and another none).
+  // NOTE: a warp goes straight to its own leads (the n-th set bit) rather than stepping
+  // through every lead of the block: all 32 warps issue this, so it was ~8x its length per
+  // scheduler.
+  for (int b = 0, seen = 0, k = warp; b < S; b += 32) {
+    const int j = b + lane;
+    const int ej = j < S ? sm.se[j] : -1;
+    const unsigned leads = __ballot_sync(kFull, ej >= 0 && sm.first[ej] == j);
+    const int cnt = __popc(leads);
+    for (; k < seen + cnt; k += nwarps) {
+      const int j0 = b + nth_set_bit(leads, k - seen);
+      supply(j0, sm.se[j0]);
     }
+    seen += cnt;
   }
-  __syncthreads();
+#ifdef CAPMOE_ECHO_PROF
+  __syncthreads();  // (profiling only: the stamps below then mark the block's end)
+#endif
   ECHO_PROF(8);
 
-  // I: the rest of the state.
-  for (int j = tid; j < S; j += nt) {
-    const int e = sm.se[j];
-    st[lay.off_slot_expert + j] = e;
-    st[lay.off_slot_tokens + j] = sm.hval[j];
-    st[lay.off_remaining_capacity + j] = e >= 0 ? sm.rm[j] : 0;
-    if (e < 0) slot_route[j] = make_int4(-1, -1, 0, 0);
-  }
-  for (int x = tid; x < ne; x += nt)
-    if (sm.first[x] >= S) expert_route[x] = make_int2(-1, 0);
-  for (int q = tid; q < ep; q += nt)
-    st[lay.off_load_after + q] = sm.load[q] - (int64_t)sm.outq[q] + (int64_t)sm.inq[q];
+  // I: without tokens, the offload map (it reads only slot_expert, settled by P4).
   if (p.num_tiles == 0) {
     // Offload map M[e][j] as bytes, written 8 at a time (the reroute launch writes it when
     // there are tokens).
@@ -850,12 +975,6 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
       }
       mwords[w] = word;
     }
-  }
-  if (tid == 0) {
-    st[lay.off_avg] = avg;
-    st[lay.off_error] = sm.flags[0] | (neg_any ? CAPMOE_ECHO_ERR_NEGATIVE_COUNT : 0) |
-                        (large_any ? CAPMOE_ECHO_ERR_COUNT_TOO_LARGE : 0) |
-                        (tokens_out_of_range(p) ? CAPMOE_ECHO_ERR_BAD_TOKENS : 0);
   }
   ECHO_PROF(9);
 }
@@ -953,7 +1072,9 @@ struct RerouteSmem {
   }
 };
 
-__global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p) {
+// NOTE: one block an SM at least (not two), so ptxas may take the registers the prefix loop's
+// batch of loads needs in flight (at the default bound it kept two or three).
+__global__ void __launch_bounds__(kRerouteThreads, 1) reroute_kernel(const Params p) {
   CAPMOE_DYNAMIC_SMEM(smem);
   const Dims d = p.d;
   const int ne = d.ne, S = d.s, W = p.words, tid = threadIdx.x, nt = blockDim.x;
@@ -1062,13 +1183,24 @@ __global__ void __launch_bounds__(kRerouteThreads) reroute_kernel(const Params p
     for (int i = tid; i < nq * groups; i += nt) {
       const int xq = i % nq, g = i / nq;
       int4 acc = make_int4(0, 0, 0, 0);
-#pragma unroll 8
-      for (int tl = g; tl < tile; tl += groups) {
-        const int4 v = *(reinterpret_cast<const int4*>(p.tile_counts + (int64_t)tl * ne) + xq);
-        acc.x += v.x;
-        acc.y += v.y;
-        acc.z += v.z;
-        acc.w += v.w;
+      // NOTE: a batch's loads are all issued before any is used, unpredicated (a row past the
+      // end is clamped to the last one and not added): as one unrolled loop the compiler kept
+      // two loads in flight a thread, and predicated loads run out of predicate registers.
+      for (int tl0 = g; tl0 < tile; tl0 += kLoadBatch * groups) {
+        int4 v[kLoadBatch];
+#pragma unroll
+        for (int u = 0; u < kLoadBatch; ++u) {
+          const int tl = min(tl0 + u * groups, tile - 1);
+          v[u] = *(reinterpret_cast<const int4*>(p.tile_counts + (int64_t)tl * ne) + xq);
+        }
+#pragma unroll
+        for (int u = 0; u < kLoadBatch; ++u) {
+          if (tl0 + u * groups >= tile) continue;
+          acc.x += v[u].x;
+          acc.y += v[u].y;
+          acc.z += v[u].z;
+          acc.w += v[u].w;
+        }
       }
       reinterpret_cast<int4*>(sm.part + g * ne)[xq] = acc;
     }
@@ -1342,13 +1474,16 @@ capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, i
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   // Stage C and F in shared memory when they fit (C first: it is read most).
   const bool approx = d.algorithm == CAPMOE_ECHO_APPROX;
-  PlanSmem ps;
+  auto plan_bytes = [&](bool stage_c, bool stage_f) -> size_t {
+    return plan_smem_offsets(d.ne, d.ep, d.s, approx, stage_c, stage_f).bytes;
+  };
   p.stage_c = true;
   p.stage_f = true;
-  if (ps.carve(nullptr, d.ne, d.ep, d.s, approx, true, true) > kSmemBudget) p.stage_f = false;
-  if (ps.carve(nullptr, d.ne, d.ep, d.s, approx, true, p.stage_f) > kSmemBudget) p.stage_c = false;
-  if (!p.stage_c && ps.carve(nullptr, d.ne, d.ep, d.s, approx, false, true) <= kSmemBudget) p.stage_f = true;
-  size_t plan_smem = ps.carve(nullptr, d.ne, d.ep, d.s, approx, p.stage_c, p.stage_f);
+  if (plan_bytes(true, true) > kSmemBudget) p.stage_f = false;
+  if (plan_bytes(true, p.stage_f) > kSmemBudget) p.stage_c = false;
+  if (!p.stage_c && plan_bytes(false, true) <= kSmemBudget) p.stage_f = true;
+  p.plan_smem = plan_smem_offsets(d.ne, d.ep, d.s, approx, p.stage_c, p.stage_f);
+  size_t plan_smem = p.plan_smem.bytes;
   const size_t count_smem = sizeof(int32_t) * (size_t)d.ne + 16;
   if (count_smem > plan_smem) plan_smem = count_smem;
   if (plan_smem > kSmemBudget) return CAPMOE_ERR_INVALID_ARGUMENT;
