@@ -68,6 +68,9 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr size_t kSmemBudget = 220 * 1024;
 // The reroute stages its tile of dense probs in shared memory up to this size.
 constexpr size_t kProbStageBudget = 96 * 1024;
+// The dense reroute lists up to this many of its tile's routes in shared memory (more: it
+// walks the mask words instead).
+constexpr int kRouteList = 2048;
 constexpr int64_t kCountLimit = int64_t(1) << 24;
 static_assert(kMaxExperts <= kPlanThreads && kMaxSpare <= kPlanThreads,
               "the planner block has a thread for every expert, rank and slot");
@@ -1053,7 +1056,8 @@ struct RerouteSmem {
   int32_t* part;     // [kPartLen] partial tile prefixes (>= groups * E in both prefix paths)
   int32_t* ids;      // [32 W k] top-k form: the tile's expert ids
   uint32_t* probs;   // [32 W E] dense form with stage_probs: the tile's probs
-  int32_t* flags;    // [1]
+  int32_t* routes;   // [kRouteList] dense form: the tile's routes, mask word * 32 + bit
+  int32_t* flags;    // [2]: error flags, the dense form's route count
 
   static constexpr int kPartLen = 4 * kRerouteThreads > kMaxExperts ? 4 * kRerouteThreads : kMaxExperts;
 
@@ -1067,10 +1071,41 @@ struct RerouteSmem {
     part = c.take<int32_t>(kPartLen);
     ids = c.take<int32_t>(form == kFormTopk ? (size_t)32 * words * topk : 0);
     probs = c.take<uint32_t>(stage_probs ? (size_t)32 * words * ne : 0);
-    flags = c.take<int32_t>(1);
+    routes = c.take<int32_t>(form == kFormDense ? kRouteList : 0);
+    flags = c.take<int32_t>(2);
     return c.off + 16;
   }
 };
+
+// Dense form, before the wait: lists the tile's routes (mask word * 32 + bit, in no particular
+// order) for the route writes after it, and counts them in flags[1]; past kRouteList the count
+// still grows (the writes then walk the mask words). Why: one thread a mask word left a hot
+// expert's word (up to 32 routes, each a dependent chain of shared loads) to one thread after
+// the wait, while one route a thread keeps every thread's chain one route long.
+__device__ inline void list_routes(const RerouteSmem& sm, int nwords, int tid, int nt) {
+  for (int i = tid; i < nwords; i += nt) {
+    uint32_t word = sm.mask[i];
+    if (word == 0) continue;
+    int at = atomicAdd(&sm.flags[1], __popc(word));
+    for (; word != 0 && at < kRouteList; word &= word - 1, ++at) sm.routes[at] = 32 * i + __ffs(word) - 1;
+  }
+}
+
+// The output column of the route at `pos` in expert x's (ascending) token list: its home
+// column past the routes moved off the expert, else the slot whose range of the list holds it;
+// -1 when no slot does (only an inconsistent plan).
+__device__ inline int route_column(const RerouteSmem& sm, int x, int pos, int L, int sp) {
+  const int B = L + sp;
+  const int2 ex = sm.expr[x];
+  if (pos >= ex.y) return (x / L) * B + x % L;
+  int j = ex.x;
+  int4 sl = j >= 0 ? sm.slot[j] : make_int4(-1, -1, 0, 0);
+  while (j >= 0 && pos >= sl.w) {
+    j = sl.y;
+    if (j >= 0) sl = sm.slot[j];
+  }
+  return j >= 0 && pos >= sl.z ? (j / sp) * B + L + j % sp : -1;
+}
 
 // NOTE: one block an SM at least (not two), so ptxas may take the registers the prefix loop's
 // batch of loads needs in flight (at the default bound it kept two or three).
@@ -1090,7 +1125,10 @@ __global__ void __launch_bounds__(kRerouteThreads, 1) reroute_kernel(const Param
   ECHO_NS_FIRST(4);
 
   // Before the plan is known: the tile's routes (and probs).
-  if (tid == 0) sm.flags[0] = 0;  // (an out-of-range device T is flagged by the plan block)
+  if (tid == 0) {
+    sm.flags[0] = 0;  // (an out-of-range device T is flagged by the plan block)
+    sm.flags[1] = 0;
+  }
   for (int i = tid; i < ne * W; i += nt) sm.mask[i] = 0;
   if (p.form == kFormDense) {
     if (p.stage_probs) {
@@ -1139,6 +1177,11 @@ __global__ void __launch_bounds__(kRerouteThreads, 1) reroute_kernel(const Param
       if (x >= 0 && x < ne) atomicOr(&sm.mask[x * W + (t >> 5)], 1u << (t & 31));
       else atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_EXPERT_OUT_OF_RANGE);
     }
+  }
+
+  if (p.form == kFormDense) {
+    __syncthreads();  // (the mask is complete)
+    list_routes(sm, ne * W, tid, nt);
   }
 
   // The plan (and every tile's counts) from here on.
@@ -1244,36 +1287,25 @@ __global__ void __launch_bounds__(kRerouteThreads, 1) reroute_kernel(const Param
 
   const int width = ne + S;
   if (p.form == kFormDense) {
-    // Every route of the tile, one mask word (an expert's routes among 32 tokens) per thread
-    // at a time: its column is the home column past the routes moved off the expert, else
-    // the slot whose range of the expert's list holds it; the rest of the rows was zeroed
-    // before the wait. A route no column takes (only an inconsistent plan) is not written.
+    // Every route of the tile, one listed route per thread at a time (one mask word when the
+    // list overflowed), at route_column's column; the rest of the rows was zeroed before the
+    // wait. A route no column takes (only an inconsistent plan) is not written.
     uint8_t* om = p.out_map + t0 * width;
     uint32_t* op = p.out_probs_bits + t0 * width;
     const uint32_t* prg = p.probs_bits + t0 * ne;
-    for (int i = tid; i < ne * W; i += nt) {
-      uint32_t word = sm.mask[i];
-      if (word == 0) continue;
-      const int x = i / W, w = i % W;
-      const int2 ex = sm.expr[x];
-      int j = ex.x;
-      int4 sl = j >= 0 ? sm.slot[j] : make_int4(-1, -1, 0, 0);
-      for (int pos = sm.wbase[i]; word != 0; ++pos, word &= word - 1) {
-        const int t = 32 * w + __ffs(word) - 1;
-        int col = -1;
-        if (pos >= ex.y) {
-          col = (x / L) * B + x % L;
-        } else {
-          while (j >= 0 && pos >= sl.w) {  // positions only grow: the walk goes on from here
-            j = sl.y;
-            if (j >= 0) sl = sm.slot[j];
-          }
-          if (j >= 0 && pos >= sl.z) col = (j / sp) * B + L + j % sp;
-        }
-        if (col < 0) continue;
-        om[(int64_t)t * width + col] = 1;
-        op[(int64_t)t * width + col] = p.stage_probs ? sm.probs[t * ne + x] : prg[(int64_t)t * ne + x];
-      }
+    auto put = [&](int i, int b) {  // route: bit b of mask word i
+      const int x = i / W, t = 32 * (i % W) + b;
+      const int col = route_column(sm, x, sm.wbase[i] + __popc(sm.mask[i] & ((1u << b) - 1u)), L, sp);
+      if (col < 0) return;
+      om[(int64_t)t * width + col] = 1;
+      op[(int64_t)t * width + col] = p.stage_probs ? sm.probs[t * ne + x] : prg[(int64_t)t * ne + x];
+    };
+    const int listed = sm.flags[1];
+    if (listed <= kRouteList) {
+      for (int r = tid; r < listed; r += nt) put(sm.routes[r] >> 5, sm.routes[r] & 31);
+    } else {
+      for (int i = tid; i < ne * W; i += nt)
+        for (uint32_t word = sm.mask[i]; word != 0; word &= word - 1) put(i, __ffs(word) - 1);
     }
   } else {
     const int k = d.topk;
