@@ -116,13 +116,14 @@ __device__ __forceinline__ long long block_inclusive_scan(long long v) {
   return warp > 0 ? v + warp_sums[warp - 1] : v;
 }
 
-// Expert e's rows (thread e of a kScanThreads block; every thread calls it): its `total` routes,
-// clipped to expert_capacity, laid out after the experts before it and clipped at capacity;
-// writes m_splits, offsets, expert_counts, raises CAPACITY where a route is dropped. Returns
-// expert e's rows [begin, end).
+// The rows [begin, end) of one expert.
 struct ExpertRows {
   long long begin, end;
 };
+
+// Expert e's rows (thread e of a kScanThreads block; every thread calls it): its `total` routes,
+// clipped to expert_capacity, laid out after the experts before it and clipped at capacity;
+// writes m_splits, offsets, expert_counts, raises CAPACITY where a route is dropped.
 __device__ __forceinline__ ExpertRows place_experts(int e, int E, long long total, long long capacity,
                                                     long long expert_capacity, int32_t* flags,
                                                     int32_t* __restrict__ m_splits_i32,
