@@ -1,6 +1,8 @@
 //! The Echo kernels without a GPU: `csrc/echo/echo_plan.cu` compiled as host C++ against the
 //! CPU emulation of `tests/emulation/` (one OS thread per CUDA thread, real barriers for
-//! `__syncthreads` and the warp intrinsics) and run on the golden vectors and random cases.
+//! `__syncthreads` and the warp intrinsics) and run on the golden vectors, random cases, the
+//! issue's E256 EP64 shape and an approx plan of more than 32 queued chunks (the popping warp's
+//! rescan; checked to fail when that rescan reads a wrong spill).
 //! Every stage of the plan and both reroute forms must equal the Rust CPU reference bit for
 //! bit, with the token count on the host, from device memory under a larger bound (junk routes
 //! past T neither read nor overwritten), and out of range (flagged), once with the threads of a
@@ -8,7 +10,7 @@
 //! CI's check of the kernels' logic; `echo_gpu` checks the same on the device. The spare-slot
 //! weight kernels (`csrc/echo/echo_weights.cu`) have their own: `echo_weights_emulated`.
 //!
-//! Needs a C++17 compiler (`CXX`, default `c++`); ~25 s. `CAPMOE_EMULATION_CASES=all` adds
+//! Needs a C++17 compiler (`CXX`, default `c++`); ~60 s. `CAPMOE_EMULATION_CASES=all` adds
 //! larger random shapes (E up to 1024, EP up to 256) and a k = E = 256 case of 7M routes
 //! (minutes). `CAPMOE_EMULATION_CXXFLAGS` adds compiler flags, e.g. `-fsanitize=undefined
 //! -fno-sanitize-recover=undefined` (~30 s) or `-fsanitize=address` (minutes; ASan warns that
@@ -129,6 +131,32 @@ fn every_expert_case(out: &mut Vec<u8>) {
     put_case(out, &cfg, &counts, &ids, &probs, t, false);
 }
 
+/// The approx planner with more than 32 queued chunks and more than 32 ranks to fill (EP = 64:
+/// 34 chunks, 47 ranks with capacity): lanes 0 and 1 of the popping warp then hold two entries,
+/// and when a lane's first entry leaves (popped whole, or its rest queued behind the second) it
+/// rescans for its second, a path the smaller shapes never take; the second entries are popped
+/// later, so a wrong rescan shows in the plan. No tokens on this rank: the plan alone is compared.
+fn approx_many_chunks_case(out: &mut Vec<u8>) {
+    let (ep, e) = (64, 256);
+    let cfg = EchoConfig {
+        ep,
+        num_experts: e,
+        spare_per_rank: 1,
+        ep_rank: 0,
+        topk: 8,
+        algorithm: Algorithm::Approx,
+        threshold_multiplier: 0.0,
+    };
+    // Source rank 1 sends every token; rank 0 (this one, T = 0) none. Home rank q = x / 4:
+    // ranks 0-16 hold 4 x 150 (average 385: two experts spill, 65 and 150), the others 4 x 77
+    // (capacity 77 each).
+    let mut counts = vec![0i64; ep * e];
+    for x in 0..e {
+        counts[e + x] = if x / 4 < 17 { 150 } else { 77 };
+    }
+    put_case(out, &cfg, &counts, &[], &[], 0, false);
+}
+
 #[test]
 fn echo_kernels_match_the_reference_under_cpu_emulation() {
     let thorough = std::env::var("CAPMOE_EMULATION_CASES").is_ok_and(|v| v == "all");
@@ -142,6 +170,8 @@ fn echo_kernels_match_the_reference_under_cpu_emulation() {
         }
     }
     n += random_cases(&mut cases, thorough);
+    approx_many_chunks_case(&mut cases);
+    n += 1;
     if thorough {
         every_expert_case(&mut cases);
         n += 1;
