@@ -1315,20 +1315,14 @@ __global__ void __launch_bounds__(kRerouteThreads, 1) reroute_kernel(const Param
       const int t = i / k;
       int32_t col = -1;
       if (x >= 0 && x < ne) {
-        col = (x / L) * B + x % L;
         const uint32_t word = sm.mask[x * W + (t >> 5)];
         const uint32_t bit = 1u << (t & 31);
         const int pos = sm.wbase[x * W + (t >> 5)] + __popc(word & (bit - 1u));
-        const int2 ex = sm.expr[x];
-        if (pos < ex.y) {
-          int j = ex.x;
-          int4 sl = j >= 0 ? sm.slot[j] : make_int4(-1, -1, 0, 0);
-          while (j >= 0 && pos >= sl.w) {
-            j = sl.y;
-            if (j >= 0) sl = sm.slot[j];
-          }
-          if (j >= 0 && pos >= sl.z) col = (j / sp) * B + L + j % sp;
-          else atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_INTERNAL);
+        col = route_column(sm, x, pos, L, sp);
+        // A route no slot takes (only an inconsistent plan): flagged, and kept at its home column.
+        if (col < 0) {
+          atomicOr(&sm.flags[0], CAPMOE_ECHO_ERR_INTERNAL);
+          col = (x / L) * B + x % L;
         }
       }
       od[i] = col;

@@ -295,12 +295,9 @@ __global__ void __launch_bounds__(kScanThreads)
     kept[e] = static_cast<int>(rows.end - rows.begin);
   }
   first_ranks(hist, E, nullptr);
-  __syncthreads();
+  __syncthreads();  // (also orders place_experts's offsets[E], by thread E - 1, before every read)
   if (counts) scatter_chunk(expert, match, hist, row_begin, kept, t_max, k, E, row_of_route, token_of_row);
-  __shared__ long long placed;  // offsets[E]: the last expert's end
-  if (e == E - 1) placed = rows.end;
-  __syncthreads();
-  clear_unused_rows(placed, capacity, token_of_row);
+  clear_unused_rows(offsets[E], capacity, token_of_row);
 }
 
 // One warp per token: the experts with a nonzero map entry, in ascending order.
