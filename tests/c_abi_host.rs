@@ -59,7 +59,8 @@ fn resolve_config_refuses_configurations_without_a_kernel() {
     }
     // 128 rows per expert, an output of 256 over a reduction of 128: AUTO's first choice, the
     // counter kernel (built for bf16 and fp16); with a pointer array of weights, which that
-    // kernel does not take, the 64x256 pingpong; wgrad: the cooperative kernel.
+    // kernel does not take, the 64x256 pingpong; wgrad: the counter kernel too, and the
+    // cooperative one for an fp32 dW.
     let auto = gemm_desc(90, sys::CAPMOE_CONFIG_AUTO as i32);
     assert_eq!(resolve(&auto), (OK, sys::CAPMOE_CONFIG_SM90_COUNTER as i32));
     let auto_pointers = sys::capmoe_grouped_gemm_desc_t { weights_as_pointers: 1, ..auto };
@@ -71,7 +72,9 @@ fn resolve_config_refuses_configurations_without_a_kernel() {
     };
     assert_eq!(resolve(&auto_f16), (OK, sys::CAPMOE_CONFIG_SM90_COUNTER as i32));
     let auto_wgrad = sys::capmoe_grouped_gemm_desc_t { op: sys::CAPMOE_GEMM_WGRAD as i32, ..auto };
-    assert_eq!(resolve(&auto_wgrad), (OK, sys::CAPMOE_CONFIG_SM90_COOPERATIVE as i32));
+    assert_eq!(resolve(&auto_wgrad), (OK, sys::CAPMOE_CONFIG_SM90_COUNTER as i32));
+    let auto_wgrad_f32 = sys::capmoe_grouped_gemm_desc_t { out_dtype: sys::CAPMOE_DTYPE_F32 as i32, ..auto_wgrad };
+    assert_eq!(resolve(&auto_wgrad_f32), (OK, sys::CAPMOE_CONFIG_SM90_COOPERATIVE as i32));
     for (what, desc) in [
         ("an unknown config value", gemm_desc(90, 42)),
         ("an SM100 config on SM90", gemm_desc(90, sys::CAPMOE_CONFIG_SM100_2SM as i32)),

@@ -22,7 +22,7 @@ fn spec(op: GemmOp, experts: usize, n: usize, k: usize, capacity: usize) -> Grou
 
 fn configs_for(op: GemmOp) -> Vec<GemmConfig> {
     match op {
-        GemmOp::Wgrad => vec![GemmConfig::Sm90Cooperative],
+        GemmOp::Wgrad => vec![GemmConfig::Sm90Cooperative, GemmConfig::Sm90Counter],
         _ => vec![GemmConfig::Sm90CooperativeNoCluster, GemmConfig::Sm90PingpongWide, GemmConfig::Sm90Counter],
     }
 }
@@ -61,11 +61,13 @@ fn partial_last_tiles_at_every_warpgroup_boundary_are_exact() {
             }
         }
     }
-    for n in [184, 200, 256] {
-        let mut s = spec(GemmOp::Wgrad, 4, n, 48, 200);
-        s.config = GemmConfig::Sm90Cooperative;
-        let case = HostCase::new(s, vec![37, 0, 64, 1], Data::SmallInt, 32);
-        case.run(&stream).assert_exact(&format!("Wgrad n={n}"));
+    for config in configs_for(GemmOp::Wgrad) {
+        for n in [184, 200, 256] {
+            let mut s = spec(GemmOp::Wgrad, 4, n, 48, 200);
+            s.config = config;
+            let case = HostCase::new(s, vec![37, 0, 64, 1], Data::SmallInt, 32);
+            case.run(&stream).assert_exact(&format!("Wgrad {config:?} n={n}"));
+        }
     }
 }
 
@@ -448,18 +450,18 @@ fn diagnose_wgrad() {
     }
 }
 
-/// The hand-written `Sm90Counter` kernel (grouped_gemm/sm90_counter.cu) through the cases the
-/// tests above run with AUTO's CUTLASS kernels: fp64 reference with N and K off the tile grid
-/// (TMA's zero fill past K and N, the epilogue's column bound), awkward routings, over-capacity
-/// clamping and flags, rows past the total untouched, both layouts and dtypes, repeated runs bit
-/// identical, two runs back to back on one workspace (its tile counter and row offsets come
-/// from the argument kernel it depends on), and graph replay with new m_splits bit-equal to
-/// eager.
+/// The hand-written `Sm90Counter` kernels (grouped_gemm/sm90_counter.cu, and for wgrad
+/// sm90_counter_wgrad.cu) through the cases the tests above run with AUTO's CUTLASS kernels:
+/// fp64 reference with N and K off the tile grid (TMA's zero fill past K and N, the epilogue's
+/// column bound), awkward routings, over-capacity clamping and flags, rows past the total
+/// untouched, both layouts and dtypes, repeated runs bit identical, two runs back to back on one
+/// workspace (its tile counter and row offsets come from the argument kernel it depends on), and
+/// graph replay with new m_splits bit-equal to eager.
 #[test]
 fn counter_kernel_matches_the_reference_everywhere_the_cutlass_ones_do() {
     let stream = gpu_or_skip!();
     let counter = |s: GroupedGemmSpec| GroupedGemmSpec { config: GemmConfig::Sm90Counter, ..s };
-    for op in [GemmOp::Fprop, GemmOp::Dgrad] {
+    for op in OPS {
         for layout in [WeightLayout::Enk, WeightLayout::Ekn] {
             for dtype in [DType::Bf16, DType::F16] {
                 // 200 and 520: neither a multiple of the 256-column tile nor of the 64-wide K block.
@@ -472,7 +474,8 @@ fn counter_kernel_matches_the_reference_everywhere_the_cutlass_ones_do() {
         }
         let extra = vec![
             ("1024 experts", 1024, skewed_splits(1024, 6000, 9)),
-            // Last tiles at the A boxes' edges (16, 32, 64, 128 rows) and one past them.
+            // Last tiles at the A boxes' edges (16, 32, 64, 128 rows) and one past them; for
+            // wgrad, expert ends at and past the 16-row wgmma steps and 64-row K blocks.
             ("A box edges", 10, vec![16, 17, 32, 33, 64, 65, 144, 161, 1, 128]),
             // Experts whose rows fit one tile fewer at up to 128 + 16 rows a tile (129-144,
             // 288, 400, 1008) and the first counts that do not (145, 289, 433; 1025 and 1153:
@@ -481,7 +484,9 @@ fn counter_kernel_matches_the_reference_everywhere_the_cutlass_ones_do() {
         ];
         awkward_routings_are_exact(&stream, spec_with(op, GemmConfig::Sm90Counter), extra);
         over_capacity_and_negative_counts_are_flagged(&stream, op, GemmConfig::Sm90Counter);
-        rows_past_the_total_keep_their_poison(&stream, op, GemmConfig::Sm90Counter);
+        if op != GemmOp::Wgrad {
+            rows_past_the_total_keep_their_poison(&stream, op, GemmConfig::Sm90Counter);
+        }
 
         // Repeated runs from a poisoned output, then a second run on the same workspace right
         // behind the first with other m_splits.
@@ -503,10 +508,33 @@ fn counter_kernel_matches_the_reference_everywhere_the_cutlass_ones_do() {
     }
 }
 
+/// The counter wgrad reads whole 64-row K blocks and zeroes the rows of an expert's last
+/// 16-row step that lie past its end, in both operands: rows past the total set to NaN (what
+/// an unwritten buffer may hold; 0 x NaN is NaN) must not reach dW, in either layout, at
+/// expert ends on and off the 16-row steps, with an empty expert (dW_e = 0) among them.
+#[test]
+fn counter_wgrad_never_reads_nan_rows_past_the_experts() {
+    let stream = gpu_or_skip!();
+    let splits = vec![37i64, 0, 100, 16, 250];
+    let total = splits.iter().sum::<i64>() as usize;
+    for layout in [WeightLayout::Enk, WeightLayout::Ekn] {
+        let s = GroupedGemmSpec {
+            config: GemmConfig::Sm90Counter,
+            weight_layout: layout,
+            ..spec(GemmOp::Wgrad, 5, 136, 72, 600)
+        };
+        let mut case = HostCase::new(s, splits.clone(), Data::Random, 40);
+        // dY is [capacity, N], X [capacity, K].
+        case.a[total * 136..].fill(f32::NAN);
+        case.b[total * 72..].fill(f32::NAN);
+        case.run(&stream).assert_close(&format!("{layout:?}"), 1e-2);
+    }
+}
+
 #[test]
 fn counter_kernel_graph_replay_with_new_m_splits_matches_eager() {
     let stream = gpu_or_skip!();
-    for op in [GemmOp::Fprop, GemmOp::Dgrad] {
+    for op in OPS {
         let s = GroupedGemmSpec { config: GemmConfig::Sm90Counter, ..spec(op, 8, 320, 192, 2048) };
         graph_replays_match_eager(&stream, s);
     }

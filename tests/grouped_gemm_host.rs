@@ -86,7 +86,15 @@ fn auto_config_heuristic_uses_host_facts_only() {
         // reduction (the sweeps of 2026-11-29), bf16 and fp16 alike; CUTLASS's kernels elsewhere.
         assert_eq!(auto(&decode), GemmConfig::Sm90Counter);
         assert_eq!(auto(&prefill), GemmConfig::Sm90Counter); // mixtral fc1: N 28672 >= K 4096
-        assert_eq!(auto(&wgrad), GemmConfig::Sm90Cooperative);
+                                                             // wgrad into a 16-bit dW: the counter kernel; an fp32 dW (main-grad accumulate), a
+                                                             // pointer array of dW or more than 1024 experts: the clustered cooperative.
+        assert_eq!(auto(&wgrad), GemmConfig::Sm90Counter);
+        let wgrad_f32 = GroupedGemmSpec { out_dtype: DType::F32, accumulate: true, ..wgrad.clone() };
+        assert_eq!(auto(&wgrad_f32), GemmConfig::Sm90Cooperative);
+        let wgrad_pointers = GroupedGemmSpec { weights_as_pointers: true, ..wgrad.clone() };
+        assert_eq!(auto(&wgrad_pointers), GemmConfig::Sm90Cooperative);
+        let wgrad_many = GroupedGemmSpec::new(GemmOp::Wgrad, 2048, 2048, 768, 2048 * 256);
+        assert_eq!(auto(&wgrad_many), GemmConfig::Sm90Cooperative);
         let dsv3_fc1 = GroupedGemmSpec::new(GemmOp::Fprop, 32, 4096, 7168, 8192);
         let dsv3_fc1_dgrad = GroupedGemmSpec { op: GemmOp::Dgrad, ..dsv3_fc1.clone() };
         let qwen3_fc2 = GroupedGemmSpec::new(GemmOp::Fprop, 128, 2048, 768, 32768);
@@ -153,7 +161,8 @@ fn config_names_round_trip() {
 
 /// The dtypes each candidate tile is built for (GemmConfig's docs): the cluster-free 128x256
 /// cooperative and the 64x256 pingpong for bf16 and fp16 fprop / dgrad, neither for wgrad; the
-/// clustered cooperative for wgrad only (its fprop / dgrad kernels were deleted: won no case).
+/// counter kernels for both dtypes of every op; the clustered cooperative for wgrad only (its
+/// fprop / dgrad kernels were deleted: won no case).
 #[test]
 fn candidate_sm90_configs_have_the_documented_dtypes() {
     let hopper = DeviceInfo { ordinal: 0, name: "test".into(), arch: Arch::Sm90, sm_count: 132 };
@@ -165,7 +174,7 @@ fn candidate_sm90_configs_have_the_documented_dtypes() {
     let candidates = [
         (GemmConfig::Sm90CooperativeNoCluster, true, false),
         (GemmConfig::Sm90PingpongWide, true, false),
-        (GemmConfig::Sm90Counter, true, false),
+        (GemmConfig::Sm90Counter, true, true),
     ];
     for op in [GemmOp::Fprop, GemmOp::Dgrad, GemmOp::Wgrad] {
         for (config, has_f16, has_wgrad) in candidates {
@@ -179,7 +188,7 @@ fn candidate_sm90_configs_have_the_documented_dtypes() {
             assert_eq!(bf16.unwrap().config(), config);
             let f16 = GroupedGemmSpec { config, ..s.with_dtype(DType::F16) };
             let planned = GroupedGemm::for_device(f16, &hopper);
-            if has_f16 && op != GemmOp::Wgrad {
+            if has_f16 {
                 assert_eq!(planned.unwrap().config(), config, "{op:?} {config:?} fp16");
             } else {
                 assert!(matches!(planned, Err(Error::Unsupported { .. })), "{op:?} {config:?} fp16");
@@ -195,9 +204,9 @@ fn candidate_sm90_configs_have_the_documented_dtypes() {
     }
 }
 
-/// The hand-written counter kernel is offered only for what it handles (grouped_gemm/counter.h):
-/// a pointer array of weights, more than 1024 experts, wgrad or an fp32 output is a typed
-/// error when the plan is made, never a launch.
+/// The hand-written counter kernels are offered only for what they handle
+/// (grouped_gemm/counter.h): a pointer array of weights (or dW), more than 1024 experts, an fp32
+/// output or wgrad's accumulate is a typed error when the plan is made, never a launch.
 #[test]
 fn counter_config_is_refused_at_plan_time_where_its_kernel_does_not_go() {
     let hopper = DeviceInfo { ordinal: 0, name: "test".into(), arch: Arch::Sm90, sm_count: 132 };
@@ -206,7 +215,7 @@ fn counter_config_is_refused_at_plan_time_where_its_kernel_does_not_go() {
         return;
     }
     let counter = |s: GroupedGemmSpec| GroupedGemmSpec { config: GemmConfig::Sm90Counter, ..s };
-    for op in [GemmOp::Fprop, GemmOp::Dgrad] {
+    for op in [GemmOp::Fprop, GemmOp::Dgrad, GemmOp::Wgrad] {
         for layout in [WeightLayout::Enk, WeightLayout::Ekn] {
             let s = GroupedGemmSpec { weight_layout: layout, ..counter(spec(op)) };
             assert_eq!(GroupedGemm::for_device(s, &hopper).unwrap().config(), GemmConfig::Sm90Counter);
@@ -223,9 +232,12 @@ fn counter_config_is_refused_at_plan_time_where_its_kernel_does_not_go() {
         }
     }
     let wgrad = counter(spec(GemmOp::Wgrad));
-    assert!(matches!(GroupedGemm::for_device(wgrad.clone(), &hopper), Err(Error::Unsupported { .. })));
-    let f32_out = GroupedGemmSpec { out_dtype: DType::F32, ..wgrad };
-    assert!(matches!(GroupedGemm::for_device(f32_out, &hopper), Err(Error::Unsupported { .. })));
+    let f32_out = GroupedGemmSpec { out_dtype: DType::F32, ..wgrad.clone() };
+    let f32_accumulate = GroupedGemmSpec { accumulate: true, ..f32_out.clone() };
+    for (what, s) in [("fp32 dW", f32_out), ("fp32 accumulate", f32_accumulate)] {
+        let planned = GroupedGemm::for_device(s, &hopper);
+        assert!(matches!(planned, Err(Error::Unsupported { .. })), "wgrad {what}: {planned:?}");
+    }
 }
 
 /// Every configuration survives the trip through its C ABI code; a code the crate does not

@@ -40,4 +40,29 @@ inline bool counter_takes(const capmoe_grouped_gemm_desc_t& d) {
   return counter_max_tiles(d) + d.sm_count <= INT32_MAX;
 }
 
+// The WGRAD kernel (grouped_gemm/sm90_counter_wgrad.cu): 128 rows x 256 columns of dW a tile,
+// every expert the same m_tiles x n_tiles tiles (those of an expert without rows write zeros).
+constexpr int kCounterWgradTileM = 128;
+constexpr int kCounterWgradTileN = 256;
+
+// dW's rows and columns: [N, K] per expert, or [K, N] with CAPMOE_WEIGHT_EKN.
+inline int64_t counter_wgrad_tiles(const capmoe_grouped_gemm_desc_t& d) {
+  const int64_t rows = d.weight_layout == CAPMOE_WEIGHT_EKN ? d.k : d.n;
+  const int64_t cols = d.weight_layout == CAPMOE_WEIGHT_EKN ? d.n : d.k;
+  return d.num_experts * ((rows + kCounterWgradTileM - 1) / kCounterWgradTileM) *
+         ((cols + kCounterWgradTileN - 1) / kCounterWgradTileN);
+}
+
+// WGRAD with one dW tensor (no pointer array), 16-bit out without accumulate (fp32 dW stays
+// with the CUTLASS kernel), at most kCounterMaxExperts experts, every expert's dW under TMA's
+// 2^40-byte stride limit, and tile indices up to tiles + grid in int32. Assumes a descriptor
+// that passed dispatch.cu's validate() (N, K < 2^31, capacity < INT32_MAX).
+inline bool counter_wgrad_takes(const capmoe_grouped_gemm_desc_t& d) {
+  if (d.op != CAPMOE_GEMM_WGRAD) return false;
+  if (d.weights_as_pointers || d.accumulate || d.out_dtype != d.dtype) return false;
+  if (d.num_experts > kCounterMaxExperts) return false;
+  if (d.n * d.k * 2 >= (int64_t(1) << 40)) return false;
+  return counter_wgrad_tiles(d) + d.sm_count <= INT32_MAX;
+}
+
 }  // namespace capmoe::gg::counter

@@ -109,11 +109,14 @@ bool has_variant(const capmoe_grouped_gemm_desc_t& d, capmoe_gemm_config_t confi
 //    decode, the wider one ahead in 3 of 4 cases; it was deleted for CI time.)
 //  - otherwise 128x256 cooperative without a cluster: the 2x1 cluster lost on every E >= 32
 //    shape by 10-15 %, and on mixtral's dense-sized experts (fprop 1.11x, dgrad 1.03-1.16x);
-//  - WGRAD (its reduction is the expert's row count): 128x256 cooperative with the 2x1
-//    cluster, the only SM90 wgrad kernel. The clustered kernel's fprop / dgrad forms and the
-//    no-cluster wgrad won no swept case on the H100 or the H200 and were deleted (they cost
-//    CI time), so SM90_COOPERATIVE is a wgrad config and SM90_COOPERATIVE_NOCLUSTER a fprop /
-//    dgrad one; a forced config without a kernel is UNSUPPORTED.
+//  - WGRAD (its reduction is the expert's row count) with a 16-bit dW: the counter kernel's
+//    wgrad (grouped_gemm/sm90_counter_wgrad.cu), whose tiles leave by TMA store while the next
+//    one's MMAs run (PENDING MEASUREMENT);
+//  - WGRAD with an fp32 dW (or where the counter kernel does not go): 128x256 cooperative with
+//    the 2x1 cluster. The clustered kernel's fprop / dgrad forms and the no-cluster wgrad won
+//    no swept case on the H100 or the H200 and were deleted (they cost CI time), so
+//    SM90_COOPERATIVE is a wgrad config and SM90_COOPERATIVE_NOCLUSTER a fprop / dgrad one; a
+//    forced config without a kernel is UNSUPPORTED.
 // SM100: the 2-SM kernel needs 256-row tiles to pay off, so it is used from 256 rows per
 // expert; WGRAD always 1-SM. (No Blackwell GPU has run these.)
 int auto_candidates(const capmoe_grouped_gemm_desc_t& d, capmoe_gemm_config_t out[4]) {
@@ -131,6 +134,8 @@ int auto_candidates(const capmoe_grouped_gemm_desc_t& d, capmoe_gemm_config_t ou
     if (rows_per_expert <= 64 || 3 * output >= reduction) out[n++] = CAPMOE_CONFIG_SM90_COUNTER;
     if (rows_per_expert <= 64 || reduction <= 1024) out[n++] = CAPMOE_CONFIG_SM90_PINGPONG_WIDE;
     out[n++] = CAPMOE_CONFIG_SM90_COOPERATIVE_NOCLUSTER;
+  } else {
+    out[n++] = CAPMOE_CONFIG_SM90_COUNTER;  // 16-bit dW (counter.h); fp32 dW: the cooperative
   }
   out[n++] = CAPMOE_CONFIG_SM90_COOPERATIVE;
   return n;

@@ -59,6 +59,7 @@
 #include "fused/tile_source.cuh"
 #include "grouped_gemm/arguments.cuh"
 #include "grouped_gemm/counter.h"
+#include "grouped_gemm/counter_launch.cuh"
 #include "grouped_gemm/dependent_launch.cuh"
 #include "grouped_gemm/launch.h"
 
@@ -390,38 +391,6 @@ __global__ void __launch_bounds__(kThreads, 1) counter_gemm_kernel(const __grid_
   }
 }
 
-// The argument arrays of this variant: the row offsets and the tile counter; no per-expert
-// problem sizes or pointers (the kernel derives them from the offsets).
-template <class T>
-struct CounterArrays {
-  using ElementA = T;
-  using ElementB = T;
-  using ElementD = T;
-  int64_t* row_offsets;
-  int32_t* schedule;
-  // Called once per expert by the thread that owns it; the owner of expert 0 also zeroes the
-  // tile counter, so that every launch starts from tile 0 whatever the workspace held.
-  __device__ void store(int64_t e, const Group&) const {
-    if (e == 0) {
-      for (int i = 0; i < fused::TileSchedule::kWords; ++i) schedule[i] = 0;
-    }
-  }
-};
-
-// The workspace: the E + 1 row offsets, then the counter's words.
-struct Workspace {
-  int64_t* row_offsets;
-  int32_t* schedule;
-  static uint64_t offsets_bytes(int64_t experts) { return align_up(uint64_t(experts + 1) * sizeof(int64_t)); }
-  static uint64_t bytes(int64_t experts) {
-    return offsets_bytes(experts) + align_up(fused::TileSchedule::kWords * sizeof(int32_t));
-  }
-  static Workspace carve(void* base, int64_t experts) {
-    char* p = static_cast<char*>(base);
-    return {reinterpret_cast<int64_t*>(p), reinterpret_cast<int32_t*>(p + offsets_bytes(experts))};
-  }
-};
-
 capmoe_status_t encode_maps(const capmoe_grouped_gemm_desc_t& d, bool b_mn_major, int64_t k_in, int64_t n_out,
                             const void* a, const void* b, Params* p) {
   const cuuint64_t elem = 2;
@@ -442,24 +411,6 @@ capmoe_status_t encode_maps(const capmoe_grouped_gemm_desc_t& d, bool b_mn_major
   const cuuint64_t b_strides[2] = {cuuint64_t(k_in) * elem, matrix_bytes};
   const cuuint32_t b_box[3] = {kTileK, kTileN, 1};
   return tma_encode(&p->b_map, d.dtype, b, 3, b_dims, b_strides, b_box);
-}
-
-template <class T, bool kBMnMajor>
-capmoe_status_t launch_kernel(const Params& p, int grid, cudaStream_t stream) {
-  using K = Kernel<T, kBMnMajor>;
-  auto* kernel = &counter_gemm_kernel<T, kBMnMajor>;
-  CAPMOE_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(K::kSmemBytes))));
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = K::kSmemBytes;
-  config.stream = stream;
-  config.attrs = &attr;
-  config.numAttrs = gemm_pdl_enabled() ? 1 : 0;
-  return cuda_status(cudaLaunchKernelEx(&config, kernel, p));
 }
 
 // The VariantFn body: T the element type, kBMnMajor the RR majorness (W's output columns
@@ -491,25 +442,12 @@ capmoe_status_t run(const Launch& launch, uint64_t* workspace_bytes) {
   p.capacity = int32_t(d.capacity);
 
   (void)cudaGetLastError();
-  ArgumentParams<CounterArrays<T>> args{CounterArrays<T>{ws.row_offsets, ws.schedule},
-                                        launch.m_splits,
-                                        d.split_dtype == CAPMOE_DTYPE_I64,
-                                        d.op,
-                                        false,
-                                        d.weight_layout == CAPMOE_WEIGHT_EKN,
-                                        d.num_experts,
-                                        d.n,
-                                        d.k,
-                                        d.capacity,
-                                        launch.a,
-                                        launch.b,
-                                        launch.d,
-                                        launch.overflow_flags};
-  CAPMOE_TRY(launch_write_arguments(args, launch.stream));
+  CAPMOE_TRY(launch_counter_arguments<T>(launch, ws));
   if (!gemm) return CAPMOE_OK;
   const int64_t tiles = counter_max_tiles(d);
   const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
-  return launch_kernel<T, kBMnMajor>(p, grid, launch.stream);
+  return launch_counter_kernel(&counter_gemm_kernel<T, kBMnMajor>, p, grid, kThreads, Kernel<T, kBMnMajor>::kSmemBytes,
+                               launch.stream);
 }
 
 }  // namespace

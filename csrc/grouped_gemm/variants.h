@@ -53,12 +53,15 @@ enum class Majorness { RC, RR, CR };
 // Hand-written variants (not CUTLASS instantiations: gen-gemm-instances.sh reads only the X
 // lines above), same fields; each defined in its own TU and offered by the dispatcher only where
 // its `takes` check holds: H(name, arch, config, majorness, in, out, reads C, takes).
-// sm90_counter.cu: the counter-scheduled 128x256 kernel (grouped_gemm/counter.h).
+// sm90_counter.cu: the counter-scheduled 128x256 fprop / dgrad kernel, sm90_counter_wgrad.cu its
+// wgrad (grouped_gemm/counter.h).
 #define CAPMOE_GG_SM90_HAND_VARIANTS(H)                                                            \
   H(sm90_rc_bf16_counter, 90, CAPMOE_CONFIG_SM90_COUNTER, RC, BF16, BF16, 0, counter::counter_takes) \
   H(sm90_rr_bf16_counter, 90, CAPMOE_CONFIG_SM90_COUNTER, RR, BF16, BF16, 0, counter::counter_takes) \
   H(sm90_rc_f16_counter, 90, CAPMOE_CONFIG_SM90_COUNTER, RC, F16, F16, 0, counter::counter_takes)    \
-  H(sm90_rr_f16_counter, 90, CAPMOE_CONFIG_SM90_COUNTER, RR, F16, F16, 0, counter::counter_takes)
+  H(sm90_rr_f16_counter, 90, CAPMOE_CONFIG_SM90_COUNTER, RR, F16, F16, 0, counter::counter_takes)    \
+  H(sm90_cr_bf16_counter, 90, CAPMOE_CONFIG_SM90_COUNTER, CR, BF16, BF16, 0, counter::counter_wgrad_takes) \
+  H(sm90_cr_f16_counter, 90, CAPMOE_CONFIG_SM90_COUNTER, CR, F16, F16, 0, counter::counter_wgrad_takes)
 
 #define CAPMOE_GG_DECLARE_VARIANT(name, ...) capmoe_status_t variant_##name(const Launch&, uint64_t*);
 CAPMOE_GG_SM90_VARIANTS(CAPMOE_GG_DECLARE_VARIANT)

@@ -57,24 +57,27 @@ pub enum WeightLayout {
 
 /// Kernel configuration; `Auto` applies the documented heuristic on host-known facts.
 ///
-/// `Sm90CooperativeNoCluster`, `Sm90PingpongWide` and `Sm90Counter` (AUTO's choices for fprop
-/// / dgrad) are built for bf16 and fp16 fprop / dgrad. Any other combination with them (wgrad,
-/// fp32 out, fp32 accumulate) is [`Error::Unsupported`] when the plan is made, as is
-/// `Sm90Counter` with a pointer array of weights or more than 1024 experts.
+/// `Sm90CooperativeNoCluster` and `Sm90PingpongWide` (AUTO's CUTLASS choices for fprop /
+/// dgrad) are built for bf16 and fp16 fprop / dgrad; `Sm90Counter` for those and for wgrad into
+/// a 16-bit dW. Any other combination with them (wgrad elsewhere, fp32 out, fp32 accumulate) is
+/// [`Error::Unsupported`] when the plan is made, as is `Sm90Counter` with a pointer array of
+/// weights (or of dW) or more than 1024 experts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum GemmConfig {
     Auto,
-    /// SM90, 128x256x64 tile, 2x1 cluster: the wgrad kernel (its fprop / dgrad forms won no
-    /// swept case and were deleted; forced there, it is [`Error::Unsupported`]).
+    /// SM90, 128x256x64 tile, 2x1 cluster: the wgrad kernel for an fp32 dW, accumulate and
+    /// pointer arrays (its fprop / dgrad forms won no swept case and were deleted; forced
+    /// there, it is [`Error::Unsupported`]).
     Sm90Cooperative,
     /// SM90, 128x256x64 tile, no cluster: fprop / dgrad with many rows per expert.
     Sm90CooperativeNoCluster,
     /// SM90, 64x256x64 tile per warpgroup, the two warpgroups alternating.
     Sm90PingpongWide,
-    /// SM90, the crate's own 128x256x64 kernel (not CUTLASS): fprop / dgrad, tiles handed out
-    /// weight slice by weight slice from a device counter, up to 16 rows past a tile's 128
-    /// computed beside them. One weight tensor (no pointer array), at most 1024 experts, 16-bit
-    /// out; [`Error::Unsupported`] otherwise.
+    /// SM90, the crate's own 128x256x64 kernels (not CUTLASS), tiles handed out from a device
+    /// counter: fprop / dgrad weight slice by weight slice, up to 16 rows past a tile's 128
+    /// computed beside them; wgrad with each tile's dW stored by TMA while the next one's MMAs
+    /// run. One weight / dW tensor (no pointer array), at most 1024 experts, 16-bit out (wgrad:
+    /// no accumulate); [`Error::Unsupported`] otherwise.
     Sm90Counter,
     /// SM100, 128x256 tile per SM (compiled, never run here: no Blackwell GPU).
     Sm100OneSm,

@@ -71,9 +71,11 @@ enum {
    * 128x128 pingpong tiles (deleted after the 2026-11-28 sweep on the H100: best nowhere); the
    * codes stay unused. */
   CAPMOE_CONFIG_SM90_PINGPONG_WIDE = 8,         /* 64x256x64 tile per warpgroup, 1x1 cluster */
-  CAPMOE_CONFIG_SM90_COUNTER = 9 /* hand-written 128x256x64 FPROP / DGRAD, tiles from a device
-                                  * counter; one weight tensor (no pointer array), at most
-                                  * CAPMOE_FUSED_MAX_EXPERTS experts: UNSUPPORTED otherwise */
+  CAPMOE_CONFIG_SM90_COUNTER = 9 /* hand-written 128x256x64 kernels, tiles from a device
+                                  * counter: FPROP / DGRAD with 16-bit out, and WGRAD with a
+                                  * 16-bit dW, no accumulate; one weight / dW tensor (no pointer
+                                  * array), at most CAPMOE_FUSED_MAX_EXPERTS experts:
+                                  * UNSUPPORTED otherwise */
 };
 
 /* Overflow flag bits (device int32, sticky). MISALIGNED / NULL_POINTER: a per-expert pointer of

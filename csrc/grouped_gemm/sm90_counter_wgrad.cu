@@ -1,0 +1,472 @@
+// capmoe-archs: 90a
+// The hand-written grouped WGRAD of config SM90_COUNTER (16-bit in and out, one dW tensor, at
+// most CAPMOE_FUSED_MAX_EXPERTS experts): dW_e = dY_e^T X_e ([E, N, K]) or X_e^T dY_e
+// ([E, K, N]), the reduction running over expert e's rows, a count known only on the device
+// (grouped_gemm.h's contract; an expert without rows gets dW_e = 0).
+//
+// Why a kernel of its own: CUTLASS's pointer-array wgrad ran at 1.8-2.3x its roofline on the
+// H200 (bench/README "What wgrad's cycles go to"). With ~256 rows per expert a 128 x 256 tile
+// is four K blocks of 64 rows, and its output (64 KB in bf16) takes about as long to reach HBM
+// as its MMAs take (dW is 0.8-1.9 GB at the bench shapes): a kernel that stores each tile
+// before starting the next runs at the sum of the two, which is where CUTLASS's was, and its
+// per-expert tensor maps are switched at nearly every tile. Here:
+//  - one TMA map per operand over all `capacity` rows, the expert's rows a coordinate range
+//    (the argument kernel's clamped row offsets), and one 3-D map over dW;
+//  - the tile's output goes to shared memory and leaves by TMA store, which runs on while the
+//    consumers start the next tile's MMAs: a tile costs its MMAs plus the write into shared
+//    memory, not plus the write to HBM;
+//  - tiles handed out by the device counter (fused/tile_source.cuh's CountedTiles), so experts
+//    of unequal row counts balance over the CTAs.
+//
+// MMA view: the GEMM's M is dW's row (128 a tile), N its column (256), K the expert's rows.
+// Both operands are MN-major (a row of dY or X is contiguous in the columns that become dW's
+// rows or columns): each TMA box is 64 columns x 64 rows, 128-byte swizzled, which is one
+// K-block of GMMA's MN-major SW128 layout (K atoms first, as wgrad_gather_sm90.cu lays them).
+// Per CTA (persistent, 384 threads): warp 0 copies the row offsets into shared memory; thread
+// 0 produces (per tile, per 64-row K block: 2 boxes of A and 4 of B; an expert without rows
+// gets one stage with no loads, which only tells the consumers the tile); warpgroups 1 and 2
+// consume, 64 dW rows each, one 64x256x16 wgmma per 16 rows.
+//
+// The expert's last K block: TMA loads 64 rows from the block's first, so rows past the
+// expert's end are the next expert's (or, past offsets[E], whatever the buffer holds, NaN
+// included; past `capacity`, TMA's zero fill). The consumers skip the wgmmas of 16-row steps
+// wholly past the end and zero the rows of the last step that lie past it, in both operands
+// (0 x NaN is NaN), then fence them for the async proxy before any wgmma reads the stage.
+#include "common/tma_encode.h"
+
+#include <cuda_runtime.h>
+
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/bfloat16.h>
+#include <cutlass/half.h>
+
+#include "common/device_primitives.cuh"
+#include "fused/accumulator_layout.cuh"
+#include "fused/pair.cuh"
+#include "fused/pipeline.cuh"
+#include "fused/tile_source.cuh"
+#include "grouped_gemm/counter.h"
+#include "grouped_gemm/counter_launch.cuh"
+#include "grouped_gemm/launch.h"
+
+namespace capmoe::gg::counter {
+namespace {
+
+using namespace cute;
+using fused::StageRing;
+
+constexpr int kTileM = kCounterWgradTileM;  // dW rows
+constexpr int kTileN = kCounterWgradTileN;  // dW columns
+constexpr int kTileK = 64;                  // expert rows per K block
+constexpr int kBox = 64;                    // columns per TMA box: one 128-byte line of 16-bit values
+constexpr int kStepRows = 16;               // rows per wgmma
+constexpr int kStages = 3;                  // 3 x 48 KB + the 64 KB output tile fit in 227 KB
+constexpr int kThreads = 384;
+constexpr int kConsumerThreads = 256;
+constexpr int kConsumerWarps = kConsumerThreads / 32;
+constexpr int kWarpgroupRows = kTileM / 2;  // dW rows of one consumer warpgroup
+constexpr int kABoxes = kTileM / kBox, kBBoxes = kTileN / kBox;
+
+// Named barriers (0 is __syncthreads): one per consumer warpgroup for its output tile, one for
+// both around the zeroing of a stage they both read.
+constexpr int kOutputBarrier = 2;  // + the warpgroup's index
+constexpr int kZeroBarrier = 4;
+
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+struct Params {
+  CUtensorMap a_map;  // A: [capacity, M] (dY for [E, N, K], X for [E, K, N]), box 64 x 64
+  CUtensorMap b_map;  // B: [capacity, N'] (the other one), box 64 x 64
+  CUtensorMap d_map;  // dW: [E, M, N'], box 64 x 64 x 1 (stores)
+  const int64_t* row_offsets;  // E + 1 clamped row starts (the argument kernel's)
+  int32_t* schedule;           // the tile counter's words (fused/tile_schedule.cuh)
+  int32_t experts, m_tiles, n_tiles;
+};
+
+template <class T>
+using MmaOp = decltype(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kTileN>, _16>, GMMA::Major::MN,
+                                            GMMA::Major::MN>());
+static_assert(std::is_same_v<MmaOp<cutlass::bfloat16_t>,
+                             SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>>);
+
+template <class T, int Stages = kStages>
+struct Kernel {
+  using TiledMma = decltype(make_tiled_mma(MmaOp<T>{}, Layout<Shape<_2, _1, _1>>{}));
+  using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
+                                             Shape<Int<kTileM>, Int<kTileK>, Int<Stages>>{}, Step<_2, _1, _3>{}));
+  using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
+                                             Shape<Int<kTileN>, Int<kTileK>, Int<Stages>>{}, Step<_2, _1, _3>{}));
+  static constexpr int kStageElemsA = kTileM * kTileK;
+  static constexpr int kStageElemsB = kTileN * kTileK;
+  static constexpr int kBoxElems = kBox * kTileK;
+  static constexpr uint32_t kStageBytes = (kStageElemsA + kStageElemsB) * sizeof(T);
+  using Element = T;
+  static constexpr int kStageCount = Stages;
+
+  struct Shared {
+    alignas(1024) T a[cosize_v<SmemLayoutA>];
+    alignas(1024) T b[cosize_v<SmemLayoutB>];
+    alignas(1024) T out[2][kWarpgroupRows * kTileN];  // per consumer warpgroup: 4 boxes of 64 x 64
+    uint64_t full[Stages];
+    uint64_t empty[Stages];
+    int32_t row_start[kCounterMaxExperts + 1];  // first row of expert e (clamped)
+    int32_t stage_tile[Stages];                // the tile whose first K block a stage holds
+  };
+  static constexpr size_t kSmemBytes = sizeof(Shared) + 1024;  // + room to align the base
+  static_assert(kSmemBytes <= 227 * 1024, "sm_90a allows 227 KB of dynamic shared memory per CTA");
+
+  // Where TMA writes a box (before the swizzle, a function of the address as TMA's is): the
+  // box of columns [64c, 64c + 64) is the block at c * 64 * 64, its row r the 128-byte line r.
+  using PlainA = decltype(get_nonswizzle_portion(SmemLayoutA{}));
+  using PlainB = decltype(get_nonswizzle_portion(SmemLayoutB{}));
+  static_assert(kBox * sizeof(T) == 128, "one box row is one 128-byte swizzle line");
+  static_assert(PlainA{}(_1{}, _0{}, _0{}) == 1 && PlainA{}(_0{}, _1{}, _0{}) == kBox &&
+                PlainA{}(Int<kBox>{}, _0{}, _0{}) == kBoxElems && PlainA{}(_0{}, _0{}, _1{}) == kStageElemsA);
+  static_assert(PlainB{}(_1{}, _0{}, _0{}) == 1 && PlainB{}(_0{}, _1{}, _0{}) == kBox &&
+                PlainB{}(Int<kBox>{}, _0{}, _0{}) == kBoxElems && PlainB{}(_0{}, _0{}, _1{}) == kStageElemsB);
+  static_assert(cosize_v<SmemLayoutA> == Stages * kStageElemsA && cosize_v<SmemLayoutB> == Stages * kStageElemsB);
+};
+
+// One output tile: expert, dW corner, and the expert's rows (the reduction).
+struct WgradTile {
+  int expert, m0, n0, row0, rows;
+  __device__ __forceinline__ int k_blocks() const { return (rows + kTileK - 1) / kTileK; }
+};
+
+// Tile `tile` of the list: every expert owns m_tiles x n_tiles tiles (dW's shape is fixed), the
+// M tiles of one 256-column slice consecutive.
+__device__ __forceinline__ WgradTile locate(const Params& p, int tile, const int32_t* row_start) {
+  const int per_expert = p.m_tiles * p.n_tiles;
+  const int e = tile / per_expert, r = tile - e * per_expert;
+  const int row0 = row_start[e];
+  const bool m_fastest = p.m_tiles <= p.n_tiles;
+  const int m = m_fastest ? r % p.m_tiles : r / p.n_tiles, n = m_fastest ? r / p.m_tiles : r % p.n_tiles;
+  return {e, m * kTileM, n * kTileN, row0, row_start[e + 1] - row0};
+}
+
+// One stage's boxes: rows [row0, row0 + 64) of A's columns [m0, m0 + 128) and B's [n0, n0 + 256).
+template <class T>
+__device__ __forceinline__ void load_stage(const Params& p, uint64_t* full, T* a_stage, T* b_stage,
+                                           const WgradTile& t, int row0) {
+  constexpr uint64_t hint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
+  constexpr int kBoxElems = Kernel<T>::kBoxElems;
+#pragma unroll
+  for (int c = 0; c < kABoxes; ++c)
+    SM90_TMA_LOAD_2D::copy(&p.a_map, full, hint, a_stage + c * kBoxElems, t.m0 + c * kBox, row0);
+#pragma unroll
+  for (int c = 0; c < kBBoxes; ++c)
+    SM90_TMA_LOAD_2D::copy(&p.b_map, full, hint, b_stage + c * kBoxElems, t.n0 + c * kBox, row0);
+}
+
+// Thread 0: every K block of every tile the counter hands this CTA (one stage without loads for
+// an expert without rows), then the stop stage.
+template <class K>
+__device__ void produce(const Params& p, typename K::Shared& s, int total_tiles) {
+  using T = typename K::Element;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  fused::CountedTiles<1> tiles{fused::TileSchedule{p.schedule}, s.stage_tile, nullptr};
+  StageRing<K::kStageCount> ring;
+  // The next tile is claimed as soon as the current one is known: tiles are a few K blocks
+  // long, and the counter's atomic then runs beside this tile's loads.
+  int claimed = 0;
+  tiles.claim(claimed);
+  for (;;) {
+    const int tile = tiles.hand_over(claimed);
+    if (tile >= total_tiles) break;
+    tiles.claim(claimed);
+    const WgradTile t = locate(p, tile, s.row_start);
+    const int k_blocks = t.k_blocks();
+    for (int kb = 0; kb < max(k_blocks, 1); ++kb) {
+      fused::wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "counter wgrad producer, empty");
+      const int stage = ring.stage;
+      if (kb == 0) tiles.publish(stage, tile);
+      if (k_blocks == 0) {
+        Barrier::arrive(&s.full[stage]);
+      } else {
+        // TMA counts every byte of a box, zero-filled ones included.
+        Barrier::arrive_and_expect_tx(&s.full[stage], K::kStageBytes);
+        load_stage<T>(p, &s.full[stage], s.a + stage * K::kStageElemsA, s.b + stage * K::kStageElemsB, t,
+                      t.row0 + kb * kTileK);
+      }
+      ring.advance();
+    }
+  }
+  tiles.stop(s.full, s.empty, ring, true, "counter wgrad producer, empty (end)");
+}
+
+// Rows [first, end) of one stage's boxes, in both operands, set to zero by the 256 consumer
+// threads; the caller fences and syncs them before any wgmma reads the stage. A box row is one
+// 128-byte line whatever the swizzle (which permutes 16-byte chunks within a line).
+template <class T>
+__device__ __forceinline__ void zero_stage_rows(T* a_stage, T* b_stage, int first, int end, int consumer_thread) {
+  constexpr int kChunks = kBox * sizeof(T) / 16;  // 16-byte chunks per line
+  constexpr int kBoxElems = Kernel<T>::kBoxElems;
+  const int rows = end - first;
+  const int items = rows * (kABoxes + kBBoxes) * kChunks;
+  for (int i = consumer_thread; i < items; i += kConsumerThreads) {
+    const int chunk = i % kChunks, line = i / kChunks;
+    const int row = first + line % rows, box = line / rows;
+    T* base = box < kABoxes ? a_stage + box * kBoxElems : b_stage + (box - kABoxes) * kBoxElems;
+    reinterpret_cast<uint4*>(base + row * kBox)[chunk] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// One batch of wgmmas over the first kSteps 16-row steps of a stage.
+template <int kSteps, class Mma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void issue_steps(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc, int stage) {
+  warpgroup_arrive();
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+}
+
+// A consumer warpgroup's mainloop over one tile of k_blocks >= 1 blocks (fused/pipeline.cuh's
+// wgmma_k_blocks, with the expert's last block cut at its last row): acc = the tile's A x B.
+// The whole blocks run with one batch in flight; the last block, whose 16-row step count is a
+// branch, comes after them: ptxas completes every wgmma batch issued under a branch before the
+// branch ends (WARPGROUP.DEPBAR 0), which inside the loop would serialize every block.
+template <class K, class Mma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void mma_tile(StageRing<K::kStageCount>& ring, typename K::Shared& s, const WgradTile& t,
+                                         bool warp_leader, int consumer_thread, Mma& mma, FragA& tCrA, FragB& tCrB,
+                                         Acc& acc) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using T = typename K::Element;
+  constexpr int kSteps = kTileK / kStepRows;
+  const int last = t.k_blocks() - 1;
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  int previous = -1;
+  auto wait_full = [&](int stage) {
+    fused::wait_barrier(&s.full[stage], ring.phase, "counter wgrad consumer, full");
+    __syncwarp();  // wgmma's .sync.aligned instructions need the warp converged
+  };
+  for (int kb = 0; kb < last; ++kb) {
+    const int stage = ring.stage;
+    wait_full(stage);
+    warpgroup_fence_operand(acc);
+    issue_steps<kSteps>(mma, tCrA, tCrB, acc, stage);
+    // Keep one batch in flight: the previous stage's wgmmas are done once this returns.
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(acc);
+    if (previous >= 0 && warp_leader) Barrier::arrive(&s.empty[previous]);
+    previous = stage;
+    ring.advance();
+  }
+  const int stage = ring.stage;
+  wait_full(stage);
+  const int rows = t.rows - last * kTileK;  // 1..64
+  const int steps = (rows + kStepRows - 1) / kStepRows;
+  if (rows % kStepRows != 0) {
+    zero_stage_rows<T>(s.a + stage * K::kStageElemsA, s.b + stage * K::kStageElemsB, rows, steps * kStepRows,
+                       consumer_thread);
+    cutlass::arch::fence_view_async_shared();  // the zeros, generic proxy -> wgmma's reads
+    named_barrier(kZeroBarrier, kConsumerThreads);
+  }
+  warpgroup_fence_operand(acc);
+  // Each branch a whole batch (arrive, wgmmas, commit): wgmmas under a condition inside one
+  // batch are serialized by ptxas (C7520).
+  switch (steps) {
+    case 1: issue_steps<1>(mma, tCrA, tCrB, acc, stage); break;
+    case 2: issue_steps<2>(mma, tCrA, tCrB, acc, stage); break;
+    case 3: issue_steps<3>(mma, tCrA, tCrB, acc, stage); break;
+    default: issue_steps<kSteps>(mma, tCrA, tCrB, acc, stage); break;
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  if (warp_leader) {
+    if (previous >= 0) Barrier::arrive(&s.empty[previous]);
+    Barrier::arrive(&s.empty[stage]);
+  }
+  ring.advance();
+}
+
+// The warpgroup's 64 rows of the tile, rounded to T, into its output boxes in shared memory and
+// out by TMA store (which clips at dW's edges). The boxes are free once the warpgroup's previous
+// stores have read them; those were issued a whole tile ago. `row` is this thread's first row
+// in the warpgroup's 64 (the accumulator layout is check_quad_accumulator_layout's).
+template <class T, class Accum>
+__device__ __forceinline__ void store_tile(const Params& p, T* out, const WgradTile& t, const Accum& acc, int row,
+                                           int warpgroup, bool storing_thread) {
+  constexpr int kGroups = kTileN / 8;  // 8-column groups: 16-byte chunks
+  constexpr int kBoxElems = Kernel<T>::kBoxElems;
+  static_assert(decltype(size(acc))::value == 4 * kGroups, "two rows x two columns per group");
+  if (storing_thread) tma_store_wait<0>();
+  named_barrier(kOutputBarrier + warpgroup, 128);
+  // Column group g of row m goes to box g / 8, line m, 16-byte chunk (g % 8) XOR (m % 8) (the
+  // 128-byte swizzle), this lane's word of it at quad_lane: one pointer per g % 8, shared by
+  // both rows (m % 8 is the same) and every box (a fixed offset). The 8 rows of a warp's store
+  // hit 8 different chunks, so its 32 words take 32 different banks.
+  uint32_t* chunk_word[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    chunk_word[j] = reinterpret_cast<uint32_t*>(out + row * kBox + ((j ^ (row % 8)) * 8)) + (threadIdx.x & 3);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      const int i = 4 * g + 2 * r;
+      chunk_word[g % 8][((g / 8) * kBoxElems + 8 * r * kBox) / 2] = fused::Pair<T>::pack(acc(i), acc(i + 1));
+    }
+  }
+  cutlass::arch::fence_view_async_shared();  // the tile, generic proxy -> TMA's reads
+  named_barrier(kOutputBarrier + warpgroup, 128);
+  if (storing_thread) {
+    const int m0 = t.m0 + warpgroup * kWarpgroupRows;
+#pragma unroll
+#pragma unroll
+    for (int c = 0; c < kBBoxes; ++c) SM90_TMA_STORE_3D::copy(&p.d_map, out + c * kBoxElems, t.n0 + c * kBox, m0, t.expert);
+    tma_store_arrive();
+  }
+}
+
+template <class K>
+__device__ void consume(const Params& p, typename K::Shared& s) {
+  using T = typename K::Element;
+  const int consumer_thread = threadIdx.x - 128;
+  const int warpgroup = consumer_thread / 128;
+  const bool warp_leader = (threadIdx.x & 31) == 0;
+  const bool storing_thread = consumer_thread % 128 == 0;
+
+  typename K::TiledMma mma;
+  Tensor sA = make_tensor(make_smem_ptr(s.a), typename K::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(s.b), typename K::SmemLayoutB{});
+  auto thr = mma.get_thread_slice(consumer_thread);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stage)
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  Tensor acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<kTileN>>{});
+  Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
+  const int row = fused::check_quad_accumulator_layout(coords) - warpgroup * kWarpgroupRows;
+
+  StageRing<K::kStageCount> ring;
+  for (;;) {
+    const int tile = fused::next_published_tile(ring, s.full, s.stage_tile);
+    if (tile == fused::kNoMoreTiles) break;
+    const WgradTile t = locate(p, tile, s.row_start);
+    if (t.rows == 0) {
+      // An expert without rows: its stage carried only the tile; dW_e = 0.
+      fused::pass_k_blocks(ring, s.full, s.empty, 1, warp_leader);
+#pragma unroll
+      for (int i = 0; i < size(acc); ++i) acc(i) = 0.0f;
+    } else {
+      mma_tile<K>(ring, s, t, warp_leader, consumer_thread, mma, tCrA, tCrB, acc);
+    }
+    store_tile<T>(p, s.out[warpgroup], t, acc, row, warpgroup, storing_thread);
+  }
+  // The stores must have read the output boxes before the CTA's shared memory goes, and be
+  // complete before the grid is.
+  if (storing_thread) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+template <class K>
+__global__ void __launch_bounds__(kThreads, 1) counter_wgrad_kernel(const __grid_constant__ Params p) {
+  extern __shared__ uint8_t raw[];
+  auto& s = fused::aligned_shared<typename K::Shared>(raw);
+  const int warp = threadIdx.x / 32;
+
+  // Nothing the argument kernel writes is read before this point's wait.
+  if (threadIdx.x == 32) fused::init_stage_barriers<K::kStageCount>(s.full, s.empty, 1, kConsumerWarps);
+  if (threadIdx.x == 64) {
+    cute::prefetch_tma_descriptor(&p.a_map);
+    cute::prefetch_tma_descriptor(&p.b_map);
+    cute::prefetch_tma_descriptor(&p.d_map);
+  }
+  grid_dependency_wait();
+  if (warp == 0) {
+    for (int e = threadIdx.x; e <= p.experts; e += 32) s.row_start[e] = int32_t(p.row_offsets[e]);
+  }
+  __syncthreads();
+
+  const int total_tiles = p.experts * p.m_tiles * p.n_tiles;  // <= INT32_MAX - grid (counter_wgrad_takes)
+  if (warp < 4) {
+    // The producer needs few registers: 40 + 2 x 232 = 504 = 3 x 168, what the launch holds.
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 0) produce<K>(p, s, total_tiles);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<232>();
+    consume<K>(p, s);
+  }
+}
+
+// The operands as the kernel sees them: A's columns are dW's rows, B's its columns.
+struct WgradOperands {
+  const void* a;
+  const void* b;
+  int64_t m, n;
+};
+
+WgradOperands operands_of(const capmoe_grouped_gemm_desc_t& d, const Launch& launch) {
+  // dW_e = dY_e^T X_e: [N, K]; stored transposed ([E, K, N]) it is X_e^T dY_e.
+  if (d.weight_layout == CAPMOE_WEIGHT_EKN) return {launch.b, launch.a, d.k, d.n};
+  return {launch.a, launch.b, d.n, d.k};
+}
+
+capmoe_status_t encode_maps(const capmoe_grouped_gemm_desc_t& d, const WgradOperands& op, void* dw, Params* p) {
+  const cuuint64_t elem = 2;
+  // A map needs at least one row; with capacity 0 no expert has rows and nothing is loaded.
+  const cuuint64_t rows = cuuint64_t(d.capacity > 0 ? d.capacity : 1);
+  const cuuint32_t box[3] = {kBox, kTileK, 1};
+  const cuuint64_t a_dims[2] = {cuuint64_t(op.m), rows};
+  const cuuint64_t a_strides[1] = {cuuint64_t(op.m) * elem};
+  CAPMOE_TRY(tma_encode(&p->a_map, d.dtype, op.a, 2, a_dims, a_strides, box));
+  const cuuint64_t b_dims[2] = {cuuint64_t(op.n), rows};
+  const cuuint64_t b_strides[1] = {cuuint64_t(op.n) * elem};
+  CAPMOE_TRY(tma_encode(&p->b_map, d.dtype, op.b, 2, b_dims, b_strides, box));
+  const cuuint64_t d_dims[3] = {cuuint64_t(op.n), cuuint64_t(op.m), cuuint64_t(d.num_experts)};
+  const cuuint64_t d_strides[2] = {cuuint64_t(op.n) * elem, cuuint64_t(op.m * op.n) * elem};
+  return tma_encode(&p->d_map, d.dtype, dw, 3, d_dims, d_strides, box);
+}
+
+// The VariantFn body: T the element type.
+template <class T>
+capmoe_status_t run(const Launch& launch, uint64_t* workspace_bytes) {
+  const capmoe_grouped_gemm_desc_t& d = *launch.desc;
+  if (!counter_wgrad_takes(d)) return CAPMOE_ERR_UNSUPPORTED;
+  if (workspace_bytes) {
+    *workspace_bytes = Workspace::bytes(d.num_experts);
+    return CAPMOE_OK;
+  }
+  if (launch.workspace_bytes < Workspace::bytes(d.num_experts)) return CAPMOE_ERR_WORKSPACE_TOO_SMALL;
+  const Workspace ws = Workspace::carve(launch.workspace, d.num_experts);
+  const WgradOperands op = operands_of(d, launch);
+
+  // Everything that can fail on the host comes before the first launch, so a failure never
+  // leaves the argument kernel on the stream without its GEMM.
+  Params p{};
+  CAPMOE_TRY(encode_maps(d, op, launch.d, &p));
+  p.row_offsets = ws.row_offsets;
+  p.schedule = ws.schedule;
+  p.experts = int32_t(d.num_experts);
+  p.m_tiles = int32_t((op.m + kTileM - 1) / kTileM);
+  p.n_tiles = int32_t((op.n + kTileN - 1) / kTileN);
+
+  (void)cudaGetLastError();
+  CAPMOE_TRY(launch_counter_arguments<T>(launch, ws));
+  // Every expert's tiles run, those without rows to write zeros: the grid is never empty.
+  const int64_t tiles = counter_wgrad_tiles(d);
+  const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
+  using K = Kernel<T>;
+  return launch_counter_kernel(&counter_wgrad_kernel<K>, p, grid, kThreads, K::kSmemBytes, launch.stream);
+}
+
+}  // namespace
+}  // namespace capmoe::gg::counter
+
+namespace capmoe::gg {
+
+capmoe_status_t variant_sm90_cr_bf16_counter(const Launch& launch, uint64_t* workspace_bytes) {
+  return counter::run<cutlass::bfloat16_t>(launch, workspace_bytes);
+}
+capmoe_status_t variant_sm90_cr_f16_counter(const Launch& launch, uint64_t* workspace_bytes) {
+  return counter::run<cutlass::half_t>(launch, workspace_bytes);
+}
+
+}  // namespace capmoe::gg
