@@ -6,15 +6,17 @@
 //
 // Why a kernel of its own: CUTLASS's pointer-array wgrad ran at 1.8-2.3x its roofline on the
 // H200 (bench/README "What wgrad's cycles go to"). With ~256 rows per expert a 128 x 256 tile
-// is four K blocks of 64 rows, and its output (64 KB in bf16) takes about as long to reach HBM
-// as its MMAs take (dW is 0.8-1.9 GB at the bench shapes): a kernel that stores each tile
-// before starting the next runs at the sum of the two, which is where CUTLASS's was, and its
-// per-expert tensor maps are switched at nearly every tile. Here:
+// is four K blocks of 64 rows, and its output (64 KB in bf16; dW is 0.8-1.9 GB at the bench
+// shapes) takes about as long to reach HBM as its MMAs take, and CUTLASS switches per-expert
+// tensor maps at nearly every tile. Here:
 //  - one TMA map per operand over all `capacity` rows, the expert's rows a coordinate range
 //    (the argument kernel's clamped row offsets), and one 3-D map over dW;
 //  - the tile's output goes to shared memory and leaves by TMA store, which runs on while the
-//    consumers start the next tile's MMAs: a tile costs its MMAs plus the write into shared
-//    memory, not plus the write to HBM;
+//    consumers start the next tile's MMAs (H200: without any dW store the kernel is ~20 %
+//    faster at the E >= 32 shapes, so the overlap is partial; bench/README says what else was
+//    tried);
+//  - within an expert the tiles of dW's shorter side run first, so that a wave of CTAs shares
+//    one slice of the longer operand (mixtral's 58 MB dY_e, more than L2, is then read once);
 //  - tiles handed out by the device counter (fused/tile_source.cuh's CountedTiles), so experts
 //    of unequal row counts balance over the CTAs.
 //
@@ -140,8 +142,8 @@ struct WgradTile {
   __device__ __forceinline__ int k_blocks() const { return (rows + kTileK - 1) / kTileK; }
 };
 
-// Tile `tile` of the list: every expert owns m_tiles x n_tiles tiles (dW's shape is fixed), the
-// M tiles of one 256-column slice consecutive.
+// Tile `tile` of the list: every expert owns m_tiles x n_tiles tiles (dW's shape is fixed); the
+// side with fewer tiles runs fastest (the header says why).
 __device__ __forceinline__ WgradTile locate(const Params& p, int tile, const int32_t* row_start) {
   const int per_expert = p.m_tiles * p.n_tiles;
   const int e = tile / per_expert, r = tile - e * per_expert;
