@@ -446,14 +446,14 @@ fn megatron_map_form_matches_topk_form() {
 
 /// Per-expert pointer arrays into the same tensors give the tensor form's results bit for bit,
 /// with written (bf16) and accumulated (fp32) weight gradients, when both run the same kernels.
-/// (Under `Auto` they need not: the counter kernel takes one weight tensor only, so the two
-/// forms may resolve to different fprop / dgrad kernels. Both plans force one here.)
+/// (Under `Auto` they need not: the counter kernels take one weight (or dW) tensor only, so
+/// the two forms may resolve to different kernels. Both plans force them here.)
 #[test]
 fn pointer_weights_match_tensor_weights() {
     let stream = gpu_or_skip!();
-    let gemm_config = match capturable_moe::device::DeviceInfo::of_stream(&stream).unwrap().arch {
-        capturable_moe::device::Arch::Sm90 => GemmConfig::Sm90CooperativeNoCluster,
-        _ => GemmConfig::Sm100OneSm,
+    let (gemm_config, wgrad_config) = match capturable_moe::device::DeviceInfo::of_stream(&stream).unwrap().arch {
+        capturable_moe::device::Arch::Sm90 => (GemmConfig::Sm90CooperativeNoCluster, GemmConfig::Sm90Cooperative),
+        _ => (GemmConfig::Sm100OneSm, GemmConfig::Sm100OneSm),
     };
     let w = weights(9);
     let ptrs = |base: u64, elems: usize, bytes: usize| -> Vec<u64> {
@@ -461,7 +461,7 @@ fn pointer_weights_match_tensor_weights() {
     };
     for accumulate in [false, true] {
         let cfg = MoeConfig { wgrad_accumulate: accumulate, ..config() };
-        let tensor_opts = MoeOptions { gemm_config, ..MoeOptions::default() };
+        let tensor_opts = MoeOptions { gemm_config, wgrad_config, ..MoeOptions::default() };
         let mut tensor_moe = MoeExperts::<bf16>::with_options(cfg.clone(), tensor_opts, &stream).unwrap();
         let opts = MoeOptions { weights: WeightForm::Pointers, ..tensor_opts };
         let mut ptr_moe = MoeExperts::<bf16>::with_options(cfg, opts, &stream).unwrap();

@@ -133,9 +133,13 @@ pub struct MoeOptions {
     /// GEMM heuristic, which looks at `capacity / num_experts`, so two plans with different
     /// `num_experts` may pick different kernels, and so may the two [`WeightForm`]s (the
     /// `Sm90Counter` kernel takes one weight tensor, not a pointer array); force one to make
-    /// them run the same kernel (then each row's result is bitwise the same in both). The
-    /// wgrad GEMMs always resolve `Auto`: one wgrad kernel exists per arch.
+    /// them run the same kernel (then each row's result is bitwise the same in both).
     pub gemm_config: GemmConfig,
+    /// Kernel of the two wgrad GEMMs. `Auto`: on SM90 the counter kernel (`Sm90Counter`) for a
+    /// 16-bit dW in one tensor, the clustered cooperative (`Sm90Cooperative`) for an fp32 dW
+    /// (`wgrad_accumulate`) or a pointer array; force `Sm90Cooperative` to make the two
+    /// [`WeightForm`]s run the same wgrad kernel.
+    pub wgrad_config: GemmConfig,
     /// fc1 of the forward: fused (gather + GEMM + SwiGLU in one kernel) or not; see
     /// [`FusedKernel`]. Both give the same bits.
     pub fc1: FusedKernel,
@@ -170,6 +174,7 @@ impl Default for MoeOptions {
         MoeOptions {
             weights: WeightForm::Tensor,
             gemm_config: GemmConfig::Auto,
+            wgrad_config: GemmConfig::Auto,
             fc1: FusedKernel::Auto,
             swiglu_dgrad: FusedKernel::Auto,
             fc1_wgrad: FusedKernel::Auto,
@@ -196,6 +201,7 @@ impl Gemms {
             let mut spec = GroupedGemmSpec::new(op, e, n, k, capacity).with_dtype(config.dtype);
             spec.weights_as_pointers = options.weights == WeightForm::Pointers;
             if op == GemmOp::Wgrad {
+                spec.config = options.wgrad_config;
                 if config.wgrad_accumulate {
                     spec.out_dtype = DType::F32;
                     spec.accumulate = true;
