@@ -98,28 +98,28 @@ using MmaOp = decltype(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kTileN>,
 static_assert(std::is_same_v<MmaOp<cutlass::bfloat16_t>,
                              SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>>);
 
-template <class T, int Stages = kStages>
+template <class T>
 struct Kernel {
   using TiledMma = decltype(make_tiled_mma(MmaOp<T>{}, Layout<Shape<_2, _1, _1>>{}));
   using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
-                                             Shape<Int<kTileM>, Int<kTileK>, Int<Stages>>{}, Step<_2, _1, _3>{}));
+                                             Shape<Int<kTileM>, Int<kTileK>, Int<kStages>>{}, Step<_2, _1, _3>{}));
   using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
-                                             Shape<Int<kTileN>, Int<kTileK>, Int<Stages>>{}, Step<_2, _1, _3>{}));
+                                             Shape<Int<kTileN>, Int<kTileK>, Int<kStages>>{}, Step<_2, _1, _3>{}));
   static constexpr int kStageElemsA = kTileM * kTileK;
   static constexpr int kStageElemsB = kTileN * kTileK;
   static constexpr int kBoxElems = kBox * kTileK;
   static constexpr uint32_t kStageBytes = (kStageElemsA + kStageElemsB) * sizeof(T);
   using Element = T;
-  static constexpr int kStageCount = Stages;
+  static constexpr int kStageCount = kStages;
 
   struct Shared {
     alignas(1024) T a[cosize_v<SmemLayoutA>];
     alignas(1024) T b[cosize_v<SmemLayoutB>];
     alignas(1024) T out[2][kWarpgroupRows * kTileN];  // per consumer warpgroup: 4 boxes of 64 x 64
-    uint64_t full[Stages];
-    uint64_t empty[Stages];
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
     int32_t row_start[kCounterMaxExperts + 1];  // first row of expert e (clamped)
-    int32_t stage_tile[Stages];                // the tile whose first K block a stage holds
+    int32_t stage_tile[kStages];                // the tile whose first K block a stage holds
   };
   static constexpr size_t kSmemBytes = sizeof(Shared) + 1024;  // + room to align the base
   static_assert(kSmemBytes <= 227 * 1024, "sm_90a allows 227 KB of dynamic shared memory per CTA");
@@ -133,7 +133,7 @@ struct Kernel {
                 PlainA{}(Int<kBox>{}, _0{}, _0{}) == kBoxElems && PlainA{}(_0{}, _0{}, _1{}) == kStageElemsA);
   static_assert(PlainB{}(_1{}, _0{}, _0{}) == 1 && PlainB{}(_0{}, _1{}, _0{}) == kBox &&
                 PlainB{}(Int<kBox>{}, _0{}, _0{}) == kBoxElems && PlainB{}(_0{}, _0{}, _1{}) == kStageElemsB);
-  static_assert(cosize_v<SmemLayoutA> == Stages * kStageElemsA && cosize_v<SmemLayoutB> == Stages * kStageElemsB);
+  static_assert(cosize_v<SmemLayoutA> == kStages * kStageElemsA && cosize_v<SmemLayoutB> == kStages * kStageElemsB);
 };
 
 // One output tile: expert, dW corner, and the expert's rows (the reduction).
