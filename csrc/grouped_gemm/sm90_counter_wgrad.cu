@@ -324,8 +324,8 @@ __device__ __forceinline__ void store_tile(const Params& p, T* out, const WgradT
   if (storing_thread) {
     const int m0 = t.m0 + warpgroup * kWarpgroupRows;
 #pragma unroll
-#pragma unroll
-    for (int c = 0; c < kBBoxes; ++c) SM90_TMA_STORE_3D::copy(&p.d_map, out + c * kBoxElems, t.n0 + c * kBox, m0, t.expert);
+    for (int c = 0; c < kBBoxes; ++c)
+      SM90_TMA_STORE_3D::copy(&p.d_map, out + c * kBoxElems, t.n0 + c * kBox, m0, t.expert);
     tma_store_arrive();
   }
 }
