@@ -45,12 +45,19 @@ inline bool counter_takes(const capmoe_grouped_gemm_desc_t& d) {
 constexpr int kCounterWgradTileM = 128;
 constexpr int kCounterWgradTileN = 256;
 
-// dW's rows and columns: [N, K] per expert, or [K, N] with CAPMOE_WEIGHT_EKN.
+// dW's rows and columns per expert: [N, K], or [K, N] with CAPMOE_WEIGHT_EKN.
+struct CounterWgradExtent {
+  int64_t rows, cols;
+};
+inline CounterWgradExtent counter_wgrad_extent(const capmoe_grouped_gemm_desc_t& d) {
+  if (d.weight_layout == CAPMOE_WEIGHT_EKN) return {d.k, d.n};
+  return {d.n, d.k};
+}
+
 inline int64_t counter_wgrad_tiles(const capmoe_grouped_gemm_desc_t& d) {
-  const int64_t rows = d.weight_layout == CAPMOE_WEIGHT_EKN ? d.k : d.n;
-  const int64_t cols = d.weight_layout == CAPMOE_WEIGHT_EKN ? d.n : d.k;
-  return d.num_experts * ((rows + kCounterWgradTileM - 1) / kCounterWgradTileM) *
-         ((cols + kCounterWgradTileN - 1) / kCounterWgradTileN);
+  const CounterWgradExtent dw = counter_wgrad_extent(d);
+  return d.num_experts * ((dw.rows + kCounterWgradTileM - 1) / kCounterWgradTileM) *
+         ((dw.cols + kCounterWgradTileN - 1) / kCounterWgradTileN);
 }
 
 // WGRAD with one dW tensor (no pointer array), 16-bit out without accumulate (fp32 dW stays

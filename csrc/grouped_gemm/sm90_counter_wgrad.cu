@@ -109,8 +109,6 @@ struct Kernel {
   static constexpr int kStageElemsB = kTileN * kTileK;
   static constexpr int kBoxElems = kBox * kTileK;
   static constexpr uint32_t kStageBytes = (kStageElemsA + kStageElemsB) * sizeof(T);
-  using Element = T;
-  static constexpr int kStageCount = kStages;
 
   struct Shared {
     alignas(1024) T a[cosize_v<SmemLayoutA>];
@@ -169,12 +167,12 @@ __device__ __forceinline__ void load_stage(const Params& p, uint64_t* full, T* a
 
 // Thread 0: every K block of every tile the counter hands this CTA (one stage without loads for
 // an expert without rows), then the stop stage.
-template <class K>
-__device__ void produce(const Params& p, typename K::Shared& s, int total_tiles) {
-  using T = typename K::Element;
+template <class T>
+__device__ void produce(const Params& p, typename Kernel<T>::Shared& s, int total_tiles) {
+  using K = Kernel<T>;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   fused::CountedTiles<1> tiles{fused::TileSchedule{p.schedule}, s.stage_tile, nullptr};
-  StageRing<K::kStageCount> ring;
+  StageRing<kStages> ring;
   // The next tile is claimed as soon as the current one is known: tiles are a few K blocks
   // long, and the counter's atomic then runs beside this tile's loads.
   int claimed = 0;
@@ -237,12 +235,12 @@ __device__ __forceinline__ void issue_steps(Mma& mma, const FragA& tCrA, const F
 // The whole blocks run with one batch in flight; the last block, whose 16-row step count is a
 // branch, comes after them: ptxas completes every wgmma batch issued under a branch before the
 // branch ends (WARPGROUP.DEPBAR 0), which inside the loop would serialize every block.
-template <class K, class Mma, class FragA, class FragB, class Acc>
-__device__ __forceinline__ void mma_tile(StageRing<K::kStageCount>& ring, typename K::Shared& s, const WgradTile& t,
+template <class T, class Mma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void mma_tile(StageRing<kStages>& ring, typename Kernel<T>::Shared& s, const WgradTile& t,
                                          bool warp_leader, int consumer_thread, Mma& mma, FragA& tCrA, FragB& tCrB,
                                          Acc& acc) {
   using Barrier = cutlass::arch::ClusterBarrier;
-  using T = typename K::Element;
+  using K = Kernel<T>;
   constexpr int kSteps = kTileK / kStepRows;
   const int last = t.k_blocks() - 1;
   mma.accumulate_ = GMMA::ScaleOut::Zero;
@@ -330,9 +328,9 @@ __device__ __forceinline__ void store_tile(const Params& p, T* out, const WgradT
   }
 }
 
-template <class K>
-__device__ void consume(const Params& p, typename K::Shared& s) {
-  using T = typename K::Element;
+template <class T>
+__device__ void consume(const Params& p, typename Kernel<T>::Shared& s) {
+  using K = Kernel<T>;
   const int consumer_thread = threadIdx.x - 128;
   const int warpgroup = consumer_thread / 128;
   const bool warp_leader = (threadIdx.x & 31) == 0;
@@ -348,7 +346,7 @@ __device__ void consume(const Params& p, typename K::Shared& s) {
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
   const int row = fused::check_quad_accumulator_layout(coords) - warpgroup * kWarpgroupRows;
 
-  StageRing<K::kStageCount> ring;
+  StageRing<kStages> ring;
   for (;;) {
     const int tile = fused::next_published_tile(ring, s.full, s.stage_tile);
     if (tile == fused::kNoMoreTiles) break;
@@ -359,7 +357,7 @@ __device__ void consume(const Params& p, typename K::Shared& s) {
 #pragma unroll
       for (int i = 0; i < size(acc); ++i) acc(i) = 0.0f;
     } else {
-      mma_tile<K>(ring, s, t, warp_leader, consumer_thread, mma, tCrA, tCrB, acc);
+      mma_tile<T>(ring, s, t, warp_leader, consumer_thread, mma, tCrA, tCrB, acc);
     }
     store_tile<T>(p, s.out[warpgroup], t, acc, row, warpgroup, storing_thread);
   }
@@ -368,14 +366,15 @@ __device__ void consume(const Params& p, typename K::Shared& s) {
   if (storing_thread) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-template <class K>
+template <class T>
 __global__ void __launch_bounds__(kThreads, 1) counter_wgrad_kernel(const __grid_constant__ Params p) {
+  using K = Kernel<T>;
   extern __shared__ uint8_t raw[];
   auto& s = fused::aligned_shared<typename K::Shared>(raw);
   const int warp = threadIdx.x / 32;
 
   // Nothing the argument kernel writes is read before this point's wait.
-  if (threadIdx.x == 32) fused::init_stage_barriers<K::kStageCount>(s.full, s.empty, 1, kConsumerWarps);
+  if (threadIdx.x == 32) fused::init_stage_barriers<kStages>(s.full, s.empty, 1, kConsumerWarps);
   if (threadIdx.x == 64) {
     cute::prefetch_tma_descriptor(&p.a_map);
     cute::prefetch_tma_descriptor(&p.b_map);
@@ -391,10 +390,10 @@ __global__ void __launch_bounds__(kThreads, 1) counter_wgrad_kernel(const __grid
   if (warp < 4) {
     // The producer needs few registers: 40 + 2 x 232 = 504 = 3 x 168, what the launch holds.
     cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (threadIdx.x == 0) produce<K>(p, s, total_tiles);
+    if (threadIdx.x == 0) produce<T>(p, s, total_tiles);
   } else {
     cutlass::arch::warpgroup_reg_alloc<232>();
-    consume<K>(p, s);
+    consume<T>(p, s);
   }
 }
 
@@ -407,8 +406,9 @@ struct WgradOperands {
 
 WgradOperands operands_of(const capmoe_grouped_gemm_desc_t& d, const Launch& launch) {
   // dW_e = dY_e^T X_e: [N, K]; stored transposed ([E, K, N]) it is X_e^T dY_e.
-  if (d.weight_layout == CAPMOE_WEIGHT_EKN) return {launch.b, launch.a, d.k, d.n};
-  return {launch.a, launch.b, d.n, d.k};
+  const CounterWgradExtent dw = counter_wgrad_extent(d);
+  const bool transposed = d.weight_layout == CAPMOE_WEIGHT_EKN;
+  return {transposed ? launch.b : launch.a, transposed ? launch.a : launch.b, dw.rows, dw.cols};
 }
 
 capmoe_status_t encode_maps(const capmoe_grouped_gemm_desc_t& d, const WgradOperands& op, void* dw, Params* p) {
@@ -455,8 +455,7 @@ capmoe_status_t run(const Launch& launch, uint64_t* workspace_bytes) {
   // Every expert's tiles run, those without rows to write zeros: the grid is never empty.
   const int64_t tiles = counter_wgrad_tiles(d);
   const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
-  using K = Kernel<T>;
-  return launch_counter_kernel(&counter_wgrad_kernel<K>, p, grid, kThreads, K::kSmemBytes, launch.stream);
+  return launch_counter_kernel(&counter_wgrad_kernel<T>, p, grid, kThreads, Kernel<T>::kSmemBytes, launch.stream);
 }
 
 }  // namespace
