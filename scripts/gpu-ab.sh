@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# A/B of two bundles in one device call: the same `capmoe-bench --sweep` on bundle A (e.g. the
+# committed kernels) and bundle B (an experiment), alternated ROUNDS times so that drift of the
+# machine shows up in both, then one table: every (shape, routing, op) with the roofline and
+# each run's time (x roofline). The machine changes between calls (up to ~10 % on the same
+# kernel), so only timings from one call compare. Run from the repo root on the GPU machine:
+#   run(carry=["gpu-bundle", "gpu-bundle-a"], command="A=gpu-bundle-a B=gpu-bundle OUT=$OUT bash scripts/gpu-ab.sh")
+# after building each bundle here (`scripts/gpu-bundle.sh`, then copy or rename the folder).
+#   A, B      bundle folders (default gpu-bundle-a, gpu-bundle)
+#   SHAPES    --shapes (default the five E >= 32 and decode shapes plus mixtral_fc1)
+#   OPS       --ops (default wgrad); CONFIGS --configs (default sm90-counter); ROUTING (uniform,zipf)
+#   LAYOUT    --weight-layout (enk); REPS (10); ROUNDS (2)
+#   TESTS=1   first runs B's grouped_gemm_gpu (an experiment is timed only if it is right)
+# Results: $OUT/ab_<bundle>_<round>.json, $OUT/ab_table.txt (also printed last).
+set -uo pipefail
+source scripts/device-common.sh
+A=${A:-gpu-bundle-a}; B=${B:-gpu-bundle}
+SHAPES=${SHAPES:-dsv3_ep8_fc1,dsv3_ep8_fc2,qwen3moe_fc1,qwen3moe_fc2,mixtral_fc1,decode_fc1}
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} CAPMOE_REQUIRE_GPU=1
+for bundle in "$A" "$B"; do bash scripts/unpack-bundle.sh "$bundle" > /dev/null || exit 2; done
+gpu_facts
+if [[ "${TESTS:-0}" == 1 ]]; then
+  timeout -k 10 "$(limit 240 120)" "$B/run/tests/grouped_gemm_gpu" --test-threads=1 > /tmp/ab_tests.txt 2>&1
+  echo "grouped_gemm_gpu ($B) rc=$?: $(grep 'test result' /tmp/ab_tests.txt)"
+fi
+for round in $(seq 1 "${ROUNDS:-2}"); do
+  for bundle in "$A" "$B"; do
+    if out_of_budget 60 10; then echo "$bundle round $round: not run (budget)"; continue; fi
+    name=$(basename "$bundle")_$round
+    timeout -k 10 "$(limit 240 10)" "$bundle/run/bin/capmoe-bench" --sweep --shapes "$SHAPES" \
+      --routing "${ROUTING:-uniform,zipf}" --ops "${OPS:-wgrad}" --configs "${CONFIGS:-sm90-counter}" \
+      --weight-layout "${LAYOUT:-enk}" --reps "${REPS:-10}" --out "/tmp/ab_$name" > "/tmp/ab_$name.log" 2>&1
+    echo "$bundle round $round rc=$?"
+    cp /tmp/ab_"$name"/*.json "$OUT/ab_$name.json" 2> /dev/null
+  done
+done
+# Each config row of each run: capmoe-graph[<config>] per case (AUTO's row where it is the only one).
+python3 - "$OUT" > "$OUT/ab_table.txt" << 'PY'
+import collections, glob, json, sys
+out = sys.argv[1]
+cases, runs = collections.defaultdict(dict), []
+for path in sorted(glob.glob(out + "/ab_*.json")):
+    run = path[len(out) + 4:-5]
+    runs.append(run)
+    for r in json.load(open(path))["rows"]:
+        key = (r["shape"], r["routing"], r["op"])
+        if r["us"] and (r["impl"].startswith("capmoe-graph[") or r["impl"] == "roofline"):
+            cases[key][(run, r["impl"])] = r["us"]
+impls = sorted({impl for c in cases.values() for (_, impl) in c if impl != "roofline"})
+cols = [(run, impl) for impl in impls for run in runs]
+print("case".ljust(34), "roofline".rjust(8), *[f"{run} {impl[13:-1]}".rjust(24) for run, impl in cols])
+for key, c in sorted(cases.items()):
+    roof = next((v for (_, impl), v in c.items() if impl == "roofline"), None)
+    cells = [f"{c[col]:8.1f} ({c[col] / roof:4.2f})" if col in c and roof else "-" for col in cols]
+    print(" ".join(key).ljust(34), f"{roof or 0:8.1f}", *[x.rjust(24) for x in cells])
+PY
+cat "$OUT/ab_table.txt"
