@@ -2,7 +2,8 @@
 Auto, every config's graph-replay time as x roofline, and the winner. Then what issue 13 acts
 on: the cases where Auto is slower than the best config, and each config's count of cases it
 wins or comes within NEAR of the best; a config near the best nowhere (over every file given,
-so pass both weight layouts) is a candidate to delete, since every config costs CI time.
+so pass both weight layouts) is a candidate to delete, since every config costs CI time,
+unless KEPT_FOR_UNSWEPT names it (it serves cases no sweep times).
 
     python3 bench/tools/sweep_table.py results_enk.json [results_ekn.json ...]
 """
