@@ -34,24 +34,21 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     cp /tmp/ab_"$name"/*.json "$OUT/ab_$name.json" 2> /dev/null
   done
 done
-# Each config row of each run: capmoe-graph[<config>] per case (AUTO's row where it is the only one).
+# Each run's config rows (capmoe-graph[<config>]) per case, read by sweep_table.py's loader.
 python3 - "$OUT" > "$OUT/ab_table.txt" << 'PY'
-import collections, glob, json, sys
+import glob, sys
+sys.path.insert(0, "bench/tools")
+from sweep_table import PREFIX, config_name, load
 out = sys.argv[1]
-cases, runs = collections.defaultdict(dict), []
-for path in sorted(glob.glob(out + "/ab_*.json")):
-    run = path[len(out) + 4:-5]
-    runs.append(run)
-    for r in json.load(open(path))["rows"]:
-        key = (r["shape"], r["routing"], r["op"])
-        if r["us"] and (r["impl"].startswith("capmoe-graph[") or r["impl"] == "roofline"):
-            cases[key][(run, r["impl"])] = r["us"]
-impls = sorted({impl for c in cases.values() for (_, impl) in c if impl != "roofline"})
+runs = {path[len(out) + 4:-5]: load([path]) for path in sorted(glob.glob(out + "/ab_*.json"))}
+cases = sorted({key for groups in runs.values() for key in groups})
+impls = sorted({i for groups in runs.values() for g in groups.values() for i in g if i.startswith(PREFIX)})
 cols = [(run, impl) for impl in impls for run in runs]
-print("case".ljust(34), "roofline".rjust(8), *[f"{run} {impl[13:-1]}".rjust(24) for run, impl in cols])
-for key, c in sorted(cases.items()):
-    roof = next((v for (_, impl), v in c.items() if impl == "roofline"), None)
-    cells = [f"{c[col]:8.1f} ({c[col] / roof:4.2f})" if col in c and roof else "-" for col in cols]
+print("case".ljust(34), "roofline".rjust(8), *[f"{run} {config_name(impl)}".rjust(24) for run, impl in cols])
+for key in cases:
+    roof = next((g[key]["roofline"] for g in runs.values() if g.get(key, {}).get("roofline")), None)
+    times = [runs[run].get(key, {}).get(impl) for run, impl in cols]
+    cells = [f"{us:8.1f} ({us / roof:4.2f})" if us and roof else "-" for us in times]
     print(" ".join(key).ljust(34), f"{roof or 0:8.1f}", *[x.rjust(24) for x in cells])
 PY
 cat "$OUT/ab_table.txt"
