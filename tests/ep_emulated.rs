@@ -406,8 +406,12 @@ fn layout_chunks(c: &EpConfig) -> usize {
 }
 
 /// The layout's workspace after it ran: routes of each chunk (t < T) per peer of their final
-/// column (dest outside the column space counts nowhere).
+/// column (dest outside the column space counts nowhere); left as it was (poisoned here) when
+/// one chunk holds every route, since the layout then skips its counting launch.
 fn chunk_counts(c: &EpConfig, dest: &[i32], t: usize) -> Vec<i32> {
+    if layout_chunks(c) == 1 {
+        return vec![poison::<i32>(); c.ranks];
+    }
     let chunk = sys::CAPMOE_EP_LAYOUT_CHUNK as usize;
     let cols = (c.ranks * c.cols_per_rank()) as i32;
     let mut counts = vec![0i32; layout_chunks(c) * c.ranks];

@@ -4,7 +4,10 @@
 //!   exchange of rows / ids / probs, the exchange back and the reduce; no expert GEMMs), plain,
 //!   uniform routing, at the capacity and bytes of the `nccl-alltoall` rows (capacity factor
 //!   1.0), so the two compare directly (target: bus bandwidth >= 80 % of NCCL's own
-//!   all-to-all);
+//!   all-to-all); with `ep_dispatch` and `ep_combine` apart. Each eager (`capmoe-ep`, beside
+//!   `nccl-alltoall`) and replayed from a graph each rank captured (`capmoe-ep-graph`, beside
+//!   `nccl-alltoall-graph`): at decode sizes the eager rows time the host's launches as much
+//!   as the GPU;
 //! - `ep_step`: forward + backward of the whole layer, plain and with Echo, under uniform and
 //!   zipf routing, capacity factor 1.25 (every one: a case of its own, apart from the
 //!   dispatch + combine one at 1.0);
@@ -12,18 +15,18 @@
 //!   worked out by `ep::simulate` (the CPU reference planner) for groups of 8 and 64 ranks.
 
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 
 use capturable_moe::dtype::DType;
 use capturable_moe::echo::{Algorithm, EchoConfig};
 use capturable_moe::ep::simulate::{count_drops, zipf_routing};
 use capturable_moe::ep::{balanced_capacity, EpEcho, EpGroup, EpMoe, EpMoeConfig};
+use capturable_moe::graph::capture_with;
 use capturable_moe::routing::Tokens;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 
-use crate::ep::rank_streams;
+use crate::ep::{rank_streams, thread_local_capture, RankGate};
 use crate::measure::{time, Row};
 use crate::path::PATHS;
 use crate::runner::Runner;
@@ -56,7 +59,7 @@ pub fn ep_layer_rows(runner: &mut Runner, stream: &Arc<CudaStream>, reps: usize)
         let shape = format!("ep_E{e}_T{t}_k{k}_H{h}_F{f}_R{ranks}");
         for (routing, exponent) in [("uniform", 0.0), ("zipf", 1.0)] {
             let ids = zipf_routing(ranks, t, e, k, exponent, 11);
-            for (echo, factor, timed) in cases(routing) {
+            for (echo, factor, timed, graph) in cases(routing) {
                 let config = EpMoeConfig {
                     num_experts: e,
                     hidden: h,
@@ -71,9 +74,13 @@ pub fn ep_layer_rows(runner: &mut Runner, stream: &Arc<CudaStream>, reps: usize)
                     }),
                     dtype: DType::Bf16,
                 };
-                let label = format!("ep/layer {shape} {routing} echo={echo} {}", timed.op());
+                let label = format!("ep/layer {shape} {routing} echo={echo} graph={graph} {}", timed.op());
                 eprintln!("[{label}]");
-                let imp = if echo { "capmoe-ep-echo" } else { "capmoe-ep" };
+                let imp = match (echo, graph) {
+                    (false, false) => "capmoe-ep",
+                    (false, true) => "capmoe-ep-graph",
+                    (true, _) => "capmoe-ep-echo",
+                };
                 let capacity = config.capacity;
                 let cap_note =
                     format!("capacity factor {factor}: {capacity} rows per peer block, R = {ranks} in one process");
@@ -83,7 +90,7 @@ pub fn ep_layer_rows(runner: &mut Runner, stream: &Arc<CudaStream>, reps: usize)
                 };
                 runner.run(&label, |rows| {
                     let Some(taken) = groups.take() else { return };
-                    let case = Case { config, ids: &ids, timed };
+                    let case = Case { config, ids: &ids, timed, graph };
                     let (us, gbps, note) = match time_case(taken, &case, reps) {
                         Ok((back, Ok(us))) => {
                             groups = Some(back);
@@ -139,19 +146,22 @@ impl Timed {
     }
 }
 
-/// The cases of one routing: (Echo, capacity factor, what is timed). Dispatch + combine runs
-/// plain under uniform routing at factor 1.0, the capacity and bytes of the `nccl-alltoall`
-/// rows; every step at 1.25, plain and with Echo.
-fn cases(routing: &str) -> Vec<(bool, f64, Timed)> {
+/// The cases of one routing: (Echo, capacity factor, what is timed, replayed from a graph).
+/// Dispatch + combine runs plain under uniform routing at factor 1.0, the capacity and bytes of
+/// the `nccl-alltoall` rows, eager and from a graph; every step eagerly at 1.25, plain and with
+/// Echo.
+fn cases(routing: &str) -> Vec<(bool, f64, Timed, bool)> {
     let mut cases = Vec::new();
     if routing == "uniform" {
-        cases.extend([
-            (false, 1.0, Timed::DispatchCombine),
-            (false, 1.0, Timed::Dispatch),
-            (false, 1.0, Timed::Combine),
-        ]);
+        for graph in [false, true] {
+            cases.extend([
+                (false, 1.0, Timed::DispatchCombine, graph),
+                (false, 1.0, Timed::Dispatch, graph),
+                (false, 1.0, Timed::Combine, graph),
+            ]);
+        }
     }
-    cases.extend([(false, 1.25, Timed::Step), (true, 1.25, Timed::Step)]);
+    cases.extend([(false, 1.25, Timed::Step, false), (true, 1.25, Timed::Step, false)]);
     cases
 }
 
@@ -180,6 +190,8 @@ struct Case<'a> {
     config: EpMoeConfig,
     ids: &'a [Vec<i32>],
     timed: Timed,
+    /// Captured once (thread-local mode) and replayed, rather than enqueued eagerly each rep.
+    graph: bool,
 }
 
 /// Runs one case on every rank (a thread each) and gives the groups back with rank 0's median
@@ -190,16 +202,17 @@ fn time_case(
     case: &Case<'_>,
     reps: usize,
 ) -> capturable_moe::Result<(Vec<EpGroup>, capturable_moe::Result<f64>)> {
-    let gate = RankGate { barrier: Barrier::new(groups.len()), failed: AtomicBool::new(false) };
+    // A gate for each point where the ranks agree (one gate passed twice could mix them up).
+    let gates = [RankGate::new(groups.len()), RankGate::new(groups.len())];
     let results: Vec<std::thread::Result<(EpGroup, capturable_moe::Result<f64>)>> = std::thread::scope(|scope| {
         let handles: Vec<_> = groups
             .into_iter()
             .enumerate()
             .map(|(rank, group)| {
-                let gate = &gate;
+                let gates = &gates;
                 scope.spawn(move || {
                     let group = Rc::new(group);
-                    let timing = time_rank(&group, case, rank, reps, gate);
+                    let timing = time_rank(&group, case, rank, reps, gates);
                     let Ok(group) = Rc::try_unwrap(group) else {
                         unreachable!("the layer holding the group is dropped")
                     };
@@ -265,31 +278,6 @@ fn rank_buffers(
     })
 }
 
-/// Where the rank threads agree that every rank's setup worked, before their first collective.
-struct RankGate {
-    barrier: Barrier,
-    failed: AtomicBool,
-}
-
-impl RankGate {
-    /// `Ok` when every rank reached the gate with its setup done; a rank whose setup failed
-    /// still comes here, so that no rank waits at the barrier or in a collective for it.
-    fn pass<T>(&self, setup: capturable_moe::Result<T>) -> capturable_moe::Result<T> {
-        if setup.is_err() {
-            self.failed.store(true, Ordering::SeqCst);
-        }
-        self.barrier.wait();
-        let value = setup?;
-        if self.failed.load(Ordering::SeqCst) {
-            return Err(capturable_moe::Error::InvalidArgument {
-                op: "ep layer bench",
-                why: "another rank's setup failed".into(),
-            });
-        }
-        Ok(value)
-    }
-}
-
 /// The first error of a run, kept while the run goes on.
 ///
 /// NOTE: a rank that stopped (or panicked) between two collectives would leave its peers
@@ -305,7 +293,7 @@ fn time_rank(
     case: &Case<'_>,
     rank: usize,
     reps: usize,
-    gate: &RankGate,
+    [setup_gate, capture_gate]: &[RankGate; 2],
 ) -> capturable_moe::Result<f64> {
     let stream = group.stream().clone();
     let c = &case.config;
@@ -315,26 +303,45 @@ fn time_rank(
         Ok((layer, b))
     })()
     .and_then(|(mut layer, b)| layer.bind_weights(&b.w1, &b.w2, &b.dw1, &b.dw2).map(|()| (layer, b)));
-    let (mut layer, mut b) = gate.pass(setup)?;
+    let (mut layer, mut b) = setup_gate.pass(setup)?;
     let tokens = Tokens::Host(c.max_tokens);
     let mut first_error = None;
-    let (us, _) = match case.timed {
-        Timed::DispatchCombine => time(&stream, reps, |_| {
-            keep_first(&mut first_error, layer.dispatch(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2));
-            keep_first(&mut first_error, layer.combine(tokens, &mut b.y));
-        }),
-        Timed::Dispatch => time(&stream, reps, |_| {
-            keep_first(&mut first_error, layer.dispatch(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2));
-        }),
-        Timed::Combine => {
-            keep_first(&mut first_error, layer.dispatch(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2));
-            time(&stream, reps, |_| keep_first(&mut first_error, layer.combine(tokens, &mut b.y)))
+    if case.timed == Timed::Combine {
+        // What the combine sends back.
+        keep_first(&mut first_error, layer.dispatch(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2));
+    }
+    // Both halves of a two-part case run even when the first fails (see keep_first).
+    let enqueue = |layer: &mut EpMoe<bf16>, b: &mut RankBuffers| -> capturable_moe::Result<()> {
+        match case.timed {
+            Timed::DispatchCombine => {
+                let dispatched = layer.dispatch(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2);
+                dispatched.and(layer.combine(tokens, &mut b.y))
+            }
+            Timed::Dispatch => layer.dispatch(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2),
+            Timed::Combine => layer.combine(tokens, &mut b.y),
+            Timed::Step => {
+                let forward = layer.forward(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2, &mut b.y);
+                forward.and(layer.backward(
+                    &b.x,
+                    tokens,
+                    &b.w1,
+                    &b.w2,
+                    &mut b.dx,
+                    &mut b.dprobs,
+                    &mut b.dw1,
+                    &mut b.dw2,
+                ))
+            }
         }
-        Timed::Step => time(&stream, reps, |_| {
-            keep_first(&mut first_error, layer.forward(&b.x, &b.ids, &b.probs, tokens, &b.w1, &b.w2, &mut b.y));
-            let backward = layer.backward(&b.x, tokens, &b.w1, &b.w2, &mut b.dx, &mut b.dprobs, &mut b.dw1, &mut b.dw2);
-            keep_first(&mut first_error, backward);
-        }),
+    };
+    let us = if case.graph {
+        // Eager once first: NCCL connects its peers on first use, which a capture cannot hold.
+        keep_first(&mut first_error, enqueue(&mut layer, &mut b));
+        let captured = capture_with(&stream, thread_local_capture(), || enqueue(&mut layer, &mut b));
+        let graph = capture_gate.pass(captured)?; // no rank replays unless every rank captured
+        time(&stream, reps, |_| keep_first(&mut first_error, graph.launch().map_err(Into::into))).0
+    } else {
+        time(&stream, reps, |_| keep_first(&mut first_error, enqueue(&mut layer, &mut b))).0
     };
     stream.synchronize()?;
     first_error.map_or(Ok(us), Err)

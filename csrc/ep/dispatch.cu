@@ -3,7 +3,8 @@
 // Expert-parallel dispatch / combine, the device side (contract: capturable_moe/ep.h):
 //   count_routes         counts[e] = routes of this rank to home expert e (zero, then integer
 //                        atomics: the sum is exact whatever the order)
-//   dispatch_layout      two launches over chunks of CAPMOE_EP_LAYOUT_CHUNK routes: the first
+//   dispatch_layout      two launches over chunks of CAPMOE_EP_LAYOUT_CHUNK routes (the second
+//                        alone when one chunk holds them all): the first
 //                        counts each chunk's routes per peer (chunk_counts); the second, one
 //                        block per (chunk, peer p), numbers the chunk's routes to p with a
 //                        block-wide scan after the earlier chunks' counts, so every route gets
@@ -134,6 +135,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_count_kernel(LayoutPara
 // block; the same value on every thread.
 __device__ int routes_before(const LayoutParams& p, int chunk, int peer) {
   __shared__ int warp_sums[kLayoutThreads / 32];
+  if (chunk == 0) return 0;  // (uniform over the block) the single-chunk layout has no first launch
   int sum = 0;
   for (int c = threadIdx.x; c < chunk; c += blockDim.x) sum += p.chunk_counts[static_cast<int64_t>(c) * p.ranks + peer];
   sum = __reduce_add_sync(kFull, sum);
@@ -362,7 +364,10 @@ extern "C" capmoe_status_t capmoe_ep_dispatch_layout(const capmoe_ep_desc_t* des
                          dropped,
                          flags};
     const auto s = static_cast<cudaStream_t>(stream);
-    CAPMOE_TRY(capmoe::launch(layout_count_kernel, dim3(static_cast<unsigned>(chunks)), kLayoutThreads, 0, s, p));
+    // One chunk (T_max * k <= CAPMOE_EP_LAYOUT_CHUNK, decode): no earlier chunk to count, one
+    // launch fewer.
+    if (chunks > 1)
+      CAPMOE_TRY(capmoe::launch(layout_count_kernel, dim3(static_cast<unsigned>(chunks)), kLayoutThreads, 0, s, p));
     return capmoe::launch(layout_write_kernel, dim3(static_cast<unsigned>(chunks), static_cast<unsigned>(ranks(desc))),
                           kLayoutThreads, 0, s, p);
   });
