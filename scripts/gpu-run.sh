@@ -94,17 +94,18 @@ for test in "${binaries[@]}"; do
   set_cap "$name"
   fits_deadline "$name" || continue
   run_one "$name" timeout -k 5 "$limit" "$test" --test-threads=1 --show-output
-  # A failure (not a hang) runs again later with the GEMM as an ordinary launch.
+  # A failure (not a hang) runs again later with every launch an ordinary one.
   [[ $rc -ne 0 && $rc -ne 124 && $rc -ne 137 ]] && reruns+=("$name:$test")
 done
-# The failures again with CAPMOE_GEMM_PDL=0 (grouped_gemm/dependent_launch.cuh), so the same
-# call tells a fault of the programmatic launch from one of the kernels. After the first pass,
+# The failures again with CAPMOE_GEMM_PDL=0 and CAPMOE_ROUTING_PDL=0 (grouped_gemm/
+# dependent_launch.cuh, common/dependent_kernel.cuh), so the same call tells a fault of the
+# programmatic launches from one of the kernels. After the first pass,
 # so that a rerun never costs a later binary its first run.
 for entry in "${reruns[@]}"; do
   IFS=: read -r run test <<<"$entry"
   set_cap "$(basename "$test")"
   fits_deadline "$run.no_pdl" || continue
-  run_one "$run.no_pdl" env CAPMOE_GEMM_PDL=0 timeout -k 5 "$limit" "$test" --test-threads=1 --show-output
+  run_one "$run.no_pdl" env CAPMOE_GEMM_PDL=0 CAPMOE_ROUTING_PDL=0 timeout -k 5 "$limit" "$test" --test-threads=1 --show-output
 done
 echo "== GPU suite on $(gpu_facts | head -n 1) =="
 if [[ ${#summary[@]} -eq 0 ]]; then

@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "capturable_moe/grouped_gemm.h"
+#include "common/dependent_kernel.cuh"
 #include "common/device_primitives.cuh"
 #include "common/launch.cuh"
 
@@ -100,9 +101,10 @@ template <class Arrays>
 __global__ void __launch_bounds__(kArgumentThreads) write_arguments(ArgumentParams<Arrays> p) {
   using Scan = cub::BlockScan<int64_t, kArgumentThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
-  // The GEMM that reads these arguments is launched as a programmatic dependent of this kernel
-  // and waits for it to finish: let it become resident now.
-  launch_dependents();
+  // Launched as a programmatic dependent of the routing kernel before it, and the GEMM that
+  // reads these arguments as one of this kernel (it waits for it to finish): let the GEMM
+  // become resident now.
+  begin_dependent_kernel();
 
   const int64_t per_thread = (p.experts + kArgumentThreads - 1) / kArgumentThreads;
   const int64_t first = threadIdx.x * per_thread;
@@ -157,7 +159,7 @@ __global__ void __launch_bounds__(kZeroThreads)
 
 template <class Arrays>
 capmoe_status_t launch_write_arguments(const ArgumentParams<Arrays>& params, cudaStream_t stream) {
-  return launch(write_arguments<Arrays>, 1, kArgumentThreads, 0, stream, params);
+  return launch_dependent(write_arguments<Arrays>, 1, kArgumentThreads, 0, stream, params);
 }
 
 // The WGRAD zero fill after the GEMM; `row_offsets` as write_arguments left them.

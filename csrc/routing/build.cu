@@ -71,6 +71,7 @@ __global__ void __launch_bounds__(kThreads)
     histogram_kernel(const int32_t* __restrict__ ids, int64_t host_tokens,
                      const int32_t* __restrict__ device_tokens, int t_max, int k, int E,
                      int32_t* flags, int32_t* __restrict__ block_counts) {
+  begin_dependent_kernel();
   CAPMOE_DYNAMIC_SMEM(smem);
   int* hist = reinterpret_cast<int*>(smem);  // [kWarps][E]
   for (int i = threadIdx.x; i < kWarps * E; i += kThreads) hist[i] = 0;
@@ -157,6 +158,7 @@ __global__ void __launch_bounds__(kScanThreads)
                 long long expert_capacity, int32_t* flags, int32_t* __restrict__ m_splits_i32,
                 int64_t* __restrict__ m_splits_i64, int64_t* __restrict__ offsets,
                 int32_t* __restrict__ expert_counts) {
+  begin_dependent_kernel();
   const int e = threadIdx.x;
   long long total = 0;
   if (e < E) {
@@ -235,6 +237,7 @@ __global__ void __launch_bounds__(kThreads)
                    const int32_t* __restrict__ block_base, const int64_t* __restrict__ offsets,
                    int capacity, int32_t* __restrict__ row_of_route,
                    int32_t* __restrict__ token_of_row) {
+  begin_dependent_kernel();
   CAPMOE_DYNAMIC_SMEM(smem);
   long long* row_begin = reinterpret_cast<long long*>(smem);    // [E]
   int* kept = reinterpret_cast<int*>(row_begin + E);            // [E]
@@ -268,6 +271,7 @@ __global__ void __launch_bounds__(kScanThreads)
                            int32_t* __restrict__ m_splits_i32, int64_t* __restrict__ m_splits_i64,
                            int64_t* __restrict__ offsets, int32_t* __restrict__ row_of_route,
                            int32_t* __restrict__ token_of_row, int32_t* __restrict__ expert_counts) {
+  begin_dependent_kernel();
   CAPMOE_DYNAMIC_SMEM(smem);
   long long* row_begin = reinterpret_cast<long long*>(smem);  // [E]
   int* kept = reinterpret_cast<int*>(row_begin + E);          // [E]
@@ -307,6 +311,7 @@ __global__ void __launch_bounds__(kThreads)
                     int64_t host_tokens, const int32_t* __restrict__ device_tokens, int t_max,
                     int k, int E, int32_t* __restrict__ ids, P* __restrict__ probs,
                     int32_t* flags) {
+  begin_dependent_kernel();
   const bool reporter = blockIdx.x == 0 && threadIdx.x == 0;
   const int T = resolve_tokens(host_tokens, device_tokens, t_max, reporter ? flags : nullptr);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -349,10 +354,10 @@ struct FromMap {
   capmoe_status_t run() const {
     // NOTE: one block even for T_max = 0: it reads the device T and flags one out of range.
     const int64_t blocks = d->max_tokens > 0 ? (d->max_tokens + kWarps - 1) / kWarps : 1;
-    return launch(from_map_kernel<P>, static_cast<unsigned>(blocks), kThreads, 0, stream,
-                  map, static_cast<const P*>(map_probs), num_tokens, device_tokens,
-                  static_cast<int>(d->max_tokens), static_cast<int>(d->topk),
-                  static_cast<int>(d->num_experts), ids, static_cast<P*>(probs), flags);
+    return launch_dependent(from_map_kernel<P>, static_cast<unsigned>(blocks), kThreads, 0, stream,
+                            map, static_cast<const P*>(map_probs), num_tokens, device_tokens,
+                            static_cast<int>(d->max_tokens), static_cast<int>(d->topk),
+                            static_cast<int>(d->num_experts), ids, static_cast<P*>(probs), flags);
   }
 };
 
@@ -425,17 +430,18 @@ extern "C" capmoe_status_t capmoe_routing_build(
     const long long expert_capacity = desc->expert_capacity > 0 ? desc->expert_capacity : 0;
     const size_t scatter_bytes = (sizeof(long long) + sizeof(int)) * E + hist_bytes;
     if (blocks == 1) {
-      return launch(build_one_chunk_kernel, 1, kScanThreads, scatter_bytes, s, expert_ids, num_tokens,
-                    num_tokens_device, t_max, k, E, static_cast<long long>(desc->capacity), expert_capacity, flags,
-                    m_splits_i32, m_splits_i64, offsets, row_of_route, token_of_row, expert_counts);
+      return launch_dependent(build_one_chunk_kernel, 1, kScanThreads, scatter_bytes, s, expert_ids, num_tokens,
+                              num_tokens_device, t_max, k, E, static_cast<long long>(desc->capacity),
+                              expert_capacity, flags, m_splits_i32, m_splits_i64, offsets, row_of_route,
+                              token_of_row, expert_counts);
     }
-    CAPMOE_TRY(launch(histogram_kernel, blocks, kThreads, hist_bytes, s, expert_ids, num_tokens,
-                      num_tokens_device, t_max, k, E, flags, block_counts));
-    CAPMOE_TRY(launch(scan_kernel, 1, kScanThreads, 0, s, block_counts, blocks, E,
-                      desc->capacity, expert_capacity, flags, m_splits_i32, m_splits_i64, offsets,
-                      expert_counts));
-    return launch(scatter_kernel, blocks, kThreads, scatter_bytes, s, expert_ids, num_tokens,
-                  num_tokens_device, t_max, k, E, block_counts, offsets,
-                  static_cast<int>(desc->capacity), row_of_route, token_of_row);
+    CAPMOE_TRY(launch_dependent(histogram_kernel, blocks, kThreads, hist_bytes, s, expert_ids, num_tokens,
+                                num_tokens_device, t_max, k, E, flags, block_counts));
+    CAPMOE_TRY(launch_dependent(scan_kernel, 1, kScanThreads, 0, s, block_counts, blocks, E,
+                                desc->capacity, expert_capacity, flags, m_splits_i32, m_splits_i64, offsets,
+                                expert_counts));
+    return launch_dependent(scatter_kernel, blocks, kThreads, scatter_bytes, s, expert_ids, num_tokens,
+                            num_tokens_device, t_max, k, E, block_counts, offsets,
+                            static_cast<int>(desc->capacity), row_of_route, token_of_row);
   });
 }

@@ -13,6 +13,7 @@
 #include "common/alignment.h"
 #include "common/boundary.cuh"
 #include "common/device_primitives.cuh"
+#include "common/dependent_kernel.cuh"
 #include "common/launch.cuh"
 
 namespace capmoe {
@@ -164,8 +165,11 @@ capmoe_status_t dispatch(const capmoe_routing_desc_t* d, F&& f) {
   }
 }
 
-// The routing entry points call it as routing::launch (they use namespace capmoe::routing).
+// The routing entry points call these as routing::launch / launch_dependent (they use namespace
+// capmoe::routing); every routing kernel begins with begin_dependent_kernel().
+using capmoe::begin_dependent_kernel;
 using capmoe::launch;
+using capmoe::launch_dependent;
 
 // Threads of a per-token block: one 16-byte vector each, a multiple of 32, at most 256.
 inline int token_block_threads(int64_t vectors) {

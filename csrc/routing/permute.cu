@@ -45,6 +45,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     permute_kernel(const uint4* __restrict__ x, const int32_t* __restrict__ row_of_route,
                    int64_t host_tokens, const int32_t* __restrict__ device_tokens, int t_max,
                    int k, int capacity, int h_vec, uint4* __restrict__ rows) {
+  begin_dependent_kernel();
   __shared__ int rows_s[CAPMOE_ROUTING_MAX_TOPK];
   __shared__ float unused[CAPMOE_ROUTING_MAX_TOPK];
   const int t = blockIdx.x;
@@ -65,6 +66,7 @@ __global__ void __launch_bounds__(kMaxThreads)
                       const P* __restrict__ probs, int64_t host_tokens,
                       const int32_t* __restrict__ device_tokens, int t_max, int k, int capacity,
                       int h_vec, uint4* __restrict__ out) {
+  begin_dependent_kernel();
   __shared__ int rows_s[CAPMOE_ROUTING_MAX_TOPK];
   __shared__ float probs_s[CAPMOE_ROUTING_MAX_TOPK];
   const int t = blockIdx.x;
@@ -95,6 +97,7 @@ __global__ void __launch_bounds__(kMaxThreads)
                               const int32_t* __restrict__ device_tokens, int t_max, int k,
                               int capacity, int h_vec, uint4* __restrict__ drows,
                               P* __restrict__ dprobs) {
+  begin_dependent_kernel();
   __shared__ int rows_s[CAPMOE_ROUTING_MAX_TOPK];
   __shared__ float probs_s[CAPMOE_ROUTING_MAX_TOPK];
   __shared__ float partial[CAPMOE_ROUTING_MAX_TOPK][kMaxThreads / 32];
@@ -163,10 +166,10 @@ struct GatherSum {
   template <class T, class P>
   capmoe_status_t run() const {
     if (l.blocks() == 0) return CAPMOE_OK;
-    return launch(gather_sum_kernel<T, P>, l.blocks(), l.threads(), 0, l.stream,
-                  static_cast<const uint4*>(rows), row_of_route, static_cast<const P*>(probs),
-                  l.num_tokens, l.device_tokens, l.t_max(), l.k(), l.capacity(), l.h_vec(),
-                  static_cast<uint4*>(out));
+    return launch_dependent(gather_sum_kernel<T, P>, l.blocks(), l.threads(), 0, l.stream,
+                            static_cast<const uint4*>(rows), row_of_route, static_cast<const P*>(probs),
+                            l.num_tokens, l.device_tokens, l.t_max(), l.k(), l.capacity(), l.h_vec(),
+                            static_cast<uint4*>(out));
   }
 };
 
@@ -181,10 +184,10 @@ struct UnpermuteBackward {
   template <class T, class P>
   capmoe_status_t run() const {
     if (l.blocks() == 0) return CAPMOE_OK;
-    return launch(unpermute_backward_kernel<T, P>, l.blocks(), l.threads(), 0, l.stream,
-                  static_cast<const uint4*>(dy), static_cast<const uint4*>(rows), row_of_route,
-                  static_cast<const P*>(probs), l.num_tokens, l.device_tokens, l.t_max(), l.k(),
-                  l.capacity(), l.h_vec(), static_cast<uint4*>(drows), static_cast<P*>(dprobs));
+    return launch_dependent(unpermute_backward_kernel<T, P>, l.blocks(), l.threads(), 0, l.stream,
+                            static_cast<const uint4*>(dy), static_cast<const uint4*>(rows), row_of_route,
+                            static_cast<const P*>(probs), l.num_tokens, l.device_tokens, l.t_max(), l.k(),
+                            l.capacity(), l.h_vec(), static_cast<uint4*>(drows), static_cast<P*>(dprobs));
   }
 };
 
@@ -211,9 +214,9 @@ extern "C" capmoe_status_t capmoe_routing_permute(const capmoe_routing_desc_t* d
     if (desc->capacity > 0) CAPMOE_TRY(check_act(desc, rows));
     Launch l{desc, num_tokens, num_tokens_device, static_cast<cudaStream_t>(stream)};
     if (l.blocks() == 0) return CAPMOE_OK;
-    return launch(permute_kernel, l.blocks(), l.threads(), 0, l.stream,
-                  static_cast<const uint4*>(x), row_of_route, num_tokens, num_tokens_device,
-                  l.t_max(), l.k(), l.capacity(), l.h_vec(), static_cast<uint4*>(rows));
+    return launch_dependent(permute_kernel, l.blocks(), l.threads(), 0, l.stream,
+                            static_cast<const uint4*>(x), row_of_route, num_tokens, num_tokens_device,
+                            l.t_max(), l.k(), l.capacity(), l.h_vec(), static_cast<uint4*>(rows));
   });
 }
 

@@ -25,6 +25,7 @@ __global__ void __launch_bounds__(kThreads)
     row_probs_kernel(const int32_t* __restrict__ row_of_route, const P* __restrict__ probs, int64_t host_tokens,
                      const int32_t* __restrict__ device_tokens, int t_max, int k, int capacity,
                      float* __restrict__ prob_of_row) {
+  begin_dependent_kernel();
   const int64_t route = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (route >= int64_t(resolve_tokens(host_tokens, device_tokens, t_max, nullptr)) * k) return;
   const int r = kept_row(row_of_route, route, capacity);
@@ -36,6 +37,7 @@ __global__ void __launch_bounds__(kThreads)
     route_dprobs_kernel(const int32_t* __restrict__ row_of_route, const float* __restrict__ partials, int slices,
                         int64_t host_tokens, const int32_t* __restrict__ device_tokens, int t_max, int k,
                         int capacity, P* __restrict__ dprobs) {
+  begin_dependent_kernel();
   const int64_t route = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (route >= int64_t(resolve_tokens(host_tokens, device_tokens, t_max, nullptr)) * k) return;
   const int r = kept_row(row_of_route, route, capacity);
@@ -72,9 +74,9 @@ struct RowProbs {
   cudaStream_t stream;
   template <class P>
   capmoe_status_t run() const {
-    return launch(row_probs_kernel<P>, route_blocks(d), kThreads, 0, stream, row_of_route,
-                  static_cast<const P*>(probs), num_tokens, device_tokens, int(d->max_tokens), int(d->topk),
-                  int(d->capacity), prob_of_row);
+    return launch_dependent(row_probs_kernel<P>, route_blocks(d), kThreads, 0, stream, row_of_route,
+                            static_cast<const P*>(probs), num_tokens, device_tokens, int(d->max_tokens), int(d->topk),
+                            int(d->capacity), prob_of_row);
   }
 };
 
@@ -89,9 +91,9 @@ struct RouteDprobs {
   cudaStream_t stream;
   template <class P>
   capmoe_status_t run() const {
-    return launch(route_dprobs_kernel<P>, route_blocks(d), kThreads, 0, stream, row_of_route, partials, slices,
-                  num_tokens, device_tokens, int(d->max_tokens), int(d->topk), int(d->capacity),
-                  static_cast<P*>(dprobs));
+    return launch_dependent(route_dprobs_kernel<P>, route_blocks(d), kThreads, 0, stream, row_of_route, partials,
+                            slices, num_tokens, device_tokens, int(d->max_tokens), int(d->topk),
+                            int(d->capacity), static_cast<P*>(dprobs));
   }
 };
 

@@ -28,6 +28,7 @@ template <class T>
 __global__ void __launch_bounds__(kThreads)
     swiglu_kernel(const uint4* __restrict__ h, const int64_t* __restrict__ offsets, int E,
                   int capacity, int f_vec, uint4* __restrict__ act) {
+  begin_dependent_kernel();
   const unsigned i = blockIdx.x * kThreads + threadIdx.x;
   if (i >= active_vectors(offsets, E, capacity, f_vec)) return;
   const unsigned row = i / f_vec, col = i - row * f_vec;
@@ -45,6 +46,7 @@ __global__ void __launch_bounds__(kThreads)
     swiglu_backward_kernel(const uint4* __restrict__ dact, const uint4* __restrict__ h,
                            const int64_t* __restrict__ offsets, int E, int capacity, int f_vec,
                            uint4* __restrict__ dh) {
+  begin_dependent_kernel();
   const unsigned i = blockIdx.x * kThreads + threadIdx.x;
   if (i >= active_vectors(offsets, E, capacity, f_vec)) return;
   const unsigned row = i / f_vec, col = i - row * f_vec;
@@ -74,11 +76,11 @@ struct Swiglu {
     const unsigned blocks = static_cast<unsigned>((vectors + kThreads - 1) / kThreads);
     const int E = static_cast<int>(d->num_experts), cap = static_cast<int>(d->capacity);
     if (dact == nullptr)
-      return launch(swiglu_kernel<T>, blocks, kThreads, 0, stream, static_cast<const uint4*>(h),
-                    offsets, E, cap, f_vec, static_cast<uint4*>(out));
-    return launch(swiglu_backward_kernel<T>, blocks, kThreads, 0, stream,
-                  static_cast<const uint4*>(dact), static_cast<const uint4*>(h), offsets, E, cap,
-                  f_vec, static_cast<uint4*>(out));
+      return launch_dependent(swiglu_kernel<T>, blocks, kThreads, 0, stream, static_cast<const uint4*>(h),
+                              offsets, E, cap, f_vec, static_cast<uint4*>(out));
+    return launch_dependent(swiglu_backward_kernel<T>, blocks, kThreads, 0, stream,
+                            static_cast<const uint4*>(dact), static_cast<const uint4*>(h), offsets, E, cap,
+                            f_vec, static_cast<uint4*>(out));
   }
 };
 
