@@ -12,6 +12,7 @@
 //!                [--only gemm,graphs,ep,echo,paths]  (these row families alone; default all)
 //!                [--no-paths]   (the GEMM rows alone: no graph, EP, Echo or expert-path rows)
 //!                [--no-fused]   (expert-path rows of the default plan alone: no unfused or forced fused variants)
+//!                [--path-shapes E64_T128,...]  (the expert-path shapes whose name holds one of these; default all)
 //!                [--configs sm90-coop,sm90-pingpong-wide,...]  (also time these kernel configs)
 //!                [--weight-layout enk|ekn]  (weights [E, N, K], the default, or [E, K, N])
 //!                [--sweep]  (a config sweep: graph rows, dense cuBLAS, floor and roofline only;
@@ -59,6 +60,9 @@ struct Args {
     pub paths: bool,
     /// The expert path's variants beside the default plan (`--no-fused` clears it).
     pub fused: bool,
+    /// Only the expert-path shapes whose name contains one of these (`--path-shapes`; empty:
+    /// every one).
+    pub path_shapes: Vec<String>,
     /// Explicit kernel configurations timed beside `Auto` (`--configs`).
     pub configs: Vec<GemmConfig>,
     /// Weight layout of every GEMM row (`--weight-layout enk|ekn`).
@@ -116,6 +120,7 @@ fn parse_args(command_line: impl IntoIterator<Item = String>) -> Result<Args, St
         out: "bench/results".into(),
         paths: true,
         fused: true,
+        path_shapes: Vec::new(),
         configs: Vec::new(),
         weight_layout: WeightLayout::Enk,
         only: None,
@@ -187,6 +192,7 @@ fn parse_args(command_line: impl IntoIterator<Item = String>) -> Result<Args, St
                 args.sweep = true;
                 args.paths = false;
             }
+            "--path-shapes" => args.path_shapes = list(it.next())?,
             "--quick" => quick = true,
             "-h" | "--help" => {
                 println!(
@@ -270,7 +276,7 @@ fn main() {
                 runner.run("ep/drops", |rows| rows.extend(ep_layer::drop_rows()));
             }
             Family::Echo => runner.run("echo", |rows| path::echo_rows(&stream, reps, rows)),
-            Family::Paths => path::expert_rows(&mut runner, &stream, reps, args.fused),
+            Family::Paths => path::expert_rows(&mut runner, &stream, reps, args.fused, &args.path_shapes),
         }
     }
     std::process::exit(runner.finish());

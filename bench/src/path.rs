@@ -145,15 +145,22 @@ fn all_path_shapes() -> impl Iterator<Item = PathShape> {
     PATHS.iter().copied().chain(PUBLISHED.iter().map(|p| p.shape))
 }
 
-/// Every expert-path shape and variant, a runner unit each (`paths/<shape>/<variant>`): first
+/// The shapes of [`all_path_shapes`] whose name contains one of `filter` (all when empty).
+fn path_shapes(filter: &[String]) -> Vec<PathShape> {
+    let wanted = |s: &PathShape| filter.is_empty() || filter.iter().any(|f| shape_name(*s).contains(f.as_str()));
+    all_path_shapes().filter(wanted).collect()
+}
+
+/// Every expert-path shape (of `filter`, see [`path_shapes`]) and variant, a runner unit each (`paths/<shape>/<variant>`): first
 /// the default plan of every shape, with its grouped GEMMs alone, routing stages and published
 /// figures; then, when `fused`, the unfused path and the forced fused variants (whose kernels
 /// are the likeliest to fault or hang: that loses no default row).
-pub fn expert_rows(runner: &mut Runner, stream: &Arc<CudaStream>, reps: usize, fused: bool) {
+pub fn expert_rows(runner: &mut Runner, stream: &Arc<CudaStream>, reps: usize, fused: bool, filter: &[String]) {
     let [default, other_variants @ ..] = variants();
+    let shapes = path_shapes(filter);
     // (forward, backward) GEMMs-alone times of each shape, for the fused rows' notes.
     let mut gemm_us: Vec<(PathShape, (f64, f64))> = Vec::new();
-    for shape in all_path_shapes() {
+    for &shape in &shapes {
         let name = shape_name(shape);
         eprintln!("[expert path] {name} {}", default.0);
         runner.run(&format!("paths/{name}/{}", default.0), |rows| {
@@ -169,7 +176,7 @@ pub fn expert_rows(runner: &mut Runner, stream: &Arc<CudaStream>, reps: usize, f
             rows.extend(published_rows(shape, &name));
         });
     }
-    for shape in all_path_shapes().filter(|_| fused) {
+    for &shape in shapes.iter().filter(|_| fused) {
         let name = shape_name(shape);
         for variant in other_variants {
             eprintln!("[expert path] {name} {}", variant.0);
@@ -599,6 +606,15 @@ mod tests {
         assert_eq!(rows[0].note.as_deref(), Some("2.00x liger published TFLOP/s"));
         // Only the expert-path variants are compared, not the GEMMs-alone row.
         assert_eq!(rows[1].note, None);
+    }
+
+    #[test]
+    fn path_shapes_filter_by_name() {
+        assert_eq!(path_shapes(&[]).len(), PATHS.len() + PUBLISHED.len());
+        let decode = path_shapes(&["E64_T128_".into()]);
+        assert_eq!(decode.len(), 1);
+        assert_eq!(shape_name(decode[0]), "expert_E64_T128_k8_H2048_F1408");
+        assert!(path_shapes(&["no such shape".into()]).is_empty());
     }
 
     #[test]
