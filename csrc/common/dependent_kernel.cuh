@@ -33,7 +33,8 @@ inline bool routing_pdl_enabled() {
 
 // launch() (launch.cuh) as a programmatic dependent of the kernel before it: its blocks may
 // start while that kernel still runs. Only for kernels whose first statement is
-// begin_dependent_kernel(): a global access before it could race with the kernel before.
+// begin_dependent_kernel(): a global access before it could race with the kernel before
+// (tests/source_rules.rs reads every kernel passed here and checks that).
 template <class... Params, class... Args>
 capmoe_status_t launch_dependent(void (*kernel)(Params...), dim3 grid, unsigned threads, size_t smem_bytes,
                                  cudaStream_t stream, Args&&... args) {
