@@ -16,6 +16,9 @@ namespace routing {
 namespace {
 
 constexpr int kMaxThreads = 256;
+// Routes of a token whose rows a thread loads before it uses any (at decode sizes these kernels
+// wait on memory latency, not bandwidth: one round of loads per group instead of one per route).
+constexpr int kRoutesInFlight = 8;
 
 // Stages token t's kept routes, in ascending j, in shared memory: rows_s[0, n) and their probs
 // (weight 1 when probs == nullptr). Returns n. Needs blockDim.x >= 32 (k <= 32).
@@ -76,14 +79,21 @@ __global__ void __launch_bounds__(kMaxThreads)
     float acc[kVec];
 #pragma unroll
     for (int i = 0; i < kVec; ++i) acc[i] = 0.0f;
-#pragma unroll 4
-    for (int j = 0; j < n; ++j) {
-      const int r = rows_s[j];
-      const float p = probs_s[j];
-      float f[kVec];
-      Vec8<T>::load(__ldg(rows + static_cast<int64_t>(r) * h_vec + v), f);
+    for (int j0 = 0; j0 < n; j0 += kRoutesInFlight) {
+      uint4 q[kRoutesInFlight];
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) acc[i] = fmaf(p, f[i], acc[i]);
+      for (int u = 0; u < kRoutesInFlight; ++u)
+        if (j0 + u < n) q[u] = __ldg(rows + static_cast<int64_t>(rows_s[j0 + u]) * h_vec + v);
+      // Summed in ascending j, as one route at a time would.
+#pragma unroll
+      for (int u = 0; u < kRoutesInFlight; ++u) {
+        if (j0 + u >= n) break;
+        const float p = probs_s[j0 + u];
+        float f[kVec];
+        Vec8<T>::load(q[u], f);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) acc[i] = fmaf(p, f[i], acc[i]);
+      }
     }
     out[static_cast<int64_t>(t) * h_vec + v] = Vec8<T>::store(acc);
   }
@@ -112,27 +122,41 @@ __global__ void __launch_bounds__(kMaxThreads)
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint4* dy_t = dy + static_cast<int64_t>(t) * h_vec;
-  for (int j = 0; j < k; ++j) {
-    const int r = rows_s[j];  // uniform over the block
-    if (r < 0) continue;
-    const float p = probs_s[j];
-    const uint4* src = rows + static_cast<int64_t>(r) * h_vec;
-    uint4* dst = drows + static_cast<int64_t>(r) * h_vec;
-    float dot = 0.0f;
-    for (int v = threadIdx.x; v < h_vec; v += blockDim.x) {
-      float g[kVec], a[kVec];
-      Vec8<T>::load(__ldg(dy_t + v), g);
-      Vec8<T>::load(__ldg(src + v), a);
+  // Routes in groups of kRoutesInFlight, each group's rows loaded before any is used; per route
+  // the same products in the same order as one route at a time (v ascending, then the
+  // butterfly), so dprobs and drows keep their bits. rows_s[j] is uniform over the block.
+  for (int j0 = 0; j0 < k; j0 += kRoutesInFlight) {
+    float dot[kRoutesInFlight];
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) {
-        dot = fmaf(g[i], a[i], dot);
-        g[i] *= p;
+    for (int u = 0; u < kRoutesInFlight; ++u) dot[u] = 0.0f;
+    for (int v = threadIdx.x; v < h_vec; v += blockDim.x) {
+      uint4 q[kRoutesInFlight];
+#pragma unroll
+      for (int u = 0; u < kRoutesInFlight; ++u)
+        if (j0 + u < k && rows_s[j0 + u] >= 0) q[u] = __ldg(rows + static_cast<int64_t>(rows_s[j0 + u]) * h_vec + v);
+      float g[kVec];
+      Vec8<T>::load(__ldg(dy_t + v), g);
+#pragma unroll
+      for (int u = 0; u < kRoutesInFlight; ++u) {
+        if (j0 + u >= k || rows_s[j0 + u] < 0) continue;
+        const float p = probs_s[j0 + u];
+        float a[kVec], weighted[kVec];
+        Vec8<T>::load(q[u], a);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) {
+          dot[u] = fmaf(g[i], a[i], dot[u]);
+          weighted[i] = g[i] * p;
+        }
+        drows[static_cast<int64_t>(rows_s[j0 + u]) * h_vec + v] = Vec8<T>::store(weighted);
       }
-      dst[v] = Vec8<T>::store(g);
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(kFull, dot, o);
-    if (lane == 0) partial[j][warp] = dot;
+    for (int u = 0; u < kRoutesInFlight; ++u) {
+      if (j0 + u >= k || rows_s[j0 + u] < 0) continue;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) dot[u] += __shfl_xor_sync(kFull, dot[u], o);
+      if (lane == 0) partial[j0 + u][warp] = dot[u];
+    }
   }
   __syncthreads();
   if (threadIdx.x < k) {
