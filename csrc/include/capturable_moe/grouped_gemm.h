@@ -34,9 +34,11 @@
  *
  * capmoe_grouped_gemm_run allocates nothing and never synchronises with the host. It enqueues
  * the argument kernel and, right behind it, the GEMM as its programmatic dependent launch (the
- * GEMM's blocks wait for it before reading anything; the kernels before and after the pair are
- * ordered as usual). CAPMOE_GEMM_PDL=0 in the environment (read once) makes the GEMM an
- * ordinary launch, for diagnosis. A failure the host can see is returned before anything is
+ * GEMM's blocks wait for it before reading anything). The argument kernel is in turn a
+ * programmatic dependent of the kernel before it on the stream and waits for that kernel to
+ * finish before its first read, so stream order holds as usual. CAPMOE_GEMM_PDL=0 in the
+ * environment (read once) makes the GEMM an ordinary launch, CAPMOE_ROUTING_PDL=0 the argument
+ * kernel, for diagnosis. A failure the host can see is returned before anything is
  * enqueued, except a refused launch of the GEMM itself (CAPMOE_ERR_CUDA / CAPMOE_ERR_CUTLASS):
  * the argument kernel is then already enqueued and may still set bits in *overflow_flags. */
 #ifndef CAPTURABLE_MOE_GROUPED_GEMM_H

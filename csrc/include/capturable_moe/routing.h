@@ -49,7 +49,11 @@
  * array naturally aligned (int32 / fp32 to 4 bytes, int64 offsets / m_splits to 8, 16-bit probs
  * to 2). A violation is CAPMOE_ERR_MISALIGNED before anything is launched.
  * Every launcher allocates nothing, never synchronises and never reads device data on the
- * host, so all of them can be captured in a CUDA graph. */
+ * host, so all of them can be captured in a CUDA graph. Each kernel is launched as a
+ * programmatic dependent of the kernel before it on the stream and waits for that kernel to
+ * finish before its first memory access (stream order holds as usual; only the launch overlaps
+ * the kernel before). CAPMOE_ROUTING_PDL=0 in the environment (read once) makes them ordinary
+ * launches. */
 #ifndef CAPTURABLE_MOE_ROUTING_H
 #define CAPTURABLE_MOE_ROUTING_H
 
