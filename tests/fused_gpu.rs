@@ -644,3 +644,50 @@ fn fused_fc1_timing() {
         );
     }
 }
+
+/// Timing hook (ignored by default), the f16 twin of [`fused_fc1_timing`]'s first and third
+/// rows: us per launch, graph replay, E128 T4096 k8 H2048 F768, the fused fc1 (act only)
+/// against permute + grouped GEMM fc1 + SwiGLU in f16 (ptxas reports the f16 fc1's wgmmas
+/// serialized, docs/fused.md: this says what that costs). Run: `cargo test --release --test
+/// fused_gpu fused_fc1_timing_f16 -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn fused_fc1_timing_f16() {
+    use half::f16;
+    let stream = gpu_or_skip!();
+    let _lock = common::capture_lock();
+    let shape = Shape { e: 128, h: 2048, f: 768, k: 8, t_max: 4096, capacity: None };
+    let mut rng = StdRng::seed_from_u64(13);
+    let mut h16 = |n: usize, scale: f32| -> Vec<f16> {
+        (0..n).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0) * scale)).collect()
+    };
+    let w1 = stream.clone_htod(&h16(shape.e * 2 * shape.f * shape.h, 1.0 / (shape.h as f32).sqrt())).unwrap();
+    let x = stream.clone_htod(&h16(shape.t_max * shape.h, 1.0)).unwrap();
+    let mut rng = StdRng::seed_from_u64(14);
+    let ids = stream.clone_htod(&topk_ids(&mut rng, shape.t_max, shape.e, shape.k)).unwrap();
+    let plan = RoutingPlan::new(shape.routing(DType::F16)).unwrap();
+    let cap = plan.capacity();
+    let mut maps = plan.alloc_maps(&stream).unwrap();
+    let tokens = Tokens::Host(shape.t_max);
+    plan.build(&stream, &ids, tokens, &mut maps).unwrap();
+    let spec = GroupedGemmSpec::new(GemmOp::Fprop, shape.e, 2 * shape.f, shape.h, cap).with_dtype(DType::F16);
+    let fc1 = GroupedGemm::new(spec, &stream).unwrap();
+    let mut workspace = stream.alloc_zeros::<u8>(fc1.workspace_bytes().max(1)).unwrap();
+    let mut rows = stream.alloc_zeros::<f16>(cap * shape.h).unwrap();
+    let mut h = stream.alloc_zeros::<f16>(cap * 2 * shape.f).unwrap();
+    let mut act = stream.alloc_zeros::<f16>(cap * shape.f).unwrap();
+    let fused = FusedFc1::new(&plan, &stream).unwrap();
+    let none = None::<&mut CudaSlice<f16>>;
+    let fused_graph =
+        capture(&stream, || fused.run(&stream, &x, &w1, &maps.offsets, &maps.token_of_row, &mut act, none)).unwrap();
+    let unfused_graph = capture(&stream, || {
+        plan.permute(&stream, &x, &maps.row_of_route, tokens, &mut rows)?;
+        fc1.run(&stream, &rows, &w1, &mut h, &maps.m_splits_i32, None, &mut workspace)?;
+        plan.swiglu(&stream, &h, &maps.offsets, &mut act)
+    })
+    .unwrap();
+    for (name, graph) in [("fused fc1 + SwiGLU (act only)", &fused_graph), ("permute + fc1 + SwiGLU", &unfused_graph)] {
+        let us = common::mean_gpu_us(&stream, 5, 50, || graph.launch().unwrap());
+        println!("fused_fc1_timing_f16 E128 T4096 k8 H2048 F768: {name}: {us:.1} us");
+    }
+}
