@@ -38,6 +38,10 @@ fn random_bf16(rng: &mut StdRng, n: usize, scale: f32) -> Vec<bf16> {
     (0..n).map(|_| bf16::from_f32(rng.random_range(-1.0f32..1.0) * scale)).collect()
 }
 
+fn random_f16(rng: &mut StdRng, n: usize, scale: f32) -> Vec<half::f16> {
+    (0..n).map(|_| half::f16::from_f32(rng.random_range(-1.0f32..1.0) * scale)).collect()
+}
+
 /// Both paths of one shape, with every buffer allocated once.
 struct Runner {
     shape: Shape,
@@ -431,11 +435,9 @@ fn fused_fc1_f16_matches_unfused() {
     let shape = Shape { e: 8, h: 192, f: 256, k: 2, t_max: 160, capacity: None };
     let t = 150;
     let mut rng = StdRng::seed_from_u64(41);
-    let mut h16 = |n: usize, scale: f32| -> Vec<f16> {
-        (0..n).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0) * scale)).collect()
-    };
-    let w1 = stream.clone_htod(&h16(shape.e * 2 * shape.f * shape.h, 1.0 / (shape.h as f32).sqrt())).unwrap();
-    let mut x_host = h16(shape.t_max * shape.h, 1.0);
+    let w1 = random_f16(&mut rng, shape.e * 2 * shape.f * shape.h, 1.0 / (shape.h as f32).sqrt());
+    let w1 = stream.clone_htod(&w1).unwrap();
+    let mut x_host = random_f16(&mut rng, shape.t_max * shape.h, 1.0);
     x_host[t * shape.h..].fill(f16::NAN);
     let x = stream.clone_htod(&x_host).unwrap();
     let ids = stream.clone_htod(&Routes::MessyEvenExperts.ids(&mut rng, shape)).unwrap();
@@ -658,12 +660,9 @@ fn fused_fc1_timing_f16() {
     let _lock = common::capture_lock();
     let shape = Shape { e: 128, h: 2048, f: 768, k: 8, t_max: 4096, capacity: None };
     let mut rng = StdRng::seed_from_u64(13);
-    let mut h16 = |n: usize, scale: f32| -> Vec<f16> {
-        (0..n).map(|_| f16::from_f32(rng.random_range(-1.0f32..1.0) * scale)).collect()
-    };
-    let w1 = stream.clone_htod(&h16(shape.e * 2 * shape.f * shape.h, 1.0 / (shape.h as f32).sqrt())).unwrap();
-    let x = stream.clone_htod(&h16(shape.t_max * shape.h, 1.0)).unwrap();
-    let mut rng = StdRng::seed_from_u64(14);
+    let w1 = random_f16(&mut rng, shape.e * 2 * shape.f * shape.h, 1.0 / (shape.h as f32).sqrt());
+    let w1 = stream.clone_htod(&w1).unwrap();
+    let x = stream.clone_htod(&random_f16(&mut rng, shape.t_max * shape.h, 1.0)).unwrap();
     let ids = stream.clone_htod(&topk_ids(&mut rng, shape.t_max, shape.e, shape.k)).unwrap();
     let plan = RoutingPlan::new(shape.routing(DType::F16)).unwrap();
     let cap = plan.capacity();
