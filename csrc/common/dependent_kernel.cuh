@@ -4,7 +4,6 @@
 // (a few microseconds a boundary, most of a decode-sized kernel's time).
 #pragma once
 
-#include <cstdlib>
 #include <utility>
 
 #include "common/device_primitives.cuh"
@@ -24,10 +23,7 @@ __device__ inline void begin_dependent_kernel() {
 // the environment (read once per process) makes them ordinary launches, whose
 // begin_dependent_kernel is then a no-op: a diagnostic switch, and an A/B of one build.
 inline bool routing_pdl_enabled() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("CAPMOE_ROUTING_PDL");
-    return value == nullptr || value[0] != '0';
-  }();
+  static const bool enabled = env_switch_on("CAPMOE_ROUTING_PDL");
   return enabled;
 }
 
@@ -38,17 +34,8 @@ inline bool routing_pdl_enabled() {
 template <class... Params, class... Args>
 capmoe_status_t launch_dependent(void (*kernel)(Params...), dim3 grid, unsigned threads, size_t smem_bytes,
                                  cudaStream_t stream, Args&&... args) {
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t c = {};
-  c.gridDim = grid;
-  c.blockDim = dim3(threads);
-  c.dynamicSmemBytes = smem_bytes;
-  c.stream = stream;
-  c.attrs = &attr;
-  c.numAttrs = routing_pdl_enabled() ? 1 : 0;
-  return cuda_status(cudaLaunchKernelEx(&c, kernel, std::forward<Args>(args)...));
+  return launch_programmatic(routing_pdl_enabled(), kernel, grid, threads, smem_bytes, stream,
+                             std::forward<Args>(args)...);
 }
 
 }  // namespace capmoe

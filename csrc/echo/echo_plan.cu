@@ -44,6 +44,7 @@
 #include "common/alignment.h"
 #include "common/boundary.cuh"
 #include "common/device_primitives.cuh"
+#include "common/launch.cuh"
 
 namespace capmoe {
 namespace echo {
@@ -1526,24 +1527,10 @@ capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, i
     CAPMOE_TRY(ensure_smem(reinterpret_cast<const void*>(reroute_kernel), rr_smem));
   }
   CAPMOE_TRY(ensure_smem(reinterpret_cast<const void*>(plan_kernel), plan_smem));
-  cudaLaunchConfig_t plan_launch = {};
-  plan_launch.gridDim = dim3((unsigned)(1 + p.num_tiles));
-  plan_launch.blockDim = dim3(kPlanThreads);
-  plan_launch.dynamicSmemBytes = plan_smem;
-  plan_launch.stream = s;
-  CAPMOE_TRY(cuda_status(cudaLaunchKernelEx(&plan_launch, plan_kernel, p)));
+  CAPMOE_TRY(capmoe::launch(plan_kernel, dim3(unsigned(1 + p.num_tiles)), kPlanThreads, plan_smem, s, p));
+  // The reroute waits for the plan (griddepcontrol.wait) before it reads what the plan writes.
   if (p.num_tiles > 0) {
-    cudaLaunchConfig_t lc = {};
-    lc.gridDim = dim3((unsigned)p.num_tiles);
-    lc.blockDim = dim3(kRerouteThreads);
-    lc.dynamicSmemBytes = rr_smem;
-    lc.stream = s;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    lc.attrs = attr;
-    lc.numAttrs = 1;
-    CAPMOE_TRY(cuda_status(cudaLaunchKernelEx(&lc, reroute_kernel, p)));
+    CAPMOE_TRY(launch_programmatic(true, reroute_kernel, dim3(unsigned(p.num_tiles)), kRerouteThreads, rr_smem, s, p));
   }
   return CAPMOE_OK;
 }

@@ -74,17 +74,7 @@ template <class Params>
 capmoe_status_t launch_counter_kernel(void (*kernel)(Params), const Params& params, int grid, int threads,
                                       size_t smem_bytes, cudaStream_t stream) {
   CAPMOE_TRY(cuda_status(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_bytes))));
-  cudaLaunchAttribute attr = {};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(threads);
-  config.dynamicSmemBytes = smem_bytes;
-  config.stream = stream;
-  config.attrs = &attr;
-  config.numAttrs = gemm_pdl_enabled() ? 1 : 0;
-  return cuda_status(cudaLaunchKernelEx(&config, kernel, params));
+  return launch_programmatic(gemm_pdl_enabled(), kernel, grid, threads, smem_bytes, stream, params);
 }
 
 }  // namespace capmoe::gg::counter

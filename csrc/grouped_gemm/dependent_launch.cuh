@@ -5,10 +5,9 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-
 #include "common/boundary.cuh"
 #include "common/device_primitives.cuh"
+#include "common/launch.cuh"
 #include "cutlass/cutlass.h"
 #include "cutlass/device_kernel.h"  // CUTLASS_GRID_CONSTANT
 
@@ -34,10 +33,7 @@ __global__ void __launch_bounds__(Kernel::MaxThreadsPerBlock, Kernel::MinBlocksP
 // finish as any stream order does, and the entry's wait a no-op: a diagnostic switch, so that
 // one GPU run can tell a fault of the programmatic launch from one of the kernel.
 inline bool gemm_pdl_enabled() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("CAPMOE_GEMM_PDL");
-    return value == nullptr || value[0] != '0';
-  }();
+  static const bool enabled = env_switch_on("CAPMOE_GEMM_PDL");
   return enabled;
 }
 

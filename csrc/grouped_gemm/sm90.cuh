@@ -85,11 +85,7 @@ capmoe_status_t Traits<ElementIn, LayoutA, LayoutB, ElementC, ElementD, Config>:
     attrs[count].val.clusterDim.z = 1;
     ++count;
   }
-  if (gemm_pdl_enabled()) {
-    attrs[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[count].val.programmaticStreamSerializationAllowed = 1;
-    ++count;
-  }
+  if (gemm_pdl_enabled()) attrs[count++] = programmatic_serialization();
   cudaLaunchConfig_t config = {};
   config.gridDim = Kernel::get_grid_shape(params);
   config.blockDim = Kernel::get_block_shape();
