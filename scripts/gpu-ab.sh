@@ -11,26 +11,47 @@
 #   OPS       --ops (default wgrad); CONFIGS --configs (default sm90-counter); ROUTING (uniform,zipf)
 #   LAYOUT    --weight-layout (enk); REPS (10); ROUNDS (2)
 #   TESTS=1   first runs B's grouped_gemm_gpu (an experiment is timed only if it is right)
+#   ENVS      instead of A against B: bundle B under each of these environments (separated by
+#             ';', "-" for none), e.g. ENVS="-;CAPMOE_X=1;CAPMOE_X=2": an A/B/... of one
+#             build's runtime switch (TESTS=1 then runs the tests under every one but "-")
 # Results: $OUT/ab_<bundle>_<round>.json, $OUT/ab_table.txt (also printed last).
 set -uo pipefail
 source scripts/device-common.sh
 A=${A:-gpu-bundle-a}; B=${B:-gpu-bundle}
 SHAPES=${SHAPES:-dsv3_ep8_fc1,dsv3_ep8_fc2,qwen3moe_fc1,qwen3moe_fc2,mixtral_fc1,decode_fc1}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} CAPMOE_REQUIRE_GPU=1
-for bundle in "$A" "$B"; do bash scripts/unpack-bundle.sh "$bundle" > /dev/null || exit 2; done
+# The sides: "bundle|environment" (the environment "-" for none).
+if [[ -n "${ENVS:-}" ]]; then
+  IFS=';' read -ra envs <<< "$ENVS"
+  sides=(); for e in "${envs[@]}"; do sides+=("$B|$e"); done
+  bundles=("$B")
+else
+  sides=("$A|-" "$B|-"); bundles=("$A" "$B")
+fi
+for bundle in "${bundles[@]}"; do bash scripts/unpack-bundle.sh "$bundle" > /dev/null || exit 2; done
 gpu_facts
+side_env() { [[ ${1#*|} == - ]] && echo "" || echo "${1#*|}"; }
 if [[ "${TESTS:-0}" == 1 ]]; then
-  timeout -k 10 "$(limit 240 120)" "$B/run/tests/grouped_gemm_gpu" --test-threads=1 > /tmp/ab_tests.txt 2>&1
-  echo "grouped_gemm_gpu ($B) rc=$?: $(grep 'test result' /tmp/ab_tests.txt)"
+  for side in "${sides[@]}"; do
+    [[ -n "${ENVS:-}" && ${side#*|} == - ]] && continue
+    [[ -z "${ENVS:-}" && ${side%%|*} != "$B" ]] && continue
+    read -ra assign <<< "$(side_env "$side")"
+    env "${assign[@]}" timeout -k 10 "$(limit 240 120)" "${side%%|*}/run/tests/grouped_gemm_gpu" --test-threads=1 \
+      > /tmp/ab_tests.txt 2>&1
+    echo "grouped_gemm_gpu ($side) rc=$?: $(grep 'test result' /tmp/ab_tests.txt)"
+    cat /tmp/ab_tests.txt >> "$OUT/ab_tests.txt"
+  done
 fi
 for round in $(seq 1 "${ROUNDS:-2}"); do
-  for bundle in "$A" "$B"; do
-    if out_of_budget 60 10; then echo "$bundle round $round: not run (budget)"; continue; fi
-    name=$(basename "$bundle")_$round
-    timeout -k 10 "$(limit 240 10)" "$bundle/run/bin/capmoe-bench" --sweep --shapes "$SHAPES" \
+  for i in "${!sides[@]}"; do
+    side=${sides[$i]}; bundle=${side%%|*}
+    read -ra assign <<< "$(side_env "$side")"
+    if out_of_budget 60 10; then echo "$side round $round: not run (budget)"; continue; fi
+    name=${i}_$(basename "$bundle")_$round
+    env "${assign[@]}" timeout -k 10 "$(limit 240 10)" "$bundle/run/bin/capmoe-bench" --sweep --shapes "$SHAPES" \
       --routing "${ROUTING:-uniform,zipf}" --ops "${OPS:-wgrad}" --configs "${CONFIGS:-sm90-counter}" \
       --weight-layout "${LAYOUT:-enk}" --reps "${REPS:-10}" --out "/tmp/ab_$name" > "/tmp/ab_$name.log" 2>&1
-    echo "$bundle round $round rc=$?"
+    echo "$side round $round rc=$? (ab_$name)"
     cp /tmp/ab_"$name"/*.json "$OUT/ab_$name.json" 2> /dev/null
   done
 done
