@@ -38,6 +38,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
+#include <string>
+
 #include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
@@ -397,6 +400,459 @@ __global__ void __launch_bounds__(kThreads, 1) counter_wgrad_kernel(const __grid
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The column-split form (experiment, CAPMOE_COUNTER_WGRAD=split<A><B>): the same tiles, maps
+// and tile order, but consumer warpgroup c owns columns [n0 + 128c, n0 + 128c + 128) of the
+// tile (all 128 rows: two 64x128x16 wgmmas per 16-row step) and runs at its own pace, so that
+// one's epilogue runs while the other's MMAs keep the tensor cores busy. A (the 128 columns
+// that become dW's rows) is shared, in a ring of kStagesA stages; each warpgroup's B half has
+// a ring of kStagesB of its own, so the second warpgroup can lag the first without holding the
+// first's B loads back. Warpgroup 1 writes a tile's output only after warpgroup 0 has written
+// its own (a counter in shared memory), which keeps them half an epilogue apart: left alone
+// they fall into step and both epilogues stop the tensor cores at once. Each warpgroup has
+// its output tile (32 KB); a storer thread sends them out by TMA store, so the consumers never
+// wait for a store's progress. Roles (384 threads): thread 0 claims tiles and loads A and B
+// half 0; thread 32 follows the tiles thread 0 publishes and loads half 1; thread 64 stores;
+// warpgroups 1 and 2 consume.
+namespace split {
+
+constexpr int kHalfN = kTileN / 2;  // columns of one consumer warpgroup
+constexpr int kHalfBoxes = kHalfN / kBox;
+constexpr int kRowBoxes = kTileM / kBox;  // 64-row boxes of an output tile
+constexpr int kConsumerBarrier = 2;       // + c: consumer warpgroup c's 128 threads
+
+template <class T>
+using MmaOp = decltype(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kHalfN>, _16>, GMMA::Major::MN,
+                                            GMMA::Major::MN>());
+
+template <class T, int kStagesA_, int kStagesB_>
+struct Kernel {
+  static constexpr int kStagesA = kStagesA_, kStagesB = kStagesB_;
+  using TiledMma = decltype(make_tiled_mma(MmaOp<T>{}, Layout<Shape<_1, _1, _1>>{}));
+  using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
+                                             Shape<Int<kTileM>, Int<kTileK>, Int<kStagesA>>{}, Step<_2, _1, _3>{}));
+  using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
+                                             Shape<Int<kHalfN>, Int<kTileK>, Int<kStagesB>>{}, Step<_2, _1, _3>{}));
+  static constexpr int kStageElemsA = kTileM * kTileK;
+  static constexpr int kStageElemsB = kHalfN * kTileK;
+  static constexpr int kBoxElems = kBox * kTileK;
+  static constexpr uint32_t kStageBytesA = kStageElemsA * sizeof(T);
+  static constexpr uint32_t kStageBytesB = kStageElemsB * sizeof(T);
+
+  struct Shared {
+    alignas(1024) T a[cosize_v<SmemLayoutA>];
+    alignas(1024) T b[2][cosize_v<SmemLayoutB>];
+    alignas(1024) T out[2][kTileM * kHalfN];  // per consumer: box 2h + c holds rows 64h.., columns 64c..
+    uint64_t full_a[kStagesA], empty_a[kStagesA], masked_a[kStagesA];
+    uint64_t full_b[2][kStagesB], empty_b[2][kStagesB];
+    uint64_t out_written[2], out_free[2];
+    int32_t stage_tile[kStagesA], stage_row0[kStagesA], stage_rows[kStagesA];  // per tile's first A stage
+    int32_t out_expert[2], out_m0[2], out_n0[2];  // the tile in out[c] (out_expert < 0: no more)
+    int32_t first_written;                        // tiles consumer 0 has written
+  };
+  static constexpr size_t kSmemBytes = sizeof(Shared) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "sm_90a allows 227 KB of dynamic shared memory per CTA");
+
+  using PlainA = decltype(get_nonswizzle_portion(SmemLayoutA{}));
+  using PlainB = decltype(get_nonswizzle_portion(SmemLayoutB{}));
+  static_assert(PlainA{}(_1{}, _0{}, _0{}) == 1 && PlainA{}(_0{}, _1{}, _0{}) == kBox &&
+                PlainA{}(Int<kBox>{}, _0{}, _0{}) == kBoxElems && PlainA{}(_0{}, _0{}, _1{}) == kStageElemsA);
+  static_assert(PlainB{}(_1{}, _0{}, _0{}) == 1 && PlainB{}(_0{}, _1{}, _0{}) == kBox &&
+                PlainB{}(Int<kBox>{}, _0{}, _0{}) == kBoxElems && PlainB{}(_0{}, _0{}, _1{}) == kStageElemsB);
+  static_assert(cosize_v<SmemLayoutA> == kStagesA * kStageElemsA && cosize_v<SmemLayoutB> == kStagesB * kStageElemsB);
+};
+
+// Tile `tile`'s corner and expert (its rows come from the stage it was published in).
+__device__ __forceinline__ WgradTile locate_corner(const Params& p, int tile, int row0, int rows) {
+  const int per_expert = p.m_tiles * p.n_tiles;
+  const int e = tile / per_expert, r = tile - e * per_expert;
+  const bool m_fastest = p.m_tiles <= p.n_tiles;
+  const int m = m_fastest ? r % p.m_tiles : r / p.n_tiles, n = m_fastest ? r / p.m_tiles : r % p.n_tiles;
+  return {e, m * kTileM, n * kTileN, row0, rows};
+}
+
+template <class K, class T>
+__device__ __forceinline__ void load_boxes(const CUtensorMap* map, uint64_t* full, T* stage, int boxes, int col0,
+                                           int row0) {
+  constexpr uint64_t hint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
+  for (int c = 0; c < boxes; ++c)
+    SM90_TMA_LOAD_2D::copy(map, full, hint, stage + c * K::kBoxElems, col0 + c * kBox, row0);
+}
+
+// Thread 0: claims tiles, publishes each in the A stage of its first K block (with its rows,
+// read from the argument kernel's offsets), loads A and B half 0; then the stop stage.
+template <class K, class T>
+__device__ void produce_a(const Params& p, typename K::Shared& s, int total_tiles) {
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  const fused::TileSchedule schedule{p.schedule};
+  StageRing<K::kStagesA> ring_a;
+  StageRing<K::kStagesB> ring_b;
+  const int per_expert = p.m_tiles * p.n_tiles;
+  int claimed = schedule.take();
+  for (;;) {
+    const int tile = claimed;
+    if (tile >= total_tiles) break;
+    claimed = schedule.take();  // in flight while this tile loads
+    const int e = tile / per_expert;
+    const int row0 = int(p.row_offsets[e]), rows = int(p.row_offsets[e + 1]) - row0;
+    const WgradTile t = locate_corner(p, tile, row0, rows);
+    const int k_blocks = t.k_blocks();
+    for (int kb = 0; kb < max(k_blocks, 1); ++kb) {
+      const int sa = ring_a.stage;
+      fused::wait_barrier(&s.empty_a[sa], ring_a.phase ^ 1, "split wgrad producer, empty A");
+      if (kb == 0) {
+        s.stage_row0[sa] = row0;
+        s.stage_rows[sa] = rows;
+        fused::publish_stage_tile(s.stage_tile, sa, tile);
+      }
+      if (k_blocks == 0) {
+        Barrier::arrive(&s.full_a[sa]);
+      } else {
+        const int block_row = row0 + kb * kTileK;
+        Barrier::arrive_and_expect_tx(&s.full_a[sa], K::kStageBytesA);
+        load_boxes<K>(&p.a_map, &s.full_a[sa], s.a + sa * K::kStageElemsA, kABoxes, t.m0, block_row);
+        const int sb = ring_b.stage;
+        fused::wait_barrier(&s.empty_b[0][sb], ring_b.phase ^ 1, "split wgrad producer, empty B0");
+        Barrier::arrive_and_expect_tx(&s.full_b[0][sb], K::kStageBytesB);
+        load_boxes<K>(&p.b_map, &s.full_b[0][sb], s.b[0] + sb * K::kStageElemsB, kHalfBoxes, t.n0, block_row);
+        ring_b.advance();
+      }
+      ring_a.advance();
+    }
+  }
+  fused::wait_barrier(&s.empty_a[ring_a.stage], ring_a.phase ^ 1, "split wgrad producer, empty A (end)");
+  fused::publish_stage_tile(s.stage_tile, ring_a.stage, fused::kNoMoreTiles);
+  Barrier::arrive(&s.full_a[ring_a.stage]);
+  schedule.finish();
+}
+
+// Thread 32: B half 1 of every K block, following the tiles thread 0 publishes. It arrives on
+// every A stage's empty barrier too, so that a stage's published tile is not overwritten
+// before it has read it (the consumers of an expert without rows release the stage at once).
+template <class K, class T>
+__device__ void produce_b1(const Params& p, typename K::Shared& s) {
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  StageRing<K::kStagesA> ring_a;
+  StageRing<K::kStagesB> ring_b;
+  for (;;) {
+    fused::wait_barrier(&s.full_a[ring_a.stage], ring_a.phase, "split wgrad B1 producer, tile");
+    const int tile = fused::read_stage_tile(s.stage_tile, ring_a.stage);
+    if (tile == fused::kNoMoreTiles) break;
+    const WgradTile t = locate_corner(p, tile, s.stage_row0[ring_a.stage], s.stage_rows[ring_a.stage]);
+    const int k_blocks = t.k_blocks();
+    for (int kb = 0; kb < max(k_blocks, 1); ++kb) {
+      if (k_blocks > 0) {
+        const int sb = ring_b.stage;
+        fused::wait_barrier(&s.empty_b[1][sb], ring_b.phase ^ 1, "split wgrad B1 producer, empty");
+        Barrier::arrive_and_expect_tx(&s.full_b[1][sb], K::kStageBytesB);
+        load_boxes<K>(&p.b_map, &s.full_b[1][sb], s.b[1] + sb * K::kStageElemsB, kHalfBoxes, t.n0 + kHalfN,
+                      t.row0 + kb * kTileK);
+        ring_b.advance();
+      }
+      // Only once the stage holds this block does the arrival count for this block's lap
+      // (consumer 1 may run ahead of consumer 0 within a tile, and this thread with it).
+      if (kb > 0) fused::wait_barrier(&s.full_a[ring_a.stage], ring_a.phase, "split wgrad B1 producer, A");
+      Barrier::arrive(&s.empty_a[ring_a.stage]);
+      ring_a.advance();
+    }
+  }
+}
+
+// Thread 64: the consumers' output tiles in their order (0, 1, 0, 1, ...), out by TMA store.
+// A tile's store group is waited on (its shared memory read) only once the next tile's stores
+// are issued; then that tile's consumer may write its output tile again.
+template <class K, class T>
+__device__ void store_tiles(const Params& p, typename K::Shared& s) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  for (uint32_t k = 0;; ++k) {
+    const int c = k & 1;
+    fused::wait_barrier(&s.out_written[c], (k >> 1) & 1, "split wgrad storer");
+    const int expert = *reinterpret_cast<volatile int32_t*>(&s.out_expert[c]);
+    if (expert < 0) break;
+    const int m0 = *reinterpret_cast<volatile int32_t*>(&s.out_m0[c]);
+    const int n0 = *reinterpret_cast<volatile int32_t*>(&s.out_n0[c]);
+#pragma unroll
+    for (int h = 0; h < kRowBoxes; ++h)
+#pragma unroll
+      for (int b = 0; b < kHalfBoxes; ++b)
+        SM90_TMA_STORE_3D::copy(&p.d_map, s.out[c] + (h * kHalfBoxes + b) * K::kBoxElems, n0 + b * kBox,
+                                m0 + h * kBox, expert);
+    tma_store_arrive();
+    if (k > 0) {
+      tma_store_wait<1>();  // the other consumer's last tile has been read
+      Barrier::arrive(&s.out_free[c ^ 1]);
+    }
+  }
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");  // complete before the grid is
+}
+
+// Value i = 64h + 4g + 2r + c of a consumer's accumulators holds row m0 + 64h + 8r, column
+// 8g + 2 (lane % 4) + c of its 128 x 128 half tile. Traps otherwise; returns m0.
+template <class Coords>
+__device__ int check_split_accumulator_layout(const Coords& coords) {
+  const int m0 = get<0>(coords(0));
+  const int quad_lane = threadIdx.x & 3;
+#pragma unroll
+  for (int i = 0; i < decltype(size(coords))::value; ++i) {
+    const int h = i / 64, g = (i % 64) / 4, r = (i / 2) % 2, c = i % 2;
+    if (get<0>(coords(i)) != m0 + 64 * h + 8 * r || get<1>(coords(i)) != 8 * g + 2 * quad_lane + c) __trap();
+  }
+  return m0;
+}
+
+// Rows [first, end) of `boxes` 64-column boxes from `base`, zeroed by the warpgroup's 128 threads.
+template <class K, class T>
+__device__ __forceinline__ void zero_rows(T* base, int boxes, int first, int end, int thread) {
+  constexpr int kChunks = kBox * sizeof(T) / 16;
+  const int rows = end - first;
+  const int items = rows * boxes * kChunks;
+  for (int i = thread; i < items; i += 128) {
+    const int chunk = i % kChunks, line = i / kChunks;
+    const int row = first + line % rows, box = line / rows;
+    reinterpret_cast<uint4*>(base + box * K::kBoxElems + row * kBox)[chunk] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <int kSteps, class Mma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void issue_split_steps(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc, int sa,
+                                                  int sb) {
+  warpgroup_arrive();
+#pragma unroll
+  for (int k = 0; k < kSteps; ++k) {
+    cute::gemm(mma, tCrA(_, _, k, sa), tCrB(_, _, k, sb), acc);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+}
+
+// Consumer c's place in its two rings and its barrier bookkeeping.
+template <class K>
+struct ConsumerState {
+  StageRing<K::kStagesA> ring_a;
+  StageRing<K::kStagesB> ring_b;
+  uint32_t masked_phase = 0;  // bit s: the parity of masked_a[s]'s next phase
+  int tiles_done = 0;
+};
+
+// Consumer c's mainloop over one tile of k_blocks >= 1 blocks (as mma_tile above, over two
+// rings). In the last block the rows past the expert's end are zeroed: each warpgroup its B
+// half, warpgroup 0 the shared A, which warpgroup 1 reads only after masked_a says so.
+template <class K, class T, class Mma, class FragA, class FragB, class Acc>
+__device__ __forceinline__ void mma_split_tile(ConsumerState<K>& cs, typename K::Shared& s, const WgradTile& t, int c,
+                                               bool warp_leader, int thread, Mma& mma, FragA& tCrA, FragB& tCrB,
+                                               Acc& acc) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  constexpr int kSteps = kTileK / kStepRows;
+  const int last = t.k_blocks() - 1;
+  mma.accumulate_ = GMMA::ScaleOut::Zero;
+  int prev_a = -1, prev_b = -1;
+  auto wait_full = [&] {
+    fused::wait_barrier(&s.full_a[cs.ring_a.stage], cs.ring_a.phase, "split wgrad consumer, full A");
+    fused::wait_barrier(&s.full_b[c][cs.ring_b.stage], cs.ring_b.phase, "split wgrad consumer, full B");
+    __syncwarp();
+  };
+  auto release = [&](int sa, int sb) {
+    if (warp_leader) {
+      Barrier::arrive(&s.empty_a[sa]);
+      Barrier::arrive(&s.empty_b[c][sb]);
+    }
+  };
+  for (int kb = 0; kb < last; ++kb) {
+    wait_full();
+    warpgroup_fence_operand(acc);
+    issue_split_steps<kSteps>(mma, tCrA, tCrB, acc, cs.ring_a.stage, cs.ring_b.stage);
+    warpgroup_wait<1>();
+    warpgroup_fence_operand(acc);
+    if (prev_a >= 0) release(prev_a, prev_b);
+    prev_a = cs.ring_a.stage;
+    prev_b = cs.ring_b.stage;
+    cs.ring_a.advance();
+    cs.ring_b.advance();
+  }
+  wait_full();
+  const int sa = cs.ring_a.stage, sb = cs.ring_b.stage;
+  const int rows = t.rows - last * kTileK;  // 1..64
+  const int steps = (rows + kStepRows - 1) / kStepRows;
+  if (rows % kStepRows != 0) {
+    zero_rows<K>(s.b[c] + sb * K::kStageElemsB, kHalfBoxes, rows, steps * kStepRows, thread);
+    if (c == 0) zero_rows<K>(s.a + sa * K::kStageElemsA, kABoxes, rows, steps * kStepRows, thread);
+    cutlass::arch::fence_view_async_shared();
+    named_barrier(kConsumerBarrier + c, 128);
+    if (c == 0) {
+      if (thread == 0) Barrier::arrive(&s.masked_a[sa]);
+    } else {
+      fused::wait_barrier(&s.masked_a[sa], (cs.masked_phase >> sa) & 1, "split wgrad consumer 1, masked A");
+      __syncwarp();
+    }
+    cs.masked_phase ^= 1u << sa;  // both consumers count every masked use of the stage
+  }
+  warpgroup_fence_operand(acc);
+  switch (steps) {
+    case 1: issue_split_steps<1>(mma, tCrA, tCrB, acc, sa, sb); break;
+    case 2: issue_split_steps<2>(mma, tCrA, tCrB, acc, sa, sb); break;
+    case 3: issue_split_steps<3>(mma, tCrA, tCrB, acc, sa, sb); break;
+    default: issue_split_steps<kSteps>(mma, tCrA, tCrB, acc, sa, sb); break;
+  }
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(acc);
+  if (prev_a >= 0) release(prev_a, prev_b);
+  release(sa, sb);
+  cs.ring_a.advance();
+  cs.ring_b.advance();
+}
+
+// Waits until out[c] may take consumer c's next tile (the storer has read its previous one)
+// and, for consumer 1, until consumer 0 has written the same tile (the header says why).
+template <class Shared>
+__device__ __forceinline__ void wait_out_turn(Shared& s, int c, int tiles_done) {
+  if (tiles_done > 0) fused::wait_barrier(&s.out_free[c], uint32_t(tiles_done - 1) & 1, "split wgrad consumer, out");
+  if (c == 1) {
+    while (*reinterpret_cast<volatile int32_t*>(&s.first_written) <= tiles_done) {
+    }
+  }
+}
+
+// Consumer c's half tile, rounded to T, into out[c], handed to the storer.
+template <class K, class T, class Accum>
+__device__ __forceinline__ void write_out(typename K::Shared& s, const WgradTile& t, const Accum& acc, int row, int c,
+                                          int thread) {
+  constexpr int kGroups = kHalfN / 8;
+  static_assert(decltype(size(acc))::value == 2 * 4 * kGroups, "two row halves x two rows x two columns per group");
+  T* out = s.out[c];
+  // As store_tile above: 16-byte chunk (g % 8) XOR (m % 8) of line m, this lane's word of it.
+  uint32_t* chunk_word[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+    chunk_word[j] = reinterpret_cast<uint32_t*>(out + row * kBox + ((j ^ (row % 8)) * 8)) + (threadIdx.x & 3);
+#pragma unroll
+  for (int h = 0; h < kRowBoxes; ++h) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+        const int i = 64 * h + 4 * g + 2 * r;
+        chunk_word[g % 8][((h * kHalfBoxes + g / 8) * K::kBoxElems + 8 * r * kBox) / 2] =
+            fused::Pair<T>::pack(acc(i), acc(i + 1));
+      }
+    }
+  }
+  cutlass::arch::fence_view_async_shared();  // the tile, generic proxy -> TMA's reads
+  named_barrier(kConsumerBarrier + c, 128);
+  if (thread == 0) {
+    s.out_expert[c] = t.expert;
+    s.out_m0[c] = t.m0;
+    s.out_n0[c] = t.n0 + c * kHalfN;
+    cutlass::arch::ClusterBarrier::arrive(&s.out_written[c]);
+    if (c == 0) atomicAdd(&s.first_written, 1);
+  }
+}
+
+template <class K, class T>
+__device__ void consume(const Params& p, typename K::Shared& s) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  const int c = (threadIdx.x - 128) / 128;
+  const int thread = threadIdx.x % 128;
+  const bool warp_leader = (threadIdx.x & 31) == 0;
+
+  typename K::TiledMma mma;
+  Tensor sA = make_tensor(make_smem_ptr(s.a), typename K::SmemLayoutA{});
+  Tensor sB = make_tensor(make_smem_ptr(s.b[c]), typename K::SmemLayoutB{});
+  auto thr = mma.get_thread_slice(thread);
+  Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));
+  Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
+  Tensor acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<kHalfN>>{});
+  Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kHalfN>>{}));
+  const int row = check_split_accumulator_layout(coords);
+
+  ConsumerState<K> cs;
+  for (;;) {
+    const int sa = cs.ring_a.stage;
+    const int tile = fused::next_published_tile(cs.ring_a, s.full_a, s.stage_tile);
+    if (tile == fused::kNoMoreTiles) break;
+    // Lane 0 reads, as next_published_tile does: it is the lane that releases the stage.
+    int row0 = 0, rows = 0;
+    if ((threadIdx.x & 31) == 0) {
+      row0 = s.stage_row0[sa];
+      rows = s.stage_rows[sa];
+    }
+    row0 = __shfl_sync(0xffffffffu, row0, 0);
+    rows = __shfl_sync(0xffffffffu, rows, 0);
+    const WgradTile t = locate_corner(p, tile, row0, rows);
+    if (t.rows == 0) {
+      if (warp_leader) Barrier::arrive(&s.empty_a[sa]);
+      cs.ring_a.advance();
+#pragma unroll
+      for (int i = 0; i < size(acc); ++i) acc(i) = 0.0f;
+    } else {
+      mma_split_tile<K, T>(cs, s, t, c, warp_leader, thread, mma, tCrA, tCrB, acc);
+    }
+    wait_out_turn(s, c, cs.tiles_done);
+    write_out<K, T>(s, t, acc, row, c, thread);
+    ++cs.tiles_done;
+  }
+  // Consumer 0's output tile is the storer's next: it tells the storer there are no more.
+  if (c == 0) {
+    wait_out_turn(s, 0, cs.tiles_done);
+    if (thread == 0) {
+      s.out_expert[0] = -1;
+      Barrier::arrive(&s.out_written[0]);
+    }
+  }
+}
+
+template <class K, class T>
+__global__ void __launch_bounds__(kThreads, 1) split_wgrad_kernel(const __grid_constant__ Params p) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  extern __shared__ uint8_t raw[];
+  auto& s = fused::aligned_shared<typename K::Shared>(raw);
+  const int warp = threadIdx.x / 32;
+
+  if (threadIdx.x == 32) {
+    for (int i = 0; i < K::kStagesA; ++i) {
+      Barrier::init(&s.full_a[i], 1);
+      Barrier::init(&s.empty_a[i], kConsumerWarps + 1);  // + the B1 producer
+      Barrier::init(&s.masked_a[i], 1);
+    }
+    for (int c = 0; c < 2; ++c) {
+      for (int i = 0; i < K::kStagesB; ++i) {
+        Barrier::init(&s.full_b[c][i], 1);
+        Barrier::init(&s.empty_b[c][i], kConsumerWarps / 2);
+      }
+      Barrier::init(&s.out_written[c], 1);
+      Barrier::init(&s.out_free[c], 1);
+    }
+    s.first_written = 0;
+    cutlass::arch::fence_barrier_init();
+  }
+  if (threadIdx.x == 64) {
+    cute::prefetch_tma_descriptor(&p.a_map);
+    cute::prefetch_tma_descriptor(&p.b_map);
+    cute::prefetch_tma_descriptor(&p.d_map);
+  }
+  grid_dependency_wait();  // nothing the argument kernel writes is read before this
+  __syncthreads();
+
+  const int total_tiles = p.experts * p.m_tiles * p.n_tiles;
+  if (warp < 4) {
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 0) produce_a<K, T>(p, s, total_tiles);
+    if (threadIdx.x == 32) produce_b1<K, T>(p, s);
+    if (threadIdx.x == 64) store_tiles<K, T>(p, s);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<232>();
+    consume<K, T>(p, s);
+  }
+}
+
+template <class T, int kStagesA, int kStagesB>
+capmoe_status_t launch_split(const Params& p, int grid, cudaStream_t stream) {
+  using K = Kernel<T, kStagesA, kStagesB>;
+  return launch_counter_kernel(&split_wgrad_kernel<K, T>, p, grid, kThreads, K::kSmemBytes, stream);
+}
+
+}  // namespace split
+
+
 // The operands as the kernel sees them: A's columns are dW's rows, B's its columns.
 struct WgradOperands {
   const void* a;
@@ -427,6 +883,17 @@ capmoe_status_t encode_maps(const capmoe_grouped_gemm_desc_t& d, const WgradOper
   return tma_encode(&p->d_map, d.dtype, dw, 3, d_dims, d_strides, box);
 }
 
+// Experiment switch: CAPMOE_COUNTER_WGRAD=split43 / split52 / split62 takes the column-split
+// kernel with that many A / B stages; anything else the cooperative one.
+int split_form() {
+  static const int form = [] {
+    const char* v = std::getenv("CAPMOE_COUNTER_WGRAD");
+    const std::string s = v ? v : "";
+    return s == "split43" ? 43 : s == "split52" ? 52 : s == "split62" ? 62 : 0;
+  }();
+  return form;
+}
+
 // The VariantFn body: T the element type.
 template <class T>
 capmoe_status_t run(const Launch& launch, uint64_t* workspace_bytes) {
@@ -455,6 +922,12 @@ capmoe_status_t run(const Launch& launch, uint64_t* workspace_bytes) {
   // Every expert's tiles run, those without rows to write zeros: the grid is never empty.
   const int64_t tiles = counter_wgrad_tiles(d);
   const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
+  switch (split_form()) {
+    case 43: return split::launch_split<T, 4, 3>(p, grid, launch.stream);
+    case 52: return split::launch_split<T, 5, 2>(p, grid, launch.stream);
+    case 62: return split::launch_split<T, 6, 2>(p, grid, launch.stream);
+    default: break;
+  }
   return launch_counter_kernel(&counter_wgrad_kernel<T>, p, grid, kThreads, Kernel<T>::kSmemBytes, launch.stream);
 }
 
