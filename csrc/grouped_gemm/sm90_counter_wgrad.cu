@@ -408,7 +408,7 @@ __global__ void __launch_bounds__(kThreads, 1) counter_wgrad_kernel(const __grid
 // that become dW's rows) is shared, in a ring of kStagesA stages; each warpgroup's B half has
 // a ring of kStagesB of its own, so the second warpgroup can lag the first without holding the
 // first's B loads back. Warpgroup 1 writes a tile's output only after warpgroup 0 has written
-// its own (a counter in shared memory), which keeps them half an epilogue apart: left alone
+// its own (out_written[0], which the storer waits on too), which keeps them half an epilogue apart: left alone
 // they fall into step and both epilogues stop the tensor cores at once. Each warpgroup has
 // its output tile (32 KB); a storer thread sends them out by TMA store, so the consumers never
 // wait for a store's progress. Roles (384 threads): thread 0 claims tiles and loads A and B
@@ -448,7 +448,6 @@ struct Kernel {
     uint64_t out_written[2], out_free[2];
     int32_t stage_tile[kStagesA], stage_row0[kStagesA], stage_rows[kStagesA];  // per tile's first A stage
     int32_t out_expert[2], out_m0[2], out_n0[2];  // the tile in out[c] (out_expert < 0: no more)
-    int32_t first_written;                        // tiles consumer 0 has written
   };
   static constexpr size_t kSmemBytes = sizeof(Shared) + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "sm_90a allows 227 KB of dynamic shared memory per CTA");
@@ -706,10 +705,9 @@ __device__ __forceinline__ void mma_split_tile(ConsumerState<K>& cs, typename K:
 template <class Shared>
 __device__ __forceinline__ void wait_out_turn(Shared& s, int c, int tiles_done) {
   if (tiles_done > 0) fused::wait_barrier(&s.out_free[c], uint32_t(tiles_done - 1) & 1, "split wgrad consumer, out");
-  if (c == 1) {
-    while (*reinterpret_cast<volatile int32_t*>(&s.first_written) <= tiles_done) {
-    }
-  }
+  // Consumer 0 cannot have written a tile past this one (its next turn needs this tile of
+  // consumer 1's stored), so the parity names one phase.
+  if (c == 1) fused::wait_barrier(&s.out_written[0], uint32_t(tiles_done) & 1, "split wgrad consumer 1, order");
 }
 
 // Consumer c's half tile, rounded to T, into out[c], handed to the storer.
@@ -743,7 +741,6 @@ __device__ __forceinline__ void write_out(typename K::Shared& s, const WgradTile
     s.out_m0[c] = t.m0;
     s.out_n0[c] = t.n0 + c * kHalfN;
     cutlass::arch::ClusterBarrier::arrive(&s.out_written[c]);
-    if (c == 0) atomicAdd(&s.first_written, 1);
   }
 }
 
@@ -821,7 +818,6 @@ __global__ void __launch_bounds__(kThreads, 1) split_wgrad_kernel(const __grid_c
       Barrier::init(&s.out_written[c], 1);
       Barrier::init(&s.out_free[c], 1);
     }
-    s.first_written = 0;
     cutlass::arch::fence_barrier_init();
   }
   if (threadIdx.x == 64) {
