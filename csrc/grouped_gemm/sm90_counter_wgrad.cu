@@ -20,6 +20,10 @@
 //  - tiles handed out by the device counter (fused/tile_source.cuh's CountedTiles), so experts
 //    of unequal row counts balance over the CTAs.
 //
+// A second form of the kernel, the column-split one (namespace split below, chosen by
+// CAPMOE_COUNTER_WGRAD while it is measured), overlaps one consumer's epilogue with the other's
+// MMAs; bench/README.md has what it measured.
+//
 // MMA view: the GEMM's M is dW's row (128 a tile), N its column (256), K the expert's rows.
 // Both operands are MN-major (a row of dY or X is contiguous in the columns that become dW's
 // rows or columns): each TMA box is 64 columns x 64 rows, 128-byte swizzled, which is one
