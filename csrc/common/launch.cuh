@@ -30,8 +30,7 @@ inline cudaLaunchAttribute programmatic_serialization() {
 // kernel<<<grid, threads, smem_bytes, stream>>>(args...) (blocks are one-dimensional), or, when
 // `programmatic`, a programmatic dependent launch: its blocks may start while the kernel before
 // still runs. Only for kernels that wait (griddepcontrol.wait) before their first access to
-// anything the kernel before writes; the kernel after a programmatic one starts when this one
-// triggers it or ends.
+// anything the kernel before writes.
 template <class... Params, class... Args>
 capmoe_status_t launch_programmatic(bool programmatic, void (*kernel)(Params...), dim3 grid, unsigned threads,
                                     size_t smem_bytes, cudaStream_t stream, Args&&... args) {

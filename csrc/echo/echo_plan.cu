@@ -1530,7 +1530,8 @@ capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, i
   CAPMOE_TRY(capmoe::launch(plan_kernel, dim3(unsigned(1 + p.num_tiles)), kPlanThreads, plan_smem, s, p));
   // The reroute waits for the plan (griddepcontrol.wait) before it reads what the plan writes.
   if (p.num_tiles > 0) {
-    CAPMOE_TRY(launch_programmatic(true, reroute_kernel, dim3(unsigned(p.num_tiles)), kRerouteThreads, rr_smem, s, p));
+    CAPMOE_TRY(
+        launch_programmatic(true, reroute_kernel, dim3(unsigned(p.num_tiles)), kRerouteThreads, rr_smem, s, p));
   }
   return CAPMOE_OK;
 }
