@@ -148,7 +148,18 @@ struct WgradTile {
 };
 
 // Tile `tile` of the list: every expert owns m_tiles x n_tiles tiles (dW's shape is fixed); the
-// side with fewer tiles runs fastest (the header says why).
+// side with fewer tiles runs fastest (the header says why). Its rows are the caller's (the split
+// form's consumers read them from the stage the tile was published in).
+__device__ __forceinline__ WgradTile locate_corner(const Params& p, int tile, int row0, int rows) {
+  const int per_expert = p.m_tiles * p.n_tiles;
+  const int e = tile / per_expert, r = tile - e * per_expert;
+  const bool m_fastest = p.m_tiles <= p.n_tiles;
+  const int m = m_fastest ? r % p.m_tiles : r / p.n_tiles, n = m_fastest ? r / p.m_tiles : r % p.n_tiles;
+  return {e, m * kTileM, n * kTileN, row0, rows};
+}
+
+// The same, its rows from every expert's row start. NOTE: not written over locate_corner, which
+// changes the cooperative kernel's generated code (same results), unmeasured while no GPU ran it.
 __device__ __forceinline__ WgradTile locate(const Params& p, int tile, const int32_t* row_start) {
   const int per_expert = p.m_tiles * p.n_tiles;
   const int e = tile / per_expert, r = tile - e * per_expert;
@@ -225,13 +236,15 @@ __device__ __forceinline__ void zero_stage_rows(T* a_stage, T* b_stage, int firs
   }
 }
 
-// One batch of wgmmas over the first kSteps 16-row steps of a stage.
+// One batch of wgmmas over the first kSteps 16-row steps of a stage (A's and B's: the split
+// form keeps them in separate rings).
 template <int kSteps, class Mma, class FragA, class FragB, class Acc>
-__device__ __forceinline__ void issue_steps(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc, int stage) {
+__device__ __forceinline__ void issue_steps(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc, int stage_a,
+                                            int stage_b) {
   warpgroup_arrive();
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
-    cute::gemm(mma, tCrA(_, _, k, stage), tCrB(_, _, k, stage), acc);
+    cute::gemm(mma, tCrA(_, _, k, stage_a), tCrB(_, _, k, stage_b), acc);
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
@@ -260,7 +273,7 @@ __device__ __forceinline__ void mma_tile(StageRing<kStages>& ring, typename Kern
     const int stage = ring.stage;
     wait_full(stage);
     warpgroup_fence_operand(acc);
-    issue_steps<kSteps>(mma, tCrA, tCrB, acc, stage);
+    issue_steps<kSteps>(mma, tCrA, tCrB, acc, stage, stage);
     // Keep one batch in flight: the previous stage's wgmmas are done once this returns.
     warpgroup_wait<1>();
     warpgroup_fence_operand(acc);
@@ -282,10 +295,10 @@ __device__ __forceinline__ void mma_tile(StageRing<kStages>& ring, typename Kern
   // Each branch a whole batch (arrive, wgmmas, commit): wgmmas under a condition inside one
   // batch are serialized by ptxas (C7520).
   switch (steps) {
-    case 1: issue_steps<1>(mma, tCrA, tCrB, acc, stage); break;
-    case 2: issue_steps<2>(mma, tCrA, tCrB, acc, stage); break;
-    case 3: issue_steps<3>(mma, tCrA, tCrB, acc, stage); break;
-    default: issue_steps<kSteps>(mma, tCrA, tCrB, acc, stage); break;
+    case 1: issue_steps<1>(mma, tCrA, tCrB, acc, stage, stage); break;
+    case 2: issue_steps<2>(mma, tCrA, tCrB, acc, stage, stage); break;
+    case 3: issue_steps<3>(mma, tCrA, tCrB, acc, stage, stage); break;
+    default: issue_steps<kSteps>(mma, tCrA, tCrB, acc, stage, stage); break;
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
@@ -412,8 +425,8 @@ __global__ void __launch_bounds__(kThreads, 1) counter_wgrad_kernel(const __grid
 // that become dW's rows) is shared, in a ring of kStagesA stages; each warpgroup's B half has
 // a ring of kStagesB of its own, so the second warpgroup can lag the first without holding the
 // first's B loads back. Warpgroup 1 writes a tile's output only after warpgroup 0 has written
-// its own (out_written[0], which the storer waits on too), which keeps them half an epilogue apart: left alone
-// they fall into step and both epilogues stop the tensor cores at once. Each warpgroup has
+// its own (out_written[0], which the storer waits on too), which keeps them an epilogue apart:
+// left alone they fall into step and both epilogues stop the tensor cores at once. Each warpgroup has
 // its output tile (32 KB); a storer thread sends them out by TMA store, so the consumers never
 // wait for a store's progress. Roles (384 threads): thread 0 claims tiles and loads A and B
 // half 0; thread 32 follows the tiles thread 0 publishes and loads half 1; thread 64 stores;
@@ -464,15 +477,6 @@ struct Kernel {
                 PlainB{}(Int<kBox>{}, _0{}, _0{}) == kBoxElems && PlainB{}(_0{}, _0{}, _1{}) == kStageElemsB);
   static_assert(cosize_v<SmemLayoutA> == kStagesA * kStageElemsA && cosize_v<SmemLayoutB> == kStagesB * kStageElemsB);
 };
-
-// Tile `tile`'s corner and expert (its rows come from the stage it was published in).
-__device__ __forceinline__ WgradTile locate_corner(const Params& p, int tile, int row0, int rows) {
-  const int per_expert = p.m_tiles * p.n_tiles;
-  const int e = tile / per_expert, r = tile - e * per_expert;
-  const bool m_fastest = p.m_tiles <= p.n_tiles;
-  const int m = m_fastest ? r % p.m_tiles : r / p.n_tiles, n = m_fastest ? r / p.m_tiles : r % p.n_tiles;
-  return {e, m * kTileM, n * kTileN, row0, rows};
-}
 
 template <class K, class T>
 __device__ __forceinline__ void load_boxes(const CUtensorMap* map, uint64_t* full, T* stage, int boxes, int col0,
@@ -616,18 +620,6 @@ __device__ __forceinline__ void zero_rows(T* base, int boxes, int first, int end
   }
 }
 
-template <int kSteps, class Mma, class FragA, class FragB, class Acc>
-__device__ __forceinline__ void issue_split_steps(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc, int sa,
-                                                  int sb) {
-  warpgroup_arrive();
-#pragma unroll
-  for (int k = 0; k < kSteps; ++k) {
-    cute::gemm(mma, tCrA(_, _, k, sa), tCrB(_, _, k, sb), acc);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-}
-
 // Consumer c's place in its two rings and its barrier bookkeeping.
 template <class K>
 struct ConsumerState {
@@ -663,7 +655,7 @@ __device__ __forceinline__ void mma_split_tile(ConsumerState<K>& cs, typename K:
   for (int kb = 0; kb < last; ++kb) {
     wait_full();
     warpgroup_fence_operand(acc);
-    issue_split_steps<kSteps>(mma, tCrA, tCrB, acc, cs.ring_a.stage, cs.ring_b.stage);
+    issue_steps<kSteps>(mma, tCrA, tCrB, acc, cs.ring_a.stage, cs.ring_b.stage);
     warpgroup_wait<1>();
     warpgroup_fence_operand(acc);
     if (prev_a >= 0) release(prev_a, prev_b);
@@ -691,10 +683,10 @@ __device__ __forceinline__ void mma_split_tile(ConsumerState<K>& cs, typename K:
   }
   warpgroup_fence_operand(acc);
   switch (steps) {
-    case 1: issue_split_steps<1>(mma, tCrA, tCrB, acc, sa, sb); break;
-    case 2: issue_split_steps<2>(mma, tCrA, tCrB, acc, sa, sb); break;
-    case 3: issue_split_steps<3>(mma, tCrA, tCrB, acc, sa, sb); break;
-    default: issue_split_steps<kSteps>(mma, tCrA, tCrB, acc, sa, sb); break;
+    case 1: issue_steps<1>(mma, tCrA, tCrB, acc, sa, sb); break;
+    case 2: issue_steps<2>(mma, tCrA, tCrB, acc, sa, sb); break;
+    case 3: issue_steps<3>(mma, tCrA, tCrB, acc, sa, sb); break;
+    default: issue_steps<kSteps>(mma, tCrA, tCrB, acc, sa, sb); break;
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
@@ -851,7 +843,6 @@ capmoe_status_t launch_split(const Params& p, int grid, cudaStream_t stream) {
 }
 
 }  // namespace split
-
 
 // The operands as the kernel sees them: A's columns are dW's rows, B's its columns.
 struct WgradOperands {
