@@ -22,6 +22,8 @@ mod echo_support;
 use std::path::Path;
 
 use capturable_moe::echo::{reference, synthetic::synthetic_inputs, Algorithm, EchoConfig};
+use capturable_moe::ep::balanced_capacity;
+use capturable_moe::ep::simulate::zipf_routing;
 use echo_support::{golden_files, load, RandomCase};
 
 fn put_i64(out: &mut Vec<u8>, v: &[i64]) {
@@ -38,12 +40,14 @@ fn put_case(
     probs: &[f32],
     t: usize,
     plan_only: bool,
+    block_capacity: Option<usize>,
 ) {
     let st = reference::plan(cfg, counts).unwrap();
     let approx = (cfg.algorithm == Algorithm::Approx) as i64;
     let header = [cfg.ep, cfg.num_experts, cfg.spare_per_rank, cfg.ep_rank, cfg.topk].map(|v| v as i64);
     put_i64(out, &header);
     put_i64(out, &[approx, cfg.threshold_multiplier.to_bits() as i64, t as i64, plan_only as i64]);
+    put_i64(out, &[block_capacity.map_or(-1, |c| c as i64)]);
     put_i64(out, counts);
     ids.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
     probs.iter().for_each(|x| out.extend_from_slice(&x.to_bits().to_le_bytes()));
@@ -59,6 +63,15 @@ fn put_case(
         put_i64(out, stage);
     }
     if plan_only || t == 0 {
+        return;
+    }
+    if let Some(capacity) = block_capacity {
+        // The capped top-k form alone: the balanced row of Ftot, then the destinations.
+        let balanced = reference::balance_blocks(cfg, &st, counts, capacity).unwrap();
+        let s = cfg.num_spare();
+        put_i64(out, &balanced.tokens_to_slot[cfg.ep_rank * s..(cfg.ep_rank + 1) * s]);
+        let dest = reference::reroute_topk(cfg, &balanced, counts, ids, t).unwrap();
+        dest.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
         return;
     }
     let dest = reference::reroute_topk(cfg, &st, counts, ids, t).unwrap();
@@ -100,7 +113,7 @@ fn random_cases(out: &mut Vec<u8>, thorough: bool) -> usize {
                         threshold_multiplier: thr,
                     };
                     let rc = RandomCase::new(cfg.clone(), t, 177 + n as u64);
-                    put_case(out, &cfg, &rc.counts, &rc.routes, &rc.probs, t, false);
+                    put_case(out, &cfg, &rc.counts, &rc.routes, &rc.probs, t, false, None);
                     n += 1;
                 }
             }
@@ -128,7 +141,7 @@ fn every_expert_case(out: &mut Vec<u8>) {
     let other_rank = |x: usize| if x < 2 { 3 * t } else { (x * 7919) % t };
     let counts: Vec<i64> =
         (0..ep * e).map(|i| if i / e == cfg.ep_rank { t } else { other_rank(i % e) } as i64).collect();
-    put_case(out, &cfg, &counts, &ids, &probs, t, false);
+    put_case(out, &cfg, &counts, &ids, &probs, t, false, None);
 }
 
 /// The approx planner with more than 32 queued chunks and more than 32 ranks to fill (EP = 64:
@@ -154,7 +167,85 @@ fn approx_many_chunks_case(out: &mut Vec<u8>) {
     for x in 0..e {
         counts[e + x] = if x / 4 < 17 { 150 } else { 77 };
     }
-    put_case(out, &cfg, &counts, &[], &[], 0, false);
+    put_case(out, &cfg, &counts, &[], &[], 0, false, None);
+}
+
+/// Routes of `dest` (final columns) past `capacity` in any peer block (`per_rank` columns a peer).
+fn overflow(dest: &[i32], per_rank: usize, ranks: usize, capacity: usize) -> usize {
+    let mut load = vec![0usize; ranks];
+    dest.iter().for_each(|&c| load[c as usize / per_rank] += 1);
+    load.iter().map(|&n| n.saturating_sub(capacity)).sum()
+}
+
+/// The capped top-k form (block balancing, `capmoe_echo_plan_reroute_topk_capped`): random
+/// skewed cases at block capacities below and above the balanced load (and 0: nothing can
+/// move), and EP64 E256 T1024 zipf routing at 1.0x and 1.25x, where the spec's plan leaves
+/// blocks over the capacity and balancing empties them. Returns (cases, cases in which the
+/// balancing changed a destination); the second must be a third of them at least, or the cases would not
+/// test the moves (the EP64 ones must each move routes).
+fn capped_cases(out: &mut Vec<u8>) -> (usize, usize) {
+    let (mut n, mut moved) = (0, 0);
+    let mut put = |out: &mut Vec<u8>, cfg: &EchoConfig, counts: &[i64], ids: &[i32], probs: &[f32], t: usize, cap| {
+        put_case(out, cfg, counts, ids, probs, t, false, Some(cap));
+        let st = reference::plan(cfg, counts).unwrap();
+        let plain = reference::reroute_topk(cfg, &st, counts, ids, t).unwrap();
+        let balanced = reference::balance_blocks(cfg, &st, counts, cap).unwrap();
+        let dest = reference::reroute_topk(cfg, &balanced, counts, ids, t).unwrap();
+        let per_rank = cfg.local_experts() + cfg.spare_per_rank;
+        assert!(overflow(&dest, per_rank, cfg.ep, cap) <= overflow(&plain, per_rank, cfg.ep, cap));
+        n += 1;
+        moved += usize::from(dest != plain);
+        dest != plain
+    };
+    for (i, &(ep, e, k)) in [(2, 8, 2), (4, 16, 4), (8, 64, 6), (5, 15, 2), (16, 64, 8)].iter().enumerate() {
+        for sp in [1usize, 2] {
+            for t in [65usize, 300] {
+                let cfg = EchoConfig {
+                    ep,
+                    num_experts: e,
+                    spare_per_rank: sp,
+                    ep_rank: (t + i) % ep,
+                    topk: k,
+                    algorithm: Algorithm::Greedy,
+                    threshold_multiplier: 0.0,
+                };
+                let rc = RandomCase::new(cfg.clone(), t, 911 + (i * 4 + sp * 2 + t) as u64);
+                let balanced_load = (t * k).div_ceil(ep);
+                for cap in [balanced_load * 3 / 5, balanced_load] {
+                    put(out, &cfg, &rc.counts, &rc.routes, &rc.probs, t, cap);
+                }
+                if i == 2 {
+                    put(out, &cfg, &rc.counts, &rc.routes, &rc.probs, t, 0);
+                }
+            }
+        }
+    }
+    let (ep, e, t, k) = (64, 256, 1024, 8);
+    let ids_per_rank = zipf_routing(ep, t, e, k, 1.0, 7);
+    let mut counts = vec![0i64; ep * e];
+    for (r, ids) in ids_per_rank.iter().enumerate() {
+        ids.iter().for_each(|&x| counts[r * e + x as usize] += 1);
+    }
+    for rank in [0usize, 37] {
+        let cfg = EchoConfig {
+            ep,
+            num_experts: e,
+            spare_per_rank: 2,
+            ep_rank: rank,
+            topk: k,
+            algorithm: Algorithm::Greedy,
+            threshold_multiplier: 0.0,
+        };
+        let probs: Vec<f32> = (0..t * k).map(|i| (i % 97 + 1) as f32 / 98.0).collect();
+        for factor in [1.0, 1.25] {
+            let cap = balanced_capacity(t, k, ep, factor);
+            assert!(
+                put(out, &cfg, &counts, &ids_per_rank[rank], &probs, t, cap),
+                "rank {rank} at {factor}x: nothing moved"
+            );
+        }
+    }
+    (n, moved)
 }
 
 #[test]
@@ -165,7 +256,7 @@ fn echo_kernels_match_the_reference_under_cpu_emulation() {
     for path in golden_files() {
         let g = load(&path);
         if !g.rejected() {
-            put_case(&mut cases, &g.cfg, &g.counts, &g.routes, &g.probs, g.t, g.count_only);
+            put_case(&mut cases, &g.cfg, &g.counts, &g.routes, &g.probs, g.t, g.count_only, None);
             n += 1;
         }
     }
@@ -188,10 +279,13 @@ fn echo_kernels_match_the_reference_under_cpu_emulation() {
         };
         for t in [300, 8192] {
             let (counts, ids, probs) = synthetic_inputs(&cfg, t, 3);
-            put_case(&mut cases, &cfg, &counts, &ids, &probs, t, false);
+            put_case(&mut cases, &cfg, &counts, &ids, &probs, t, false, None);
             n += 1;
         }
     }
+    let (capped, moved) = capped_cases(&mut cases);
+    assert!(moved * 3 >= capped, "balancing changed the destinations in only {moved} of {capped} capped cases");
+    n += capped;
     let file = Path::new(env!("CARGO_TARGET_TMPDIR")).join("echo_emulated_cases.bin");
     std::fs::write(&file, &cases).unwrap();
 

@@ -328,6 +328,59 @@ fn target_shape_matches_reference() {
     }
 }
 
+/// The capped top-k form (block balancing for EP) on the device against
+/// `reference::balance_blocks` + the reference reroute, bitwise: EP64 E256 T1024 zipf routing
+/// at 1.0x and 1.25x the balanced block (the drops of docs/ep.md) and random skewed cases at
+/// 0.6x / 1x; the plan's other stages stay the spec's.
+#[test]
+fn capped_reroute_matches_the_balanced_reference() {
+    let stream = gpu_or_skip!();
+    let check = |name: &str, cfg: &EchoConfig, counts: &[i64], ids: &[i32], probs: &[f32], t: usize, cap: usize| {
+        let plan = EchoPlan::new(cfg.clone(), t).unwrap().with_block_capacity(cap).unwrap();
+        let want = reference::plan(cfg, counts).unwrap();
+        let balanced = reference::balance_blocks(cfg, &want, counts, cap).unwrap();
+        let want_dest = reference::reroute_topk(cfg, &balanced, counts, ids, t).unwrap();
+        let mut bufs = Bufs::new(&stream, &plan, counts, ids, probs, t);
+        bufs.topk(&stream, &plan, t).unwrap();
+        stages_equal(name, &plan.read_stages(&stream, &bufs.state).unwrap(), &want);
+        assert_eq!(plan.read_errors(&stream, &bufs.state).unwrap(), DeviceErrors(0), "{name}: error word");
+        route_tables_equal(name, &stream, &plan, &bufs.state, &balanced);
+        let dest = stream.clone_dtoh(&bufs.out_dest).unwrap();
+        assert_eq!(&dest[..t * cfg.topk], &want_dest[..], "{name}: top-k destinations");
+        want_dest != reference::reroute_topk(cfg, &want, counts, ids, t).unwrap()
+    };
+    let (ep, e, t, k) = (64, 256, 1024, 8);
+    let ids_per_rank = capturable_moe::ep::simulate::zipf_routing(ep, t, e, k, 1.0, 7);
+    let mut counts = vec![0i64; ep * e];
+    for (r, ids) in ids_per_rank.iter().enumerate() {
+        ids.iter().for_each(|&x| counts[r * e + x as usize] += 1);
+    }
+    let probs: Vec<f32> = (0..t * k).map(|i| (i % 97 + 1) as f32 / 98.0).collect();
+    for rank in [0usize, 37] {
+        let cfg = EchoConfig {
+            ep,
+            num_experts: e,
+            spare_per_rank: 2,
+            ep_rank: rank,
+            topk: k,
+            algorithm: Algorithm::Greedy,
+            threshold_multiplier: 0.0,
+        };
+        for factor in [1.0, 1.25] {
+            let cap = capturable_moe::ep::balanced_capacity(t, k, ep, factor);
+            let name = format!("EP64 zipf rank {rank} capacity {cap}");
+            assert!(check(&name, &cfg, &counts, &ids_per_rank[rank], &probs, t, cap), "{name}: nothing moved");
+        }
+    }
+    for (i, (cfg, t)) in random_configs().into_iter().enumerate().filter(|(_, (c, t))| c.ep > 1 && *t > 0) {
+        let rc = RandomCase::new(cfg.clone(), t, 177 + i as u64);
+        let balanced_load = (t * cfg.topk).div_ceil(cfg.ep);
+        for cap in [balanced_load * 3 / 5, balanced_load] {
+            check(&format!("random#{i} {cfg:?} T={t} capacity {cap}"), &cfg, &rc.counts, &rc.routes, &rc.probs, t, cap);
+        }
+    }
+}
+
 #[test]
 fn graph_capture_replays_with_new_data() {
     let stream = gpu_or_skip!();

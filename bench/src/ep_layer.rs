@@ -369,14 +369,17 @@ pub fn drop_rows() -> Vec<Row> {
                 let shape = format!("ep_drops_E{experts}_T{tokens}_k8_EP{ep}_S{spare}");
                 let note = match count_drops(&cfg, &ids, capacity) {
                     Ok(d) => format!(
-                        "simulated (CPU reference planner): capacity factor {factor} ({capacity} rows), {} routes; dropped plain {} ({:.2} %), Echo {} ({:.2} %); fullest block {} / {}",
+                        "simulated (CPU reference planner): capacity factor {factor} ({capacity} rows), {} routes; dropped plain {} ({:.2} %), Echo as planned {} ({:.2} %), Echo balanced (EpMoe) {} ({:.2} %); fullest block {} / {} / {}",
                         d.routes,
                         d.dropped_plain,
                         100.0 * d.dropped_plain as f64 / d.routes as f64,
                         d.dropped_echo,
                         100.0 * d.dropped_echo as f64 / d.routes as f64,
+                        d.dropped_balanced,
+                        100.0 * d.dropped_balanced as f64 / d.routes as f64,
                         d.max_block_plain,
-                        d.max_block_echo
+                        d.max_block_echo,
+                        d.max_block_balanced
                     ),
                     Err(e) => format!("unavailable: {e}"),
                 };

@@ -78,7 +78,7 @@ static_assert(kMaxExperts <= kPlanThreads && kMaxSpare <= kPlanThreads,
 
 // ---------------------------------------------------------------------------------------------
 // Shared memory of the planner block: X(type, name, element count) for each array, in carve
-// order (ne, ep, s: E, EP, S; approx, stage_c, stage_f as in Params).
+// order (ne, ep, s: E, EP, S; approx, stage_c, stage_f as in Params; balance: block_capacity >= 0).
 // NOTE: the host computes the offsets once (plan_smem_offsets) and passes them in the launch
 // parameters, so every array's address is the shared base plus a constant-bank operand. Carved
 // on the device, the compiler (64 registers a thread) recomputed an array's address from the
@@ -119,7 +119,10 @@ static_assert(kMaxExperts <= kPlanThreads && kMaxSpare <= kPlanThreads,
   /* [E, EP + 1] C transposed (row stride EP + 1 against bank conflicts) */ \
   X(int32_t, ct, stage_c ? (size_t)ne * (ep + 1) : 0)                \
   /* [S, EP] F transposed */                                         \
-  X(int32_t, fs, stage_f ? (size_t)s * ep : 0)
+  X(int32_t, fs, stage_f ? (size_t)s * ep : 0)                       \
+  /* block balancing (capped top-k form): rho's routes per peer and per final column */ \
+  X(int32_t, bload, balance ? ep : 0)                                \
+  X(int32_t, amount, balance ? ne + s : 0)
 
 // Byte offsets of the planner's arrays in its dynamic shared memory, and the bytes it takes.
 struct PlanSmemOffsets {
@@ -130,7 +133,8 @@ struct PlanSmemOffsets {
 };
 
 // 16-byte aligned arrays one after another.
-inline PlanSmemOffsets plan_smem_offsets(int ne, int ep, int s, bool approx, bool stage_c, bool stage_f) {
+inline PlanSmemOffsets plan_smem_offsets(int ne, int ep, int s, bool approx, bool stage_c, bool stage_f,
+                                         bool balance) {
   PlanSmemOffsets o;
   size_t off = 0;
 #define CAPMOE_X(T, name, count)          \
@@ -173,6 +177,9 @@ struct Params {
   bool stage_c;      // planner: C staged in shared memory (else read from global)
   bool stage_f;      // planner: F staged in shared memory (else read back from the state)
   PlanSmemOffsets plan_smem;  // the planner block's arrays
+  // Capped top-k form: the most routes of this rank one peer may receive (block balancing
+  // after P7, see balance_blocks); -1 = the spec's plan as it is.
+  int block_capacity;
   bool stage_probs;  // reroute (dense): the tile's probs staged in shared memory
   const uint8_t* map;
   const uint32_t* probs_bits;  // probs as raw bits: copied, never computed
@@ -473,6 +480,8 @@ __device__ __forceinline__ void store_rank_pair(int32_t* row, int ra, bool va, b
     if (vb) row[ra + 1] = b;
   }
 }
+
+__device__ void balance_blocks(const Params& p, const PlanSmem& sm);  // (after plan_block)
 
 // P1-P7, one block of kPlanThreads threads.
 __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
@@ -960,6 +969,7 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
   __syncthreads();  // (profiling only: the stamps below then mark the block's end)
 #endif
   ECHO_PROF(8);
+  if (p.block_capacity >= 0) balance_blocks(p, sm);
 
   // I: without tokens, the offload map (it reads only slot_expert, settled by P4).
   if (p.num_tiles == 0) {
@@ -981,6 +991,109 @@ __device__ void plan_block(const Params& p, unsigned char* smem_raw) {
     }
   }
   ECHO_PROF(9);
+}
+
+// Block balancing (capped top-k form, an EP extension beyond the spec; the rule and its CPU
+// twin: echo::reference::balance_blocks). After P7 this rank's routes per final column are
+// known (a home column keeps C[rho][e] minus the expert's slot ranges, a slot takes its
+// range); for every peer over block_capacity, warp 0 moves routes of its replicated experts to
+// the expert's column with the most room on another peer (ties: the lowest column), never
+// filling a peer past the capacity; then each replicated expert's slot ranges are rewritten
+// (consecutive in slot order, the home column keeps the rest), which is all the reroute reads.
+// One warp runs the moves: each is a warp-wide search over the expert's slots, and a source
+// rank has few over-full blocks after P7 (none when the plan already fits).
+__device__ void balance_blocks(const Params& p, const PlanSmem& sm) {
+  const Dims d = p.d;
+  const int ne = d.ne, ep = d.ep, sp = d.sp, L = d.l, S = d.s, B = L + sp, cap = p.block_capacity;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  constexpr int nt = kPlanThreads;
+  int64_t* st = p.state;
+  const capmoe_echo_layout_t& lay = p.lay;
+  int4* slot_route = reinterpret_cast<int4*>(st + lay.off_slot_route);
+  int2* expert_route = reinterpret_cast<int2*>(st + lay.off_expert_route);
+  __syncthreads();  // P5-P7's ranges (soff / send) and error bits are settled
+  // (uniform) A plan zeroed for invalid counts, or one that failed an invariant, stays as it is.
+  constexpr int kInvalidPlan = CAPMOE_ECHO_ERR_NEGATIVE_COUNT | CAPMOE_ECHO_ERR_COUNT_TOO_LARGE | CAPMOE_ECHO_ERR_INTERNAL;
+  if (st[lay.off_error] & kInvalidPlan) return;
+  const int cols = ep * B;
+  for (int q = tid; q < ep; q += nt) sm.bload[q] = 0;
+  __syncthreads();
+  for (int c = tid; c < cols; c += nt) {
+    const int q = c / B, i = c % B;
+    int a = 0;
+    if (i < L) {
+      const int e = q * L + i;
+      a = (int)p.counts[(int64_t)d.rho * ne + e];
+      for (int j = sm.first[e]; j >= 0 && j < S; j = sm.nxt[j]) a -= sm.send[j] - sm.soff[j];
+    } else if (const int j = q * sp + i - L; sm.se[j] >= 0) {
+      a = sm.send[j] - sm.soff[j];
+    }
+    sm.amount[c] = a;
+    if (a != 0) atomicAdd(&sm.bload[q], a);
+  }
+  __syncthreads();
+  if (warp == 0) {
+    // The expert's column on a peer other than `from` with the most room (ties: the lowest
+    // column), as room << 32 | ~column; lanes split the slots, the home column on lane 0.
+    auto best_column = [&](int e, int from) -> int64_t {
+      int64_t best = INT64_MIN;
+      auto offer = [&](int col) {
+        const int q = col / B;
+        if (q == from) return;
+        const int64_t key = ((int64_t)(cap - sm.bload[q]) << 32) | (uint32_t)~col;
+        best = key > best ? key : best;
+      };
+      if (lane == 0) offer((e / L) * B + e % L);
+      for (int j = (sm.first[e] & ~31) + lane; j < S; j += 32)
+        if (sm.se[j] == e) offer((j / sp) * B + L + j % sp);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const int64_t other = __shfl_xor_sync(kFull, best, o);
+        best = other > best ? other : best;
+      }
+      return best;
+    };
+    for (int q0 = 0; q0 < ep; q0 += 32) {
+      // Peers over the capacity stay over until their turn: a move only fills a peer's room.
+      unsigned over_full = __ballot_sync(kFull, q0 + lane < ep && sm.bload[q0 + lane] > cap);
+      for (; over_full != 0; over_full &= over_full - 1) {
+        const int from = q0 + __ffs(over_full) - 1;
+        for (int c = from * B; c < (from + 1) * B; ++c) {
+          const int i = c - from * B;
+          const int e = i < L ? from * L + i : sm.se[from * sp + i - L];
+          if (e < 0 || sm.first[e] >= S) continue;  // no other column: its routes stay
+          int todo = min(sm.amount[c], sm.bload[from] - cap);
+          while (todo > 0) {
+            const int64_t best = best_column(e, from);
+            const int room = (int)(best >> 32);
+            if (best == INT64_MIN || room <= 0) break;
+            const int to = (int)~(uint32_t)best, m = min(todo, room);
+            __syncwarp();  // every lane has read the loads before lane 0 changes them
+            if (lane == 0) {
+              sm.amount[c] -= m;
+              sm.amount[to] += m;
+              sm.bload[from] -= m;
+              sm.bload[to / B] += m;
+            }
+            __syncwarp();
+            todo -= m;
+          }
+        }
+      }
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < ne; e += nt) {
+    const int j0 = sm.first[e];
+    if (j0 < 0 || j0 >= S) continue;
+    int off = 0;
+    for (int j = j0; j >= 0; j = sm.nxt[j]) {
+      const int take = sm.amount[(j / sp) * B + L + j % sp];
+      slot_route[j] = make_int4(e, sm.nxt[j], off, off + take);
+      off += take;
+    }
+    expert_route[e] = make_int2(j0, off);
+  }
 }
 
 // Routes per expert of one token tile (blocks 1.. of the plan launch).
@@ -1462,9 +1575,11 @@ capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, i
                        const uint8_t* map, const float* probs, const int32_t* ids,
                        int64_t num_tokens, const int32_t* num_tokens_device, int64_t* state,
                        int32_t* workspace, int64_t workspace_len, uint8_t* out_map,
-                       float* out_probs, int32_t* out_dest, float* out_probs_k, void* stream) {
+                       float* out_probs, int32_t* out_dest, float* out_probs_k,
+                       int64_t block_capacity, void* stream) {
   Dims d;
   CAPMOE_TRY(make_dims(cfg, &d));
+  if (block_capacity < -1 || block_capacity > INT32_MAX) return CAPMOE_ERR_INVALID_ARGUMENT;
   if (!counts || !state) return CAPMOE_ERR_INVALID_ARGUMENT;
   // Natural alignment of every array (a misaligned access faults and loses the context); the
   // state's int32 sections are read and written as int4 / int2, so it needs 16 bytes.
@@ -1473,6 +1588,7 @@ capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, i
   CAPMOE_TRY(check_aligned(4, {num_tokens_device, probs, ids, workspace, out_probs, out_dest, out_probs_k}));
   if (num_tokens < 0 || num_tokens > (int64_t(1) << 31) - 1) return CAPMOE_ERR_INVALID_ARGUMENT;
   Params p{};
+  p.block_capacity = (int)block_capacity;
   p.counts = counts;
   p.state = state;
   make_layout(d, &p.lay);
@@ -1502,14 +1618,14 @@ capmoe_status_t launch(const capmoe_echo_config_t* cfg, const int64_t* counts, i
   // Stage C and F in shared memory when they fit (C first: it is read most).
   const bool approx = d.algorithm == CAPMOE_ECHO_APPROX;
   auto plan_bytes = [&](bool stage_c, bool stage_f) -> size_t {
-    return plan_smem_offsets(d.ne, d.ep, d.s, approx, stage_c, stage_f).bytes;
+    return plan_smem_offsets(d.ne, d.ep, d.s, approx, stage_c, stage_f, p.block_capacity >= 0).bytes;
   };
   p.stage_c = true;
   p.stage_f = true;
   if (plan_bytes(true, true) > kSmemBudget) p.stage_f = false;
   if (plan_bytes(true, p.stage_f) > kSmemBudget) p.stage_c = false;
   if (!p.stage_c && plan_bytes(false, true) <= kSmemBudget) p.stage_f = true;
-  p.plan_smem = plan_smem_offsets(d.ne, d.ep, d.s, approx, p.stage_c, p.stage_f);
+  p.plan_smem = plan_smem_offsets(d.ne, d.ep, d.s, approx, p.stage_c, p.stage_f, p.block_capacity >= 0);
   size_t plan_smem = p.plan_smem.bytes;
   const size_t count_smem = sizeof(int32_t) * (size_t)d.ne + 16;
   if (count_smem > plan_smem) plan_smem = count_smem;
@@ -1560,7 +1676,7 @@ extern "C" capmoe_status_t capmoe_echo_plan(const capmoe_echo_config_t* cfg,
                                             void* stream) {
   return capmoe::guarded([&]() -> capmoe_status_t {
     return launch(cfg, counts, kFormNone, nullptr, nullptr, nullptr, 0, nullptr, state, nullptr,
-                  0, nullptr, nullptr, nullptr, nullptr, stream);
+                  0, nullptr, nullptr, nullptr, nullptr, -1, stream);
   });
 }
 
@@ -1571,7 +1687,7 @@ extern "C" capmoe_status_t capmoe_echo_plan_reroute_dense(
   return capmoe::guarded([&]() -> capmoe_status_t {
     return launch(cfg, counts, kFormDense, routing_map, probs, nullptr, num_tokens,
                   num_tokens_device, state, workspace, workspace_len, out_map, out_probs, nullptr,
-                  nullptr, stream);
+                  nullptr, -1, stream);
   });
 }
 
@@ -1582,6 +1698,19 @@ extern "C" capmoe_status_t capmoe_echo_plan_reroute_topk(
   return capmoe::guarded([&]() -> capmoe_status_t {
     return launch(cfg, counts, kFormTopk, nullptr, probs, expert_ids, num_tokens,
                   num_tokens_device, state, workspace, workspace_len, nullptr, nullptr, out_dest,
-                  out_probs, stream);
+                  out_probs, -1, stream);
+  });
+}
+
+extern "C" capmoe_status_t capmoe_echo_plan_reroute_topk_capped(
+    const capmoe_echo_config_t* cfg, int64_t block_capacity, const int64_t* counts,
+    const int32_t* expert_ids, const float* probs, int64_t num_tokens,
+    const int32_t* num_tokens_device, int64_t* state, int32_t* workspace, int64_t workspace_len,
+    int32_t* out_dest, float* out_probs, void* stream) {
+  return capmoe::guarded([&]() -> capmoe_status_t {
+    if (block_capacity < 0) return CAPMOE_ERR_INVALID_ARGUMENT;
+    return launch(cfg, counts, kFormTopk, nullptr, probs, expert_ids, num_tokens,
+                  num_tokens_device, state, workspace, workspace_len, nullptr, nullptr, out_dest,
+                  out_probs, block_capacity, stream);
   });
 }

@@ -110,6 +110,7 @@ pub struct EchoPlan {
     layout: Layout,
     workspace_len: usize,
     abi: sys::capmoe_echo_config_t,
+    block_capacity: Option<usize>,
 }
 
 /// The device pointer of a device token count (0 for a host count), with its guard.
@@ -171,7 +172,29 @@ impl EchoPlan {
             expert_route: u(raw.off_expert_route),
             offload_map: u(raw.off_offload_map),
         };
-        Ok(EchoPlan { cfg, t_max, layout, workspace_len: u(ws), abi })
+        Ok(EchoPlan { cfg, t_max, layout, workspace_len: u(ws), abi, block_capacity: None })
+    }
+
+    /// Block balancing for expert parallelism (beyond the spec): the top-k reroute then moves
+    /// this rank's routes among each replicated expert's columns so that no peer receives more
+    /// than `capacity` of them wherever another column of the expert has room
+    /// ([`reference::balance_blocks`] is the rule; `capmoe_echo_plan_reroute_topk_capped` in
+    /// `echo.h`). [`crate::ep::EpMoe`] sets it to its block capacity. The dense form and
+    /// [`plan`](Self::plan) are not affected.
+    pub fn with_block_capacity(mut self, capacity: usize) -> Result<EchoPlan> {
+        if capacity > i32::MAX as usize {
+            return Err(Error::InvalidArgument {
+                op: "echo plan",
+                why: format!("block capacity {capacity} must be < 2^31"),
+            });
+        }
+        self.block_capacity = Some(capacity);
+        Ok(self)
+    }
+
+    /// The block capacity of [`with_block_capacity`](Self::with_block_capacity), if set.
+    pub fn block_capacity(&self) -> Option<usize> {
+        self.block_capacity
     }
 
     /// What the plan was built for: the configuration, `t_max`, the state and workspace sizes.
@@ -289,7 +312,8 @@ impl EchoPlan {
         unsafe { self.plan_reroute_dense_raw(stream, c, m, p, num_tokens, t_dev, s, ws, ws_len, om, op) }
     }
 
-    /// P1–P9, top-k form: rewrites `expert_ids [T, k]` to final columns. Two launches; no host
+    /// P1–P9, top-k form: rewrites `expert_ids [T, k]` to final columns (block-balanced after
+    /// P7 with [`with_block_capacity`](Self::with_block_capacity)). Two launches; no host
     /// sync, no allocation.
     #[allow(clippy::too_many_arguments)]
     pub fn plan_reroute_topk(
@@ -420,23 +444,17 @@ impl EchoPlan {
     ) -> Result<()> {
         self.check_tokens("echo plan+reroute (top-k)", num_tokens)?;
         stream.context().bind_to_thread()?;
-        check(
-            sys::capmoe_echo_plan_reroute_topk(
-                &self.abi,
-                counts as *const i64,
-                expert_ids as *const i32,
-                probs as *const f32,
-                num_tokens as i64,
-                num_tokens_device as *const i32,
-                state as *mut i64,
-                workspace as *mut i32,
-                workspace_len as i64,
-                out_dest as *mut i32,
-                out_probs as *mut f32,
-                raw_stream(stream),
+        let (c, ids, p) = (counts as *const i64, expert_ids as *const i32, probs as *const f32);
+        let (t_dev, st, ws) = (num_tokens_device as *const i32, state as *mut i64, workspace as *mut i32);
+        let (od, op, s) = (out_dest as *mut i32, out_probs as *mut f32, raw_stream(stream));
+        let (t, ws_len) = (num_tokens as i64, workspace_len as i64);
+        let status = match self.block_capacity {
+            None => sys::capmoe_echo_plan_reroute_topk(&self.abi, c, ids, p, t, t_dev, st, ws, ws_len, od, op, s),
+            Some(cap) => sys::capmoe_echo_plan_reroute_topk_capped(
+                &self.abi, cap as i64, c, ids, p, t, t_dev, st, ws, ws_len, od, op, s,
             ),
-            "echo plan+reroute (top-k)",
-        )
+        };
+        check(status, "echo plan+reroute (top-k)")
     }
 
     /// Reads the device error word. Synchronises the stream: diagnostics and tests only.

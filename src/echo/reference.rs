@@ -481,3 +481,88 @@ pub fn reroute_topk(
     }
     Ok(dest)
 }
+
+/// Block balancing, an EP extension beyond the spec (`capmoe_echo_plan_reroute_topk_capped`):
+/// this rank's (`cfg.ep_rank`, rho) routes moved among the columns of each replicated expert
+/// (its home column and its spare slots) so that no block of routes from rho to one peer holds
+/// more than `capacity`, wherever another column of the same expert has room. Returns the
+/// plan with row rho of `tokens_to_slot` and `home_offload` rewritten; every other field is
+/// the plan's. The reroute (P8) then follows the new row as it follows the plan's.
+///
+/// The rule, in the order the device follows it:
+/// 1. `amount[c]`: rho's routes at final column c under the plan (a home column keeps
+///    `C[rho][e] - home_offload[rho][e]`, a slot takes `Ftot[rho][j]`); `load[q]`: their sum
+///    over peer q's columns.
+/// 2. For every peer d in ascending order with `load[d] > capacity`, for its columns c in
+///    ascending order while d is over: if c's expert has a spare slot, move up to
+///    `min(amount[c], load[d] - capacity)` routes, repeatedly, to the expert's column on
+///    another peer with the most room (`capacity - load`; ties: the lowest column), at most
+///    that room each time, until the excess is gone or no column of the expert has room.
+///    A move never fills a peer past `capacity`, so no peer passes it that was not over.
+/// 3. Each slot of an expert takes the next `amount` of the expert's tokens in slot order (the
+///    spec's range rule), the home column the rest.
+pub fn balance_blocks(cfg: &EchoConfig, stages: &PlanStages, counts: &[i64], capacity: usize) -> Result<PlanStages> {
+    check_counts(cfg, counts)?;
+    let (ne, s, l, sp, ep, rho) =
+        (cfg.num_experts, cfg.num_spare(), cfg.local_experts(), cfg.spare_per_rank, cfg.ep, cfg.ep_rank);
+    let per_rank = l + sp;
+    let cap = capacity as i64;
+    let expert_of = |c: usize| -> Option<usize> {
+        let (q, i) = (c / per_rank, c % per_rank);
+        if i < l {
+            Some(q * l + i)
+        } else {
+            usize::try_from(stages.slot_expert[q * sp + i - l]).ok()
+        }
+    };
+    // Every column of each expert, ascending (the home column, then its slots' columns).
+    let mut columns: Vec<Vec<usize>> = (0..ne).map(|x| vec![cfg.expert_column(x)]).collect();
+    for (j, &x) in stages.slot_expert.iter().enumerate() {
+        if let Ok(x) = usize::try_from(x) {
+            columns[x].push(cfg.slot_column(j));
+        }
+    }
+    for c in &mut columns {
+        c.sort_unstable();
+    }
+    let mut amount = vec![0i64; ep * per_rank];
+    for x in 0..ne {
+        amount[cfg.expert_column(x)] = counts[rho * ne + x] - stages.home_offload[rho * ne + x];
+    }
+    for j in 0..s {
+        amount[cfg.slot_column(j)] = stages.tokens_to_slot[rho * s + j];
+    }
+    let mut load: Vec<i64> = amount.chunks(per_rank).map(|c| c.iter().sum()).collect();
+    for d in 0..ep {
+        for c in d * per_rank..(d + 1) * per_rank {
+            let Some(x) = expert_of(c).filter(|&x| columns[x].len() > 1) else { continue };
+            let mut todo = amount[c].min(load[d] - cap);
+            while todo > 0 {
+                let room = |c2: usize| cap - load[c2 / per_rank];
+                let Some(best) = columns[x]
+                    .iter()
+                    .copied()
+                    .filter(|&c2| c2 / per_rank != d)
+                    .max_by_key(|&c2| (room(c2), std::cmp::Reverse(c2)))
+                    .filter(|&c2| room(c2) > 0)
+                else {
+                    break;
+                };
+                let m = todo.min(room(best));
+                amount[c] -= m;
+                amount[best] += m;
+                load[d] -= m;
+                load[best / per_rank] += m;
+                todo -= m;
+            }
+        }
+    }
+    let mut out = stages.clone();
+    for j in 0..s {
+        out.tokens_to_slot[rho * s + j] = if stages.slot_expert[j] >= 0 { amount[cfg.slot_column(j)] } else { 0 };
+    }
+    for x in 0..ne {
+        out.home_offload[rho * ne + x] = counts[rho * ne + x] - amount[cfg.expert_column(x)];
+    }
+    Ok(out)
+}

@@ -236,7 +236,10 @@ impl<T: MoeElement> EpMoe<T> {
                 threshold_multiplier: settings.threshold_multiplier,
             },
             config.max_tokens,
-        )?;
+        )?
+        // Each rank's routes kept within the peer blocks wherever a replica has room: the
+        // drops the spec's per-rank balance leaves at small blocks (docs/ep.md, "Dropping").
+        .with_block_capacity(config.capacity)?;
         let s = settings.spare_per_rank;
         let (w1, w2) = per_expert(config);
         let routes = config.max_tokens * config.topk;

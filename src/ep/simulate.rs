@@ -14,11 +14,16 @@ pub struct DropCount {
     pub routes: usize,
     /// Routes past a full (source, destination) block, plain EP.
     pub dropped_plain: usize,
-    /// The same with Echo's reroute.
+    /// The same with Echo's reroute as the spec plans it.
     pub dropped_echo: usize,
-    /// The fullest block's routes, plain EP and with Echo (the capacity that drops nothing).
+    /// The same with Echo and block balancing (what [`crate::ep::EpMoe`] runs: each rank's
+    /// routes moved among an expert's columns so that no block passes the capacity where
+    /// another column has room; [`reference::balance_blocks`]).
+    pub dropped_balanced: usize,
+    /// The fullest block's routes, plain EP, Echo and Echo balanced.
     pub max_block_plain: usize,
     pub max_block_echo: usize,
+    pub max_block_balanced: usize,
 }
 
 /// Zipf-skewed top-k routing for `ranks` ranks of `tokens` tokens each: expert `e` is drawn
@@ -109,20 +114,26 @@ pub fn count_drops(cfg: &EchoConfig, ids_per_rank: &[Vec<i32>], capacity: usize)
         }
     }
     let stages = reference::plan(cfg, &counts)?;
-    let mut echo_dest = Vec::with_capacity(ranks);
+    let (mut echo_dest, mut balanced_dest) = (Vec::with_capacity(ranks), Vec::with_capacity(ranks));
     for (r, ids) in ids_per_rank.iter().enumerate() {
         let rank_cfg = EchoConfig { ep_rank: r, ..cfg.clone() };
-        echo_dest.push(reference::reroute_topk(&rank_cfg, &stages, &counts, ids, ids.len() / k)?);
+        let t = ids.len() / k;
+        echo_dest.push(reference::reroute_topk(&rank_cfg, &stages, &counts, ids, t)?);
+        let balanced = reference::balance_blocks(&rank_cfg, &stages, &counts, capacity)?;
+        balanced_dest.push(reference::reroute_topk(&rank_cfg, &balanced, &counts, ids, t)?);
     }
+    let per_rank = cfg.local_experts() + cfg.spare_per_rank;
     let (dropped_plain, max_block_plain) = drops(&block_loads(ids_per_rank, cfg.local_experts()), capacity);
-    let (dropped_echo, max_block_echo) =
-        drops(&block_loads(&echo_dest, cfg.local_experts() + cfg.spare_per_rank), capacity);
+    let (dropped_echo, max_block_echo) = drops(&block_loads(&echo_dest, per_rank), capacity);
+    let (dropped_balanced, max_block_balanced) = drops(&block_loads(&balanced_dest, per_rank), capacity);
     Ok(DropCount {
         routes: ids_per_rank.iter().flatten().filter(|&&e| e >= 0).count(),
         dropped_plain,
         dropped_echo,
+        dropped_balanced,
         max_block_plain,
         max_block_echo,
+        max_block_balanced,
     })
 }
 

@@ -54,24 +54,27 @@ struct Case {
   capmoe_echo_config_t cfg;
   int t, S, W;
   bool plan_only;
+  int64_t block_capacity;  // >= 0: the capped top-k form alone (block balancing); -1: none
   std::vector<int64_t> counts;
   std::vector<int32_t> ids;
   std::vector<uint32_t> probs;
   // The reference plan, spec notation.
   std::vector<int64_t> n, load, avg, spill, cap, pre, H, se, F, fpho, Rm, D, Ftot, ho, la;
+  std::vector<int64_t> balanced_ftot;  // capped: this rank's row of Ftot after balancing
   std::vector<int32_t> dest;
   std::vector<uint8_t> dense_map;
   std::vector<uint32_t> dense_probs;
 
   bool read(Reader& r) {
     std::vector<int64_t> h;
-    if (!r.read(h, 9)) return false;
+    if (!r.read(h, 10)) return false;
     float thr;
     const uint32_t thr_bits = (uint32_t)h[6];
     std::memcpy(&thr, &thr_bits, 4);
     cfg = capmoe_echo_config_t{h[0], h[1], h[2], h[3], h[4], (int32_t)h[5], thr};
     t = (int)h[7];
     plan_only = h[8] != 0;
+    block_capacity = h[9];
     const size_t ep = h[0], ne = h[1], k = h[4];
     S = (int)(ep * h[2]);
     W = (int)ne + S;
@@ -82,6 +85,10 @@ struct Case {
     r.read(pre, ne * S), r.read(H, ne * S), r.read(se, S), r.read(F, ep * S), r.read(fpho, ep * ne);
     r.read(Rm, ne * S), r.read(D, ep * S), r.read(Ftot, ep * S), r.read(ho, ep * ne), r.read(la, ep);
     const size_t rows = plan_only ? 0 : (size_t)t;  // no outputs without tokens
+    if (block_capacity >= 0) {
+      if (rows > 0) r.read(balanced_ftot, (size_t)S);
+      return r.read(dest, rows * k);
+    }
     r.read(dest, rows * k);
     r.read(dense_map, rows * W);
     return r.read(dense_probs, rows * W);
@@ -131,6 +138,25 @@ void check_state(int id, const Case& c, const capmoe_echo_layout_t& lay, const s
   same(id, "offload map", got_m, want_m);
 }
 
+// Capped form: this rank's slot ranges (slot_route) hold the balanced counts, consecutive per
+// expert in slot order from 0, and expert_route the expert's total off its home column.
+void check_balanced_ranges(int id, const Case& c, const capmoe_echo_layout_t& lay, const std::vector<int64_t>& st) {
+  const int ne = (int)c.cfg.num_experts, S = c.S;
+  const int32_t* sr = reinterpret_cast<const int32_t*>(st.data() + lay.off_slot_route);
+  const int32_t* er = reinterpret_cast<const int32_t*>(st.data() + lay.off_expert_route);
+  std::vector<int64_t> got(S, 0), next_start(ne, 0);
+  for (int j = 0; j < S; ++j) {
+    const int32_t e = sr[4 * j], start = sr[4 * j + 2], end = sr[4 * j + 3];
+    if (e < 0) continue;
+    if (start != next_start[e]) return fail(id, "capped: slot " + std::to_string(j) + "'s range does not follow its expert's previous one");
+    got[j] = end - start;
+    next_start[e] = end;
+  }
+  same(id, "capped: balanced Ftot row", got, c.balanced_ftot);
+  for (int e = 0; e < ne; ++e)
+    if (er[2 * e] >= 0 && er[2 * e + 1] != next_start[e]) return fail(id, "capped: home offload of expert " + std::to_string(e));
+}
+
 enum Form { kPlanOnly, kTopk, kDense };
 
 // One launch sequence: `bound` token rows in the buffers (T itself, or a larger bound with a
@@ -158,6 +184,10 @@ void run(int id, const Case& c, Form form, int bound, const int32_t* t_device, i
   capmoe_status_t status;
   if (form == kPlanOnly) {
     status = capmoe_echo_plan(&c.cfg, c.counts.data(), st.data(), nullptr);
+  } else if (form == kTopk && c.block_capacity >= 0) {
+    status = capmoe_echo_plan_reroute_topk_capped(&c.cfg, c.block_capacity, c.counts.data(), ids.data(), pk, bound, t_device,
+                                                  st.data(), ws.data(), ws_len, out_dest.data(),
+                                                  reinterpret_cast<float*>(out_probs_k.data()), nullptr);
   } else if (form == kTopk) {
     status = capmoe_echo_plan_reroute_topk(&c.cfg, c.counts.data(), ids.data(), pk, bound, t_device, st.data(), ws.data(),
                                            ws_len, out_dest.data(), reinterpret_cast<float*>(out_probs_k.data()), nullptr);
@@ -172,7 +202,8 @@ void run(int id, const Case& c, Form form, int bound, const int32_t* t_device, i
     return;
   }
   if (st[lay.off_error] != 0) fail(id, "error word " + std::to_string(st[lay.off_error]));
-  check_state(id, c, lay, st);
+  check_state(id, c, lay, st);  // balancing leaves every section but this rank's ranges
+  if (c.block_capacity >= 0 && t > 0) check_balanced_ranges(id, c, lay, st);
   if (form == kTopk) {
     same(id, "top-k destinations", std::vector<int32_t>(out_dest.begin(), out_dest.begin() + (size_t)t * k), c.dest);
     same(id, "top-k probs", std::vector<uint32_t>(out_probs_k.begin(), out_probs_k.begin() + (size_t)t * k), c.probs);
@@ -233,7 +264,9 @@ int main(int argc, char** argv) {
     }
     const int bound = c.t + 37 + c.t / 3;
     const int32_t t = c.t, below = -3, above = bound + 5, one = 1;
+    const bool capped = c.block_capacity >= 0;  // the capped form has no dense twin
     for (Form form : {kTopk, kDense}) {
+      if (capped && form == kDense) continue;
       run(id, c, form, c.t, nullptr, 0);
       run(id, c, form, bound, &t, 0);
       run(id, c, form, 0, &one, CAPMOE_ECHO_ERR_BAD_TOKENS);  // no token rows: only the plan runs

@@ -103,7 +103,8 @@ typedef struct capmoe_echo_layout_t {
   int64_t off_slot_route;            /* int32 [S, 4] per slot j: slot_expert[j], next higher slot
                                         fed by the same expert (-1 none), start and end of slot j's
                                         range in that expert's token list on rank ep_rank
-                                        (end - start = Ftot[ep_rank][j]); -1, -1, 0, 0 if empty */
+                                        (end - start = Ftot[ep_rank][j]; the balanced count in
+                                        the capped form); -1, -1, 0, 0 if empty */
   int64_t off_expert_route;          /* int32 [E, 2] per expert e: lowest slot fed by e (-1 none),
                                         home_offload[ep_rank][e] (tokens of ep_rank moved off e) */
   int64_t off_offload_map;           /* E*S bytes: M[e][j] = 1 iff slot_expert[j] == e */
@@ -139,6 +140,29 @@ capmoe_status_t capmoe_echo_plan_reroute_topk(const capmoe_echo_config_t* cfg,
                                               int64_t* state, int32_t* workspace,
                                               int64_t workspace_len, int32_t* out_dest,
                                               float* out_probs, void* stream);
+
+/* The top-k form with block balancing, for expert parallelism (an extension beyond the spec):
+ * after P7 this rank's routes are moved among the columns of each expert that has a spare
+ * slot, so that no peer (rank q: final columns [q (L + S_per), (q + 1) (L + S_per))) receives
+ * more than block_capacity of them wherever another column of the expert has room. For every
+ * peer over the capacity in ascending order, for its columns in ascending order: up to the
+ * excess moves, repeatedly, to the expert's column on another peer with the most room
+ * (block_capacity minus its routes; ties: the lowest column), at most that room at a time; a
+ * move never fills a peer past the capacity. The reroute then follows the new counts with the
+ * spec's range rule (each slot the next part of the expert's token list in slot order, the
+ * home column the rest). Only this rank's sections change: slot_route's ranges and
+ * expert_route's home_offload hold the balanced counts; F, D, load_after are the plan's. A
+ * plan zeroed for invalid counts (or failing an invariant) is left as it is. Deterministic;
+ * the CPU twin is echo::reference::balance_blocks. block_capacity in [0, INT32_MAX]. */
+capmoe_status_t capmoe_echo_plan_reroute_topk_capped(const capmoe_echo_config_t* cfg,
+                                                     int64_t block_capacity,
+                                                     const int64_t* counts,
+                                                     const int32_t* expert_ids,
+                                                     const float* probs, int64_t num_tokens,
+                                                     const int32_t* num_tokens_device,
+                                                     int64_t* state, int32_t* workspace,
+                                                     int64_t workspace_len, int32_t* out_dest,
+                                                     float* out_probs, void* stream);
 
 /* The most slots one call of the two spare-slot weight functions below handles (num_slots;
  * more is CAPMOE_ERR_INVALID_ARGUMENT). */
