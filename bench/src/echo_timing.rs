@@ -21,6 +21,8 @@ pub enum Form {
     Dense,
     /// `[T, k]` ids + probs -> `[T, k]` columns.
     TopK,
+    /// The top-k form with block balancing at this block capacity (what `EpMoe` runs).
+    TopKCapped(usize),
 }
 
 /// Median and minimum GPU time of one plan + reroute graph replay, and the median host time of
@@ -42,7 +44,10 @@ pub fn time_plan_reroute(
     form: Form,
     replays: usize,
 ) -> Result<Timing> {
-    let plan = EchoPlan::new(cfg.clone(), t)?;
+    let plan = match form {
+        Form::TopKCapped(capacity) => EchoPlan::new(cfg.clone(), t)?.with_block_capacity(capacity)?,
+        _ => EchoPlan::new(cfg.clone(), t)?,
+    };
     let (ne, k, w) = (cfg.num_experts, cfg.topk, cfg.num_columns());
     let (counts_h, ids_h, probs_h) = synthetic_inputs(&cfg, t, 7);
     let counts = stream.clone_htod(&counts_h)?;
@@ -75,7 +80,7 @@ pub fn time_plan_reroute(
                 &mut out_map,
                 &mut out_probs,
             ),
-            Form::TopK => plan.plan_reroute_topk(
+            Form::TopK | Form::TopKCapped(_) => plan.plan_reroute_topk(
                 s,
                 &counts,
                 &ids,

@@ -528,11 +528,15 @@ fn stages_note(stages: &[(&'static str, f64)]) -> String {
     format!("routing stages alone, us: {}", parts.join(", "))
 }
 
-/// Echo plan + reroute at the target shape, both assignment algorithms and forms: GPU
-/// time of a graph replay, and (`host_us`) the host time of one eager enqueue.
+/// Echo plan + reroute at the target shape, both assignment algorithms and the three
+/// forms (top-k, dense, top-k block-balanced): GPU time of a graph replay, and (`host_us`) the
+/// host time of one eager enqueue.
 pub fn echo_rows(stream: &Arc<CudaStream>, reps: usize, rows: &mut Vec<Row>) {
     for (spare, algorithm) in [(1usize, Algorithm::Approx), (2, Algorithm::Greedy)] {
-        for (form, form_name) in [(Form::TopK, "topk"), (Form::Dense, "dense")] {
+        // EpMoe's form: the top-k reroute block-balanced at 1.25x the balanced block of 8192 x 8
+        // routes over 64 peers (1280).
+        let capped = Form::TopKCapped(capturable_moe::ep::balanced_capacity(8192, 8, 64, 1.25));
+        for (form, form_name) in [(Form::TopK, "topk"), (Form::Dense, "dense"), (capped, "topk_capped")] {
             let cfg = EchoConfig {
                 ep: 64,
                 num_experts: 256,
