@@ -22,9 +22,7 @@ mod echo_support;
 use std::path::Path;
 
 use capturable_moe::echo::{reference, synthetic::synthetic_inputs, Algorithm, EchoConfig};
-use capturable_moe::ep::balanced_capacity;
-use capturable_moe::ep::simulate::zipf_routing;
-use echo_support::{golden_files, load, RandomCase};
+use echo_support::{golden_files, load, Ep64Zipf, RandomCase};
 
 fn put_i64(out: &mut Vec<u8>, v: &[i64]) {
     v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
@@ -220,27 +218,13 @@ fn capped_cases(out: &mut Vec<u8>) -> (usize, usize) {
             }
         }
     }
-    let (ep, e, t, k) = (64, 256, 1024, 8);
-    let ids_per_rank = zipf_routing(ep, t, e, k, 1.0, 7);
-    let mut counts = vec![0i64; ep * e];
-    for (r, ids) in ids_per_rank.iter().enumerate() {
-        ids.iter().for_each(|&x| counts[r * e + x as usize] += 1);
-    }
+    let z = Ep64Zipf::new();
     for rank in [0usize, 37] {
-        let cfg = EchoConfig {
-            ep,
-            num_experts: e,
-            spare_per_rank: 2,
-            ep_rank: rank,
-            topk: k,
-            algorithm: Algorithm::Greedy,
-            threshold_multiplier: 0.0,
-        };
-        let probs: Vec<f32> = (0..t * k).map(|i| (i % 97 + 1) as f32 / 98.0).collect();
+        let cfg = Ep64Zipf::config(rank);
         for factor in [1.0, 1.25] {
-            let cap = balanced_capacity(t, k, ep, factor);
+            let (ids, cap) = (&z.ids_per_rank[rank], Ep64Zipf::capacity(factor));
             assert!(
-                put(out, &cfg, &counts, &ids_per_rank[rank], &probs, t, cap),
+                put(out, &cfg, &z.counts, ids, &z.probs, Ep64Zipf::TOKENS, cap),
                 "rank {rank} at {factor}x: nothing moved"
             );
         }

@@ -14,7 +14,7 @@ use capturable_moe::routing::Tokens;
 use capturable_moe::Error;
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream};
-use echo_support::{check_plan_invariants, check_stages, golden_files, load, same, RandomCase};
+use echo_support::{check_plan_invariants, check_stages, golden_files, load, same, Ep64Zipf, RandomCase};
 
 const POISON_I32: i32 = -7777;
 const POISON_U8: u8 = 0xA5;
@@ -349,27 +349,13 @@ fn capped_reroute_matches_the_balanced_reference() {
         assert_eq!(&dest[..t * cfg.topk], &want_dest[..], "{name}: top-k destinations");
         want_dest != reference::reroute_topk(cfg, &want, counts, ids, t).unwrap()
     };
-    let (ep, e, t, k) = (64, 256, 1024, 8);
-    let ids_per_rank = capturable_moe::ep::simulate::zipf_routing(ep, t, e, k, 1.0, 7);
-    let mut counts = vec![0i64; ep * e];
-    for (r, ids) in ids_per_rank.iter().enumerate() {
-        ids.iter().for_each(|&x| counts[r * e + x as usize] += 1);
-    }
-    let probs: Vec<f32> = (0..t * k).map(|i| (i % 97 + 1) as f32 / 98.0).collect();
+    let z = Ep64Zipf::new();
     for rank in [0usize, 37] {
-        let cfg = EchoConfig {
-            ep,
-            num_experts: e,
-            spare_per_rank: 2,
-            ep_rank: rank,
-            topk: k,
-            algorithm: Algorithm::Greedy,
-            threshold_multiplier: 0.0,
-        };
+        let cfg = Ep64Zipf::config(rank);
         for factor in [1.0, 1.25] {
-            let cap = capturable_moe::ep::balanced_capacity(t, k, ep, factor);
+            let (ids, cap) = (&z.ids_per_rank[rank], Ep64Zipf::capacity(factor));
             let name = format!("EP64 zipf rank {rank} capacity {cap}");
-            assert!(check(&name, &cfg, &counts, &ids_per_rank[rank], &probs, t, cap), "{name}: nothing moved");
+            assert!(check(&name, &cfg, &z.counts, ids, &z.probs, Ep64Zipf::TOKENS, cap), "{name}: nothing moved");
         }
     }
     for (i, (cfg, t)) in random_configs().into_iter().enumerate().filter(|(_, (c, t))| c.ep > 1 && *t > 0) {

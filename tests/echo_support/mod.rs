@@ -346,3 +346,48 @@ fn dense_inputs(e: usize, k: usize, t: usize, routes: &[i32], route_probs: &[f32
     }
     (map, probs)
 }
+
+/// The block-balancing case of docs/ep.md's drop table: EP64 E256, 1024 tokens a rank, k = 8,
+/// zipf 1.0 routing (seed 7) on every rank: the all-gathered counts, every rank's routes, and
+/// probs for one rank's routes; `config(rank)` plans as that rank (greedy, two spare slots a
+/// rank).
+pub struct Ep64Zipf {
+    pub counts: Vec<i64>,
+    pub ids_per_rank: Vec<Vec<i32>>,
+    pub probs: Vec<f32>,
+}
+
+impl Ep64Zipf {
+    pub const EP: usize = 64;
+    pub const EXPERTS: usize = 256;
+    pub const TOKENS: usize = 1024;
+    pub const TOPK: usize = 8;
+
+    pub fn new() -> Ep64Zipf {
+        let (ep, e, t, k) = (Self::EP, Self::EXPERTS, Self::TOKENS, Self::TOPK);
+        let ids_per_rank = capturable_moe::ep::simulate::zipf_routing(ep, t, e, k, 1.0, 7);
+        let mut counts = vec![0i64; ep * e];
+        for (r, ids) in ids_per_rank.iter().enumerate() {
+            ids.iter().for_each(|&x| counts[r * e + x as usize] += 1);
+        }
+        let probs = (0..t * k).map(|i| (i % 97 + 1) as f32 / 98.0).collect();
+        Ep64Zipf { counts, ids_per_rank, probs }
+    }
+
+    pub fn config(rank: usize) -> EchoConfig {
+        EchoConfig {
+            ep: Self::EP,
+            num_experts: Self::EXPERTS,
+            spare_per_rank: 2,
+            ep_rank: rank,
+            topk: Self::TOPK,
+            algorithm: Algorithm::Greedy,
+            threshold_multiplier: 0.0,
+        }
+    }
+
+    /// The block capacity at `factor` times the balanced load.
+    pub fn capacity(factor: f64) -> usize {
+        capturable_moe::ep::balanced_capacity(Self::TOKENS, Self::TOPK, Self::EP, factor)
+    }
+}
