@@ -1013,7 +1013,8 @@ __device__ void balance_blocks(const Params& p, const PlanSmem& sm) {
   int2* expert_route = reinterpret_cast<int2*>(st + lay.off_expert_route);
   __syncthreads();  // P5-P7's ranges (soff / send) and error bits are settled
   // (uniform) A plan zeroed for invalid counts, or one that failed an invariant, stays as it is.
-  constexpr int kInvalidPlan = CAPMOE_ECHO_ERR_NEGATIVE_COUNT | CAPMOE_ECHO_ERR_COUNT_TOO_LARGE | CAPMOE_ECHO_ERR_INTERNAL;
+  constexpr int kInvalidPlan =
+      CAPMOE_ECHO_ERR_NEGATIVE_COUNT | CAPMOE_ECHO_ERR_COUNT_TOO_LARGE | CAPMOE_ECHO_ERR_INTERNAL;
   if (st[lay.off_error] & kInvalidPlan) return;
   const int cols = ep * B;
   for (int q = tid; q < ep; q += nt) sm.bload[q] = 0;
@@ -1034,13 +1035,13 @@ __device__ void balance_blocks(const Params& p, const PlanSmem& sm) {
   __syncthreads();
   if (warp == 0) {
     // The expert's column on a peer other than `from` with the most room (ties: the lowest
-    // column), as room << 32 | ~column; lanes split the slots, the home column on lane 0.
+    // column), as room * 2^32 + ~column; lanes split the slots, the home column on lane 0.
     auto best_column = [&](int e, int from) -> int64_t {
       int64_t best = INT64_MIN;
       auto offer = [&](int col) {
         const int q = col / B;
         if (q == from) return;
-        const int64_t key = ((int64_t)(cap - sm.bload[q]) << 32) | (uint32_t)~col;
+        const int64_t key = (int64_t)(cap - sm.bload[q]) * (int64_t(1) << 32) + (uint32_t)~col;
         best = key > best ? key : best;
       };
       if (lane == 0) offer((e / L) * B + e % L);
