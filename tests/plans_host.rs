@@ -50,6 +50,24 @@ fn echo_desc_holds_the_config_t_max_and_sizes_host() {
     assert!(desc.state_len > 0 && desc.workspace_len > 0);
 }
 
+/// Block balancing is off until asked for; a capacity past i32 is refused on the host.
+#[test]
+fn echo_block_capacity_is_opt_in_and_bounded_host() {
+    let cfg = EchoConfig {
+        ep: 4,
+        num_experts: 16,
+        spare_per_rank: 2,
+        ep_rank: 0,
+        topk: 4,
+        algorithm: Algorithm::Greedy,
+        threshold_multiplier: 0.0,
+    };
+    let plan = EchoPlan::new(cfg.clone(), 64).unwrap();
+    assert_eq!(plan.block_capacity(), None);
+    assert_eq!(plan.clone().with_block_capacity(40).unwrap().block_capacity(), Some(40));
+    assert!(matches!(plan.with_block_capacity(1 << 31), Err(capturable_moe::Error::InvalidArgument { .. })));
+}
+
 /// The MoE layer's per-expert capacity reaches its routing plan (it used to be dropped).
 #[test]
 fn moe_config_passes_the_expert_capacity_to_routing_host() {
