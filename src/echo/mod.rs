@@ -179,7 +179,7 @@ impl EchoPlan {
     /// this rank's routes among each replicated expert's columns so that no peer receives more
     /// than `capacity` of them wherever another column of the expert has room
     /// ([`reference::balance_blocks`] is the rule; `capmoe_echo_plan_reroute_topk_capped` in
-    /// `echo.h`). [`crate::ep::EpMoe`] sets it to its block capacity. The dense form and
+    /// `echo.h`). `ep::EpMoe` (feature `nccl`) sets it to its block capacity. The dense form and
     /// [`plan`](Self::plan) are not affected.
     pub fn with_block_capacity(mut self, capacity: usize) -> Result<EchoPlan> {
         if capacity > i32::MAX as usize {

@@ -16,7 +16,7 @@ pub struct DropCount {
     pub dropped_plain: usize,
     /// The same with Echo's reroute as the spec plans it.
     pub dropped_echo: usize,
-    /// The same with Echo and block balancing (what [`crate::ep::EpMoe`] runs: each rank's
+    /// The same with Echo and block balancing (what `ep::EpMoe`, feature `nccl`, runs: each rank's
     /// routes moved among an expert's columns so that no block passes the capacity where
     /// another column has room; [`reference::balance_blocks`]).
     pub dropped_balanced: usize,
