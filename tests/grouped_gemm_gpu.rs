@@ -464,12 +464,14 @@ fn counter_kernel_matches_the_reference_everywhere_the_cutlass_ones_do() {
     for op in OPS {
         for layout in [WeightLayout::Enk, WeightLayout::Ekn] {
             for dtype in [DType::Bf16, DType::F16] {
-                // 200 and 520: neither a multiple of the 256-column tile nor of the 64-wide K block.
-                let mut s = counter(spec(op, 8, 200, 520, 2048).with_dtype(dtype));
-                s.weight_layout = layout;
-                let what = format!("{op:?} {layout:?} {dtype:?}");
-                let case = HostCase::new(s, skewed_splits(8, 1900, 7), Data::Random, 2);
-                case.run(&stream).assert_close(&what, 1e-2);
+                for (capacity, rows) in wgrad_form_capacities(op) {
+                    // 200 and 520: neither a multiple of the 256-column tile nor of the 64-wide K block.
+                    let mut s = counter(spec(op, 8, 200, 520, capacity).with_dtype(dtype));
+                    s.weight_layout = layout;
+                    let what = format!("{op:?} {layout:?} {dtype:?} capacity {capacity}");
+                    let case = HostCase::new(s, skewed_splits(8, rows, 7), Data::Random, 2);
+                    case.run(&stream).assert_close(&what, 1e-2);
+                }
             }
         }
         let extra = vec![
@@ -508,6 +510,17 @@ fn counter_kernel_matches_the_reference_everywhere_the_cutlass_ones_do() {
     }
 }
 
+/// (capacity, routed rows) of 8 experts for the reference case: the counter wgrad's column-split
+/// form runs below 512 rows of capacity per expert and its cooperative form from there on
+/// (sm90_counter_wgrad.cu's choose_form), so wgrad gets one case of each.
+fn wgrad_form_capacities(op: GemmOp) -> Vec<(usize, usize)> {
+    let mut cases = vec![(2048, 1900)];
+    if op == GemmOp::Wgrad {
+        cases.push((8192, 7600));
+    }
+    cases
+}
+
 /// The counter wgrad reads whole 64-row K blocks and zeroes the rows of an expert's last
 /// 16-row step that lie past its end, in both operands: rows past the total set to NaN (what
 /// an unwritten buffer may hold; 0 x NaN is NaN) must not reach dW, in either layout, at
@@ -517,17 +530,20 @@ fn counter_wgrad_never_reads_nan_rows_past_the_experts() {
     let stream = gpu_or_skip!();
     let splits = vec![37i64, 0, 100, 16, 250];
     let total = splits.iter().sum::<i64>() as usize;
-    for layout in [WeightLayout::Enk, WeightLayout::Ekn] {
-        let s = GroupedGemmSpec {
-            config: GemmConfig::Sm90Counter,
-            weight_layout: layout,
-            ..spec(GemmOp::Wgrad, 5, 136, 72, 600)
-        };
-        let mut case = HostCase::new(s, splits.clone(), Data::Random, 40);
-        // dY is [capacity, N], X [capacity, K].
-        case.a[total * 136..].fill(f32::NAN);
-        case.b[total * 72..].fill(f32::NAN);
-        case.run(&stream).assert_close(&format!("{layout:?}"), 1e-2);
+    // 120 and 600 rows of capacity per expert: the column-split form, then the cooperative one.
+    for capacity in [600, 3000] {
+        for layout in [WeightLayout::Enk, WeightLayout::Ekn] {
+            let s = GroupedGemmSpec {
+                config: GemmConfig::Sm90Counter,
+                weight_layout: layout,
+                ..spec(GemmOp::Wgrad, 5, 136, 72, capacity)
+            };
+            let mut case = HostCase::new(s, splits.clone(), Data::Random, 40);
+            // dY is [capacity, N], X [capacity, K].
+            case.a[total * 136..].fill(f32::NAN);
+            case.b[total * 72..].fill(f32::NAN);
+            case.run(&stream).assert_close(&format!("{layout:?} capacity {capacity}"), 1e-2);
+        }
     }
 }
 

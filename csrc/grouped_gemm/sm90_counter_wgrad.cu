@@ -20,9 +20,10 @@
 //  - tiles handed out by the device counter (fused/tile_source.cuh's CountedTiles), so experts
 //    of unequal row counts balance over the CTAs.
 //
-// A second form of the kernel, the column-split one (namespace split below, chosen by
-// CAPMOE_COUNTER_WGRAD while it is measured), overlaps one consumer's epilogue with the other's
-// MMAs; bench/README.md has what it measured.
+// A second form of the kernel, the column-split one (namespace split below), overlaps one
+// consumer's epilogue with the other's MMAs. It runs where experts have few rows on average
+// (the epilogue is then a large share of a tile), the cooperative one where they have many
+// (choose_form below; bench/README.md "The column-split counter wgrad" has the A/B).
 //
 // MMA view: the GEMM's M is dW's row (128 a tile), N its column (256), K the expert's rows.
 // Both operands are MN-major (a row of dY or X is contiguous in the columns that become dW's
@@ -418,8 +419,7 @@ __global__ void __launch_bounds__(kThreads, 1) counter_wgrad_kernel(const __grid
 }
 
 // ---------------------------------------------------------------------------------------------
-// The column-split form (experiment, CAPMOE_COUNTER_WGRAD=split<A><B>): the same tiles, maps
-// and tile order, but consumer warpgroup c owns columns [n0 + 128c, n0 + 128c + 128) of the
+// The column-split form: the same tiles, maps and tile order, but consumer warpgroup c owns columns [n0 + 128c, n0 + 128c + 128) of the
 // tile (all 128 rows: two 64x128x16 wgmmas per 16-row step) and runs at its own pace, so that
 // one's epilogue runs while the other's MMAs keep the tensor cores busy. A (the 128 columns
 // that become dW's rows) is shared, in a ring of kStagesA stages; each warpgroup's B half has
@@ -442,9 +442,11 @@ template <class T>
 using MmaOp = decltype(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kHalfN>, _16>, GMMA::Major::MN,
                                             GMMA::Major::MN>());
 
-template <class T, int kStagesA_, int kStagesB_>
+// 4 A stages and 3 of each B half (224 KB with the two output tiles): of the three splits
+// measured (4/3, 5/2, 6/2) the fastest on every bench shape (bench/README).
+template <class T>
 struct Kernel {
-  static constexpr int kStagesA = kStagesA_, kStagesB = kStagesB_;
+  static constexpr int kStagesA = 4, kStagesB = 3;
   using TiledMma = decltype(make_tiled_mma(MmaOp<T>{}, Layout<Shape<_1, _1, _1>>{}));
   using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
                                              Shape<Int<kTileM>, Int<kTileK>, Int<kStagesA>>{}, Step<_2, _1, _3>{}));
@@ -836,9 +838,9 @@ __global__ void __launch_bounds__(kThreads, 1) split_wgrad_kernel(const __grid_c
   }
 }
 
-template <class T, int kStagesA, int kStagesB>
+template <class T>
 capmoe_status_t launch_split(const Params& p, int grid, cudaStream_t stream) {
-  using K = Kernel<T, kStagesA, kStagesB>;
+  using K = Kernel<T>;
   return launch_counter_kernel(&split_wgrad_kernel<K, T>, p, grid, kThreads, K::kSmemBytes, stream);
 }
 
@@ -874,15 +876,26 @@ capmoe_status_t encode_maps(const capmoe_grouped_gemm_desc_t& d, const WgradOper
   return tma_encode(&p->d_map, d.dtype, dw, 3, d_dims, d_strides, box);
 }
 
-// Experiment switch: CAPMOE_COUNTER_WGRAD=split43 / split52 / split62 takes the column-split
-// kernel with that many A / B stages; anything else the cooperative one.
-int split_form() {
-  static const int form = [] {
+enum class WgradForm { Cooperative, ColumnSplit };
+
+// Measured on the H100 (bench/README "The column-split counter wgrad"): at 256 rows per expert
+// (dsv3, qwen3moe) the column split is 3-8 % faster, at 1024 (mixtral) the cooperative kernel
+// 0.5-2.6 %, at 16 (decode, bound by dW's write) they are level. The boundary between the
+// measured points is a guess at their geometric middle.
+constexpr int64_t kColumnSplitMaxRowsPerExpert = 512;
+
+// CAPMOE_COUNTER_WGRAD=cooperative / split (read once) forces a form, for diagnosis and A/B;
+// anything else leaves the choice to the average rows per expert (host facts only).
+WgradForm choose_form(const capmoe_grouped_gemm_desc_t& d) {
+  static const int forced = [] {
     const char* v = std::getenv("CAPMOE_COUNTER_WGRAD");
     const std::string s = v ? v : "";
-    return s == "split43" ? 43 : s == "split52" ? 52 : s == "split62" ? 62 : 0;
+    return s == "cooperative" ? 1 : s == "split" ? 2 : 0;
   }();
-  return form;
+  if (forced == 1) return WgradForm::Cooperative;
+  if (forced == 2) return WgradForm::ColumnSplit;
+  const int64_t rows_per_expert = d.num_experts > 0 ? d.capacity / d.num_experts : 0;
+  return rows_per_expert < kColumnSplitMaxRowsPerExpert ? WgradForm::ColumnSplit : WgradForm::Cooperative;
 }
 
 // The VariantFn body: T the element type.
@@ -913,12 +926,7 @@ capmoe_status_t run(const Launch& launch, uint64_t* workspace_bytes) {
   // Every expert's tiles run, those without rows to write zeros: the grid is never empty.
   const int64_t tiles = counter_wgrad_tiles(d);
   const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
-  switch (split_form()) {
-    case 43: return split::launch_split<T, 4, 3>(p, grid, launch.stream);
-    case 52: return split::launch_split<T, 5, 2>(p, grid, launch.stream);
-    case 62: return split::launch_split<T, 6, 2>(p, grid, launch.stream);
-    default: break;
-  }
+  if (choose_form(d) == WgradForm::ColumnSplit) return split::launch_split<T>(p, grid, launch.stream);
   return launch_counter_kernel(&counter_wgrad_kernel<T>, p, grid, kThreads, Kernel<T>::kSmemBytes, launch.stream);
 }
 

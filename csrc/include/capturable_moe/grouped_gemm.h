@@ -38,9 +38,9 @@
  * programmatic dependent of the kernel before it on the stream and waits for that kernel to
  * finish before its first read, so stream order holds as usual. CAPMOE_GEMM_PDL=0 in the
  * environment (read once) makes the GEMM an ordinary launch, CAPMOE_ROUTING_PDL=0 the argument
- * kernel, for diagnosis; CAPMOE_COUNTER_WGRAD=split43 / split52 / split62 (read once) runs
- * CAPMOE_CONFIG_SM90_COUNTER's wgrad as its column-split experiment (same contract;
- * bench/README.md). A failure the host can see is returned before anything is enqueued,
+ * kernel, for diagnosis; CAPMOE_COUNTER_WGRAD=cooperative / split (read once) forces the form
+ * of CAPMOE_CONFIG_SM90_COUNTER's wgrad that otherwise follows the rows per expert (same
+ * contract; bench/README.md). A failure the host can see is returned before anything is enqueued,
  * except a refused launch of the GEMM itself (CAPMOE_ERR_CUDA / CAPMOE_ERR_CUTLASS): the
  * argument kernel is then already enqueued and may still set bits in *overflow_flags. */
 #ifndef CAPTURABLE_MOE_GROUPED_GEMM_H
