@@ -420,8 +420,9 @@ __global__ void __launch_bounds__(kThreads, 1) counter_wgrad_kernel(const __grid
 
 // ---------------------------------------------------------------------------------------------
 // The column-split form: the same tiles, maps and tile order, but consumer warpgroup c owns
-// columns [n0 + 128c, n0 + 128c + 128) of the tile (all 128 rows: two 64x128x16 wgmmas per 16-row step) and runs at its own pace, so that
-// one's epilogue runs while the other's MMAs keep the tensor cores busy. A (the 128 columns
+// columns [n0 + 128c, n0 + 128c + 128) of the tile (all 128 rows: two 64x128x16 wgmmas per
+// 16-row step) and runs at its own pace, so that one's epilogue runs while the other's MMAs
+// keep the tensor cores busy. A (the 128 columns
 // that become dW's rows) is shared, in a ring of kStagesA stages; each warpgroup's B half has
 // a ring of kStagesB of its own, so the second warpgroup can lag the first without holding the
 // first's B loads back. Warpgroup 1 writes a tile's output only after warpgroup 0 has written
