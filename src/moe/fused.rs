@@ -5,9 +5,10 @@
 //! Forward, [`crate::fused::FusedFc1`] (x rows gathered in the GEMM's operand load, SwiGLU in
 //! its epilogue) for permute -> fc1 -> SwiGLU. It writes the same `act` and `h` bits as the
 //! unfused path (its tests assert it), so the rest of the forward is unchanged. What the
-//! backward still needs from the forward: `h` (SwiGLU backward) and, unless fc1's wgrad
-//! gathers from `x` itself ([`crate::fused::GatherWgrad`]), the permuted rows it reads; only
-//! then does a training forward with the fused fc1 still permute x.
+//! backward still needs from the forward: `h` (SwiGLU backward). fc1's wgrad reads the permuted
+//! rows unless it gathers from `x` itself ([`crate::fused::GatherWgrad`]); with the fused fc1
+//! the backward permutes x for it right before that wgrad (the backward takes the forward's x),
+//! so the forward never permutes and keeps no permuted copy between the two.
 //!
 //! Backward, [`crate::fused::FusedSwigluDgrad`] (SwiGLU backward in the fc2 dgrad's epilogue)
 //! for fc2 dgrad -> SwiGLU backward: `dh` straight from `drows`, no `dact` round trip. fc2
@@ -40,19 +41,20 @@ use crate::{Error, Result};
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum FusedKernel {
     /// The fused kernel where it was measured faster than the chain it replaces, else the
-    /// unfused chain. Today that is fc1 ([`MoeOptions::fc1`]) in a
-    /// [`MoeOptions::forward_only`] plan, where it skips the permuted copy of x and `h`
-    /// altogether: on a 9.0 device with an sm_90a build, [`WeightForm::Tensor`], more than 64
-    /// rows per expert on average (at decode sizes the unfused chain is faster since the
-    /// grouped GEMM runs its counter kernel there) and shapes the kernel takes (`F` a multiple
-    /// of 128, `E` at most [`crate::fused::MAX_EXPERTS`], a 16-bit dtype). In a training plan
-    /// the backward's fc1 wgrad still reads the permuted copy, so the forward permutes anyway
-    /// and the fused fc1 only replaces fc1 + SwiGLU, which it does not beat (H200, 2026-11-29:
-    /// 732 against 716 us at E128 T4096); `bench/README.md` ("Fused expert path") has the
-    /// measurements. The other options' fused kernels are slower than
-    /// their chains on an H200, so Auto leaves them unfused, and no sm_100a kernel has run (no
-    /// Blackwell GPU here), so Auto takes none there. A forced `Fused` takes the sm_100a kernels
-    /// on a 10.0 device (all four options; compiled only, never run).
+    /// unfused chain. Today that is fc1 ([`MoeOptions::fc1`]): on a 9.0 device with an sm_90a
+    /// build, [`WeightForm::Tensor`], more than 64 rows per expert on average (at decode sizes
+    /// the unfused chain is faster since the grouped GEMM runs its counter kernel there) and
+    /// shapes the kernel takes (`F` a multiple of 128, `E` at most [`crate::fused::MAX_EXPERTS`],
+    /// a 16-bit dtype). In a [`MoeOptions::forward_only`] plan it skips the permuted copy of x
+    /// and `h` altogether; in a training plan it writes `h` too and the permute of x moves into
+    /// the backward, right before fc1's wgrad (the only kernel left that reads it), so the
+    /// forward is faster by about the permute, the backward slower by the same, and no permuted
+    /// copy is kept between them (H100 report of 2026-12-07: E128 T4096 forward 745.5 against
+    /// 794.7 us unfused; `bench/README.md`, "Fused expert path", has the measurements). The
+    /// other options' fused kernels are slower than their chains, so Auto leaves them unfused,
+    /// and no sm_100a kernel has run (no Blackwell GPU here), so Auto takes none there. A forced
+    /// `Fused` takes the sm_100a kernels on a 10.0 device (all four options; compiled only,
+    /// never run).
     #[default]
     Auto,
     /// The fused kernel; a plan where it does not apply is an error.
@@ -115,14 +117,14 @@ impl FusedPlans {
         Ok(FusedPlans { fc1, swiglu_dgrad, fc1_wgrad, fc2_wgrad, prob_in_fc1 })
     }
 
-    /// Whether the forward writes the permuted rows ([`forward_permutes`]).
-    pub(super) fn permutes(&self, forward_only: bool) -> bool {
-        forward_permutes(self.fc1.is_some(), self.fc1_wgrad.is_some(), forward_only)
+    /// Which pass writes the permuted rows, if any ([`permute_pass`]).
+    pub(super) fn permute_pass(&self, forward_only: bool) -> Option<PermutePass> {
+        permute_pass(self.fc1.is_some(), self.fc1_wgrad.is_some(), forward_only)
     }
 }
 
-/// [`FusedKernel::Auto`]'s fc1: the fused kernel in a forward-only plan on a 9.0 device with
-/// more than 64 rows per expert on average (`capacity / E`, rounded down, as the grouped GEMM's
+/// [`FusedKernel::Auto`]'s fc1: the fused kernel on a 9.0 device with more than 64 rows per
+/// expert on average (`capacity / E`, rounded down, as the grouped GEMM's
 /// AUTO reads it: the two agree on which plans are decode-sized), where it takes the plan; `None` (the unfused
 /// chain) otherwise; any other error is the caller's. At decode sizes the unfused chain won
 /// once the grouped GEMM's AUTO took the counter kernel there (H200, 2026-11-29, report of
@@ -131,7 +133,7 @@ impl FusedPlans {
 fn auto_fc1(options: &MoeOptions, routing: &RoutingPlan, stream: &Arc<CudaStream>) -> Result<Option<FusedFc1>> {
     const DECODE_ROWS_PER_EXPERT: usize = 64;
     let decode = routing.capacity() / routing.num_experts() <= DECODE_ROWS_PER_EXPERT;
-    let takes = options.forward_only && options.weights == WeightForm::Tensor && !decode;
+    let takes = options.weights == WeightForm::Tensor && !decode;
     if !takes || FusedFc1::check_shapes(routing.config()).is_err() {
         return Ok(None);
     }
@@ -145,10 +147,27 @@ fn auto_fc1(options: &MoeOptions, routing: &RoutingPlan, stream: &Arc<CudaStream
     }
 }
 
-/// Whether the forward writes the permuted rows: the unfused fc1 reads them, and so does the
-/// backward's fc1 wgrad unless it gathers from x (a forward-only plan has no backward).
-pub(super) fn forward_permutes(fused_fc1: bool, gathered_fc1_wgrad: bool, forward_only: bool) -> bool {
-    !fused_fc1 || (!forward_only && !gathered_fc1_wgrad)
+/// The pass of the expert path that permutes x into the `[capacity, H]` rows buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum PermutePass {
+    /// The unfused fc1 reads the rows; the backward's fc1 wgrad (unless gathered) reads the
+    /// same rows later, so they are kept from forward to backward.
+    Forward,
+    /// The fused fc1 gathers x itself and only the backward's unfused fc1 wgrad reads the rows:
+    /// the backward permutes x right before it. Nothing is kept between the passes, and the
+    /// permute's time moves from the forward into the backward.
+    Backward,
+}
+
+/// Which pass permutes x, if any: the unfused fc1 reads the rows in the forward; with the fused
+/// fc1 only the backward's fc1 wgrad reads them, unless it gathers from x (and a forward-only
+/// plan has no backward).
+pub(super) fn permute_pass(fused_fc1: bool, gathered_fc1_wgrad: bool, forward_only: bool) -> Option<PermutePass> {
+    match (fused_fc1, forward_only || gathered_fc1_wgrad) {
+        (false, _) => Some(PermutePass::Forward),
+        (true, false) => Some(PermutePass::Backward),
+        (true, true) => None,
+    }
 }
 
 /// The probability in fc1's epilogue runs on the fused kernels only: the fused fc1 applies it,

@@ -4,15 +4,16 @@
 //!
 //! Forward:  build maps -> permute x -> fc1 grouped GEMM -> SwiGLU -> fc2 grouped GEMM ->
 //!           prob-weighted unpermute into y. Where it applies ([`MoeOptions::fc1`]), permute ->
-//!           fc1 -> SwiGLU is one fused kernel reading x directly (same bits; the permute then
-//!           only runs to keep the rows fc1's wgrad reads: not at all with `forward_only`, or
-//!           when fc1's wgrad gathers its rows from x itself, [`MoeOptions::fc1_wgrad`]).
+//!           fc1 -> SwiGLU is one fused kernel reading x directly (same bits; the forward then
+//!           writes no permuted copy of x).
 //! Backward: unpermute backward (drows, dprobs) -> fc2 dgrad + wgrad -> SwiGLU backward ->
 //!           fc1 dgrad + wgrad -> permute backward into dx. Where it applies
 //!           ([`MoeOptions::swiglu_dgrad`]), fc2 dgrad -> SwiGLU backward is one fused kernel
 //!           (dh straight from drows, within the fp64 reference's tolerance of the unfused
 //!           path, not necessarily bit-equal to it), and ([`MoeOptions::fc1_wgrad`]) fc1's
-//!           wgrad reads x's rows through the routing map instead of a permuted copy.
+//!           wgrad reads x's rows through the routing map instead of a permuted copy. After the
+//!           fused fc1 with the grouped GEMM's fc1 wgrad, the backward permutes x right before
+//!           that wgrad (the forward kept no permuted copy).
 //! With the probability in fc1 ([`MoeOptions::prob_in_fc1`], on the fused kernels): the fused
 //! fc1 writes `act = p · SwiGLU(h)`, and the combine is an unweighted gather-sum; the backward
 //! starts at the fused fc2 dgrad gathering dy itself (its epilogue applies p and writes the
@@ -148,9 +149,10 @@ pub struct MoeOptions {
     /// within rounding (the same bits where the two GEMMs sum in the same order).
     pub swiglu_dgrad: FusedKernel,
     /// fc1's weight gradient of the backward: gathered (dW1 = dhᵀ · x[token of each row], one
-    /// kernel reading x through the routing map) or the grouped GEMM's WGRAD over the permuted
-    /// rows the forward kept. Gathered needs [`WeightForm::Tensor`]; together with a fused fc1
-    /// the forward then writes no permuted copy of x at all (and the plan allocates none).
+    /// kernel reading x through the routing map) or the grouped GEMM's WGRAD over permuted rows
+    /// (those the unfused fc1's forward kept, or, after the fused fc1, a permute of x the
+    /// backward runs right before it). Gathered needs [`WeightForm::Tensor`]; together with a
+    /// fused fc1 no permuted copy of x is written at all (and the plan allocates none).
     /// Ignored by `forward_only` plans. Within rounding of the unfused path.
     pub fc1_wgrad: FusedKernel,
     /// Where each route's probability is applied. `Fused`: in the fused fc1's epilogue,
@@ -158,14 +160,14 @@ pub struct MoeOptions {
     /// combine over k is an unweighted gather-sum. The backward then needs neither a `drows`
     /// buffer nor the fc2 output rows: the fused fc2 dgrad gathers `dy` itself and makes
     /// dprobs in its epilogue, and fc2's wgrad reads `dy` through the routing map. Needs the
-    /// fused fc1 (`fc1 = Fused`, or `Auto` where Auto takes it: a forward-only plan on sm_90a
-    /// with more than 64 rows per expert) and, unless `forward_only`, `swiglu_dgrad = Fused`
+    /// fused fc1 (`fc1 = Fused`, or `Auto` where Auto takes it: [`FusedKernel::Auto`] says
+    /// where) and, unless `forward_only`, `swiglu_dgrad = Fused`
     /// (else [`Error::InvalidArgument`]). `Auto` / `Unfused`: the probability is applied in the
     /// combine. The two agree within rounding: act is rounded once after the product, and fc2
     /// sums weighted terms.
     pub prob_in_fc1: FusedKernel,
-    /// The plan never runs backward: a fused forward then writes neither the permuted rows nor
-    /// the pre-activation h (the backward would need them), and `backward` is an error.
+    /// The plan never runs backward: a fused fc1 then writes act alone, not the pre-activation h
+    /// (the backward would need it), and `backward` is an error.
     pub forward_only: bool,
 }
 
@@ -230,14 +232,14 @@ impl Gemms {
 /// Every byte a launch reads of them was written earlier in the same forward + backward, so
 /// they may live in a [`MemoryPool`](crate::graph::MemoryPool) range ([`MoeExperts::with_pool`]).
 struct Buffers<T> {
-    rows: DeviceBuffer<T>,             // [cap, H]  permuted x (empty when no kernel reads it)
-    h: DeviceBuffer<T>,                // [cap, 2F] fc1 output (gate | up)
-    act: DeviceBuffer<T>,              // [cap, F]  SwiGLU output
-    out_rows: DeviceBuffer<T>,         // [cap, H]  fc2 output
-    drows: DeviceBuffer<T>,            // [cap, H]  grad of out_rows, then of rows (one element with prob_in_fc1)
-    dact: DeviceBuffer<T>,             // [cap, F]  (one element when the fused backward skips it)
-    dh: DeviceBuffer<T>,               // [cap, 2F]
-    prob_of_row: DeviceBuffer<f32>,    // [cap]         with prob_in_fc1, else one element
+    rows: DeviceBuffer<T>,     // [cap, H]  permuted x (empty when no kernel reads it; see PermutePass)
+    h: DeviceBuffer<T>,        // [cap, 2F] fc1 output (gate | up)
+    act: DeviceBuffer<T>,      // [cap, F]  SwiGLU output
+    out_rows: DeviceBuffer<T>, // [cap, H]  fc2 output
+    drows: DeviceBuffer<T>,    // [cap, H]  grad of out_rows, then of rows (one element with prob_in_fc1)
+    dact: DeviceBuffer<T>,     // [cap, F]  (one element when the fused backward skips it)
+    dh: DeviceBuffer<T>,       // [cap, 2F]
+    prob_of_row: DeviceBuffer<f32>, // [cap]         with prob_in_fc1, else one element
     dprob_partials: DeviceBuffer<f32>, // [cap, F/128]  with prob_in_fc1, else one element
 }
 
@@ -258,7 +260,7 @@ impl PathShape {
         PathShape {
             forward_only,
             fused_fc1: fused.fc1.is_some(),
-            permutes: fused.permutes(forward_only),
+            permutes: fused.permute_pass(forward_only).is_some(),
             prob_in_fc1: fused.prob_in_fc1,
             fused_swiglu_dgrad: fused.swiglu_dgrad.as_ref().map(|d| d.dprob_slices()),
         }
@@ -604,9 +606,10 @@ impl<T: MoeElement> MoeExperts<T> {
     /// among them, unchanged since): `dx`, `dprobs`, and the weight gradients `dw1 [E, 2F, H]`,
     /// `dw2 [E, H, F]` (element type `T`, or `f32` with `wgrad_accumulate`, which adds into
     /// them), as tensors or u64 pointer arrays per the plan's [`WeightForm`], like the weights.
-    /// `x` is read where fc1's wgrad gathers its rows from it ([`MoeOptions::fc1_wgrad`]);
-    /// other plans read the permuted copy the forward kept, but take `x` all the same, so that
-    /// a plan's options never change its call.
+    /// `x` is read where fc1's wgrad gathers its rows from it ([`MoeOptions::fc1_wgrad`]) and
+    /// where the forward ran the fused fc1 (the backward then permutes x for fc1's wgrad); the
+    /// unfused fc1's plans read the permuted copy their forward kept, but take `x` all the same,
+    /// so that a plan's options never change its call.
     #[allow(clippy::too_many_arguments)]
     pub fn backward<P: routing::Element, W: GemmOperand, G: GemmOperand>(
         &mut self,
@@ -919,9 +922,6 @@ impl<T: MoeElement> Path<T> {
             let keep_h = !self.forward_only;
             let prob_of_row = weighted.then_some(&b.prob_of_row);
             fused::fc1(f, stream, x, fc1_weight, maps, prob_of_row, &mut b.act, keep_h.then_some(&mut b.h))?;
-            if self.fused.permutes(self.forward_only) {
-                r.permute(stream, x, &maps.row_of_route, tokens, &mut b.rows)?; // for fc1 wgrad
-            }
         } else {
             r.permute(stream, x, &maps.row_of_route, tokens, &mut b.rows)?;
             g.fc1_fprop.run(stream, &b.rows, fc1_weight, &mut b.h, splits, Some(&mut *flags), ws)?;
@@ -965,6 +965,9 @@ impl<T: MoeElement> Path<T> {
         // so a second backward after one forward would see it overwritten.
         let drows_in = if self.fused.prob_in_fc1 { &mut b.out_rows } else { &mut b.drows };
         g.fc1_dgrad.run(stream, &b.dh, fc1_weight, drows_in, splits, Some(&mut *flags), ws)?;
+        if self.fused.permute_pass(false) == Some(fused::PermutePass::Backward) {
+            r.permute(stream, x, &maps.row_of_route, tokens, &mut b.rows)?; // the rows fc1's wgrad reads
+        }
         match &self.fused.fc1_wgrad {
             Some(f) => fused::wgrad(f, stream, &b.dh, x, maps, dw1)?,
             None => g.fc1_wgrad.run(stream, &b.dh, &b.rows, dw1, splits, Some(&mut *flags), ws)?,
@@ -1038,7 +1041,7 @@ mod tests {
 
     fn shape(forward_only: bool, fused_fc1: bool, prob_in_fc1: bool, fused_dgrad: bool) -> PathShape {
         // No gathered fc1 wgrad in this table.
-        let permutes = fused::forward_permutes(fused_fc1, false, forward_only);
+        let permutes = fused::permute_pass(fused_fc1, false, forward_only).is_some();
         PathShape { forward_only, fused_fc1, permutes, prob_in_fc1, fused_swiglu_dgrad: fused_dgrad.then_some(SLICES) }
     }
 
@@ -1089,6 +1092,25 @@ mod tests {
         assert_eq!(got.h, CAP * 2 * FFN, "backward reads h");
         assert_eq!(got.prob_of_row, CAP);
         assert_eq!(got.dprob_partials, CAP * SLICES);
+    }
+
+    #[test]
+    fn the_permute_runs_in_the_pass_whose_kernel_reads_the_rows_host() {
+        use fused::{permute_pass, PermutePass};
+        // (fused fc1, gathered fc1 wgrad, forward only) -> pass
+        let cases = [
+            ((false, false, false), Some(PermutePass::Forward)),
+            ((false, true, false), Some(PermutePass::Forward)),
+            ((false, false, true), Some(PermutePass::Forward)),
+            ((true, false, false), Some(PermutePass::Backward)),
+            ((true, true, false), None),
+            ((true, false, true), None),
+        ];
+        for ((fc1, gathered, forward_only), pass) in cases {
+            assert_eq!(permute_pass(fc1, gathered, forward_only), pass, "{fc1} {gathered} {forward_only}");
+        }
+        // The training plan of the fused fc1 still allocates the rows: its backward writes them.
+        assert_eq!(lens(shape(false, true, false, false)).rows, CAP * HIDDEN);
     }
 
     #[test]
