@@ -192,21 +192,21 @@ fn fused_moe_forward_only_y_equals_unfused_and_backward_is_refused() {
 #[test]
 fn fused_moe_plan_choices() {
     let stream = gpu_of_arch_or_skip!("the fused fc1", Arch::Sm90, Arch::Sm100);
-    // Auto takes the fused fc1 in training and forward-only plans with more than 64 rows per
-    // expert on a 9.0 device (FusedKernel::Auto says why not at decode sizes), never on 10.0
+    // Auto takes the fused fc1 in forward-only plans with more than 64 rows per expert on a
+    // 9.0 device (FusedKernel::Auto says why not in training or at decode sizes), never on 10.0
     // (the sm_100a kernel has not run); a forced Fused plan takes it on either for tensor
     // weights and F % 128 == 0.
     let arch = DeviceInfo::of_stream(&stream).unwrap().arch;
     let inference = MoeOptions { forward_only: true, ..MoeOptions::default() };
     // T_MAX * K / E = 40 rows per expert: decode-sized; 300 tokens: 75 rows per expert.
     let prefill = MoeConfig { max_tokens: 300, ..config(None) };
-    for options in [MoeOptions::default(), inference] {
-        let auto = MoeExperts::<bf16>::with_options(prefill.clone(), options, &stream).unwrap();
-        assert_eq!(auto.fc1_is_fused(), arch == Arch::Sm90, "Auto's fc1 on {arch:?}, {options:?}");
-        let decode = config(None);
-        let auto = MoeExperts::<bf16>::with_options(decode, options, &stream).unwrap();
-        assert!(!auto.fc1_is_fused(), "Auto keeps the unfused fc1 at <= 64 rows per expert, {options:?}");
-    }
+    let auto = MoeExperts::<bf16>::new(prefill.clone(), &stream).unwrap();
+    assert!(!auto.fc1_is_fused(), "Auto keeps the unfused fc1 in training");
+    let auto = MoeExperts::<bf16>::with_options(prefill.clone(), inference, &stream).unwrap();
+    assert_eq!(auto.fc1_is_fused(), arch == Arch::Sm90, "Auto's forward-only fc1 on {arch:?}");
+    let decode = config(None);
+    let auto = MoeExperts::<bf16>::with_options(decode, inference, &stream).unwrap();
+    assert!(!auto.fc1_is_fused(), "Auto keeps the unfused fc1 at <= 64 rows per expert");
     // The boundary reads capacity / E rounded down, as the grouped GEMM's AUTO does: 516 rows
     // over 8 experts (64.5) are decode-sized, 520 (65) are not.
     for (tokens, fused) in [(258, false), (260, arch == Arch::Sm90)] {

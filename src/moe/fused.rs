@@ -41,20 +41,22 @@ use crate::{Error, Result};
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum FusedKernel {
     /// The fused kernel where it was measured faster than the chain it replaces, else the
-    /// unfused chain. Today that is fc1 ([`MoeOptions::fc1`]): on a 9.0 device with an sm_90a
-    /// build, [`WeightForm::Tensor`], more than 64 rows per expert on average (at decode sizes
-    /// the unfused chain is faster since the grouped GEMM runs its counter kernel there) and
-    /// shapes the kernel takes (`F` a multiple of 128, `E` at most [`crate::fused::MAX_EXPERTS`],
-    /// a 16-bit dtype). In a [`MoeOptions::forward_only`] plan it skips the permuted copy of x
-    /// and `h` altogether; in a training plan it writes `h` too and the permute of x moves into
-    /// the backward, right before fc1's wgrad (the only kernel left that reads it), so the
-    /// forward is faster by about the permute, the backward slower by the same, and no permuted
-    /// copy is kept between them (H100 report of 2026-12-07: E128 T4096 forward 745.5 against
-    /// 794.7 us unfused; `bench/README.md`, "Fused expert path", has the measurements). The
-    /// other options' fused kernels are slower than their chains, so Auto leaves them unfused,
-    /// and no sm_100a kernel has run (no Blackwell GPU here), so Auto takes none there. A forced
-    /// `Fused` takes the sm_100a kernels on a 10.0 device (all four options; compiled only,
-    /// never run).
+    /// unfused chain. Today that is fc1 ([`MoeOptions::fc1`]) in a
+    /// [`MoeOptions::forward_only`] plan, where it skips the permuted copy of x and `h`
+    /// altogether: on a 9.0 device with an sm_90a build, [`WeightForm::Tensor`], more than 64
+    /// rows per expert on average (at decode sizes the unfused chain is faster since the
+    /// grouped GEMM runs its counter kernel there) and shapes the kernel takes (`F` a multiple
+    /// of 128, `E` at most [`crate::fused::MAX_EXPERTS`], a 16-bit dtype). In a training plan
+    /// it writes `h` too and the permute of x moves into the backward, right before fc1's
+    /// wgrad (the only kernel left that reads it): the forward is faster by about the permute,
+    /// the backward slower by a little more, and no permuted copy is kept between them (H100,
+    /// 2026-12-07, default plans A/B: E128 T4096 forward 786 -> 747 us, backward 1586 -> 1635,
+    /// forward + backward 2422 -> 2437; SonicMoE's 7B shape 4028 -> 4112), so Auto keeps the
+    /// unfused chain there and a plan that wants the memory forces `Fused`;
+    /// `bench/README.md` ("Fused expert path") has the measurements. The other options' fused
+    /// kernels are slower than their chains, so Auto leaves them unfused, and no sm_100a kernel
+    /// has run (no Blackwell GPU here), so Auto takes none there. A forced `Fused` takes the
+    /// sm_100a kernels on a 10.0 device (all four options; compiled only, never run).
     #[default]
     Auto,
     /// The fused kernel; a plan where it does not apply is an error.
@@ -123,8 +125,8 @@ impl FusedPlans {
     }
 }
 
-/// [`FusedKernel::Auto`]'s fc1: the fused kernel on a 9.0 device with more than 64 rows per
-/// expert on average (`capacity / E`, rounded down, as the grouped GEMM's
+/// [`FusedKernel::Auto`]'s fc1: the fused kernel in a forward-only plan on a 9.0 device with
+/// more than 64 rows per expert on average (`capacity / E`, rounded down, as the grouped GEMM's
 /// AUTO reads it: the two agree on which plans are decode-sized), where it takes the plan; `None` (the unfused
 /// chain) otherwise; any other error is the caller's. At decode sizes the unfused chain won
 /// once the grouped GEMM's AUTO took the counter kernel there (H200, 2026-11-29, report of
@@ -133,7 +135,7 @@ impl FusedPlans {
 fn auto_fc1(options: &MoeOptions, routing: &RoutingPlan, stream: &Arc<CudaStream>) -> Result<Option<FusedFc1>> {
     const DECODE_ROWS_PER_EXPERT: usize = 64;
     let decode = routing.capacity() / routing.num_experts() <= DECODE_ROWS_PER_EXPERT;
-    let takes = options.weights == WeightForm::Tensor && !decode;
+    let takes = options.forward_only && options.weights == WeightForm::Tensor && !decode;
     if !takes || FusedFc1::check_shapes(routing.config()).is_err() {
         return Ok(None);
     }
