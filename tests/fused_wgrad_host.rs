@@ -115,7 +115,7 @@ mod abi {
         }
     }
 
-    /// The launch with pointers (a, b, offsets, token_of_row, dw).
+    /// The launch with pointers (a, b, offsets, token_of_row, dw) and good schedule words.
     fn call(
         d: &sys::capmoe_wgrad_gather_desc_t,
         a: *const c_void,
@@ -124,7 +124,27 @@ mod abi {
         tokens: *const c_void,
         dw: *mut c_void,
     ) -> i32 {
-        unsafe { sys::capmoe_wgrad_gather(d, a, b, offsets as *const i64, tokens as *const i32, dw, null_mut()) }
+        call_with_schedule(d, [a, b, offsets, tokens], dw, fake(0x5000))
+    }
+
+    fn call_with_schedule(
+        d: &sys::capmoe_wgrad_gather_desc_t,
+        [a, b, offsets, tokens]: [*const c_void; 4],
+        dw: *mut c_void,
+        schedule: *mut c_void,
+    ) -> i32 {
+        unsafe {
+            sys::capmoe_wgrad_gather(
+                d,
+                a,
+                b,
+                offsets as *const i64,
+                tokens as *const i32,
+                dw,
+                schedule as *mut i32,
+                null_mut(),
+            )
+        }
     }
 
     fn good(d: &sys::capmoe_wgrad_gather_desc_t) -> i32 {
@@ -134,7 +154,9 @@ mod abi {
     #[test]
     fn fused_wgrad_c_abi_refuses_bad_descriptors() {
         assert_eq!(
-            unsafe { sys::capmoe_wgrad_gather(null(), fake(0), fake(0), null(), null(), fake(0), null_mut()) },
+            unsafe {
+                sys::capmoe_wgrad_gather(null(), fake(0), fake(0), null(), null(), fake(0), null_mut(), null_mut())
+            },
             INVALID
         );
         assert_eq!(unsafe { sys::capmoe_wgrad_gather_supported(null()) }, INVALID);
@@ -200,6 +222,8 @@ mod abi {
         assert_eq!(call(&d, a, b, o, t, fake(0x4004)), MISALIGNED, "dw not 16-aligned");
         assert_eq!(call(&d, a, b, fake(0x2004), t, dw), MISALIGNED, "offsets not 8-aligned");
         assert_eq!(call(&d, a, b, o, fake(0x3002), dw), MISALIGNED, "token_of_row not 4-aligned");
+        assert_eq!(call_with_schedule(&d, [a, b, o, t], dw, null_mut()), INVALID, "NULL schedule");
+        assert_eq!(call_with_schedule(&d, [a, b, o, t], dw, fake(0x5002)), MISALIGNED, "schedule not 4-aligned");
         // Capacity 0 and accumulate: no row exists, so a, b and token_of_row may be NULL, and
         // nothing is launched (dW stays as it is); only the device check can refuse it.
         let f32 = sys::CAPMOE_DTYPE_F32 as i32;

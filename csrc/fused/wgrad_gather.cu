@@ -11,7 +11,11 @@
 #include "common/boundary.cuh"
 #include "fused/entry.h"
 #include "fused/fc1_layout.h"
+#include "fused/tile_schedule.cuh"
 #include "fused/wgrad_gather_launch.h"
+
+static_assert(CAPMOE_WGRAD_GATHER_SCHEDULE_WORDS == capmoe::fused::TileSchedule::kWords,
+              "the C ABI's schedule words are the kernel's");
 
 namespace capmoe::fused {
 namespace {
@@ -58,15 +62,16 @@ capmoe_status_t check_device(WgradKernel* kernel) {
 
 // The pointer checks of a launch, before any CUDA call.
 capmoe_status_t check_pointers(const capmoe_wgrad_gather_desc_t& d, const void* a, const void* b,
-                               const int64_t* offsets, const int32_t* token_of_row, const void* dw) {
-  if (offsets == nullptr || dw == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
+                               const int64_t* offsets, const int32_t* token_of_row, const void* dw,
+                               const int32_t* schedule) {
+  if (offsets == nullptr || dw == nullptr || schedule == nullptr) return CAPMOE_ERR_INVALID_ARGUMENT;
   const bool gathers = d.a_rows == CAPMOE_WGRAD_ROWS_GATHERED || d.b_rows == CAPMOE_WGRAD_ROWS_GATHERED;
   // With capacity 0 no row exists, so nothing of a, b or token_of_row is read.
   if (d.capacity > 0 && (a == nullptr || b == nullptr || (gathers && token_of_row == nullptr)))
     return CAPMOE_ERR_INVALID_ARGUMENT;
   CAPMOE_TRY(capmoe::check_aligned(16, {a, b, dw}));
   CAPMOE_TRY(capmoe::check_aligned(8, {offsets}));
-  CAPMOE_TRY(capmoe::check_aligned(4, {token_of_row}));
+  CAPMOE_TRY(capmoe::check_aligned(4, {token_of_row, schedule}));
   return CAPMOE_OK;
 }
 
@@ -85,11 +90,11 @@ extern "C" capmoe_status_t capmoe_wgrad_gather_supported(const capmoe_wgrad_gath
 
 extern "C" capmoe_status_t capmoe_wgrad_gather(const capmoe_wgrad_gather_desc_t* desc, const void* a, const void* b,
                                                const int64_t* offsets, const int32_t* token_of_row, void* dw,
-                                               void* stream) {
+                                               int32_t* schedule, void* stream) {
   return capmoe::guarded([&]() -> capmoe_status_t {
     CAPMOE_TRY(check_desc(desc));
     const capmoe_wgrad_gather_desc_t& d = *desc;
-    CAPMOE_TRY(check_pointers(d, a, b, offsets, token_of_row, dw));
+    CAPMOE_TRY(check_pointers(d, a, b, offsets, token_of_row, dw, schedule));
     WgradKernel kernel{};
     CAPMOE_TRY(check_device(&kernel));
 #if CAPMOE_FUSED_HAS_KERNEL
@@ -111,6 +116,7 @@ extern "C" capmoe_status_t capmoe_wgrad_gather(const capmoe_wgrad_gather_desc_t*
     p.accumulate = d.accumulate;
     p.m_tiles = int32_t(tiles_of(d.m, CAPMOE_WGRAD_GATHER_TILE_M));
     p.n_tiles = int32_t(tiles_of(d.n, CAPMOE_WGRAD_GATHER_TILE_N));
+    p.schedule = schedule;
     const int grid = persistent_grid(total_tiles(d), d.sm_count);
     const cudaStream_t s = static_cast<cudaStream_t>(stream);
 #if CAPMOE_HAS_SM100

@@ -21,9 +21,11 @@ struct WgradGatherParams {
   int32_t a_gathered, b_gathered;  // 1: row r reads token_of_row[r]
   int32_t accumulate;              // F32 output only
   int32_t m_tiles, n_tiles;        // tiles of one expert's dW
+  int32_t* schedule;               // CAPMOE_WGRAD_GATHER_SCHEDULE_WORDS (the counter form's tile counter)
 };
 
-// Launches the sm_90a kernel on `grid` persistent CTAs (wgrad_gather_sm90.cu).
+// Launches the sm_90a kernel on `grid` persistent CTAs (wgrad_gather_sm90.cu): the gathered
+// counter wgrad (grouped_gemm/counter_wgrad_gather.h) where it applies, else the strided one.
 capmoe_status_t launch_wgrad_gather_sm90(const WgradGatherParams& params, capmoe_dtype_t dtype,
                                          capmoe_dtype_t out_dtype, int grid, cudaStream_t stream);
 

@@ -60,8 +60,10 @@
 #include "fused/pair.cuh"
 #include "fused/pipeline.cuh"
 #include "fused/tile_source.cuh"
+#include "fused/wgrad_tiles.cuh"
 #include "grouped_gemm/counter.h"
 #include "grouped_gemm/counter_launch.cuh"
+#include "grouped_gemm/counter_wgrad_gather.h"
 #include "grouped_gemm/launch.h"
 
 namespace capmoe::gg::counter {
@@ -95,10 +97,20 @@ struct Params {
   CUtensorMap a_map;  // A: [capacity, M] (dY for [E, N, K], X for [E, K, N]), box 64 x 64
   CUtensorMap b_map;  // B: [capacity, N'] (the other one), box 64 x 64
   CUtensorMap d_map;  // dW: [E, M, N'], box 64 x 64 x 1 (stores)
-  const int64_t* row_offsets;  // E + 1 clamped row starts (the argument kernel's)
+  const int64_t* row_offsets;  // E + 1 row starts: the argument kernel's (clamped), or the
+                               // routing build's offsets (gathered form, clamped here)
   int32_t* schedule;           // the tile counter's words (fused/tile_schedule.cuh)
   int32_t experts, m_tiles, n_tiles;
+  // The gathered form only (capmoe_wgrad_gather, one operand GATHERED): that operand's rows
+  // come by cp.async from `gathered` ([max_tokens, gathered_cols]) through token_of_row; its
+  // TMA map is unused.
+  const void* gathered;
+  const int32_t* token_of_row;
+  int32_t gathered_cols, max_tokens, capacity;
 };
+
+// Which operand, if any, the kernel reads through token_of_row instead of by TMA.
+enum class Gather { None, A, B };
 
 template <class T>
 using MmaOp = decltype(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kTileN>, _16>, GMMA::Major::MN,
@@ -126,6 +138,7 @@ struct Kernel {
     uint64_t empty[kStages];
     int32_t row_start[kCounterMaxExperts + 1];  // first row of expert e (clamped)
     int32_t stage_tile[kStages];                // the tile whose first K block a stage holds
+    int32_t handoff;                            // the gathered producers' fetched tile (CountedTiles<128>)
   };
   static constexpr size_t kSmemBytes = sizeof(Shared) + 1024;  // + room to align the base
   static_assert(kSmemBytes <= 227 * 1024, "sm_90a allows 227 KB of dynamic shared memory per CTA");
@@ -168,6 +181,16 @@ __device__ __forceinline__ WgradTile locate(const Params& p, int tile, const int
   const bool m_fastest = p.m_tiles <= p.n_tiles;
   const int m = m_fastest ? r % p.m_tiles : r / p.n_tiles, n = m_fastest ? r / p.m_tiles : r % p.n_tiles;
   return {e, m * kTileM, n * kTileN, row0, row_start[e + 1] - row0};
+}
+
+// locate() of either form: the gathered form's row starts are the caller's offsets clamped one
+// by one, which need not ascend, and an expert whose end is not past its start has no rows
+// (capturable_moe/wgrad_gather.h). The argument kernel's ascend.
+template <Gather G>
+__device__ __forceinline__ WgradTile locate_rows(const Params& p, int tile, const int32_t* row_start) {
+  WgradTile t = locate(p, tile, row_start);
+  if constexpr (G != Gather::None) t.rows = max(t.rows, 0);
+  return t;
 }
 
 // One stage's boxes: rows [row0, row0 + 64) of A's columns [m0, m0 + 128) and B's [n0, n0 + 256).
@@ -220,6 +243,75 @@ __device__ void produce(const Params& p, typename Kernel<T>::Shared& s, int tota
   tiles.stop(s.full, s.empty, ring, true, "counter wgrad producer, empty (end)");
 }
 
+// The gathered form's producer, the 128 threads of the producer warpgroup: per K block thread 0
+// arms the stage with the plain operand's bytes and loads its boxes by TMA (as produce does);
+// every thread copies its 16-byte chunks of the gathered operand's rows (fused/wgrad_tiles.cuh:
+// the chunks land where TMA's 128-byte swizzle would put them, zero-filled past the expert's
+// rows and for invalid tokens) and arrives when they land. The full barriers therefore take
+// 1 + 128 arrivals, the stop stage's too. Each block's row sources (one token load per lane)
+// are fetched while the thread waits for the stage they go into.
+template <class T, Gather G>
+__device__ void produce_gathered(const Params& p, typename Kernel<T>::Shared& s, int total_tiles) {
+  using K = Kernel<T>;
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  constexpr bool kGatherA = G == Gather::A;
+  constexpr int kGatheredCols = kGatherA ? kTileM : kTileN;  // of the gathered operand, per tile
+  using Sources = fused::BlockSources<kGatheredCols>;
+  constexpr uint32_t kPlainBytes = (kGatherA ? K::kStageElemsB : K::kStageElemsA) * sizeof(T);
+  constexpr uint64_t hint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
+  const T* src = static_cast<const T*>(p.gathered);
+  fused::CountedTiles<128> tiles{fused::TileSchedule{p.schedule}, s.stage_tile, &s.handoff};
+  StageRing<kStages> ring;
+  int claimed = 0;
+  tiles.claim(claimed);
+  for (;;) {
+    const int tile = tiles.hand_over(claimed);
+    if (tile >= total_tiles) break;
+    tiles.claim(claimed);  // in flight while this tile loads
+    const WgradTile t = locate_rows<G>(p, tile, s.row_start);
+    const int k_blocks = t.k_blocks();
+    const int row_end = t.row0 + t.rows;
+    const int mn0 = kGatherA ? t.m0 : t.n0;
+    uint32_t source = Sources::fetch(true, p.token_of_row, p.max_tokens, p.gathered_cols, t.row0, row_end);
+    for (int kb = 0; kb < max(k_blocks, 1); ++kb) {
+      fused::wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "gathered counter wgrad producer, empty");
+      const int stage = ring.stage;
+      const int row = t.row0 + kb * kTileK;
+      T* a_stage = s.a + stage * K::kStageElemsA;
+      T* b_stage = s.b + stage * K::kStageElemsB;
+      if (threadIdx.x == 0) {
+        if (kb == 0) tiles.publish(stage, tile);
+        if (k_blocks == 0) {
+          Barrier::arrive(&s.full[stage]);
+        } else {
+          Barrier::arrive_and_expect_tx(&s.full[stage], kPlainBytes);
+          if constexpr (kGatherA) {
+#pragma unroll
+            for (int c = 0; c < kBBoxes; ++c)
+              SM90_TMA_LOAD_2D::copy(&p.b_map, &s.full[stage], hint, b_stage + c * K::kBoxElems, t.n0 + c * kBox, row);
+          } else {
+#pragma unroll
+            for (int c = 0; c < kABoxes; ++c)
+              SM90_TMA_LOAD_2D::copy(&p.a_map, &s.full[stage], hint, a_stage + c * K::kBoxElems, t.m0 + c * kBox, row);
+          }
+        }
+      }
+      if (k_blocks > 0) {
+        uint8_t* gathered_stage = reinterpret_cast<uint8_t*>(kGatherA ? a_stage : b_stage);
+        fused::copy_wgrad_block<T, kGatheredCols>(src, p.gathered_cols, p.gathered_cols, true, source, row, row_end,
+                                                  mn0, gathered_stage);
+        source = Sources::fetch(true, p.token_of_row, p.max_tokens, p.gathered_cols, row + kTileK, row_end);
+      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
+      ring.advance();
+    }
+  }
+  if (tiles.stop(s.full, s.empty, ring, threadIdx.x == 0, "gathered counter wgrad producer, empty (end)")) {
+    cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);  // the stop stage's other 128 arrivals
+  }
+  cute::cp_async_wait<0>();  // no thread exits with copies in flight
+}
+
 // Rows [first, end) of one stage's boxes, in both operands, set to zero by the 256 consumer
 // threads; the caller fences and syncs them before any wgmma reads the stage. A box row is one
 // 128-byte line whatever the swizzle (which permutes 16-byte chunks within a line).
@@ -256,7 +348,9 @@ __device__ __forceinline__ void issue_steps(Mma& mma, const FragA& tCrA, const F
 // The whole blocks run with one batch in flight; the last block, whose 16-row step count is a
 // branch, comes after them: ptxas completes every wgmma batch issued under a branch before the
 // branch ends (WARPGROUP.DEPBAR 0), which inside the loop would serialize every block.
-template <class T, class Mma, class FragA, class FragB, class Acc>
+// kAfterCpAsync: the gathered form, whose stages cp.async wrote in part (the generic proxy,
+// which wgmma may read only after a proxy fence).
+template <class T, bool kAfterCpAsync, class Mma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void mma_tile(StageRing<kStages>& ring, typename Kernel<T>::Shared& s, const WgradTile& t,
                                          bool warp_leader, int consumer_thread, Mma& mma, FragA& tCrA, FragB& tCrB,
                                          Acc& acc) {
@@ -269,6 +363,7 @@ __device__ __forceinline__ void mma_tile(StageRing<kStages>& ring, typename Kern
   auto wait_full = [&](int stage) {
     fused::wait_barrier(&s.full[stage], ring.phase, "counter wgrad consumer, full");
     __syncwarp();  // wgmma's .sync.aligned instructions need the warp converged
+    if constexpr (kAfterCpAsync) cutlass::arch::fence_view_async_shared();
   };
   for (int kb = 0; kb < last; ++kb) {
     const int stage = ring.stage;
@@ -349,7 +444,7 @@ __device__ __forceinline__ void store_tile(const Params& p, T* out, const WgradT
   }
 }
 
-template <class T>
+template <class T, Gather G>
 __device__ void consume(const Params& p, typename Kernel<T>::Shared& s) {
   using K = Kernel<T>;
   const int consumer_thread = threadIdx.x - 128;
@@ -371,14 +466,14 @@ __device__ void consume(const Params& p, typename Kernel<T>::Shared& s) {
   for (;;) {
     const int tile = fused::next_published_tile(ring, s.full, s.stage_tile);
     if (tile == fused::kNoMoreTiles) break;
-    const WgradTile t = locate(p, tile, s.row_start);
+    const WgradTile t = locate_rows<G>(p, tile, s.row_start);
     if (t.rows == 0) {
       // An expert without rows: its stage carried only the tile; dW_e = 0.
       fused::pass_k_blocks(ring, s.full, s.empty, 1, warp_leader);
 #pragma unroll
       for (int i = 0; i < size(acc); ++i) acc(i) = 0.0f;
     } else {
-      mma_tile<T>(ring, s, t, warp_leader, consumer_thread, mma, tCrA, tCrB, acc);
+      mma_tile<T, G != Gather::None>(ring, s, t, warp_leader, consumer_thread, mma, tCrA, tCrB, acc);
     }
     store_tile<T>(p, s.out[warpgroup], t, acc, row, warpgroup, storing_thread);
   }
@@ -387,23 +482,36 @@ __device__ void consume(const Params& p, typename Kernel<T>::Shared& s) {
   if (storing_thread) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-template <class T>
+// G: Gather::None is the grouped GEMM's WGRAD (the argument kernel's clamped offsets, both
+// operands by TMA); A or B the gathered form (capmoe_wgrad_gather through
+// launch_gathered_wgrad: that operand by cp.async from the producer warpgroup).
+template <class T, Gather G>
 __global__ void __launch_bounds__(kThreads, 1) counter_wgrad_kernel(const __grid_constant__ Params p) {
   using K = Kernel<T>;
+  constexpr bool kGathered = G != Gather::None;
   extern __shared__ uint8_t raw[];
   auto& s = fused::aligned_shared<typename K::Shared>(raw);
   const int warp = threadIdx.x / 32;
 
-  // Nothing the argument kernel writes is read before this point's wait.
-  if (threadIdx.x == 32) fused::init_stage_barriers<kStages>(s.full, s.empty, 1, kConsumerWarps);
+  // Nothing the kernel before this one writes is read before this point's wait.
+  if (threadIdx.x == 32) {
+    const uint32_t full_arrivals = kGathered ? 1 + fused::kWgradProducerThreads : 1;
+    fused::init_stage_barriers<kStages>(s.full, s.empty, full_arrivals, kConsumerWarps);
+  }
   if (threadIdx.x == 64) {
-    cute::prefetch_tma_descriptor(&p.a_map);
-    cute::prefetch_tma_descriptor(&p.b_map);
+    if constexpr (G != Gather::A) cute::prefetch_tma_descriptor(&p.a_map);
+    if constexpr (G != Gather::B) cute::prefetch_tma_descriptor(&p.b_map);
     cute::prefetch_tma_descriptor(&p.d_map);
   }
   grid_dependency_wait();
   if (warp == 0) {
-    for (int e = threadIdx.x; e <= p.experts; e += 32) s.row_start[e] = int32_t(p.row_offsets[e]);
+    for (int e = threadIdx.x; e <= p.experts; e += 32) {
+      if constexpr (kGathered) {
+        s.row_start[e] = fused::clamp_wgrad_row(p.row_offsets[e], p.capacity);
+      } else {
+        s.row_start[e] = int32_t(p.row_offsets[e]);
+      }
+    }
   }
   __syncthreads();
 
@@ -411,10 +519,14 @@ __global__ void __launch_bounds__(kThreads, 1) counter_wgrad_kernel(const __grid
   if (warp < 4) {
     // The producer needs few registers: 40 + 2 x 232 = 504 = 3 x 168, what the launch holds.
     cutlass::arch::warpgroup_reg_dealloc<40>();
-    if (threadIdx.x == 0) produce<T>(p, s, total_tiles);
+    if constexpr (kGathered) {
+      produce_gathered<T, G>(p, s, total_tiles);
+    } else if (threadIdx.x == 0) {
+      produce<T>(p, s, total_tiles);
+    }
   } else {
     cutlass::arch::warpgroup_reg_alloc<232>();
-    consume<T>(p, s);
+    consume<T, G>(p, s);
   }
 }
 
@@ -928,10 +1040,72 @@ capmoe_status_t run(const Launch& launch, uint64_t* workspace_bytes) {
   const int64_t tiles = counter_wgrad_tiles(d);
   const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
   if (choose_form(d) == WgradForm::ColumnSplit) return split::launch_split<T>(p, grid, launch.stream);
-  return launch_counter_kernel(&counter_wgrad_kernel<T>, p, grid, kThreads, Kernel<T>::kSmemBytes, launch.stream);
+  return launch_counter_kernel(&counter_wgrad_kernel<T, Gather::None>, p, grid, kThreads, Kernel<T>::kSmemBytes,
+                               launch.stream);
+}
+
+// The gathered form's maps: the plain operand over its `capacity` rows and dW (the gathered one
+// has none). capacity > 0.
+capmoe_status_t encode_gathered_maps(const fused::WgradGatherParams& g, capmoe_dtype_t dtype, Params* p) {
+  const cuuint64_t elem = 2;
+  const cuuint32_t box[3] = {kBox, kTileK, 1};
+  const bool gather_a = g.a_gathered != 0;
+  const cuuint64_t plain_cols = cuuint64_t(gather_a ? g.n : g.m);
+  const cuuint64_t plain_dims[2] = {plain_cols, cuuint64_t(g.capacity)};
+  const cuuint64_t plain_strides[1] = {plain_cols * elem};
+  CUtensorMap* plain_map = gather_a ? &p->b_map : &p->a_map;
+  CAPMOE_TRY(tma_encode(plain_map, dtype, gather_a ? g.b : g.a, 2, plain_dims, plain_strides, box));
+  const cuuint64_t d_dims[3] = {cuuint64_t(g.n), cuuint64_t(g.m), cuuint64_t(g.experts)};
+  const cuuint64_t d_strides[2] = {cuuint64_t(g.n) * elem, cuuint64_t(g.m) * cuuint64_t(g.n) * elem};
+  return tma_encode(&p->d_map, dtype, g.dw, 3, d_dims, d_strides, box);
+}
+
+template <class T>
+capmoe_status_t launch_gathered_typed(const fused::WgradGatherParams& g, int grid, cudaStream_t stream) {
+  constexpr capmoe_dtype_t kDtype = std::is_same_v<T, cutlass::half_t> ? CAPMOE_DTYPE_F16 : CAPMOE_DTYPE_BF16;
+  if (g.capacity == 0) {
+    // No expert has rows (and a, b may be null): dW = 0.
+    const size_t bytes = size_t(g.experts) * size_t(g.m) * size_t(g.n) * sizeof(T);
+    return cuda_status(cudaMemsetAsync(g.dw, 0, bytes, stream));
+  }
+  Params p{};
+  CAPMOE_TRY(encode_gathered_maps(g, kDtype, &p));
+  const bool gather_a = g.a_gathered != 0;
+  p.row_offsets = g.offsets;
+  p.schedule = g.schedule;
+  p.experts = g.experts;
+  p.m_tiles = g.m_tiles;
+  p.n_tiles = g.n_tiles;
+  p.gathered = gather_a ? g.a : g.b;
+  p.token_of_row = g.token_of_row;
+  p.gathered_cols = gather_a ? g.m : g.n;
+  p.max_tokens = g.max_tokens;
+  p.capacity = g.capacity;
+  (void)cudaGetLastError();
+  const auto kernel = gather_a ? &counter_wgrad_kernel<T, Gather::A> : &counter_wgrad_kernel<T, Gather::B>;
+  return launch_counter_kernel(kernel, p, grid, kThreads, Kernel<T>::kSmemBytes, stream);
 }
 
 }  // namespace
+
+bool gathered_wgrad_takes(const fused::WgradGatherParams& g, capmoe_dtype_t dtype, capmoe_dtype_t out_dtype) {
+  static const bool strided_only = [] {
+    const char* v = std::getenv("CAPMOE_GATHER_WGRAD");
+    return v != nullptr && std::string(v) == "strided";
+  }();
+  if (strided_only) return false;
+  if (out_dtype != dtype || g.accumulate || (g.a_gathered != 0) == (g.b_gathered != 0)) return false;
+  if (g.experts > kCounterMaxExperts) return false;
+  return int64_t(g.m) * int64_t(g.n) * 2 < (int64_t(1) << 40);
+}
+
+capmoe_status_t launch_gathered_wgrad(const fused::WgradGatherParams& g, capmoe_dtype_t dtype, int grid,
+                                      cudaStream_t stream) {
+  if (dtype == CAPMOE_DTYPE_BF16) return launch_gathered_typed<cutlass::bfloat16_t>(g, grid, stream);
+  if (dtype == CAPMOE_DTYPE_F16) return launch_gathered_typed<cutlass::half_t>(g, grid, stream);
+  return CAPMOE_ERR_UNSUPPORTED;
+}
+
 }  // namespace capmoe::gg::counter
 
 namespace capmoe::gg {

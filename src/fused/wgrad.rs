@@ -23,17 +23,25 @@
 //! `[0, T_max)` contributes nothing. No allocation, no host sync, no host read of device data:
 //! a launch can be captured in a CUDA graph and replayed with new routing.
 //!
+//! Kernels on sm_90a: a 16-bit `dW` with one gathered operand (both uses in the expert path)
+//! runs the grouped GEMM's counter wgrad with that operand copied by cp.async and the other by
+//! TMA, its tiles handed out by a device counter whose words the plan owns (so a plan is bound
+//! to the stream it was made on); fp32 outputs and the other row-source pairs run the older
+//! strided kernel (`csrc/fused/wgrad_gather_sm90.cu`), which `CAPMOE_GATHER_WGRAD=strided`
+//! forces everywhere (for A/B).
+//!
 //! Where it applies ([`GatherWgrad::new`] says why not otherwise, before any launch): an
 //! sm_90a build on a compute capability 9.0 device, or an sm_100a build on 10.0 (its Blackwell
 //! kernel, tcgen05 with TMEM accumulators, is compiled only: no Blackwell GPU has run it), `M`
 //! and `N` multiples of 8, 16-bit operands. Elsewhere permute and use the grouped GEMM's WGRAD.
 
 use std::ffi::c_void;
+use std::sync::Arc;
 
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 
-use super::{ensure_dtype, kernel_device, WGRAD_BUILDS};
+use super::{ensure_dtype, kernel_device, ScheduleWords, WGRAD_BUILDS};
 use crate::device::{ensure_aligned16, ensure_buffer};
 use crate::dtype::DType;
 use crate::error::check;
@@ -158,18 +166,22 @@ impl GatherWgradConfig {
     }
 }
 
-/// A validated gathered-wgrad launch plan for one shape on one device.
-#[derive(Clone, Debug)]
+/// A validated gathered-wgrad launch plan for one shape on one device, bound to the stream it
+/// was made on: it owns the device words of the kernel's tile schedule
+/// (`CAPMOE_WGRAD_GATHER_SCHEDULE_WORDS`, which launches ordered on one stream share), so a
+/// launch on another stream is [`Error::WrongStream`](crate::Error::WrongStream).
+#[derive(Debug)]
 pub struct GatherWgrad {
     config: GatherWgradConfig,
     desc: sys::capmoe_wgrad_gather_desc_t,
+    schedule: ScheduleWords,
 }
 
 impl GatherWgrad {
     /// Checks on the host that the kernel exists for `config` on the device of `stream`; an
     /// [`Error::Unsupported`] / [`Error::UnsupportedArch`] / [`Error::NotBuilt`] means: permute
     /// and use the grouped GEMM's WGRAD. No launch.
-    pub fn new(config: GatherWgradConfig, stream: &CudaStream) -> Result<GatherWgrad> {
+    pub fn new(config: GatherWgradConfig, stream: &Arc<CudaStream>) -> Result<GatherWgrad> {
         const OP: &str = "GatherWgrad::new";
         // Plan time: never while capturing (the capture guards of module `graph`).
         crate::graph::ensure_not_capturing(stream, OP)?;
@@ -178,7 +190,8 @@ impl GatherWgrad {
         let desc = Self::abi_desc(&config, device.sm_count);
         stream.context().bind_to_thread()?;
         check(unsafe { sys::capmoe_wgrad_gather_supported(&desc) }, OP)?;
-        Ok(GatherWgrad { config, desc })
+        let schedule = ScheduleWords::new(stream, sys::CAPMOE_WGRAD_GATHER_SCHEDULE_WORDS)?;
+        Ok(GatherWgrad { config, desc, schedule })
     }
 
     /// The checks of [`GatherWgrad::new`] that need no GPU (the C ABI makes them again).
@@ -279,7 +292,8 @@ impl GatherWgrad {
 
     /// Raw [`GatherWgrad::run`], in the crate's raw-pointer convention (docs/CONVENTIONS.md):
     /// the stream first, then device pointers as `CUdeviceptr` in the order of the safe form
-    /// (`token_of_row` may be 0 when no operand is gathered).
+    /// (`token_of_row` may be 0 when no operand is gathered). `stream` must be the plan's
+    /// ([`Error::WrongStream`](crate::Error::WrongStream) otherwise: its schedule words).
     ///
     /// # Safety
     /// Device memory of `stream`'s context, live until the launch completes, 16-byte aligned
@@ -295,6 +309,8 @@ impl GatherWgrad {
         token_of_row: CUdeviceptr,
         dw: CUdeviceptr,
     ) -> Result<()> {
+        const OP: &str = "gathered wgrad";
+        let (schedule, _guard) = self.schedule.for_launch(OP, stream)?;
         stream.context().bind_to_thread()?;
         let s = stream.cu_stream() as *mut c_void;
         check(
@@ -305,9 +321,10 @@ impl GatherWgrad {
                 offsets as usize as *const i64,
                 token_of_row as usize as *const i32,
                 dw as usize as *mut c_void,
+                schedule,
                 s,
             ),
-            "gathered wgrad",
+            OP,
         )
     }
 }

@@ -25,11 +25,14 @@
  * with tiles - 1 + min(tiles, sm_count) <= INT32_MAX (else UNSUPPORTED). M and N multiples of 8 (else MISALIGNED). dtype BF16 or F16, out_dtype
  * dtype or F32, accumulate only with F32 (else UNSUPPORTED). A GATHERED operand of at most
  * 64 GB: max_tokens * M / 8 (a) or max_tokens * N / 8 (b) < 2^32 (else UNSUPPORTED).
- * Alignment: a, b, dw 16 bytes; offsets 8; token_of_row 4 (else MISALIGNED). a, b and
- * token_of_row (needed only when an operand is GATHERED) may be NULL only when capacity is 0.
+ * Alignment: a, b, dw 16 bytes; offsets 8; token_of_row, schedule 4 (else MISALIGNED). a, b
+ * and token_of_row (needed only when an operand is GATHERED) may be NULL only when capacity
+ * is 0; offsets, dw and schedule never (else INVALID_ARGUMENT).
  * Kernels: sm_90a on a compute capability 9.0 device, sm_100a (tcgen05; compiled, never run)
  * on 10.0, each only in a binary built with that arch; elsewhere the launch returns
- * CAPMOE_ERR_UNSUPPORTED before anything is launched.
+ * CAPMOE_ERR_UNSUPPORTED before anything is launched. On sm_90a a dW in the operand type with
+ * one GATHERED operand and at most CAPMOE_FUSED_MAX_EXPERTS experts runs a kernel that hands
+ * its tiles out from a device counter in `schedule`; the other launches ignore those words.
  * No workspace, no allocation, no synchronisation, no host read of device data: capturable. */
 #ifndef CAPTURABLE_MOE_WGRAD_GATHER_H
 #define CAPTURABLE_MOE_WGRAD_GATHER_H
@@ -42,6 +45,11 @@ extern "C" {
 
 /* Output tile of one CTA: TILE_M rows (m) x TILE_N columns (n) of one expert's dW. */
 enum { CAPMOE_WGRAD_GATHER_TILE_M = 128, CAPMOE_WGRAD_GATHER_TILE_N = 256 };
+
+/* Device words a launch uses for its tile schedule (capmoe_wgrad_gather's `schedule`): zeroed
+ * once by the caller before the first launch; each launch leaves them zero again. Launches
+ * that may run at the same time need words of their own. */
+enum { CAPMOE_WGRAD_GATHER_SCHEDULE_WORDS = 2 };
 
 /* Where an operand's row r comes from (see above). */
 typedef int32_t capmoe_wgrad_rows_t;
@@ -67,10 +75,12 @@ typedef struct capmoe_wgrad_gather_desc {
 capmoe_status_t capmoe_wgrad_gather_supported(const capmoe_wgrad_gather_desc_t* desc);
 
 /* dw as described above, on `stream` (a cudaStream_t). token_of_row may be NULL when neither
- * operand is GATHERED. */
+ * operand is GATHERED. schedule: CAPMOE_WGRAD_GATHER_SCHEDULE_WORDS int32 of device memory
+ * (see above). */
 capmoe_status_t capmoe_wgrad_gather(const capmoe_wgrad_gather_desc_t* desc, const void* a,
                                     const void* b, const int64_t* offsets,
-                                    const int32_t* token_of_row, void* dw, void* stream);
+                                    const int32_t* token_of_row, void* dw, int32_t* schedule,
+                                    void* stream);
 
 #ifdef __cplusplus
 }
