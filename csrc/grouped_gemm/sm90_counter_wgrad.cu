@@ -249,7 +249,8 @@ __device__ void produce(const Params& p, typename Kernel<T>::Shared& s, int tota
 // the chunks land where TMA's 128-byte swizzle would put them, zero-filled past the expert's
 // rows and for invalid tokens) and arrives when they land. The full barriers therefore take
 // 1 + 128 arrivals, the stop stage's too. Each block's row sources (one token load per lane)
-// are fetched while the thread waits for the stage they go into.
+// are fetched two blocks ahead, so that their load runs while the thread copies the block
+// before and waits for the stage they go into.
 template <class T, Gather G>
 __device__ void produce_gathered(const Params& p, typename Kernel<T>::Shared& s, int total_tiles) {
   using K = Kernel<T>;
@@ -272,7 +273,8 @@ __device__ void produce_gathered(const Params& p, typename Kernel<T>::Shared& s,
     const int k_blocks = t.k_blocks();
     const int row_end = t.row0 + t.rows;
     const int mn0 = kGatherA ? t.m0 : t.n0;
-    uint32_t source = Sources::fetch(true, p.token_of_row, p.max_tokens, p.gathered_cols, t.row0, row_end);
+    auto fetch = [&](int row) { return Sources::fetch(true, p.token_of_row, p.max_tokens, p.gathered_cols, row, row_end); };
+    uint32_t source = fetch(t.row0), next_source = fetch(t.row0 + kTileK);
     for (int kb = 0; kb < max(k_blocks, 1); ++kb) {
       fused::wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "gathered counter wgrad producer, empty");
       const int stage = ring.stage;
@@ -300,7 +302,8 @@ __device__ void produce_gathered(const Params& p, typename Kernel<T>::Shared& s,
         uint8_t* gathered_stage = reinterpret_cast<uint8_t*>(kGatherA ? a_stage : b_stage);
         fused::copy_wgrad_block<T, kGatheredCols>(src, p.gathered_cols, p.gathered_cols, true, source, row, row_end,
                                                   mn0, gathered_stage);
-        source = Sources::fetch(true, p.token_of_row, p.max_tokens, p.gathered_cols, row + kTileK, row_end);
+        source = next_source;
+        next_source = fetch(row + 2 * kTileK);
       }
       cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
       ring.advance();
@@ -312,18 +315,24 @@ __device__ void produce_gathered(const Params& p, typename Kernel<T>::Shared& s,
   cute::cp_async_wait<0>();  // no thread exits with copies in flight
 }
 
-// Rows [first, end) of one stage's boxes, in both operands, set to zero by the 256 consumer
-// threads; the caller fences and syncs them before any wgmma reads the stage. A box row is one
-// 128-byte line whatever the swizzle (which permutes 16-byte chunks within a line).
-template <class T>
+// Rows [first, end) of one stage's boxes, in the operands TMA loaded (both, or the plain one of
+// the gathered form: cp.async zero-filled the gathered one's rows past the end, and a second
+// writer of those bytes would only race the producer's next fill in racecheck's view), set to
+// zero by the 256 consumer threads; the caller fences and syncs them before any wgmma reads the
+// stage. A box row is one 128-byte line whatever the swizzle (which permutes 16-byte chunks
+// within a line).
+template <class T, Gather G>
 __device__ __forceinline__ void zero_stage_rows(T* a_stage, T* b_stage, int first, int end, int consumer_thread) {
   constexpr int kChunks = kBox * sizeof(T) / 16;  // 16-byte chunks per line
   constexpr int kBoxElems = Kernel<T>::kBoxElems;
+  // Boxes [kFirstBox, kFirstBox + kBoxes) of A's kABoxes followed by B's kBBoxes.
+  constexpr int kFirstBox = G == Gather::A ? kABoxes : 0;
+  constexpr int kBoxes = G == Gather::None ? kABoxes + kBBoxes : G == Gather::A ? kBBoxes : kABoxes;
   const int rows = end - first;
-  const int items = rows * (kABoxes + kBBoxes) * kChunks;
+  const int items = rows * kBoxes * kChunks;
   for (int i = consumer_thread; i < items; i += kConsumerThreads) {
     const int chunk = i % kChunks, line = i / kChunks;
-    const int row = first + line % rows, box = line / rows;
+    const int row = first + line % rows, box = kFirstBox + line / rows;
     T* base = box < kABoxes ? a_stage + box * kBoxElems : b_stage + (box - kABoxes) * kBoxElems;
     reinterpret_cast<uint4*>(base + row * kBox)[chunk] = make_uint4(0, 0, 0, 0);
   }
@@ -348,9 +357,9 @@ __device__ __forceinline__ void issue_steps(Mma& mma, const FragA& tCrA, const F
 // The whole blocks run with one batch in flight; the last block, whose 16-row step count is a
 // branch, comes after them: ptxas completes every wgmma batch issued under a branch before the
 // branch ends (WARPGROUP.DEPBAR 0), which inside the loop would serialize every block.
-// kAfterCpAsync: the gathered form, whose stages cp.async wrote in part (the generic proxy,
+// G != Gather::None: the gathered form, whose stages cp.async wrote in part (the generic proxy,
 // which wgmma may read only after a proxy fence).
-template <class T, bool kAfterCpAsync, class Mma, class FragA, class FragB, class Acc>
+template <class T, Gather G, class Mma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void mma_tile(StageRing<kStages>& ring, typename Kernel<T>::Shared& s, const WgradTile& t,
                                          bool warp_leader, int consumer_thread, Mma& mma, FragA& tCrA, FragB& tCrB,
                                          Acc& acc) {
@@ -363,7 +372,7 @@ __device__ __forceinline__ void mma_tile(StageRing<kStages>& ring, typename Kern
   auto wait_full = [&](int stage) {
     fused::wait_barrier(&s.full[stage], ring.phase, "counter wgrad consumer, full");
     __syncwarp();  // wgmma's .sync.aligned instructions need the warp converged
-    if constexpr (kAfterCpAsync) cutlass::arch::fence_view_async_shared();
+    if constexpr (G != Gather::None) cutlass::arch::fence_view_async_shared();
   };
   for (int kb = 0; kb < last; ++kb) {
     const int stage = ring.stage;
@@ -382,7 +391,7 @@ __device__ __forceinline__ void mma_tile(StageRing<kStages>& ring, typename Kern
   const int rows = t.rows - last * kTileK;  // 1..64
   const int steps = (rows + kStepRows - 1) / kStepRows;
   if (rows % kStepRows != 0) {
-    zero_stage_rows<T>(s.a + stage * K::kStageElemsA, s.b + stage * K::kStageElemsB, rows, steps * kStepRows,
+    zero_stage_rows<T, G>(s.a + stage * K::kStageElemsA, s.b + stage * K::kStageElemsB, rows, steps * kStepRows,
                        consumer_thread);
     cutlass::arch::fence_view_async_shared();  // the zeros, generic proxy -> wgmma's reads
     named_barrier(kZeroBarrier, kConsumerThreads);
@@ -473,7 +482,7 @@ __device__ void consume(const Params& p, typename Kernel<T>::Shared& s) {
 #pragma unroll
       for (int i = 0; i < size(acc); ++i) acc(i) = 0.0f;
     } else {
-      mma_tile<T, G != Gather::None>(ring, s, t, warp_leader, consumer_thread, mma, tCrA, tCrB, acc);
+      mma_tile<T, G>(ring, s, t, warp_leader, consumer_thread, mma, tCrA, tCrB, acc);
     }
     store_tile<T>(p, s.out[warpgroup], t, acc, row, warpgroup, storing_thread);
   }
