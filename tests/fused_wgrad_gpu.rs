@@ -703,10 +703,11 @@ fn fused_wgrad_checks_buffers_before_launch() {
     assert!(matches!(r, Err(Error::Shape { .. })), "short b: {r:?}");
 }
 
-/// Timing hook (ignored by default): us per launch, graph replay, at E128 T4096 k8 H2048 F768,
-/// the gathered wgrad against permute(x) + grouped GEMM WGRAD (the routing build outside both),
-/// bf16 output and fp32 accumulate. Run: `cargo test --release --test fused_wgrad_gpu
-/// fused_wgrad_timing -- --ignored --nocapture`.
+/// Timing hook (ignored by default): us per launch, graph replay, at E128 T4096 k8 H2048 F768
+/// (`CAPMOE_WGRAD_TIMING_TOKENS` sets T), the gathered wgrad against permute(x) + grouped GEMM
+/// WGRAD and against that WGRAD alone (the routing build outside all), bf16 output and fp32
+/// accumulate. Run: `cargo test --release --test fused_wgrad_gpu fused_wgrad_timing --
+/// --ignored --nocapture`.
 #[test]
 #[ignore]
 fn fused_wgrad_timing() {
@@ -715,7 +716,8 @@ fn fused_wgrad_timing() {
         return;
     }
     let _lock = common::capture_lock();
-    let (e, h, f, k, t) = (128, 2048, 768, 8, 4096);
+    let t = std::env::var("CAPMOE_WGRAD_TIMING_TOKENS").map_or(4096, |v| v.parse().expect("a token count"));
+    let (e, h, f, k) = (128, 2048, 768, 8);
     let routing = RoutingPlan::new(RoutingConfig {
         num_experts: e,
         hidden: h,
@@ -770,8 +772,11 @@ fn fused_wgrad_timing() {
             time("gathered wgrad, bf16 out", &mut || {
                 gathered.run(&stream, &dh, &x, &m.offsets, &m.token_of_row, &mut dw)
             });
-            time("permute + CUTLASS WGRAD, bf16 out", &mut || {
+            time("permute + WGRAD (AUTO), bf16 out", &mut || {
                 routing.permute(&stream, &x, &m.row_of_route, Tokens::Host(t), &mut x_perm)?;
+                cutlass.run(&stream, &dh, &x_perm, &mut dw, &m.m_splits_i32, None, &mut workspace)
+            });
+            time("WGRAD (AUTO) alone on the permuted rows, bf16 out", &mut || {
                 cutlass.run(&stream, &dh, &x_perm, &mut dw, &m.m_splits_i32, None, &mut workspace)
             });
         } else {
@@ -779,7 +784,7 @@ fn fused_wgrad_timing() {
             time("gathered wgrad, fp32 accumulate", &mut || {
                 gathered.run(&stream, &dh, &x, &m.offsets, &m.token_of_row, &mut dw)
             });
-            time("permute + CUTLASS WGRAD, fp32 accumulate", &mut || {
+            time("permute + WGRAD (AUTO), fp32 accumulate", &mut || {
                 routing.permute(&stream, &x, &m.row_of_route, Tokens::Host(t), &mut x_perm)?;
                 cutlass.run(&stream, &dh, &x_perm, &mut dw, &m.m_splits_i32, None, &mut workspace)
             });
