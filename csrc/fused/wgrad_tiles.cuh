@@ -91,15 +91,22 @@ struct BlockSources {
   __device__ __forceinline__ static int lane_of(int pass) {
     return (threadIdx.x % 32) / kChunksPerRow + kWarpRowsPerPass * pass;
   }
-  // This lane's source for the K block at `row` (the expert's rows end at row_end): kNoRow past
-  // row_end, for a token outside [0, src_rows), on lanes 16-31 and for a plain operand.
+  // This lane's token for the K block at `row` (the expert's rows end at row_end): -1 past
+  // row_end, on lanes 16-31 and for a plain operand. Nothing reads it here, so a caller that
+  // resolves it later does not wait for the load in between.
+  __device__ __forceinline__ static int32_t load_token(bool gathered, const int32_t* token_of_row, int row,
+                                                       int row_end) {
+    const int lane = threadIdx.x % 32;
+    const int r = row + row_of_lane(lane % 16);
+    return gathered && lane < 16 && r < row_end ? __ldg(token_of_row + r) : -1;
+  }
+  // A token's source: kNoRow for a token outside [0, src_rows).
+  __device__ __forceinline__ static uint32_t source_of(int32_t token, int src_rows, int ld) {
+    return token >= 0 && token < src_rows ? uint32_t(token) * uint32_t(ld / 8) : kNoRow;
+  }
   __device__ __forceinline__ static uint32_t fetch(bool gathered, const int32_t* token_of_row, int src_rows, int ld,
                                                    int row, int row_end) {
-    const int lane = threadIdx.x % 32;
-    if (!gathered || lane >= 16) return kNoRow;
-    const int r = row + row_of_lane(lane);
-    const int token = r < row_end ? __ldg(token_of_row + r) : -1;
-    return token >= 0 && token < src_rows ? uint32_t(token) * uint32_t(ld / 8) : kNoRow;
+    return source_of(load_token(gathered, token_of_row, row, row_end), src_rows, ld);
   }
 };
 

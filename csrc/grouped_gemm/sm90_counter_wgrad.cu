@@ -128,7 +128,6 @@ struct Kernel {
   static constexpr int kStageElemsA = kTileM * kTileK;
   static constexpr int kStageElemsB = kTileN * kTileK;
   static constexpr int kBoxElems = kBox * kTileK;
-  static constexpr uint32_t kStageBytes = (kStageElemsA + kStageElemsB) * sizeof(T);
 
   struct Shared {
     alignas(1024) T a[cosize_v<SmemLayoutA>];
@@ -193,124 +192,100 @@ __device__ __forceinline__ WgradTile locate_rows(const Params& p, int tile, cons
   return t;
 }
 
-// One stage's boxes: rows [row0, row0 + 64) of A's columns [m0, m0 + 128) and B's [n0, n0 + 256).
-template <class T>
-__device__ __forceinline__ void load_stage(const Params& p, uint64_t* full, T* a_stage, T* b_stage,
-                                           const WgradTile& t, int row0) {
+// One stage's TMA boxes of rows [row0, row0 + 64): A's columns [m0, m0 + 128) and B's
+// [n0, n0 + 256), but not those of the operand G names (the gathered form copies it itself).
+template <class T, Gather G>
+__device__ __forceinline__ void load_tma_boxes(const Params& p, uint64_t* full, T* a_stage, T* b_stage,
+                                               const WgradTile& t, int row0) {
   constexpr uint64_t hint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
   constexpr int kBoxElems = Kernel<T>::kBoxElems;
+  if constexpr (G != Gather::A) {
 #pragma unroll
-  for (int c = 0; c < kABoxes; ++c)
-    SM90_TMA_LOAD_2D::copy(&p.a_map, full, hint, a_stage + c * kBoxElems, t.m0 + c * kBox, row0);
+    for (int c = 0; c < kABoxes; ++c)
+      SM90_TMA_LOAD_2D::copy(&p.a_map, full, hint, a_stage + c * kBoxElems, t.m0 + c * kBox, row0);
+  }
+  if constexpr (G != Gather::B) {
 #pragma unroll
-  for (int c = 0; c < kBBoxes; ++c)
-    SM90_TMA_LOAD_2D::copy(&p.b_map, full, hint, b_stage + c * kBoxElems, t.n0 + c * kBox, row0);
+    for (int c = 0; c < kBBoxes; ++c)
+      SM90_TMA_LOAD_2D::copy(&p.b_map, full, hint, b_stage + c * kBoxElems, t.n0 + c * kBox, row0);
+  }
 }
 
-// Thread 0: every K block of every tile the counter hands this CTA (one stage without loads for
-// an expert without rows), then the stop stage.
-template <class T>
+// The bytes load_tma_boxes<T, G> brings into a stage (TMA counts zero-filled ones too).
+template <class T, Gather G>
+constexpr uint32_t kTmaStageBytes =
+    ((G != Gather::A ? Kernel<T>::kStageElemsA : 0) + (G != Gather::B ? Kernel<T>::kStageElemsB : 0)) * sizeof(T);
+
+// The producer: every K block of every tile the counter hands this CTA (one stage without
+// loads for an expert without rows), then the stop stage.
+//  - Gather::None (the grouped GEMM's WGRAD): thread 0 alone, both operands by TMA.
+//  - Gather::A / B: the 128 threads of the producer warpgroup. Thread 0 arms each stage with
+//    the plain operand's bytes and loads its boxes by TMA; every thread copies its 16-byte
+//    chunks of the gathered operand's rows (fused/wgrad_tiles.cuh: the chunks land where TMA's
+//    128-byte swizzle would put them, zero-filled past the expert's rows and for invalid
+//    tokens) and arrives when they land, so the full barriers take 1 + 128 arrivals, the stop
+//    stage's too. A block's row tokens are loaded right after the block before it is sent and
+//    read only once the next stage is free: the load's round trip runs beside that wait instead
+//    of before the arrival. (H100, 2026-12-07: checking each token as it was loaded put that
+//    round trip between every block's copies and its arrival; fetching two blocks ahead
+//    instead was 3-6 % slower.)
+// The next tile is claimed as soon as the current one is known: tiles are a few K blocks long,
+// and the counter's atomic then runs beside this tile's loads.
+template <class T, Gather G>
 __device__ void produce(const Params& p, typename Kernel<T>::Shared& s, int total_tiles) {
   using K = Kernel<T>;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  fused::CountedTiles<1> tiles{fused::TileSchedule{p.schedule}, s.stage_tile, nullptr};
+  constexpr bool kGathered = G != Gather::None;
+  constexpr bool kGatherA = G == Gather::A;
+  constexpr int kGatheredCols = kGatherA ? kTileM : kTileN;  // of the gathered operand, per tile
+  using Sources = fused::BlockSources<kGatheredCols>;
+  const bool arms = !kGathered || threadIdx.x == 0;  // publishes tiles, arms stages, issues TMA
+  const T* gathered = static_cast<const T*>(p.gathered);
+  fused::CountedTiles<kGathered ? 128 : 1> tiles{fused::TileSchedule{p.schedule}, s.stage_tile,
+                                                 kGathered ? &s.handoff : nullptr};
   StageRing<kStages> ring;
-  // The next tile is claimed as soon as the current one is known: tiles are a few K blocks
-  // long, and the counter's atomic then runs beside this tile's loads.
   int claimed = 0;
   tiles.claim(claimed);
   for (;;) {
     const int tile = tiles.hand_over(claimed);
     if (tile >= total_tiles) break;
     tiles.claim(claimed);
-    const WgradTile t = locate(p, tile, s.row_start);
-    const int k_blocks = t.k_blocks();
-    for (int kb = 0; kb < max(k_blocks, 1); ++kb) {
-      fused::wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "counter wgrad producer, empty");
-      const int stage = ring.stage;
-      if (kb == 0) tiles.publish(stage, tile);
-      if (k_blocks == 0) {
-        Barrier::arrive(&s.full[stage]);
-      } else {
-        // TMA counts every byte of a box, zero-filled ones included.
-        Barrier::arrive_and_expect_tx(&s.full[stage], K::kStageBytes);
-        load_stage<T>(p, &s.full[stage], s.a + stage * K::kStageElemsA, s.b + stage * K::kStageElemsB, t,
-                      t.row0 + kb * kTileK);
-      }
-      ring.advance();
-    }
-  }
-  tiles.stop(s.full, s.empty, ring, true, "counter wgrad producer, empty (end)");
-}
-
-// The gathered form's producer, the 128 threads of the producer warpgroup: per K block thread 0
-// arms the stage with the plain operand's bytes and loads its boxes by TMA (as produce does);
-// every thread copies its 16-byte chunks of the gathered operand's rows (fused/wgrad_tiles.cuh:
-// the chunks land where TMA's 128-byte swizzle would put them, zero-filled past the expert's
-// rows and for invalid tokens) and arrives when they land. The full barriers therefore take
-// 1 + 128 arrivals, the stop stage's too. Each block's row sources (one token load per lane)
-// are fetched while the thread waits for the stage they go into. (Fetched two blocks ahead
-// they made the kernel 3-6 % slower on the H100, 2026-12-07: not kept.)
-template <class T, Gather G>
-__device__ void produce_gathered(const Params& p, typename Kernel<T>::Shared& s, int total_tiles) {
-  using K = Kernel<T>;
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  constexpr bool kGatherA = G == Gather::A;
-  constexpr int kGatheredCols = kGatherA ? kTileM : kTileN;  // of the gathered operand, per tile
-  using Sources = fused::BlockSources<kGatheredCols>;
-  constexpr uint32_t kPlainBytes = (kGatherA ? K::kStageElemsB : K::kStageElemsA) * sizeof(T);
-  constexpr uint64_t hint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
-  const T* src = static_cast<const T*>(p.gathered);
-  fused::CountedTiles<128> tiles{fused::TileSchedule{p.schedule}, s.stage_tile, &s.handoff};
-  StageRing<kStages> ring;
-  int claimed = 0;
-  tiles.claim(claimed);
-  for (;;) {
-    const int tile = tiles.hand_over(claimed);
-    if (tile >= total_tiles) break;
-    tiles.claim(claimed);  // in flight while this tile loads
     const WgradTile t = locate_rows<G>(p, tile, s.row_start);
     const int k_blocks = t.k_blocks();
     const int row_end = t.row0 + t.rows;
-    const int mn0 = kGatherA ? t.m0 : t.n0;
-    uint32_t source = Sources::fetch(true, p.token_of_row, p.max_tokens, p.gathered_cols, t.row0, row_end);
+    int32_t token = Sources::load_token(kGathered, p.token_of_row, t.row0, row_end);
     for (int kb = 0; kb < max(k_blocks, 1); ++kb) {
-      fused::wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "gathered counter wgrad producer, empty");
+      fused::wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "counter wgrad producer, empty");
       const int stage = ring.stage;
       const int row = t.row0 + kb * kTileK;
       T* a_stage = s.a + stage * K::kStageElemsA;
       T* b_stage = s.b + stage * K::kStageElemsB;
-      if (threadIdx.x == 0) {
+      if (arms) {
         if (kb == 0) tiles.publish(stage, tile);
         if (k_blocks == 0) {
           Barrier::arrive(&s.full[stage]);
         } else {
-          Barrier::arrive_and_expect_tx(&s.full[stage], kPlainBytes);
-          if constexpr (kGatherA) {
-#pragma unroll
-            for (int c = 0; c < kBBoxes; ++c)
-              SM90_TMA_LOAD_2D::copy(&p.b_map, &s.full[stage], hint, b_stage + c * K::kBoxElems, t.n0 + c * kBox, row);
-          } else {
-#pragma unroll
-            for (int c = 0; c < kABoxes; ++c)
-              SM90_TMA_LOAD_2D::copy(&p.a_map, &s.full[stage], hint, a_stage + c * K::kBoxElems, t.m0 + c * kBox, row);
-          }
+          Barrier::arrive_and_expect_tx(&s.full[stage], kTmaStageBytes<T, G>);
+          load_tma_boxes<T, G>(p, &s.full[stage], a_stage, b_stage, t, row);
         }
       }
-      if (k_blocks > 0) {
-        uint8_t* gathered_stage = reinterpret_cast<uint8_t*>(kGatherA ? a_stage : b_stage);
-        fused::copy_wgrad_block<T, kGatheredCols>(src, p.gathered_cols, p.gathered_cols, true, source, row, row_end,
-                                                  mn0, gathered_stage);
-        source = Sources::fetch(true, p.token_of_row, p.max_tokens, p.gathered_cols, row + kTileK, row_end);
+      if constexpr (kGathered) {
+        if (k_blocks > 0) {
+          const uint32_t source = Sources::source_of(token, p.max_tokens, p.gathered_cols);
+          fused::copy_wgrad_block<T, kGatheredCols>(gathered, p.gathered_cols, p.gathered_cols, true, source, row,
+                                                    row_end, kGatherA ? t.m0 : t.n0,
+                                                    reinterpret_cast<uint8_t*>(kGatherA ? a_stage : b_stage));
+        }
+        cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
+        token = Sources::load_token(true, p.token_of_row, row + kTileK, row_end);
       }
-      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
       ring.advance();
     }
   }
-  if (tiles.stop(s.full, s.empty, ring, threadIdx.x == 0, "gathered counter wgrad producer, empty (end)")) {
+  if (tiles.stop(s.full, s.empty, ring, arms, "counter wgrad producer, empty (end)") && kGathered) {
     cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);  // the stop stage's other 128 arrivals
   }
-  cute::cp_async_wait<0>();  // no thread exits with copies in flight
+  if constexpr (kGathered) cute::cp_async_wait<0>();  // no thread exits with copies in flight
 }
 
 // Rows [first, end) of one stage's boxes, in the operands TMA loaded (both, or the plain one of
@@ -526,11 +501,7 @@ __global__ void __launch_bounds__(kThreads, 1) counter_wgrad_kernel(const __grid
   if (warp < 4) {
     // The producer needs few registers: 40 + 2 x 232 = 504 = 3 x 168, what the launch holds.
     cutlass::arch::warpgroup_reg_dealloc<40>();
-    if constexpr (kGathered) {
-      produce_gathered<T, G>(p, s, total_tiles);
-    } else if (threadIdx.x == 0) {
-      produce<T>(p, s, total_tiles);
-    }
+    if (kGathered || threadIdx.x == 0) produce<T, G>(p, s, total_tiles);
   } else {
     cutlass::arch::warpgroup_reg_alloc<232>();
     consume<T, G>(p, s);
