@@ -379,6 +379,14 @@ fn exact_cases(rng: &mut StdRng) -> Vec<(&'static str, Case)> {
         // offsets run past capacity: expert 2 is cut at 700, experts 3 and 4 have no rows.
         ("capacity-clamped offsets", Case::new(rng, (128, 256), &[100, 300, 500, 200, 7], 700, (90, 128), FC1, &mut v)),
         ("one expert takes every row", Case::new(rng, (128, 256), &[0, 0, 777, 0], 777, (200, 200), FC1, &mut v)),
+        // Offsets that do not ascend (the header's contract: an expert whose end is not past its
+        // start has no rows, and experts may share rows): [-50, 400, 100, 600, 700] gives
+        // experts 0 and 2 the overlapping rows [0, 400) and [100, 600), expert 1 none.
+        ("offsets that do not ascend", {
+            let mut c = Case::new(rng, (128, 256), &[100, 300, 200, 100], 800, (150, 160), FC1, &mut v);
+            c.offsets = vec![-50, 400, 100, 600, 700];
+            c
+        }),
         (
             "fc2 orientation (A gathered, B plain)",
             Case::new(rng, (136, 264), &[130, 0, 70], 300, (60, 64), FC2, &mut v),
@@ -413,10 +421,10 @@ fn fused_wgrad_matches_exact_reference_f16() {
 /// fc1's wgrad at a model shape, routing from the crate's routing build: the gathered kernel
 /// against permute(x) -> grouped GEMM WGRAD (same dH). Asserted: every element of the gathered
 /// dW written (poisoned before, for the `T` output) and finite; both against fp64 on sampled
-/// elements; gathered against CUTLASS on every element ([`assert_near_cutlass`]). The count of
+/// elements; gathered against the grouped WGRAD on every element ([`assert_near_grouped_wgrad`]). The count of
 /// bit-equal elements and the normwise difference are printed (equal sum order would make
 /// them all equal).
-fn check_against_cutlass<T: Operand>(
+fn check_against_grouped_wgrad<T: Operand>(
     stream: &Arc<CudaStream>,
     name: &str,
     e: usize,
@@ -487,8 +495,8 @@ fn check_against_cutlass<T: Operand>(
             spec.out_dtype = DType::F32;
             spec.accumulate = true;
         }
-        let cutlass = GroupedGemm::new(spec, stream).unwrap();
-        let mut workspace = stream.alloc_zeros::<u8>(cutlass.workspace_bytes().max(1)).unwrap();
+        let grouped = GroupedGemm::new(spec, stream).unwrap();
+        let mut workspace = stream.alloc_zeros::<u8>(grouped.workspace_bytes().max(1)).unwrap();
         let len = e * 2 * f * h;
         // Outputs as f32 (exact for every output type); `init` is what dW held before (zeros
         // for the T output, random values for the accumulating one).
@@ -496,7 +504,7 @@ fn check_against_cutlass<T: Operand>(
             let mut dw_g = stream.clone_htod(&vec![T::from_bits(T::POISON); len]).unwrap();
             let mut dw_c = stream.alloc_zeros::<T>(len).unwrap();
             dev.run(stream, &gathered, &mut dw_g).unwrap();
-            cutlass.run(stream, &dev.a, &x_perm, &mut dw_c, &maps.m_splits_i32, None, &mut workspace).unwrap();
+            grouped.run(stream, &dev.a, &x_perm, &mut dw_c, &maps.m_splits_i32, None, &mut workspace).unwrap();
             let dw_g = stream.clone_dtoh(&dw_g).unwrap();
             if let Some(i) = dw_g.iter().position(|v| v.bits() == T::POISON) {
                 let n = dw_g.iter().filter(|v| v.bits() == T::POISON).count();
@@ -511,7 +519,7 @@ fn check_against_cutlass<T: Operand>(
             let mut dw_g = stream.clone_htod(&init).unwrap();
             let mut dw_c = stream.clone_htod(&init).unwrap();
             dev.run(stream, &gathered, &mut dw_g).unwrap();
-            cutlass.run(stream, &dev.a, &x_perm, &mut dw_c, &maps.m_splits_i32, None, &mut workspace).unwrap();
+            grouped.run(stream, &dev.a, &x_perm, &mut dw_c, &maps.m_splits_i32, None, &mut workspace).unwrap();
             (stream.clone_dtoh(&dw_g).unwrap(), stream.clone_dtoh(&dw_c).unwrap(), init)
         };
         if let Some(i) = got.iter().position(|v| !v.is_finite()) {
@@ -526,12 +534,12 @@ fn check_against_cutlass<T: Operand>(
                 .collect()
         };
         assert_close(&format!("{what}: gathered vs fp64"), &added(&got), &reference, 1e-2);
-        assert_close(&format!("{what}: CUTLASS vs fp64"), &added(&want), &reference, 1e-2);
+        assert_close(&format!("{what}: grouped WGRAD vs fp64"), &added(&want), &reference, 1e-2);
         let within: &dyn Fn(f64, f64) -> f64 = match output {
             WgradOutput::Same => &|g, c| 2.0 * ulp16(g.abs().max(c.abs()), T::MANTISSA),
             _ => &|_, c| 1e-4 * c.abs(),
         };
-        assert_near_cutlass(&what, (&got, &want, &init), (2 * f, h), within);
+        assert_near_grouped_wgrad(&what, (&got, &want, &init), (2 * f, h), within);
         let equal = got.iter().zip(&want).filter(|(g, w)| g.to_bits() == w.to_bits()).count();
         let (mut diff, mut norm) = (0.0f64, 0.0f64);
         for ((&g, &w), &i0) in got.iter().zip(&want).zip(&init) {
@@ -540,13 +548,13 @@ fn check_against_cutlass<T: Operand>(
         }
         let rel = (diff / norm.max(f64::MIN_POSITIVE)).sqrt();
         println!(
-            "{what}: {equal} of {len} elements bit-equal to CUTLASS WGRAD on permuted x (normwise rel diff {rel:.2e})"
+            "{what}: {equal} of {len} elements bit-equal to the grouped WGRAD on permuted x (normwise diff {rel:.2e})"
         );
     }
 }
 
-/// The gathered dW against CUTLASS's on every element of what each launch added (`init`: what
-/// dW held before), expert by expert (`[m, n]` each):
+/// The gathered dW against the grouped WGRAD's on every element of what each launch added
+/// (`init`: what dW held before), expert by expert (`[m, n]` each):
 /// `|Δg - Δc| <= within(Δg, Δc) + 1e-3 rms(Δc of the expert)`.
 ///
 /// Why that holds for a correct kernel: each element on both sides is one fp32 sum of the same
@@ -558,7 +566,7 @@ fn check_against_cutlass<T: Operand>(
 /// |init| + |Σ|, init in [-1, 1]), so 1e-4 |Δc|. The 1e-3 rms floor serves the sums that
 /// cancel to near 0, whose ulps shrink while the order's error does not. A wrong, missing or
 /// unwritten element is off by about the rms and fails.
-fn assert_near_cutlass(
+fn assert_near_grouped_wgrad(
     what: &str,
     (got, want, init): (&[f32], &[f32], &[f32]),
     (m, n): (usize, usize),
@@ -583,33 +591,33 @@ fn assert_near_cutlass(
     }
     if let Some((e, i, j, dg, dc, allowed)) = first {
         panic!(
-            "{what}: gathered vs CUTLASS: {failures} of {} elements out of bounds; first dW[{e}, {i}, {j}]: gathered \
-             added {dg}, CUTLASS {dc} (allowed {allowed:.3e})",
+            "{what}: gathered vs grouped WGRAD: {failures} of {} elements out of bounds; first dW[{e}, {i}, {j}]: \
+             gathered added {dg}, grouped WGRAD {dc} (allowed {allowed:.3e})",
             got.len()
         );
     }
 }
 
 #[test]
-fn fused_wgrad_matches_cutlass_on_permuted_x() {
+fn fused_wgrad_matches_grouped_wgrad_on_permuted_x() {
     let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
     // Small enough for quick runs, with partial tiles: E 8, 2F = 272, H = 200, 300 tokens of 320.
-    check_against_cutlass::<bf16>(&stream, "E8 H200 F136 k3 T300", 8, 200, 136, 3, 300, 320);
-    check_against_cutlass::<f16>(&stream, "E8 H200 F136 k3 T300", 8, 200, 136, 3, 300, 320);
+    check_against_grouped_wgrad::<bf16>(&stream, "E8 H200 F136 k3 T300", 8, 200, 136, 3, 300, 320);
+    check_against_grouped_wgrad::<f16>(&stream, "E8 H200 F136 k3 T300", 8, 200, 136, 3, 300, 320);
 }
 
 #[test]
-fn fused_wgrad_model_shape_against_cutlass() {
+fn fused_wgrad_model_shape_against_grouped_wgrad() {
     let stream = gpu_of_arch_or_skip!("the gathered wgrad", Arch::Sm90, Arch::Sm100);
     // Under a sanitizer (10-100x slower) the 400M-element dW and its host passes do not fit the
-    // memcheck run's time; fused_wgrad_matches_cutlass_on_permuted_x covers the same checks.
+    // memcheck run's time; fused_wgrad_matches_grouped_wgrad_on_permuted_x covers the same checks.
     if common::under_sanitizer() {
         println!("skipping: E128 model shape under a sanitizer (CAPMOE_SANITIZER=1)");
         return;
     }
     let start = Instant::now();
     // The benchmark's training shape, T short of T_max so rows past the total exist.
-    check_against_cutlass::<bf16>(&stream, "E128 H2048 F768 k8 T4000", 128, 2048, 768, 8, 4000, 4096);
+    check_against_grouped_wgrad::<bf16>(&stream, "E128 H2048 F768 k8 T4000", 128, 2048, 768, 8, 4000, 4096);
     println!("checked in {:.1} s", start.elapsed().as_secs_f64());
 }
 
@@ -764,8 +772,8 @@ fn fused_wgrad_timing() {
             spec.out_dtype = DType::F32;
             spec.accumulate = true;
         }
-        let cutlass = GroupedGemm::new(spec, &stream).unwrap();
-        let mut workspace = stream.alloc_zeros::<u8>(cutlass.workspace_bytes().max(1)).unwrap();
+        let grouped = GroupedGemm::new(spec, &stream).unwrap();
+        let mut workspace = stream.alloc_zeros::<u8>(grouped.workspace_bytes().max(1)).unwrap();
         let m = &maps;
         if output == WgradOutput::Same {
             let mut dw = stream.alloc_zeros::<bf16>(e * 2 * f * h).unwrap();
@@ -774,10 +782,10 @@ fn fused_wgrad_timing() {
             });
             time("permute + WGRAD (AUTO), bf16 out", &mut || {
                 routing.permute(&stream, &x, &m.row_of_route, Tokens::Host(t), &mut x_perm)?;
-                cutlass.run(&stream, &dh, &x_perm, &mut dw, &m.m_splits_i32, None, &mut workspace)
+                grouped.run(&stream, &dh, &x_perm, &mut dw, &m.m_splits_i32, None, &mut workspace)
             });
             time("WGRAD (AUTO) alone on the permuted rows, bf16 out", &mut || {
-                cutlass.run(&stream, &dh, &x_perm, &mut dw, &m.m_splits_i32, None, &mut workspace)
+                grouped.run(&stream, &dh, &x_perm, &mut dw, &m.m_splits_i32, None, &mut workspace)
             });
         } else {
             let mut dw = stream.alloc_zeros::<f32>(e * 2 * f * h).unwrap();
@@ -786,7 +794,7 @@ fn fused_wgrad_timing() {
             });
             time("permute + WGRAD (AUTO), fp32 accumulate", &mut || {
                 routing.permute(&stream, &x, &m.row_of_route, Tokens::Host(t), &mut x_perm)?;
-                cutlass.run(&stream, &dh, &x_perm, &mut dw, &m.m_splits_i32, None, &mut workspace)
+                grouped.run(&stream, &dh, &x_perm, &mut dw, &m.m_splits_i32, None, &mut workspace)
             });
         }
     }
