@@ -1028,13 +1028,18 @@ constexpr int64_t kColumnSplitMaxRowsPerExpert = 512;
 // CAPMOE_COUNTER_WGRAD=cooperative / split (read once) forces a form, for diagnosis and A/B;
 // anything else leaves the choice to the average rows per expert (host facts only).
 WgradForm choose_form(const capmoe_grouped_gemm_desc_t& d) {
-  static const int forced = [] {
+  struct Forced {
+    bool set;
+    WgradForm form;
+  };
+  static const Forced forced = [] {
     const char* v = std::getenv("CAPMOE_COUNTER_WGRAD");
     const std::string s = v ? v : "";
-    return s == "cooperative" ? 1 : s == "split" ? 2 : 0;
+    if (s == "cooperative") return Forced{true, WgradForm::Cooperative};
+    if (s == "split") return Forced{true, WgradForm::ColumnSplit};
+    return Forced{false, WgradForm::Cooperative};
   }();
-  if (forced == 1) return WgradForm::Cooperative;
-  if (forced == 2) return WgradForm::ColumnSplit;
+  if (forced.set) return forced.form;
   const int64_t rows_per_expert = d.num_experts > 0 ? d.capacity / d.num_experts : 0;
   return rows_per_expert < kColumnSplitMaxRowsPerExpert ? WgradForm::ColumnSplit : WgradForm::Cooperative;
 }
