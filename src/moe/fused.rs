@@ -41,18 +41,19 @@ use crate::{Error, Result};
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum FusedKernel {
     /// The fused kernel where it was measured faster than the chain it replaces, else the
-    /// unfused chain. Today that is fc1 ([`MoeOptions::fc1`]), where it skips the permuted copy
-    /// of x: on a 9.0 device with an sm_90a build, [`WeightForm::Tensor`], more than 64 rows
-    /// per expert on average (at decode sizes the unfused chain is faster since the grouped
-    /// GEMM runs its counter kernel there) and shapes the kernel takes (`F` a multiple of 128,
-    /// `E` at most [`crate::fused::MAX_EXPERTS`], a 16-bit dtype), in a
-    /// [`MoeOptions::forward_only`] plan, or in a training plan together with the gathered
-    /// fc1 wgrad ([`MoeOptions::fc1_wgrad`], also Auto) where dW1 is the 16-bit weight type
-    /// (not `wgrad_accumulate`). Without the gathered wgrad the permute of x would move into
-    /// the backward, right before fc1's wgrad: the forward faster by about the permute, the
-    /// backward slower by a little more (H100, 2026-12-07: E128 T4096 forward + backward
-    /// 2422 -> 2437 us), so Auto does not take that combination; a plan that wants the memory
-    /// forces `Fused`. `bench/README.md` ("Fused expert path") has the measurements. The other options' fused
+    /// unfused chain. Today that is fc1 ([`MoeOptions::fc1`]) in a
+    /// [`MoeOptions::forward_only`] plan, where it skips the permuted copy of x and `h`
+    /// altogether: on a 9.0 device with an sm_90a build, [`WeightForm::Tensor`], more than 64
+    /// rows per expert on average (at decode sizes the unfused chain is faster since the
+    /// grouped GEMM runs its counter kernel there) and shapes the kernel takes (`F` a multiple
+    /// of 128, `E` at most [`crate::fused::MAX_EXPERTS`], a 16-bit dtype). In a training plan
+    /// it writes `h` too and the permute of x moves into the backward, right before fc1's
+    /// wgrad (the only kernel left that reads it): the forward is faster by about the permute,
+    /// the backward slower by a little more, and no permuted copy is kept between them (H100,
+    /// 2026-12-07, default plans A/B: E128 T4096 forward 786 -> 747 us, backward 1586 -> 1635,
+    /// forward + backward 2422 -> 2437; SonicMoE's 7B shape 4028 -> 4112), so Auto keeps the
+    /// unfused chain there and a plan that wants the memory forces `Fused`;
+    /// `bench/README.md` ("Fused expert path") has the measurements. The other options' fused
     /// kernels are slower than their chains, so Auto leaves them unfused, and no sm_100a kernel
     /// has run (no Blackwell GPU here), so Auto takes none there. A forced `Fused` takes the
     /// sm_100a kernels on a 10.0 device (all four options; compiled only, never run).
@@ -88,7 +89,7 @@ impl FusedPlans {
                 ensure_tensor_weights(options, "MoeExperts::new (fused fc1)", "fc1 [E, 2F, H]")?;
                 Some(FusedFc1::new(routing, stream)?)
             }
-            FusedKernel::Auto => auto_fc1(options, config, routing, stream)?,
+            FusedKernel::Auto => auto_fc1(options, routing, stream)?,
             FusedKernel::Unfused => None,
         };
         // A forward-only plan never runs the backward: nothing to plan (or refuse) for it.
@@ -104,18 +105,6 @@ impl FusedPlans {
             FusedKernel::Fused if !options.forward_only => {
                 ensure_tensor_weights(options, "MoeExperts::new (gathered fc1 wgrad)", "dW1 [E, 2F, H]")?;
                 Some(GatherWgrad::new(GatherWgradConfig::fc1(routing, output), stream)?)
-            }
-            // Auto took the fused fc1 in a training plan only because this one gathers too (a
-            // forced fused fc1 keeps the permute in the backward unless this is forced too).
-            FusedKernel::Auto
-                if options.fc1 == FusedKernel::Auto && fc1.is_some() && auto_gathers_fc1_wgrad(options, config) =>
-            {
-                match GatherWgrad::new(GatherWgradConfig::fc1(routing, output), stream) {
-                    Ok(plan) => Some(plan),
-                    // The backward then permutes x for the grouped GEMM's WGRAD (PermutePass).
-                    Err(Error::Unsupported { .. } | Error::UnsupportedArch { .. } | Error::NotBuilt { .. }) => None,
-                    Err(other) => return Err(other),
-                }
             }
             _ => None,
         };
@@ -136,24 +125,17 @@ impl FusedPlans {
     }
 }
 
-/// [`FusedKernel::Auto`]'s fc1: the fused kernel in a plan that needs no permuted x (forward
-/// only, or a training plan whose fc1 wgrad Auto gathers: [`auto_gathers_fc1_wgrad`]) on a 9.0
-/// device with more than 64 rows per expert on average (`capacity / E`, rounded down, as the
-/// grouped GEMM's AUTO reads it: the two agree on which plans are decode-sized), where it takes
-/// the plan; `None` (the unfused chain) otherwise; any other error is the caller's. At decode sizes the unfused chain won
+/// [`FusedKernel::Auto`]'s fc1: the fused kernel in a forward-only plan on a 9.0 device with
+/// more than 64 rows per expert on average (`capacity / E`, rounded down, as the grouped GEMM's
+/// AUTO reads it: the two agree on which plans are decode-sized), where it takes the plan; `None` (the unfused
+/// chain) otherwise; any other error is the caller's. At decode sizes the unfused chain won
 /// once the grouped GEMM's AUTO took the counter kernel there (H200, 2026-11-29, report of
 /// b9ad269: E64 T128 k8 H2048 F1408 forward-only 352.3 us fused, 306.7 us unfused; at E128
 /// T4096 670.5 against 714.6 us).
-fn auto_fc1(
-    options: &MoeOptions,
-    config: &MoeConfig,
-    routing: &RoutingPlan,
-    stream: &Arc<CudaStream>,
-) -> Result<Option<FusedFc1>> {
+fn auto_fc1(options: &MoeOptions, routing: &RoutingPlan, stream: &Arc<CudaStream>) -> Result<Option<FusedFc1>> {
     const DECODE_ROWS_PER_EXPERT: usize = 64;
     let decode = routing.capacity() / routing.num_experts() <= DECODE_ROWS_PER_EXPERT;
-    let no_permute = options.forward_only || auto_gathers_fc1_wgrad(options, config);
-    let takes = no_permute && options.weights == WeightForm::Tensor && !decode;
+    let takes = options.forward_only && options.weights == WeightForm::Tensor && !decode;
     if !takes || FusedFc1::check_shapes(routing.config()).is_err() {
         return Ok(None);
     }
@@ -165,14 +147,6 @@ fn auto_fc1(
         Err(Error::Unsupported { .. } | Error::UnsupportedArch { .. } | Error::NotBuilt { .. }) => Ok(None),
         Err(other) => Err(other),
     }
-}
-
-/// Whether [`FusedKernel::Auto`]'s fc1 wgrad gathers from x in a training plan whose fc1 Auto
-/// fused: where dW1 is the 16-bit weight type (not `wgrad_accumulate`'s fp32), which the sm_90a
-/// counter wgrad takes with x gathered by cp.async (the fp32 form runs the older strided
-/// kernel, about twice as slow). With both fused no permuted copy of x is written at all.
-fn auto_gathers_fc1_wgrad(options: &MoeOptions, config: &MoeConfig) -> bool {
-    !options.forward_only && options.fc1_wgrad == FusedKernel::Auto && !config.wgrad_accumulate
 }
 
 /// The pass of the expert path that permutes x into the `[capacity, H]` rows buffer.
