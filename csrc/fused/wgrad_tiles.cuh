@@ -79,7 +79,6 @@ struct BlockSources {
   static constexpr int kChunksPerRow = kRowsMN / 8;
   static constexpr int kRowsPerPass = kWgradProducerThreads / kChunksPerRow;
   static constexpr int kWarpRowsPerPass = 32 / kChunksPerRow;
-  static constexpr int kPasses = kWgradTileK / kRowsPerPass;  // copy passes of a 64-row block
   static constexpr uint32_t kNoRow = 0xffffffffu;  // past the expert's rows, or an invalid token
   static_assert(32 % kChunksPerRow == 0, "a warp copies whole rows");
   static_assert(kWarpRowsPerPass * (kWgradTileK / kRowsPerPass) == 16, "a warp copies 16 rows of a K block");
@@ -93,15 +92,13 @@ struct BlockSources {
     return (threadIdx.x % 32) / kChunksPerRow + kWarpRowsPerPass * pass;
   }
   // This lane's token for the K block at `row` (the expert's rows end at row_end): -1 past
-  // row_end, on lanes 16-31 and for a plain operand; with `passes` < all of a block's, only on
-  // the lanes that copy passes [pass0, pass0 + passes) take their sources from. Nothing reads
-  // it here, so a caller that resolves it later does not wait for the load in between.
+  // row_end, on lanes 16-31 and for a plain operand. Nothing reads it here, so a caller that
+  // resolves it later does not wait for the load in between.
   __device__ __forceinline__ static int32_t load_token(bool gathered, const int32_t* token_of_row, int row,
-                                                       int row_end, int pass0 = 0, int passes = kPasses) {
+                                                       int row_end) {
     const int lane = threadIdx.x % 32;
     const int r = row + row_of_lane(lane % 16);
-    const bool copied = lane >= kWarpRowsPerPass * pass0 && lane < kWarpRowsPerPass * (pass0 + passes);
-    return gathered && copied && r < row_end ? __ldg(token_of_row + r) : -1;
+    return gathered && lane < 16 && r < row_end ? __ldg(token_of_row + r) : -1;
   }
   // A token's source: kNoRow for a token outside [0, src_rows).
   __device__ __forceinline__ static uint32_t source_of(int32_t token, int src_rows, int ld) {
@@ -119,12 +116,10 @@ struct BlockSources {
 // 512-byte B row). A gathered operand's rows come from `lane_source` (BlockSources<kRowsMN>::
 // fetch of this block), a plain one's are rows [row, row_end) of src. Zero-filled: rows past
 // row_end, rows whose token is invalid, columns past `cols`. Zero-filling BOTH operands matters:
-// a row past offsets[E] may hold NaN, and 0 * NaN is NaN. kPassCount < a block's passes copies
-// passes [pass0, pass0 + kPassCount) only: rows [pass0 * kRowsPerPass, ...) of the block (the
-// sm_90a counter wgrad's half-stage blocks, gathered operand only).
-template <class T, int kRowsMN, int kPassCount = BlockSources<kRowsMN>::kPasses>
+// a row past offsets[E] may hold NaN, and 0 * NaN is NaN.
+template <class T, int kRowsMN>
 __device__ __forceinline__ void copy_wgrad_block(const T* src, int ld, int cols, bool gathered, uint32_t lane_source,
-                                                 int row, int row_end, int mn0, uint8_t* stage, int pass0 = 0) {
+                                                 int row, int row_end, int mn0, uint8_t* stage) {
   using Copy16 = cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>;
   using Sources = BlockSources<kRowsMN>;
   constexpr int kChunksPerRow = Sources::kChunksPerRow;
@@ -140,7 +135,7 @@ __device__ __forceinline__ void copy_wgrad_block(const T* src, int ld, int cols,
   const int64_t plain_step = int64_t(kRowsPerPass) * ld / 8;
   // NOTE: unrolled by 4, not fully: the sm_90a producer runs under setmaxnreg 40.
 #pragma unroll 4
-  for (int pass = pass0; pass < pass0 + kPassCount; ++pass) {
+  for (int pass = 0; pass < kWgradTileK / kRowsPerPass; ++pass) {
     const int k = first_k + pass * kRowsPerPass;
     const cute::uint128_t* from;
     bool inside;

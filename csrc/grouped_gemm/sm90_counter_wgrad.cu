@@ -84,22 +84,6 @@ constexpr int kConsumerWarps = kConsumerThreads / 32;
 constexpr int kWarpgroupRows = kTileM / 2;  // dW rows of one consumer warpgroup
 constexpr int kABoxes = kTileM / kBox, kBBoxes = kTileN / kBox;
 
-// Which operand, if any, the kernel reads through token_of_row instead of by TMA.
-enum class Gather { None, A, B };
-
-// Rows per K block: a whole stage (64) in the plain form; half of one (32) in the gathered
-// form, each half with barriers of its own, so that its ring holds six blocks in the same
-// memory and a block's copies have up to five blocks' MMAs of time to land instead of two
-// (cp.async's round trips are longer than TMA's, and a gathered row of x misses L2 more often
-// than the permuted rows do).
-template <Gather G>
-constexpr int kBlockRows = G == Gather::None ? kTileK : kTileK / 2;
-template <Gather G>
-constexpr int kBlocksPerStage = kTileK / kBlockRows<G>;
-template <Gather G>
-constexpr int kRingSlots = kStages * kBlocksPerStage<G>;  // K blocks in the ring
-constexpr int kMaxRingSlots = 2 * kStages;
-
 // Named barriers (0 is __syncthreads): one per consumer warpgroup for its output tile, one for
 // both around the zeroing of a stage they both read.
 constexpr int kOutputBarrier = 2;  // + the warpgroup's index
@@ -125,6 +109,9 @@ struct Params {
   int32_t gathered_cols, max_tokens, capacity;
 };
 
+// Which operand, if any, the kernel reads through token_of_row instead of by TMA.
+enum class Gather { None, A, B };
+
 template <class T>
 using MmaOp = decltype(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kTileN>, _16>, GMMA::Major::MN,
                                             GMMA::Major::MN>());
@@ -146,10 +133,10 @@ struct Kernel {
     alignas(1024) T a[cosize_v<SmemLayoutA>];
     alignas(1024) T b[cosize_v<SmemLayoutB>];
     alignas(1024) T out[2][kWarpgroupRows * kTileN];  // per consumer warpgroup: 4 boxes of 64 x 64
-    uint64_t full[kMaxRingSlots];  // per K block of the ring (kRingSlots<G> of them in use)
-    uint64_t empty[kMaxRingSlots];
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
     int32_t row_start[kCounterMaxExperts + 1];  // first row of expert e (clamped)
-    int32_t stage_tile[kMaxRingSlots];          // the tile whose first K block a ring slot holds
+    int32_t stage_tile[kStages];                // the tile whose first K block a stage holds
     int32_t handoff;                            // the gathered producers' fetched tile (CountedTiles<128>)
   };
   static constexpr size_t kSmemBytes = sizeof(Shared) + 1024;  // + room to align the base
@@ -171,19 +158,6 @@ struct Kernel {
 struct WgradTile {
   int expert, m0, n0, row0, rows;
   __device__ __forceinline__ int k_blocks() const { return (rows + kTileK - 1) / kTileK; }
-  template <int kRows>
-  __device__ __forceinline__ int blocks() const {
-    return (rows + kRows - 1) / kRows;
-  }
-};
-
-// Where ring slot `slot` of the form G lives: its stage of shared memory and its first row
-// there (0, or 32 for a gathered form's second half).
-template <Gather G>
-struct RingSlot {
-  int stage, row;
-  __device__ __forceinline__ explicit RingSlot(int slot)
-      : stage(slot / kBlocksPerStage<G>), row((slot % kBlocksPerStage<G>) * kBlockRows<G>) {}
 };
 
 // Tile `tile` of the list: every expert owns m_tiles x n_tiles tiles (dW's shape is fixed); the
@@ -218,69 +192,58 @@ __device__ __forceinline__ WgradTile locate_rows(const Params& p, int tile, cons
   return t;
 }
 
-// One K block's TMA boxes, rows [row0, row0 + kBlockRows<G>): A's columns [m0, m0 + 128) and
-// B's [n0, n0 + 256), but not those of the operand G names (the gathered form copies it
-// itself), into `slot`'s rows of its stage (the maps' boxes are kBlockRows<G> rows high).
+// One stage's TMA boxes of rows [row0, row0 + 64): A's columns [m0, m0 + 128) and B's
+// [n0, n0 + 256), but not those of the operand G names (the gathered form copies it itself).
 template <class T, Gather G>
-__device__ __forceinline__ void load_tma_boxes(const Params& p, uint64_t* full, typename Kernel<T>::Shared& s,
-                                               RingSlot<G> slot, const WgradTile& t, int row0) {
-  using K = Kernel<T>;
+__device__ __forceinline__ void load_tma_boxes(const Params& p, uint64_t* full, T* a_stage, T* b_stage,
+                                               const WgradTile& t, int row0) {
   constexpr uint64_t hint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
-  T* a_stage = s.a + slot.stage * K::kStageElemsA + slot.row * kBox;
-  T* b_stage = s.b + slot.stage * K::kStageElemsB + slot.row * kBox;
+  constexpr int kBoxElems = Kernel<T>::kBoxElems;
   if constexpr (G != Gather::A) {
 #pragma unroll
     for (int c = 0; c < kABoxes; ++c)
-      SM90_TMA_LOAD_2D::copy(&p.a_map, full, hint, a_stage + c * K::kBoxElems, t.m0 + c * kBox, row0);
+      SM90_TMA_LOAD_2D::copy(&p.a_map, full, hint, a_stage + c * kBoxElems, t.m0 + c * kBox, row0);
   }
   if constexpr (G != Gather::B) {
 #pragma unroll
     for (int c = 0; c < kBBoxes; ++c)
-      SM90_TMA_LOAD_2D::copy(&p.b_map, full, hint, b_stage + c * K::kBoxElems, t.n0 + c * kBox, row0);
+      SM90_TMA_LOAD_2D::copy(&p.b_map, full, hint, b_stage + c * kBoxElems, t.n0 + c * kBox, row0);
   }
 }
 
-// The bytes load_tma_boxes<T, G> brings into a ring slot (TMA counts zero-filled ones too).
+// The bytes load_tma_boxes<T, G> brings into a stage (TMA counts zero-filled ones too).
 template <class T, Gather G>
-constexpr uint32_t kTmaBlockBytes =
-    ((G != Gather::A ? kTileM : 0) + (G != Gather::B ? kTileN : 0)) * kBlockRows<G> * sizeof(T);
+constexpr uint32_t kTmaStageBytes =
+    ((G != Gather::A ? Kernel<T>::kStageElemsA : 0) + (G != Gather::B ? Kernel<T>::kStageElemsB : 0)) * sizeof(T);
 
-// The producer: every K block of every tile the counter hands this CTA (one block without
-// loads for an expert without rows), then the stop block.
-//  - Gather::None (the grouped GEMM's WGRAD): thread 0 alone, both operands by TMA, 64-row
-//    blocks (one per stage).
-//  - Gather::A / B: the 128 threads of the producer warpgroup, 32-row blocks (two per stage,
-//    kBlockRows says why). Thread 0 arms each block's barrier with the plain operand's bytes
-//    and loads its boxes by TMA; every thread copies its 16-byte chunks of the gathered
-//    operand's rows (fused/wgrad_tiles.cuh: the chunks land where TMA's 128-byte swizzle would
-//    put them, zero-filled past the expert's rows and for invalid tokens) and arrives when they
-//    land, so the full barriers take 1 + 128 arrivals, the stop block's too. A block's row
-//    tokens are loaded right after the block before it is sent and read only once its slot is
-//    free: the load's round trip runs beside that wait instead of before the arrival. (H100,
-//    2026-12-07: checking each token as it was loaded put that round trip between every
-//    block's copies and its arrival; fetching two blocks ahead instead was 3-6 % slower.)
+// The producer: every K block of every tile the counter hands this CTA (one stage without
+// loads for an expert without rows), then the stop stage.
+//  - Gather::None (the grouped GEMM's WGRAD): thread 0 alone, both operands by TMA.
+//  - Gather::A / B: the 128 threads of the producer warpgroup. Thread 0 arms each stage with
+//    the plain operand's bytes and loads its boxes by TMA; every thread copies its 16-byte
+//    chunks of the gathered operand's rows (fused/wgrad_tiles.cuh: the chunks land where TMA's
+//    128-byte swizzle would put them, zero-filled past the expert's rows and for invalid
+//    tokens) and arrives when they land, so the full barriers take 1 + 128 arrivals, the stop
+//    stage's too. A block's row tokens are loaded right after the block before it is sent and
+//    read only once the next stage is free: the load's round trip runs beside that wait instead
+//    of before the arrival. (H100, 2026-12-07: checking each token as it was loaded put that
+//    round trip between every block's copies and its arrival; fetching two blocks ahead
+//    instead was 3-6 % slower.)
 // The next tile is claimed as soon as the current one is known: tiles are a few K blocks long,
 // and the counter's atomic then runs beside this tile's loads.
 template <class T, Gather G>
 __device__ void produce(const Params& p, typename Kernel<T>::Shared& s, int total_tiles) {
+  using K = Kernel<T>;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   constexpr bool kGathered = G != Gather::None;
   constexpr bool kGatherA = G == Gather::A;
-  constexpr int kRows = kBlockRows<G>;
   constexpr int kGatheredCols = kGatherA ? kTileM : kTileN;  // of the gathered operand, per tile
   using Sources = fused::BlockSources<kGatheredCols>;
-  // A block's copy passes: a stage's 64 rows take Sources::kPasses, half of them per half.
-  constexpr int kPasses = Sources::kPasses / kBlocksPerStage<G>;
-  const bool arms = !kGathered || threadIdx.x == 0;  // publishes tiles, arms blocks, issues TMA
+  const bool arms = !kGathered || threadIdx.x == 0;  // publishes tiles, arms stages, issues TMA
   const T* gathered = static_cast<const T*>(p.gathered);
   fused::CountedTiles<kGathered ? 128 : 1> tiles{fused::TileSchedule{p.schedule}, s.stage_tile,
                                                  kGathered ? &s.handoff : nullptr};
-  StageRing<kRingSlots<G>> ring;
-  // The token of the block about to be copied; its rows are those of its slot's half.
-  auto load_token = [&](int row, int row_end, int slot) {
-    const int half = RingSlot<G>(slot).row / kRows;
-    return Sources::load_token(kGathered, p.token_of_row, row - half * kRows, row_end, half * kPasses, kPasses);
-  };
+  StageRing<kStages> ring;
   int claimed = 0;
   tiles.claim(claimed);
   for (;;) {
@@ -288,40 +251,39 @@ __device__ void produce(const Params& p, typename Kernel<T>::Shared& s, int tota
     if (tile >= total_tiles) break;
     tiles.claim(claimed);
     const WgradTile t = locate_rows<G>(p, tile, s.row_start);
-    const int k_blocks = t.template blocks<kRows>();
+    const int k_blocks = t.k_blocks();
     const int row_end = t.row0 + t.rows;
-    int32_t token = load_token(t.row0, row_end, ring.stage);
+    int32_t token = Sources::load_token(kGathered, p.token_of_row, t.row0, row_end);
     for (int kb = 0; kb < max(k_blocks, 1); ++kb) {
       fused::wait_barrier(&s.empty[ring.stage], ring.phase ^ 1, "counter wgrad producer, empty");
-      const RingSlot<G> slot(ring.stage);
-      const int row = t.row0 + kb * kRows;
+      const int stage = ring.stage;
+      const int row = t.row0 + kb * kTileK;
+      T* a_stage = s.a + stage * K::kStageElemsA;
+      T* b_stage = s.b + stage * K::kStageElemsB;
       if (arms) {
-        if (kb == 0) tiles.publish(ring.stage, tile);
+        if (kb == 0) tiles.publish(stage, tile);
         if (k_blocks == 0) {
-          Barrier::arrive(&s.full[ring.stage]);
+          Barrier::arrive(&s.full[stage]);
         } else {
-          Barrier::arrive_and_expect_tx(&s.full[ring.stage], kTmaBlockBytes<T, G>);
-          load_tma_boxes<T, G>(p, &s.full[ring.stage], s, slot, t, row);
+          Barrier::arrive_and_expect_tx(&s.full[stage], kTmaStageBytes<T, G>);
+          load_tma_boxes<T, G>(p, &s.full[stage], a_stage, b_stage, t, row);
         }
       }
       if constexpr (kGathered) {
         if (k_blocks > 0) {
-          using K = Kernel<T>;
-          T* stage = kGatherA ? s.a + slot.stage * K::kStageElemsA : s.b + slot.stage * K::kStageElemsB;
           const uint32_t source = Sources::source_of(token, p.max_tokens, p.gathered_cols);
-          const int half = slot.row / kRows;
-          fused::copy_wgrad_block<T, kGatheredCols, kPasses>(gathered, p.gathered_cols, p.gathered_cols, true, source,
-                                                             row - slot.row, row_end, kGatherA ? t.m0 : t.n0,
-                                                             reinterpret_cast<uint8_t*>(stage), half * kPasses);
+          fused::copy_wgrad_block<T, kGatheredCols>(gathered, p.gathered_cols, p.gathered_cols, true, source, row,
+                                                    row_end, kGatherA ? t.m0 : t.n0,
+                                                    reinterpret_cast<uint8_t*>(kGatherA ? a_stage : b_stage));
         }
-        cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
+        cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
+        token = Sources::load_token(true, p.token_of_row, row + kTileK, row_end);
       }
       ring.advance();
-      if constexpr (kGathered) token = load_token(row + kRows, row_end, ring.stage);
     }
   }
   if (tiles.stop(s.full, s.empty, ring, arms, "counter wgrad producer, empty (end)") && kGathered) {
-    cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);  // the stop block's other 128 arrivals
+    cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);  // the stop stage's other 128 arrivals
   }
   if constexpr (kGathered) cute::cp_async_wait<0>();  // no thread exits with copies in flight
 }
@@ -351,14 +313,13 @@ __device__ __forceinline__ void zero_stage_rows(T* a_stage, T* b_stage, int firs
 
 // One batch of wgmmas over the first kSteps 16-row steps of a stage (A's and B's: the split
 // form keeps them in separate rings).
-// k0: the first step (a gathered form's second half-stage starts at step 2).
 template <int kSteps, class Mma, class FragA, class FragB, class Acc>
 __device__ __forceinline__ void issue_steps(Mma& mma, const FragA& tCrA, const FragB& tCrB, Acc& acc, int stage_a,
-                                            int stage_b, int k0 = 0) {
+                                            int stage_b) {
   warpgroup_arrive();
 #pragma unroll
   for (int k = 0; k < kSteps; ++k) {
-    cute::gemm(mma, tCrA(_, _, k0 + k, stage_a), tCrB(_, _, k0 + k, stage_b), acc);
+    cute::gemm(mma, tCrA(_, _, k, stage_a), tCrB(_, _, k, stage_b), acc);
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
@@ -369,68 +330,59 @@ __device__ __forceinline__ void issue_steps(Mma& mma, const FragA& tCrA, const F
 // The whole blocks run with one batch in flight; the last block, whose 16-row step count is a
 // branch, comes after them: ptxas completes every wgmma batch issued under a branch before the
 // branch ends (WARPGROUP.DEPBAR 0), which inside the loop would serialize every block.
-// G != Gather::None: the gathered form, whose blocks are half-stages (kBlockRows) that cp.async
-// wrote in part (the generic proxy, which wgmma may read only after a proxy fence).
+// G != Gather::None: the gathered form, whose stages cp.async wrote in part (the generic proxy,
+// which wgmma may read only after a proxy fence).
 template <class T, Gather G, class Mma, class FragA, class FragB, class Acc>
-__device__ __forceinline__ void mma_tile(StageRing<kRingSlots<G>>& ring, typename Kernel<T>::Shared& s,
-                                         const WgradTile& t, bool warp_leader, int consumer_thread, Mma& mma,
-                                         FragA& tCrA, FragB& tCrB, Acc& acc) {
+__device__ __forceinline__ void mma_tile(StageRing<kStages>& ring, typename Kernel<T>::Shared& s, const WgradTile& t,
+                                         bool warp_leader, int consumer_thread, Mma& mma, FragA& tCrA, FragB& tCrB,
+                                         Acc& acc) {
   using Barrier = cutlass::arch::ClusterBarrier;
   using K = Kernel<T>;
-  constexpr int kSteps = kBlockRows<G> / kStepRows;
-  const int last = t.template blocks<kBlockRows<G>>() - 1;
+  constexpr int kSteps = kTileK / kStepRows;
+  const int last = t.k_blocks() - 1;
   mma.accumulate_ = GMMA::ScaleOut::Zero;
   int previous = -1;
-  auto wait_full = [&](int slot) {
-    fused::wait_barrier(&s.full[slot], ring.phase, "counter wgrad consumer, full");
+  auto wait_full = [&](int stage) {
+    fused::wait_barrier(&s.full[stage], ring.phase, "counter wgrad consumer, full");
     __syncwarp();  // wgmma's .sync.aligned instructions need the warp converged
     if constexpr (G != Gather::None) cutlass::arch::fence_view_async_shared();
   };
   for (int kb = 0; kb < last; ++kb) {
-    const RingSlot<G> slot(ring.stage);
-    wait_full(ring.stage);
+    const int stage = ring.stage;
+    wait_full(stage);
     warpgroup_fence_operand(acc);
-    issue_steps<kSteps>(mma, tCrA, tCrB, acc, slot.stage, slot.stage, slot.row / kStepRows);
-    // Keep one batch in flight: the previous block's wgmmas are done once this returns.
+    issue_steps<kSteps>(mma, tCrA, tCrB, acc, stage, stage);
+    // Keep one batch in flight: the previous stage's wgmmas are done once this returns.
     warpgroup_wait<1>();
     warpgroup_fence_operand(acc);
     if (previous >= 0 && warp_leader) Barrier::arrive(&s.empty[previous]);
-    previous = ring.stage;
+    previous = stage;
     ring.advance();
   }
-  const RingSlot<G> slot(ring.stage);
-  wait_full(ring.stage);
-  const int rows = t.rows - last * kBlockRows<G>;  // 1..kBlockRows
+  const int stage = ring.stage;
+  wait_full(stage);
+  const int rows = t.rows - last * kTileK;  // 1..64
   const int steps = (rows + kStepRows - 1) / kStepRows;
   if (rows % kStepRows != 0) {
-    zero_stage_rows<T, G>(s.a + slot.stage * K::kStageElemsA, s.b + slot.stage * K::kStageElemsB, slot.row + rows,
-                          slot.row + steps * kStepRows, consumer_thread);
+    zero_stage_rows<T, G>(s.a + stage * K::kStageElemsA, s.b + stage * K::kStageElemsB, rows, steps * kStepRows,
+                       consumer_thread);
     cutlass::arch::fence_view_async_shared();  // the zeros, generic proxy -> wgmma's reads
     named_barrier(kZeroBarrier, kConsumerThreads);
   }
   warpgroup_fence_operand(acc);
   // Each branch a whole batch (arrive, wgmmas, commit): wgmmas under a condition inside one
   // batch are serialized by ptxas (C7520).
-  const int k0 = slot.row / kStepRows;
-  if constexpr (kSteps == 2) {
-    if (steps == 1) {
-      issue_steps<1>(mma, tCrA, tCrB, acc, slot.stage, slot.stage, k0);
-    } else {
-      issue_steps<2>(mma, tCrA, tCrB, acc, slot.stage, slot.stage, k0);
-    }
-  } else {
-    switch (steps) {
-      case 1: issue_steps<1>(mma, tCrA, tCrB, acc, slot.stage, slot.stage); break;
-      case 2: issue_steps<2>(mma, tCrA, tCrB, acc, slot.stage, slot.stage); break;
-      case 3: issue_steps<3>(mma, tCrA, tCrB, acc, slot.stage, slot.stage); break;
-      default: issue_steps<kSteps>(mma, tCrA, tCrB, acc, slot.stage, slot.stage); break;
-    }
+  switch (steps) {
+    case 1: issue_steps<1>(mma, tCrA, tCrB, acc, stage, stage); break;
+    case 2: issue_steps<2>(mma, tCrA, tCrB, acc, stage, stage); break;
+    case 3: issue_steps<3>(mma, tCrA, tCrB, acc, stage, stage); break;
+    default: issue_steps<kSteps>(mma, tCrA, tCrB, acc, stage, stage); break;
   }
   warpgroup_wait<0>();
   warpgroup_fence_operand(acc);
   if (warp_leader) {
     if (previous >= 0) Barrier::arrive(&s.empty[previous]);
-    Barrier::arrive(&s.empty[ring.stage]);
+    Barrier::arrive(&s.empty[stage]);
   }
   ring.advance();
 }
@@ -492,7 +444,7 @@ __device__ void consume(const Params& p, typename Kernel<T>::Shared& s) {
   Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
   const int row = fused::check_quad_accumulator_layout(coords) - warpgroup * kWarpgroupRows;
 
-  StageRing<kRingSlots<G>> ring;
+  StageRing<kStages> ring;
   for (;;) {
     const int tile = fused::next_published_tile(ring, s.full, s.stage_tile);
     if (tile == fused::kNoMoreTiles) break;
@@ -526,7 +478,7 @@ __global__ void __launch_bounds__(kThreads, 1) counter_wgrad_kernel(const __grid
   // Nothing the kernel before this one writes is read before this point's wait.
   if (threadIdx.x == 32) {
     const uint32_t full_arrivals = kGathered ? 1 + fused::kWgradProducerThreads : 1;
-    fused::init_stage_barriers<kRingSlots<G>>(s.full, s.empty, full_arrivals, kConsumerWarps);
+    fused::init_stage_barriers<kStages>(s.full, s.empty, full_arrivals, kConsumerWarps);
   }
   if (threadIdx.x == 64) {
     if constexpr (G != Gather::A) cute::prefetch_tma_descriptor(&p.a_map);
@@ -1080,14 +1032,12 @@ capmoe_status_t run(const Launch& launch, uint64_t* workspace_bytes) {
 capmoe_status_t encode_gathered_maps(const fused::WgradGatherParams& g, capmoe_dtype_t dtype, Params* p) {
   const cuuint64_t elem = 2;
   const cuuint32_t box[3] = {kBox, kTileK, 1};
-  const cuuint32_t block_box[2] = {kBox, kBlockRows<Gather::A>};  // one K block (half a stage)
-  static_assert(kBlockRows<Gather::A> == kBlockRows<Gather::B>);
   const bool gather_a = g.a_gathered != 0;
   const cuuint64_t plain_cols = cuuint64_t(gather_a ? g.n : g.m);
   const cuuint64_t plain_dims[2] = {plain_cols, cuuint64_t(g.capacity)};
   const cuuint64_t plain_strides[1] = {plain_cols * elem};
   CUtensorMap* plain_map = gather_a ? &p->b_map : &p->a_map;
-  CAPMOE_TRY(tma_encode(plain_map, dtype, gather_a ? g.b : g.a, 2, plain_dims, plain_strides, block_box));
+  CAPMOE_TRY(tma_encode(plain_map, dtype, gather_a ? g.b : g.a, 2, plain_dims, plain_strides, box));
   const cuuint64_t d_dims[3] = {cuuint64_t(g.n), cuuint64_t(g.m), cuuint64_t(g.experts)};
   const cuuint64_t d_strides[2] = {cuuint64_t(g.n) * elem, cuuint64_t(g.m) * cuuint64_t(g.n) * elem};
   return tma_encode(&p->d_map, dtype, g.dw, 3, d_dims, d_strides, box);
