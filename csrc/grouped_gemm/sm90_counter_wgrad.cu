@@ -228,7 +228,8 @@ constexpr uint32_t kTmaStageBytes =
 //    read only once the next stage is free: the load's round trip runs beside that wait instead
 //    of before the arrival. (H100, 2026-12-07: checking each token as it was loaded put that
 //    round trip between every block's copies and its arrival; fetching two blocks ahead
-//    instead was 3-6 % slower.)
+//    instead was 3-6 % slower, and 32-row blocks, two per stage with barriers of their own so
+//    that six were in flight, 26-36 % slower: bench/results/gemm_gathered_counter_wgrad_*.)
 // The next tile is claimed as soon as the current one is known: tiles are a few K blocks long,
 // and the counter's atomic then runs beside this tile's loads.
 template <class T, Gather G>
