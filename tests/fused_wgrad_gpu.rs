@@ -421,9 +421,9 @@ fn fused_wgrad_matches_exact_reference_f16() {
 /// fc1's wgrad at a model shape, routing from the crate's routing build: the gathered kernel
 /// against permute(x) -> grouped GEMM WGRAD (same dH). Asserted: every element of the gathered
 /// dW written (poisoned before, for the `T` output) and finite; both against fp64 on sampled
-/// elements; gathered against the grouped WGRAD on every element ([`assert_near_grouped_wgrad`]). The count of
-/// bit-equal elements and the normwise difference are printed (equal sum order would make
-/// them all equal).
+/// elements; gathered against the grouped WGRAD on every element
+/// ([`assert_near_grouped_wgrad`]). The count of bit-equal elements and the normwise difference
+/// are printed (equal sum order would make them all equal).
 fn check_against_grouped_wgrad<T: Operand>(
     stream: &Arc<CudaStream>,
     name: &str,

@@ -44,6 +44,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 #include <cute/arch/copy_sm90_desc.hpp>
@@ -979,18 +980,14 @@ constexpr int64_t kColumnSplitMaxRowsPerExpert = 512;
 // CAPMOE_COUNTER_WGRAD=cooperative / split (read once) forces a form, for diagnosis and A/B;
 // anything else leaves the choice to the average rows per expert (host facts only).
 WgradForm choose_form(const capmoe_grouped_gemm_desc_t& d) {
-  struct Forced {
-    bool set;
-    WgradForm form;
-  };
-  static const Forced forced = [] {
+  static const std::optional<WgradForm> forced = []() -> std::optional<WgradForm> {
     const char* v = std::getenv("CAPMOE_COUNTER_WGRAD");
     const std::string s = v ? v : "";
-    if (s == "cooperative") return Forced{true, WgradForm::Cooperative};
-    if (s == "split") return Forced{true, WgradForm::ColumnSplit};
-    return Forced{false, WgradForm::Cooperative};
+    if (s == "cooperative") return WgradForm::Cooperative;
+    if (s == "split") return WgradForm::ColumnSplit;
+    return std::nullopt;
   }();
-  if (forced.set) return forced.form;
+  if (forced) return *forced;
   const int64_t rows_per_expert = d.num_experts > 0 ? d.capacity / d.num_experts : 0;
   return rows_per_expert < kColumnSplitMaxRowsPerExpert ? WgradForm::ColumnSplit : WgradForm::Cooperative;
 }
