@@ -32,7 +32,9 @@
 // Per CTA (persistent, 384 threads): warp 0 copies the row offsets into shared memory; thread
 // 0 produces (per tile, per 64-row K block: 2 boxes of A and 4 of B; an expert without rows
 // gets one stage with no loads, which only tells the consumers the tile); warpgroups 1 and 2
-// consume, 64 dW rows each, one 64x256x16 wgmma per 16 rows.
+// consume, 64 dW rows each, one 64x256x16 wgmma per 16 rows. The gathered form with B gathered
+// runs 256 x 128 tiles instead (TileShape: the gathered operand on the 128-wide side), each
+// consumer two 64-row blocks with two 64x128x16 wgmmas per 16 rows.
 //
 // The expert's last K block: TMA loads 64 rows from the block's first, so rows past the
 // expert's end are the next expert's (or, past offsets[E], whatever the buffer holds, NaN
