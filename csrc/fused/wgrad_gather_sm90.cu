@@ -196,7 +196,7 @@ capmoe_status_t launch_wgrad_gather_sm90(const WgradGatherParams& params, capmoe
                                          capmoe_dtype_t out_dtype, int grid, cudaStream_t stream) {
   // A 16-bit dW with one gathered operand: the counter wgrad's TMA mainloop and epilogue with
   // that operand by cp.async (H100, bench/README "The gathered counter wgrad").
-  if (gg::counter::gathered_wgrad_takes(params, dtype, out_dtype, grid))
+  if (gg::counter::gathered_wgrad_takes(params, dtype, out_dtype))
     return gg::counter::launch_gathered_wgrad(params, dtype, grid, stream);
   return dispatch_wgrad_types(dtype, out_dtype, [&](auto in, auto out) {
     return launch_typed<decltype(in), decltype(out)>(params, grid, stream);

@@ -14,12 +14,10 @@ namespace capmoe::gg::counter {
 
 // Whether the gathered counter wgrad takes a launch the entry has checked (host facts only):
 // dW in the operand type without accumulating, exactly one operand gathered, at most
-// kCounterMaxExperts experts, each expert's dW under TMA's 2^40-byte stride limit, and the
-// tiles of its own shape (256 x 128 where b is gathered) indexable in int on `grid` CTAs.
+// kCounterMaxExperts experts and each expert's dW under TMA's 2^40-byte stride limit.
 // CAPMOE_GATHER_WGRAD=strided (read once) declines every launch, so that the older strided
 // kernel (fused/wgrad_gather_sm90.cu) runs instead: for A/B and for its tests.
-bool gathered_wgrad_takes(const fused::WgradGatherParams& params, capmoe_dtype_t dtype, capmoe_dtype_t out_dtype,
-                          int grid);
+bool gathered_wgrad_takes(const fused::WgradGatherParams& params, capmoe_dtype_t dtype, capmoe_dtype_t out_dtype);
 
 // dW as capturable_moe/wgrad_gather.h describes it, on `grid` persistent CTAs; dtype BF16 or F16.
 capmoe_status_t launch_gathered_wgrad(const fused::WgradGatherParams& params, capmoe_dtype_t dtype, int grid,

@@ -32,9 +32,7 @@
 // Per CTA (persistent, 384 threads): warp 0 copies the row offsets into shared memory; thread
 // 0 produces (per tile, per 64-row K block: 2 boxes of A and 4 of B; an expert without rows
 // gets one stage with no loads, which only tells the consumers the tile); warpgroups 1 and 2
-// consume, 64 dW rows each, one 64x256x16 wgmma per 16 rows. The gathered form with B gathered
-// runs 256 x 128 tiles instead (TileShape: the gathered operand on the 128-wide side), each
-// consumer two 64-row blocks with two 64x128x16 wgmmas per 16 rows.
+// consume, 64 dW rows each, one 64x256x16 wgmma per 16 rows.
 //
 // The expert's last K block: TMA loads 64 rows from the block's first, so rows past the
 // expert's end are the next expert's (or, past offsets[E], whatever the buffer holds, NaN
@@ -75,7 +73,7 @@ namespace {
 using namespace cute;
 using fused::StageRing;
 
-constexpr int kTileM = kCounterWgradTileM;  // dW rows (of the split form and the plain WGRAD)
+constexpr int kTileM = kCounterWgradTileM;  // dW rows
 constexpr int kTileN = kCounterWgradTileN;  // dW columns
 constexpr int kTileK = 64;                  // expert rows per K block
 constexpr int kBox = 64;                    // columns per TMA box: one 128-byte line of 16-bit values
@@ -84,8 +82,8 @@ constexpr int kStages = 3;                  // 3 x 48 KB + the 64 KB output tile
 constexpr int kThreads = 384;
 constexpr int kConsumerThreads = 256;
 constexpr int kConsumerWarps = kConsumerThreads / 32;
-constexpr int kABoxes = kTileM / kBox;  // the split form's A boxes
-constexpr int kBlockRows = 64;  // dW rows of one wgmma
+constexpr int kWarpgroupRows = kTileM / 2;  // dW rows of one consumer warpgroup
+constexpr int kABoxes = kTileM / kBox, kBBoxes = kTileN / kBox;
 
 // Named barriers (0 is __syncthreads): one per consumer warpgroup for its output tile, one for
 // both around the zeroing of a stage they both read.
@@ -115,44 +113,27 @@ struct Params {
 // Which operand, if any, the kernel reads through token_of_row instead of by TMA.
 enum class Gather { None, A, B };
 
-// The cooperative kernel's output tile: 128 x 256, but 256 x 128 where B is gathered, so that a
-// gathered operand is always the tile's 128-wide side: the producer warpgroup then copies 16 KB
-// a stage by cp.async and TMA brings the other 32 KB (fc1's wgrad gathers x, the side of dW's
-// columns). cute's 2 x 1 tiled MMA gives consumer warpgroup w the 64-row blocks starting at
-// 64w + 128b, b < kRowBlocks: one block at 128 rows, two (two wgmmas a step) at 256.
-template <Gather G>
-struct TileShape {
-  static constexpr int kM = G == Gather::B ? 256 : kTileM;  // dW rows
-  static constexpr int kN = G == Gather::B ? 128 : kTileN;  // dW columns
-  static constexpr int kABoxes = kM / kBox, kBBoxes = kN / kBox;
-  static constexpr int kRowBlocks = kM / (2 * kBlockRows);  // 64-row blocks of one warpgroup
-  static_assert(kM * kN == kTileM * kTileN, "the same stage and output bytes in either shape");
-};
-
-template <class T, int kN>
-using MmaOp = decltype(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kN>, _16>, GMMA::Major::MN,
+template <class T>
+using MmaOp = decltype(GMMA::ss_op_selector<T, T, float, Shape<_64, Int<kTileN>, _16>, GMMA::Major::MN,
                                             GMMA::Major::MN>());
-static_assert(std::is_same_v<MmaOp<cutlass::bfloat16_t, 256>,
+static_assert(std::is_same_v<MmaOp<cutlass::bfloat16_t>,
                              SM90_64x256x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>>);
-static_assert(std::is_same_v<MmaOp<cutlass::bfloat16_t, 128>,
-                             SM90_64x128x16_F32BF16BF16_SS<GMMA::Major::MN, GMMA::Major::MN>>);
 
-template <class T, Gather G>
+template <class T>
 struct Kernel {
-  using Tile = TileShape<G>;
-  using TiledMma = decltype(make_tiled_mma(MmaOp<T, Tile::kN>{}, Layout<Shape<_2, _1, _1>>{}));
+  using TiledMma = decltype(make_tiled_mma(MmaOp<T>{}, Layout<Shape<_2, _1, _1>>{}));
   using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
-                                             Shape<Int<Tile::kM>, Int<kTileK>, Int<kStages>>{}, Step<_2, _1, _3>{}));
+                                             Shape<Int<kTileM>, Int<kTileK>, Int<kStages>>{}, Step<_2, _1, _3>{}));
   using SmemLayoutB = decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{},
-                                             Shape<Int<Tile::kN>, Int<kTileK>, Int<kStages>>{}, Step<_2, _1, _3>{}));
-  static constexpr int kStageElemsA = Tile::kM * kTileK;
-  static constexpr int kStageElemsB = Tile::kN * kTileK;
+                                             Shape<Int<kTileN>, Int<kTileK>, Int<kStages>>{}, Step<_2, _1, _3>{}));
+  static constexpr int kStageElemsA = kTileM * kTileK;
+  static constexpr int kStageElemsB = kTileN * kTileK;
   static constexpr int kBoxElems = kBox * kTileK;
 
   struct Shared {
     alignas(1024) T a[cosize_v<SmemLayoutA>];
     alignas(1024) T b[cosize_v<SmemLayoutB>];
-    alignas(1024) T out[2][Tile::kM / 2 * Tile::kN];  // per consumer warpgroup: 4 boxes of 64 x 64
+    alignas(1024) T out[2][kWarpgroupRows * kTileN];  // per consumer warpgroup: 4 boxes of 64 x 64
     uint64_t full[kStages];
     uint64_t empty[kStages];
     int32_t row_start[kCounterMaxExperts + 1];  // first row of expert e (clamped)
@@ -191,17 +172,15 @@ __device__ __forceinline__ WgradTile locate_corner(const Params& p, int tile, in
   return {e, m * kTileM, n * kTileN, row0, rows};
 }
 
-// The same in the cooperative kernel's tile shape, its rows from every expert's row start.
-// NOTE: not written over locate_corner, which changes the cooperative kernel's generated code
-// (same results), unmeasured while no GPU ran it.
-template <Gather G>
+// The same, its rows from every expert's row start. NOTE: not written over locate_corner, which
+// changes the cooperative kernel's generated code (same results), unmeasured while no GPU ran it.
 __device__ __forceinline__ WgradTile locate(const Params& p, int tile, const int32_t* row_start) {
   const int per_expert = p.m_tiles * p.n_tiles;
   const int e = tile / per_expert, r = tile - e * per_expert;
   const int row0 = row_start[e];
   const bool m_fastest = p.m_tiles <= p.n_tiles;
   const int m = m_fastest ? r % p.m_tiles : r / p.n_tiles, n = m_fastest ? r / p.m_tiles : r % p.n_tiles;
-  return {e, m * TileShape<G>::kM, n * TileShape<G>::kN, row0, row_start[e + 1] - row0};
+  return {e, m * kTileM, n * kTileN, row0, row_start[e + 1] - row0};
 }
 
 // locate() of either form: the gathered form's row starts are the caller's offsets clamped one
@@ -209,26 +188,26 @@ __device__ __forceinline__ WgradTile locate(const Params& p, int tile, const int
 // (capturable_moe/wgrad_gather.h). The argument kernel's ascend.
 template <Gather G>
 __device__ __forceinline__ WgradTile locate_rows(const Params& p, int tile, const int32_t* row_start) {
-  WgradTile t = locate<G>(p, tile, row_start);
+  WgradTile t = locate(p, tile, row_start);
   if constexpr (G != Gather::None) t.rows = max(t.rows, 0);
   return t;
 }
 
-// One stage's TMA boxes of rows [row0, row0 + 64): A's columns [m0, m0 + kM) and B's
-// [n0, n0 + kN), but not those of the operand G names (the gathered form copies it itself).
+// One stage's TMA boxes of rows [row0, row0 + 64): A's columns [m0, m0 + 128) and B's
+// [n0, n0 + 256), but not those of the operand G names (the gathered form copies it itself).
 template <class T, Gather G>
 __device__ __forceinline__ void load_tma_boxes(const Params& p, uint64_t* full, T* a_stage, T* b_stage,
                                                const WgradTile& t, int row0) {
   constexpr uint64_t hint = uint64_t(TMA::CacheHintSm90::EVICT_NORMAL);
-  constexpr int kBoxElems = Kernel<T, G>::kBoxElems;
+  constexpr int kBoxElems = Kernel<T>::kBoxElems;
   if constexpr (G != Gather::A) {
 #pragma unroll
-    for (int c = 0; c < TileShape<G>::kABoxes; ++c)
+    for (int c = 0; c < kABoxes; ++c)
       SM90_TMA_LOAD_2D::copy(&p.a_map, full, hint, a_stage + c * kBoxElems, t.m0 + c * kBox, row0);
   }
   if constexpr (G != Gather::B) {
 #pragma unroll
-    for (int c = 0; c < TileShape<G>::kBBoxes; ++c)
+    for (int c = 0; c < kBBoxes; ++c)
       SM90_TMA_LOAD_2D::copy(&p.b_map, full, hint, b_stage + c * kBoxElems, t.n0 + c * kBox, row0);
   }
 }
@@ -236,8 +215,7 @@ __device__ __forceinline__ void load_tma_boxes(const Params& p, uint64_t* full, 
 // The bytes load_tma_boxes<T, G> brings into a stage (TMA counts zero-filled ones too).
 template <class T, Gather G>
 constexpr uint32_t kTmaStageBytes =
-    ((G != Gather::A ? Kernel<T, G>::kStageElemsA : 0) + (G != Gather::B ? Kernel<T, G>::kStageElemsB : 0)) *
-    sizeof(T);
+    ((G != Gather::A ? Kernel<T>::kStageElemsA : 0) + (G != Gather::B ? Kernel<T>::kStageElemsB : 0)) * sizeof(T);
 
 // The producer: every K block of every tile the counter hands this CTA (one stage without
 // loads for an expert without rows), then the stop stage.
@@ -256,12 +234,12 @@ constexpr uint32_t kTmaStageBytes =
 // The next tile is claimed as soon as the current one is known: tiles are a few K blocks long,
 // and the counter's atomic then runs beside this tile's loads.
 template <class T, Gather G>
-__device__ void produce(const Params& p, typename Kernel<T, G>::Shared& s, int total_tiles) {
-  using K = Kernel<T, G>;
+__device__ void produce(const Params& p, typename Kernel<T>::Shared& s, int total_tiles) {
+  using K = Kernel<T>;
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   constexpr bool kGathered = G != Gather::None;
   constexpr bool kGatherA = G == Gather::A;
-  constexpr int kGatheredCols = kGatherA ? TileShape<G>::kM : TileShape<G>::kN;  // of the gathered operand
+  constexpr int kGatheredCols = kGatherA ? kTileM : kTileN;  // of the gathered operand, per tile
   using Sources = fused::BlockSources<kGatheredCols>;
   const bool arms = !kGathered || threadIdx.x == 0;  // publishes tiles, arms stages, issues TMA
   const T* gathered = static_cast<const T*>(p.gathered);
@@ -321,8 +299,7 @@ __device__ void produce(const Params& p, typename Kernel<T, G>::Shared& s, int t
 template <class T, Gather G>
 __device__ __forceinline__ void zero_stage_rows(T* a_stage, T* b_stage, int first, int end, int consumer_thread) {
   constexpr int kChunks = kBox * sizeof(T) / 16;  // 16-byte chunks per line
-  constexpr int kBoxElems = Kernel<T, G>::kBoxElems;
-  constexpr int kABoxes = TileShape<G>::kABoxes, kBBoxes = TileShape<G>::kBBoxes;
+  constexpr int kBoxElems = Kernel<T>::kBoxElems;
   // Boxes [kFirstBox, kFirstBox + kBoxes) of A's kABoxes followed by B's kBBoxes.
   constexpr int kFirstBox = G == Gather::A ? kABoxes : 0;
   constexpr int kBoxes = G == Gather::None ? kABoxes + kBBoxes : G == Gather::A ? kBBoxes : kABoxes;
@@ -358,11 +335,11 @@ __device__ __forceinline__ void issue_steps(Mma& mma, const FragA& tCrA, const F
 // G != Gather::None: the gathered form, whose stages cp.async wrote in part (the generic proxy,
 // which wgmma may read only after a proxy fence).
 template <class T, Gather G, class Mma, class FragA, class FragB, class Acc>
-__device__ __forceinline__ void mma_tile(StageRing<kStages>& ring, typename Kernel<T, G>::Shared& s, const WgradTile& t,
+__device__ __forceinline__ void mma_tile(StageRing<kStages>& ring, typename Kernel<T>::Shared& s, const WgradTile& t,
                                          bool warp_leader, int consumer_thread, Mma& mma, FragA& tCrA, FragB& tCrB,
                                          Acc& acc) {
   using Barrier = cutlass::arch::ClusterBarrier;
-  using K = Kernel<T, G>;
+  using K = Kernel<T>;
   constexpr int kSteps = kTileK / kStepRows;
   const int last = t.k_blocks() - 1;
   mma.accumulate_ = GMMA::ScaleOut::Zero;
@@ -412,30 +389,16 @@ __device__ __forceinline__ void mma_tile(StageRing<kStages>& ring, typename Kern
   ring.advance();
 }
 
-// This thread's first row in its warpgroup's first 64-row block, after checking that each of
-// its kRowBlocks blocks has check_quad_accumulator_layout's layout, 128 rows past the one
-// before (TileShape's). Traps otherwise; once per thread, outside the tile loop.
-template <int kRowBlocks, class Coords>
-__device__ int check_row_blocks(const Coords& coords) {
-  const int m0 = fused::check_quad_accumulator_layout(coords(_, 0, _));
-#pragma unroll
-  for (int b = 1; b < kRowBlocks; ++b)
-    if (fused::check_quad_accumulator_layout(coords(_, b, _)) != m0 + 2 * kBlockRows * b) __trap();
-  return m0;
-}
-
-// The warpgroup's rows of the tile (its kRowBlocks 64-row blocks), rounded to T, into its output
-// boxes in shared memory (block b's column boxes after block b - 1's) and out by TMA store
-// (which clips at dW's edges). The boxes are free once the warpgroup's previous stores have
-// read them; those were issued a whole tile ago. `row` is this thread's first row in each
-// 64-row block (the accumulator layout is check_row_blocks').
-template <class T, Gather G, class Accum>
+// The warpgroup's 64 rows of the tile, rounded to T, into its output boxes in shared memory and
+// out by TMA store (which clips at dW's edges). The boxes are free once the warpgroup's previous
+// stores have read them; those were issued a whole tile ago. `row` is this thread's first row
+// in the warpgroup's 64 (the accumulator layout is check_quad_accumulator_layout's).
+template <class T, class Accum>
 __device__ __forceinline__ void store_tile(const Params& p, T* out, const WgradTile& t, const Accum& acc, int row,
                                            int warpgroup, bool storing_thread) {
-  using Tile = TileShape<G>;
-  constexpr int kGroups = Tile::kN / 8;  // 8-column groups of a block row: 16-byte chunks
-  constexpr int kBoxElems = Kernel<T, G>::kBoxElems;
-  static_assert(decltype(size(acc))::value == Tile::kRowBlocks * 4 * kGroups, "two rows x two columns per group");
+  constexpr int kGroups = kTileN / 8;  // 8-column groups: 16-byte chunks
+  constexpr int kBoxElems = Kernel<T>::kBoxElems;
+  static_assert(decltype(size(acc))::value == 4 * kGroups, "two rows x two columns per group");
   if (storing_thread) tma_store_wait<0>();
   named_barrier(kOutputBarrier + warpgroup, 128);
   // Column group g of row m goes to box g / 8, line m, 16-byte chunk (g % 8) XOR (m % 8) (the
@@ -447,35 +410,27 @@ __device__ __forceinline__ void store_tile(const Params& p, T* out, const WgradT
   for (int j = 0; j < 8; ++j)
     chunk_word[j] = reinterpret_cast<uint32_t*>(out + row * kBox + ((j ^ (row % 8)) * 8)) + (threadIdx.x & 3);
 #pragma unroll
-  for (int b = 0; b < Tile::kRowBlocks; ++b) {
+  for (int r = 0; r < 2; ++r) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-#pragma unroll
-      for (int g = 0; g < kGroups; ++g) {
-        const int i = (b * kGroups + g) * 4 + 2 * r;
-        const int box = b * Tile::kBBoxes + g / 8;
-        chunk_word[g % 8][(box * kBoxElems + 8 * r * kBox) / 2] = fused::Pair<T>::pack(acc(i), acc(i + 1));
-      }
+    for (int g = 0; g < kGroups; ++g) {
+      const int i = 4 * g + 2 * r;
+      chunk_word[g % 8][((g / 8) * kBoxElems + 8 * r * kBox) / 2] = fused::Pair<T>::pack(acc(i), acc(i + 1));
     }
   }
   cutlass::arch::fence_view_async_shared();  // the tile, generic proxy -> TMA's reads
   named_barrier(kOutputBarrier + warpgroup, 128);
   if (storing_thread) {
+    const int m0 = t.m0 + warpgroup * kWarpgroupRows;
 #pragma unroll
-    for (int b = 0; b < Tile::kRowBlocks; ++b) {
-      const int m0 = t.m0 + warpgroup * kBlockRows + b * 2 * kBlockRows;
-#pragma unroll
-      for (int c = 0; c < Tile::kBBoxes; ++c)
-        SM90_TMA_STORE_3D::copy(&p.d_map, out + (b * Tile::kBBoxes + c) * kBoxElems, t.n0 + c * kBox, m0, t.expert);
-    }
+    for (int c = 0; c < kBBoxes; ++c)
+      SM90_TMA_STORE_3D::copy(&p.d_map, out + c * kBoxElems, t.n0 + c * kBox, m0, t.expert);
     tma_store_arrive();
   }
 }
 
 template <class T, Gather G>
-__device__ void consume(const Params& p, typename Kernel<T, G>::Shared& s) {
-  using K = Kernel<T, G>;
-  using Tile = TileShape<G>;
+__device__ void consume(const Params& p, typename Kernel<T>::Shared& s) {
+  using K = Kernel<T>;
   const int consumer_thread = threadIdx.x - 128;
   const int warpgroup = consumer_thread / 128;
   const bool warp_leader = (threadIdx.x & 31) == 0;
@@ -487,9 +442,9 @@ __device__ void consume(const Params& p, typename Kernel<T, G>::Shared& s) {
   auto thr = mma.get_thread_slice(consumer_thread);
   Tensor tCrA = thr.make_fragment_A(thr.partition_A(sA));  // (MMA, MMA_M, MMA_K, stage)
   Tensor tCrB = thr.make_fragment_B(thr.partition_B(sB));
-  Tensor acc = partition_fragment_C(mma, Shape<Int<Tile::kM>, Int<Tile::kN>>{});
-  Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<Tile::kM>, Int<Tile::kN>>{}));
-  const int row = check_row_blocks<Tile::kRowBlocks>(coords) - warpgroup * kBlockRows;
+  Tensor acc = partition_fragment_C(mma, Shape<Int<kTileM>, Int<kTileN>>{});
+  Tensor coords = thr.partition_C(make_identity_tensor(Shape<Int<kTileM>, Int<kTileN>>{}));
+  const int row = fused::check_quad_accumulator_layout(coords) - warpgroup * kWarpgroupRows;
 
   StageRing<kStages> ring;
   for (;;) {
@@ -504,7 +459,7 @@ __device__ void consume(const Params& p, typename Kernel<T, G>::Shared& s) {
     } else {
       mma_tile<T, G>(ring, s, t, warp_leader, consumer_thread, mma, tCrA, tCrB, acc);
     }
-    store_tile<T, G>(p, s.out[warpgroup], t, acc, row, warpgroup, storing_thread);
+    store_tile<T>(p, s.out[warpgroup], t, acc, row, warpgroup, storing_thread);
   }
   // The stores must have read the output boxes before the CTA's shared memory goes, and be
   // complete before the grid is.
@@ -516,7 +471,7 @@ __device__ void consume(const Params& p, typename Kernel<T, G>::Shared& s) {
 // launch_gathered_wgrad: that operand by cp.async from the producer warpgroup).
 template <class T, Gather G>
 __global__ void __launch_bounds__(kThreads, 1) counter_wgrad_kernel(const __grid_constant__ Params p) {
-  using K = Kernel<T, G>;
+  using K = Kernel<T>;
   constexpr bool kGathered = G != Gather::None;
   extern __shared__ uint8_t raw[];
   auto& s = fused::aligned_shared<typename K::Shared>(raw);
@@ -544,8 +499,7 @@ __global__ void __launch_bounds__(kThreads, 1) counter_wgrad_kernel(const __grid
   }
   __syncthreads();
 
-  // <= INT32_MAX + 1 - grid (counter_wgrad_takes, gathered_wgrad_takes)
-  const int total_tiles = p.experts * p.m_tiles * p.n_tiles;
+  const int total_tiles = p.experts * p.m_tiles * p.n_tiles;  // <= INT32_MAX - grid (counter_wgrad_takes)
   if (warp < 4) {
     // The producer needs few registers: 40 + 2 x 232 = 504 = 3 x 168, what the launch holds.
     cutlass::arch::warpgroup_reg_dealloc<40>();
@@ -1067,8 +1021,8 @@ capmoe_status_t run(const Launch& launch, uint64_t* workspace_bytes) {
   const int64_t tiles = counter_wgrad_tiles(d);
   const int grid = int(tiles < d.sm_count ? tiles : d.sm_count);
   if (choose_form(d) == WgradForm::ColumnSplit) return split::launch_split<T>(p, grid, launch.stream);
-  return launch_counter_kernel(&counter_wgrad_kernel<T, Gather::None>, p, grid, kThreads,
-                               Kernel<T, Gather::None>::kSmemBytes, launch.stream);
+  return launch_counter_kernel(&counter_wgrad_kernel<T, Gather::None>, p, grid, kThreads, Kernel<T>::kSmemBytes,
+                               launch.stream);
 }
 
 // The gathered form's maps: the plain operand over its `capacity` rows and dW (the gathered one
@@ -1087,26 +1041,6 @@ capmoe_status_t encode_gathered_maps(const fused::WgradGatherParams& g, capmoe_d
   return tma_encode(&p->d_map, dtype, g.dw, 3, d_dims, d_strides, box);
 }
 
-// One expert's tiles in the gathered form whose operand G names: TileShape<G>'s, not the entry's
-// m_tiles x n_tiles (which count the strided kernel's 128 x 256 tiles).
-struct TileCounts {
-  int64_t m, n, total;
-};
-template <Gather G>
-TileCounts gathered_tile_counts(const fused::WgradGatherParams& g) {
-  const int64_t m = (int64_t(g.m) + TileShape<G>::kM - 1) / TileShape<G>::kM;
-  const int64_t n = (int64_t(g.n) + TileShape<G>::kN - 1) / TileShape<G>::kN;
-  return {m, n, int64_t(g.experts) * m * n};  // E <= kCounterMaxExperts, m and n < 2^31: no overflow
-}
-
-template <class T, Gather G>
-capmoe_status_t launch_gathered_form(Params p, const fused::WgradGatherParams& g, int grid, cudaStream_t stream) {
-  const TileCounts tiles = gathered_tile_counts<G>(g);
-  p.m_tiles = int32_t(tiles.m);
-  p.n_tiles = int32_t(tiles.n);
-  return launch_counter_kernel(&counter_wgrad_kernel<T, G>, p, grid, kThreads, Kernel<T, G>::kSmemBytes, stream);
-}
-
 template <class T>
 capmoe_status_t launch_gathered_typed(const fused::WgradGatherParams& g, int grid, cudaStream_t stream) {
   constexpr capmoe_dtype_t kDtype = std::is_same_v<T, cutlass::half_t> ? CAPMOE_DTYPE_F16 : CAPMOE_DTYPE_BF16;
@@ -1121,20 +1055,21 @@ capmoe_status_t launch_gathered_typed(const fused::WgradGatherParams& g, int gri
   p.row_offsets = g.offsets;
   p.schedule = g.schedule;
   p.experts = g.experts;
+  p.m_tiles = g.m_tiles;
+  p.n_tiles = g.n_tiles;
   p.gathered = gather_a ? g.a : g.b;
   p.token_of_row = g.token_of_row;
   p.gathered_cols = gather_a ? g.m : g.n;
   p.max_tokens = g.max_tokens;
   p.capacity = g.capacity;
   (void)cudaGetLastError();
-  return gather_a ? launch_gathered_form<T, Gather::A>(p, g, grid, stream)
-                  : launch_gathered_form<T, Gather::B>(p, g, grid, stream);
+  const auto kernel = gather_a ? &counter_wgrad_kernel<T, Gather::A> : &counter_wgrad_kernel<T, Gather::B>;
+  return launch_counter_kernel(kernel, p, grid, kThreads, Kernel<T>::kSmemBytes, stream);
 }
 
 }  // namespace
 
-bool gathered_wgrad_takes(const fused::WgradGatherParams& g, capmoe_dtype_t dtype, capmoe_dtype_t out_dtype,
-                          int grid) {
+bool gathered_wgrad_takes(const fused::WgradGatherParams& g, capmoe_dtype_t dtype, capmoe_dtype_t out_dtype) {
   static const bool strided_only = [] {
     const char* v = std::getenv("CAPMOE_GATHER_WGRAD");
     return v != nullptr && std::string(v) == "strided";
@@ -1142,11 +1077,7 @@ bool gathered_wgrad_takes(const fused::WgradGatherParams& g, capmoe_dtype_t dtyp
   if (strided_only) return false;
   if (out_dtype != dtype || g.accumulate || (g.a_gathered != 0) == (g.b_gathered != 0)) return false;
   if (g.experts > kCounterMaxExperts) return false;
-  if (int64_t(g.m) * int64_t(g.n) * 2 >= (int64_t(1) << 40)) return false;
-  // The persistent loop's last index, tiles - 1 + grid, in int (this form's tile count may be
-  // up to twice the entry's, which the entry checked).
-  const int64_t tiles = g.a_gathered ? gathered_tile_counts<Gather::A>(g).total : gathered_tile_counts<Gather::B>(g).total;
-  return tiles - 1 + grid <= INT32_MAX;
+  return int64_t(g.m) * int64_t(g.n) * 2 < (int64_t(1) << 40);
 }
 
 capmoe_status_t launch_gathered_wgrad(const fused::WgradGatherParams& g, capmoe_dtype_t dtype, int grid,

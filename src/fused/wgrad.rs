@@ -48,11 +48,9 @@ use crate::error::check;
 use crate::routing::{Element, RoutingPlan};
 use crate::{sys, Error, Result};
 
-/// Output rows (`m`) of one tile of the strided kernels (and of the plan's int32 tile-count
-/// check). The sm_90a counter form tiles by 256 x 128 where `b` is gathered, so that the
-/// gathered operand is the tile's 128-wide side; its own launch checks its tile count.
+/// Output rows (`m`) of one tile of the kernel.
 pub const WGRAD_TILE_M: usize = sys::CAPMOE_WGRAD_GATHER_TILE_M as usize;
-/// Output columns (`n`) of one tile of the strided kernels (see [`WGRAD_TILE_M`]).
+/// Output columns (`n`) of one tile of the kernel.
 pub const WGRAD_TILE_N: usize = sys::CAPMOE_WGRAD_GATHER_TILE_N as usize;
 
 /// Where an operand's row `r` (a routing row of some expert) comes from.

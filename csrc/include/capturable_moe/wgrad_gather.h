@@ -43,9 +43,7 @@
 extern "C" {
 #endif
 
-/* Output tile of one CTA of the strided kernels: TILE_M rows (m) x TILE_N columns (n) of one
- * expert's dW (the entry's int32 tile-count check counts these). The sm_90a counter form tiles
- * 256 x 128 where b is gathered (the gathered operand on the 128-wide side). */
+/* Output tile of one CTA: TILE_M rows (m) x TILE_N columns (n) of one expert's dW. */
 enum { CAPMOE_WGRAD_GATHER_TILE_M = 128, CAPMOE_WGRAD_GATHER_TILE_N = 256 };
 
 /* Device words a launch uses for its tile schedule (capmoe_wgrad_gather's `schedule`): zeroed
