@@ -53,14 +53,10 @@ __global__ void __launch_bounds__(kMaxThreads)
   __shared__ float unused[CAPMOE_ROUTING_MAX_TOPK];
   const int t = blockIdx.x;
   if (t >= resolve_tokens(host_tokens, device_tokens, t_max, nullptr)) return;
-  // The token's first vector is loaded before its routes are staged: the two loads do not
-  // depend on each other, so their round trips overlap instead of adding up.
-  const uint4* src = x + static_cast<int64_t>(t) * h_vec;
-  const int v0 = threadIdx.x;
-  const uint4 first = v0 < h_vec ? __ldg(src + v0) : make_uint4(0, 0, 0, 0);
   const int n = stage_routes<float>(row_of_route, nullptr, t, k, capacity, rows_s, unused);
-  for (int v = v0; v < h_vec; v += blockDim.x) {
-    const uint4 q = v == v0 ? first : __ldg(src + v);
+  const uint4* src = x + static_cast<int64_t>(t) * h_vec;
+  for (int v = threadIdx.x; v < h_vec; v += blockDim.x) {
+    const uint4 q = __ldg(src + v);
     for (int j = 0; j < n; ++j) rows[static_cast<int64_t>(rows_s[j]) * h_vec + v] = q;
   }
 }
