@@ -7,9 +7,16 @@
 # pipe, L2 hit rate, DRAM bytes read and written (2026-11-28: the fused fc1 and fc2 dgrad moved
 # ~1.8x the bytes they need; the memory tables say through which unit), warp stall reasons,
 # issue slots.
-#   OUT=<dir> [BUDGET=<s>] [SPECS="bin:filter:kernel ..."] [SOURCE=1] bash scripts/gpu-ncu-fused.sh
+#   OUT=<dir> [BUDGET=<s>] [SPECS="bin:filter:kernel ..."] [SOURCE=1] [PARTNER=<regex>]
+#     [NAME_BASE=mangled] bash scripts/gpu-ncu-fused.sh
 # SOURCE=1 adds warp-state sampling per SASS instruction: <report>_sass.csv (ncu's source page)
 # and <report>_hot.txt, the 40 instructions with the most stall samples (where the warps wait).
+# PARTNER: the kernel profiled beside each spec's (default dependent_gemm, the CUTLASS GEMM).
+# NAME_BASE=mangled matches the regexes against mangled names, which hold template arguments:
+# e.g. the gathered counter wgrad against the plain one in its cooperative form (AUTO runs the
+# column-split form at <= 512 rows per expert; the environment reaches the test binary):
+#   CAPMOE_COUNTER_WGRAD=cooperative NAME_BASE=mangled SOURCE=1 PARTNER='counter_wgrad_kernel.*6GatherE0E' \
+#     SPECS='fused_wgrad_gpu:fused_wgrad_timing:counter_wgrad_kernel.*6GatherE2E' OUT=... bash scripts/gpu-ncu-fused.sh
 # Results: $OUT/ncu-fused.tgz (one text report per spec and kernel, <binary>_<test>_<kernel>.txt) and a short table on stdout.
 set -uo pipefail
 R=${R:-${OUT:?set OUT to a folder for the reports}}; BUNDLE=${BUNDLE:-gpu-bundle}
@@ -50,15 +57,20 @@ SPECS=${SPECS:-fused_gpu:fused_fc1_timing:fc1_swiglu_kernel fused_dgrad_gpu:fuse
   fused_wgrad_gpu:fused_wgrad_timing:wgrad_gather_kernel}
 for spec in $SPECS; do
   IFS=: read -r bin filter fused <<<"$spec"
-  for kernel in $fused dependent_gemm; do
+  for kernel in $fused ${PARTNER:-dependent_gemm}; do
     if out_of_budget 30 0; then echo "ncu $bin $kernel: not run (budget)"; continue; fi
+    report=$W/${bin}_${filter}_${kernel//[^A-Za-z0-9_]/_}
     CAPMOE_REQUIRE_GPU=1 timeout -k 10 "$(limit 90 0)" $NCU_BIN --clock-control none \
-      -k regex:$kernel -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
+      --kernel-name-base ${NAME_BASE:-function} -k "regex:$kernel" -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
       --section SchedulerStats --section LaunchStats --section ComputeWorkloadAnalysis --metrics $METRICS \
-      ${SOURCE:+--section SourceCounters --export $W/${bin}_${filter}_$kernel} \
-      $T/$bin --ignored --nocapture --test-threads=1 --exact $filter > $W/${bin}_${filter}_$kernel.txt 2>&1
+      ${SOURCE:+--section SourceCounters --export $report} \
+      $T/$bin --ignored --nocapture --test-threads=1 --exact $filter > $report.txt 2>&1
     echo "ncu $bin $kernel rc=$?"
-    [[ -n "${SOURCE:-}" ]] && hot_instructions $W/${bin}_${filter}_$kernel
+    if [[ -n "${SOURCE:-}" ]]; then
+      # An exported report prints nothing: its sections come from the file, before it is deleted.
+      timeout -k 5 60 $NCU_BIN --import "$report.ncu-rep" --page details >> $report.txt 2>&1
+      hot_instructions $report
+    fi
     save_tarball $W "$R/ncu-fused.tgz"
   done
 done
