@@ -61,7 +61,7 @@ for spec in $SPECS; do
     if out_of_budget 30 0; then echo "ncu $bin $kernel: not run (budget)"; continue; fi
     report=$W/${bin}_${filter}_${kernel//[^A-Za-z0-9_]/_}
     CAPMOE_REQUIRE_GPU=1 timeout -k 10 "$(limit 90 0)" $NCU_BIN --clock-control none \
-      --kernel-name-base ${NAME_BASE:-function} -k "regex:$kernel" -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
+      ${NAME_BASE:+--kernel-name-base $NAME_BASE} -k "regex:$kernel" -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section WarpStateStats \
       --section SchedulerStats --section LaunchStats --section ComputeWorkloadAnalysis --metrics $METRICS \
       ${SOURCE:+--section SourceCounters --export $report} \
       $T/$bin --ignored --nocapture --test-threads=1 --exact $filter > $report.txt 2>&1
