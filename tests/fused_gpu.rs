@@ -21,6 +21,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Instant;
 
+use capturable_moe::device::{Arch, DeviceInfo};
 use capturable_moe::dtype::DType;
 use capturable_moe::fused::{FusedFc1, Gather};
 use capturable_moe::graph::capture;
@@ -60,6 +61,8 @@ struct Runner {
     act_unfused: CudaSlice<bf16>,
     h_fused: CudaSlice<bf16>,
     act_fused: CudaSlice<bf16>,
+    /// The gathered rows the fused kernel writes when its plan does (`FusedFc1::writing_rows`).
+    rows_fused: CudaSlice<bf16>,
 }
 
 /// One launch's inputs on the host.
@@ -75,16 +78,19 @@ struct Outputs {
     h_fused: Vec<bf16>,
     act_unfused: Vec<bf16>,
     h_unfused: Vec<bf16>,
+    /// The permute's rows (the unfused path) and, when the plan writes them, the fused kernel's.
+    rows_unfused: Vec<bf16>,
+    rows_fused: Option<Vec<bf16>>,
     offsets: Vec<i64>,
     token_of_row: Vec<i32>,
     routing_flags: i32,
 }
 
 impl Runner {
-    fn new(stream: &Arc<CudaStream>, shape: Shape, w1: &[bf16], gather: Gather) -> Runner {
+    fn new(stream: &Arc<CudaStream>, shape: Shape, w1: &[bf16], form: Form) -> Runner {
         let plan = RoutingPlan::new(shape.routing(DType::Bf16)).unwrap();
         let cap = plan.capacity();
-        let fused = FusedFc1::with_gather(&plan, stream, gather).unwrap();
+        let fused = form.plan(&plan, stream);
         let spec = GroupedGemmSpec::new(GemmOp::Fprop, shape.e, 2 * shape.f, shape.h, cap).with_dtype(DType::Bf16);
         let fc1 = GroupedGemm::new(spec, stream).unwrap();
         let zeros = |n: usize| stream.alloc_zeros::<bf16>(n.max(1)).unwrap();
@@ -101,6 +107,7 @@ impl Runner {
             act_unfused: zeros(cap * shape.f),
             h_fused: zeros(cap * 2 * shape.f),
             act_fused: zeros(cap * shape.f),
+            rows_fused: zeros(cap * shape.h),
             shape,
             plan,
             fused,
@@ -116,18 +123,34 @@ impl Runner {
 
     /// Poisons every output and clears the (sticky) routing flag word.
     fn poison(&mut self, stream: &Arc<CudaStream>) {
-        for buf in [&mut self.h_unfused, &mut self.act_unfused, &mut self.h_fused, &mut self.act_fused] {
+        let outputs =
+            [&mut self.h_unfused, &mut self.act_unfused, &mut self.h_fused, &mut self.act_fused, &mut self.rows_fused];
+        for buf in outputs {
             let n = buf.len();
             stream.memcpy_htod(&poison_bf16(n), buf).unwrap();
         }
         stream.memset_zeros(&mut self.maps.flags).unwrap();
     }
 
-    /// Routing build with the device token count, then the fused kernel (act and h).
+    /// Routing build with the device token count, then the fused kernel (act and h, and the
+    /// gathered rows when the plan writes them).
     fn fused(&mut self, stream: &CudaStream) -> capturable_moe::Result<()> {
         let tokens = Tokens::Device(&self.tokens);
         self.plan.build(stream, &self.ids, tokens, &mut self.maps)?;
         let m = &self.maps;
+        if self.fused.writes_rows() {
+            return self.fused.run_writing_rows(
+                stream,
+                &self.x,
+                &self.w1,
+                &m.offsets,
+                &m.token_of_row,
+                None::<&CudaSlice<f32>>,
+                &mut self.act_fused,
+                Some(&mut self.h_fused),
+                &mut self.rows_fused,
+            );
+        }
         self.fused.run(
             stream,
             &self.x,
@@ -163,6 +186,8 @@ impl Runner {
             h_fused: stream.clone_dtoh(&self.h_fused).unwrap(),
             act_unfused: stream.clone_dtoh(&self.act_unfused).unwrap(),
             h_unfused: stream.clone_dtoh(&self.h_unfused).unwrap(),
+            rows_unfused: stream.clone_dtoh(&self.rows).unwrap(),
+            rows_fused: self.fused.writes_rows().then(|| stream.clone_dtoh(&self.rows_fused).unwrap()),
             offsets: stream.clone_dtoh(&self.maps.offsets).unwrap(),
             token_of_row: stream.clone_dtoh(&self.maps.token_of_row).unwrap(),
             routing_flags: stream.clone_dtoh(&self.maps.flags).unwrap()[0],
@@ -243,6 +268,11 @@ fn check_case(
     assert_written_bf16(&format!("{what}: unfused act"), &out.act_unfused, total * s.f);
     assert_bits_bf16(&format!("{what}: h"), &out.h_fused, &out.h_unfused, total * 2 * s.f);
     assert_bits_bf16(&format!("{what}: act"), &out.act_fused, &out.act_unfused, total * s.f);
+    if let Some(rows_fused) = &out.rows_fused {
+        // The gathered rows are the permute's bits; rows past the total are never written.
+        assert_written_bf16(&format!("{what}: fused rows"), rows_fused, total * s.h);
+        assert_bits_bf16(&format!("{what}: rows"), rows_fused, &out.rows_unfused, total * s.h);
+    }
 
     let rows = sample_rows(total, sample);
     if rows.is_empty() {
@@ -259,6 +289,33 @@ fn check_case(
 /// The gather forms every test runs: the one left (`CpAsync`; `Auto` names it too).
 fn gathers() -> Vec<Gather> {
     vec![Gather::CpAsync]
+}
+
+/// A fused fc1 plan the Runner tests run: a gather form, and whether its launches also write
+/// the gathered rows (`FusedFc1::writing_rows`).
+#[derive(Clone, Copy, Debug)]
+struct Form {
+    gather: Gather,
+    write_rows: bool,
+}
+
+impl Form {
+    fn plan(self, plan: &RoutingPlan, stream: &Arc<CudaStream>) -> FusedFc1 {
+        match self.write_rows {
+            true => FusedFc1::writing_rows(plan, stream).unwrap(),
+            false => FusedFc1::with_gather(plan, stream, self.gather).unwrap(),
+        }
+    }
+}
+
+/// Every gather form, and the form writing the gathered rows where the device's kernel has it
+/// (sm_90a; the sm_100a kernel refuses it, which `fused_fc1_writes_rows_only_on_sm90` checks).
+fn forms(stream: &Arc<CudaStream>) -> Vec<Form> {
+    let mut forms: Vec<Form> = gathers().into_iter().map(|gather| Form { gather, write_rows: false }).collect();
+    if DeviceInfo::of_stream(stream).unwrap().arch == Arch::Sm90 {
+        forms.push(Form { gather: Gather::Auto, write_rows: true });
+    }
+    forms
 }
 
 fn weights(shape: Shape, seed: u64) -> Vec<bf16> {
@@ -293,13 +350,13 @@ fn check_launches(case: &Case) {
     let stream = gpu_or_skip!();
     let shape = case.shape;
     let w1 = weights(shape, case.seed);
-    for gather in gathers() {
-        let mut runner = Runner::new(&stream, shape, &w1, gather);
+    for form in forms(&stream) {
+        let mut runner = Runner::new(&stream, shape, &w1, form);
         let mut rng = StdRng::seed_from_u64(case.seed + 1);
         for (i, &(t, routes)) in case.launches.iter().enumerate() {
             let ids = routes.ids(&mut rng, shape);
             let inputs = inputs(shape, &mut rng, t, ids);
-            let what = format!("{gather:?}: {} case {i} (T={t})", case.name);
+            let what = format!("{form:?}: {} case {i} (T={t})", case.name);
             check_case(&what, &stream, &mut runner, &inputs, &w1, None);
             let fl = stream.clone_dtoh(&runner.maps.flags).unwrap()[0];
             assert_eq!(
@@ -376,11 +433,11 @@ fn fused_fc1_model_shapes() {
         let mut rng = StdRng::seed_from_u64(8);
         let ids = topk_ids(&mut rng, shape.t_max, shape.e, shape.k);
         let inputs = inputs(shape, &mut rng, t, ids);
-        for gather in gathers() {
+        for form in forms(&stream) {
             let start = Instant::now();
-            let mut runner = Runner::new(&stream, shape, &w1, gather);
-            check_case(&format!("{gather:?}: {name}"), &stream, &mut runner, &inputs, &w1, Some(48));
-            println!("{gather:?}: {name}: checked in {:.1} s", start.elapsed().as_secs_f64());
+            let mut runner = Runner::new(&stream, shape, &w1, form);
+            check_case(&format!("{form:?}: {name}"), &stream, &mut runner, &inputs, &w1, Some(48));
+            println!("{form:?}: {name}: checked in {:.1} s", start.elapsed().as_secs_f64());
         }
     }
 }
@@ -394,9 +451,9 @@ fn fused_fc1_graph_replays_match_eager() {
     let _lock = common::capture_lock();
     let shape = Shape { e: 8, h: 192, f: 256, k: 2, t_max: 160, capacity: None };
     let w1 = weights(shape, 9);
-    for gather in gathers() {
-        let mut graph_runner = Runner::new(&stream, shape, &w1, gather);
-        let mut eager = Runner::new(&stream, shape, &w1, gather);
+    for form in forms(&stream) {
+        let mut graph_runner = Runner::new(&stream, shape, &w1, form);
+        let mut eager = Runner::new(&stream, shape, &w1, form);
         let mut rng = StdRng::seed_from_u64(10);
         let first_ids = Routes::Messy.ids(&mut rng, shape);
         let first = inputs(shape, &mut rng, 100, first_ids);
@@ -411,7 +468,7 @@ fn fused_fc1_graph_replays_match_eager() {
             graph_runner.load(&stream, &inp);
             graph_runner.poison(&stream);
             graph.launch().unwrap();
-            let what = format!("{gather:?}: replay {i} (T={t})");
+            let what = format!("{form:?}: replay {i} (T={t})");
             check_case(&what, &stream, &mut eager, &inp, &w1, Some(8));
             let g = graph_runner.read(&stream);
             let e = eager.read(&stream);
@@ -420,6 +477,10 @@ fn fused_fc1_graph_replays_match_eager() {
             assert_written_bf16(&format!("{what}: graph act"), &g.act_fused, total * shape.f);
             assert_bits_bf16(&format!("{what}: graph act vs eager"), &g.act_fused, &e.act_fused, g.act_fused.len());
             assert_bits_bf16(&format!("{what}: graph h vs eager"), &g.h_fused, &e.h_fused, 2 * shape.f * total);
+            if let (Some(graph_rows), Some(eager_rows)) = (&g.rows_fused, &e.rows_fused) {
+                assert_written_bf16(&format!("{what}: graph rows"), graph_rows, total * shape.h);
+                assert_bits_bf16(&format!("{what}: graph rows vs eager"), graph_rows, eager_rows, total * shape.h);
+            }
         }
     }
 }
@@ -486,7 +547,7 @@ fn fused_fc1_weighted_epilogue_scales_each_row_by_its_route_probability() {
     let shape = Shape { e: 8, h: 200, f: 256, k: 3, t_max: 300, capacity: Some(700) };
     let w1 = weights(shape, 31);
     for gather in gathers() {
-        let mut runner = Runner::new(&stream, shape, &w1, gather);
+        let mut runner = Runner::new(&stream, shape, &w1, Form { gather, write_rows: false });
         let cap = runner.plan.capacity();
         let mut act_w = stream.alloc_zeros::<bf16>(cap * shape.f).unwrap();
         let mut h_w = stream.alloc_zeros::<bf16>(cap * 2 * shape.f).unwrap();
@@ -582,6 +643,51 @@ fn fused_fc1_gather_forms_of_the_device() {
     }
 }
 
+/// The form writing the gathered rows: planned on a 9.0 device (the sm_90a kernel), refused
+/// with `Unsupported` elsewhere; a plan of either form refuses the other form's call, and a
+/// short rows buffer is a shape error, all before any launch.
+#[test]
+fn fused_fc1_writes_rows_only_on_sm90() {
+    let stream = gpu_or_skip!();
+    let shape = Shape { e: 4, h: 128, f: 128, k: 2, t_max: 16, capacity: None };
+    let plan = RoutingPlan::new(shape.routing(DType::Bf16)).unwrap();
+    let writer = FusedFc1::writing_rows(&plan, &stream);
+    if DeviceInfo::of_stream(&stream).unwrap().arch != Arch::Sm90 {
+        assert!(matches!(writer, Err(Error::Unsupported { .. })), "not sm_90a: {writer:?}");
+        return;
+    }
+    let writer = writer.unwrap();
+    assert!(writer.writes_rows());
+    let plain = FusedFc1::new(&plan, &stream).unwrap();
+    assert!(!plain.writes_rows());
+    let cap = plan.capacity();
+    let maps = plan.alloc_maps(&stream).unwrap();
+    let x = stream.alloc_zeros::<bf16>(16 * 128).unwrap();
+    let w1 = stream.alloc_zeros::<bf16>(4 * 256 * 128).unwrap();
+    let mut act = stream.alloc_zeros::<bf16>(cap * 128).unwrap();
+    let mut rows = stream.alloc_zeros::<bf16>(cap * 128).unwrap();
+    let no_h = || None::<&mut CudaSlice<bf16>>;
+    let no_prob = None::<&CudaSlice<f32>>;
+    let r = writer.run(&stream, &x, &w1, &maps.offsets, &maps.token_of_row, &mut act, no_h());
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "run on a plan writing rows: {r:?}");
+    let r = plain.run_writing_rows(
+        &stream,
+        &x,
+        &w1,
+        &maps.offsets,
+        &maps.token_of_row,
+        no_prob,
+        &mut act,
+        no_h(),
+        &mut rows,
+    );
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "rows to a plain plan: {r:?}");
+    let mut short_rows = stream.alloc_zeros::<bf16>(cap * 128 - 1).unwrap();
+    let (offsets, tokens) = (&maps.offsets, &maps.token_of_row);
+    let r = writer.run_writing_rows(&stream, &x, &w1, offsets, tokens, no_prob, &mut act, no_h(), &mut short_rows);
+    assert!(matches!(r, Err(Error::Shape { .. })), "short rows: {r:?}");
+}
+
 /// Timing hook for the benchmark (ignored by default): us per launch, graph replay, at
 /// E128 T4096 k8 H2048 F768, fused fc1 against permute + grouped GEMM fc1 + SwiGLU (the routing
 /// build is outside both). Run: `cargo test --release --test fused_gpu fused_fc1_timing --
@@ -593,7 +699,7 @@ fn fused_fc1_timing() {
     let _lock = common::capture_lock();
     let shape = Shape { e: 128, h: 2048, f: 768, k: 8, t_max: 4096, capacity: None };
     let w1 = weights(shape, 11);
-    let mut r = Runner::new(&stream, shape, &w1, Gather::Auto);
+    let mut r = Runner::new(&stream, shape, &w1, Form { gather: Gather::Auto, write_rows: false });
     let mut rng = StdRng::seed_from_u64(12);
     let ids = topk_ids(&mut rng, shape.t_max, shape.e, shape.k);
     let inp = inputs(shape, &mut rng, shape.t_max, ids);
@@ -610,6 +716,26 @@ fn fused_fc1_timing() {
         r.fused.run(&stream, &r.x, &r.w1, &m.offsets, &m.token_of_row, &mut r.act_fused, Some(&mut r.h_fused))
     })
     .unwrap();
+    // A training forward's fc1 with the permuted rows for fc1's wgrad (sm_90a only).
+    let writer = FusedFc1::writing_rows(&r.plan, &stream).ok();
+    let fused_rows_graph = writer.as_ref().map(|writer| {
+        capture(&stream, || {
+            let m = &r.maps;
+            let (act, h, rows) = (&mut r.act_fused, Some(&mut r.h_fused), &mut r.rows_fused);
+            writer.run_writing_rows(
+                &stream,
+                &r.x,
+                &r.w1,
+                &m.offsets,
+                &m.token_of_row,
+                None::<&CudaSlice<f32>>,
+                act,
+                h,
+                rows,
+            )
+        })
+        .unwrap()
+    });
     let unfused_graph = capture(&stream, || {
         let m = &r.maps;
         let tokens = Tokens::Device(&tokens_dev);
@@ -634,11 +760,13 @@ fn fused_fc1_timing() {
     let time = |graph: &cudarc::driver::CudaGraph| common::mean_gpu_us(&stream, 5, 50, || graph.launch().unwrap());
     let flops = 2.0 * (shape.t_max * shape.k) as f64 * (2 * shape.f * shape.h) as f64;
     for (name, graph) in [
-        ("fused fc1 + SwiGLU (act only)", &fused_graph),
-        ("fused fc1 + SwiGLU (act + h)", &fused_h_graph),
-        ("permute + fc1 + SwiGLU", &unfused_graph),
-        ("fc1 grouped GEMM alone", &gemm_graph),
+        ("fused fc1 + SwiGLU (act only)", Some(&fused_graph)),
+        ("fused fc1 + SwiGLU (act + h)", Some(&fused_h_graph)),
+        ("fused fc1 + SwiGLU (act + h + rows)", fused_rows_graph.as_ref()),
+        ("permute + fc1 + SwiGLU", Some(&unfused_graph)),
+        ("fc1 grouped GEMM alone", Some(&gemm_graph)),
     ] {
+        let Some(graph) = graph else { continue };
         let us = time(graph);
         println!(
             "fused_fc1_timing E128 T4096 k8 H2048 F768: {name}: {us:.1} us ({:.0} TFLOP/s of fc1)",

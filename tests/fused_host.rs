@@ -102,6 +102,7 @@ mod abi {
             sm_count: 132,
             dtype: sys::CAPMOE_DTYPE_BF16 as i32,
             gather: sys::CAPMOE_FUSED_GATHER_AUTO as i32,
+            write_rows: 0,
         }
     }
 
@@ -129,6 +130,18 @@ mod abi {
         h: *mut c_void,
         schedule: *mut i32,
     ) -> i32 {
+        call_with_rows(d, x, offsets, prob_of_row, h, null_mut(), schedule)
+    }
+
+    fn call_with_rows(
+        d: &sys::capmoe_fused_fc1_desc_t,
+        x: *const c_void,
+        offsets: *const i64,
+        prob_of_row: *const f32,
+        h: *mut c_void,
+        rows: *mut c_void,
+        schedule: *mut i32,
+    ) -> i32 {
         let tokens = fake(0x3000) as *const i32;
         unsafe {
             sys::capmoe_fused_fc1(
@@ -140,6 +153,7 @@ mod abi {
                 prob_of_row,
                 fake(0x4000),
                 h,
+                rows,
                 schedule,
                 null_mut(),
             )
@@ -162,11 +176,12 @@ mod abi {
                     null_mut(),
                     null_mut(),
                     null_mut(),
+                    null_mut(),
                 )
             },
             INVALID
         );
-        let cases: [(&str, EditDesc, i32); 11] = [
+        let cases: [(&str, EditDesc, i32); 12] = [
             ("E = 0", |d| d.num_experts = 0, INVALID),
             // The gather addresses x's 16-byte chunks in 32 bits: T_max * H / 8 = 2^42.
             ("x past 64 GB", |d| (d.max_tokens, d.hidden) = (1 << 30, 1 << 15), UNSUPPORTED),
@@ -180,6 +195,7 @@ mod abi {
             ("gather 1 (the removed TMA-rows form)", |d| d.gather = 1, UNSUPPORTED),
             ("sm_count 0", |d| d.sm_count = 0, INVALID),
             ("negative capacity", |d| d.capacity = -1, INVALID),
+            ("write_rows 2", |d| d.write_rows = 2, INVALID),
         ];
         for (what, edit, want) in cases {
             let mut d = desc();
@@ -208,6 +224,15 @@ mod abi {
         assert_eq!(no_schedule, INVALID, "NULL schedule");
         let odd_schedule = call_with_schedule(&d, fake(0), offsets, null(), null_mut(), fake(0x7002) as *mut i32);
         assert_eq!(odd_schedule, MISALIGNED, "schedule not 4-aligned");
+        // rows exactly when the descriptor writes them, 16-byte aligned.
+        let schedule = fake(0x7000) as *mut i32;
+        let rows_given = call_with_rows(&d, fake(0), offsets, null(), null_mut(), fake(0x8000), schedule);
+        assert_eq!(rows_given, INVALID, "rows without write_rows");
+        let writes = sys::capmoe_fused_fc1_desc_t { write_rows: 1, ..d };
+        let no_rows = call_with_rows(&writes, fake(0), offsets, null(), null_mut(), null_mut(), schedule);
+        assert_eq!(no_rows, INVALID, "write_rows without rows");
+        let odd_rows = call_with_rows(&writes, fake(0), offsets, null(), null_mut(), fake(0x8008), schedule);
+        assert_eq!(odd_rows, MISALIGNED, "rows not 16-aligned");
         // Capacity 0: no row can be written; OK without a launch (and without other pointers).
         let empty = sys::capmoe_fused_fc1_desc_t { capacity: 0, ..d };
         assert_eq!(call(&empty, null(), offsets, null_mut()), OK, "capacity 0");

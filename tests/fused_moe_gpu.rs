@@ -220,7 +220,16 @@ fn fused_moe_plan_choices() {
     let ptrs = MoeOptions { weights: WeightForm::Pointers, ..inference };
     assert!(!MoeExperts::<bf16>::with_options(prefill, ptrs, &stream).unwrap().fc1_is_fused());
     let fused = MoeOptions { fc1: FusedKernel::Fused, ..MoeOptions::default() };
-    assert!(MoeExperts::<bf16>::with_options(config(None), fused, &stream).unwrap().fc1_is_fused());
+    let forced = MoeExperts::<bf16>::with_options(config(None), fused, &stream).unwrap();
+    assert!(forced.fc1_is_fused());
+    // In training it writes the rows fc1's wgrad reads (sm_90a only; unless the A/B switch
+    // keeps the backward's permute); a forward-only plan or a gathered wgrad needs none.
+    let backward_permute = std::env::var("CAPMOE_FUSED_FC1_ROWS").is_ok_and(|v| v == "backward");
+    assert_eq!(forced.fc1_writes_rows(), arch == Arch::Sm90 && !backward_permute, "forced fused fc1, training");
+    let fwd_only = MoeOptions { forward_only: true, ..fused };
+    assert!(!MoeExperts::<bf16>::with_options(config(None), fwd_only, &stream).unwrap().fc1_writes_rows());
+    let gathered = MoeOptions { fc1_wgrad: FusedKernel::Fused, ..fused };
+    assert!(!MoeExperts::<bf16>::with_options(config(None), gathered, &stream).unwrap().fc1_writes_rows());
     // Pointer weights: Auto falls back, a forced Fused is an error.
     let ptrs = MoeOptions { weights: WeightForm::Pointers, ..MoeOptions::default() };
     assert!(!MoeExperts::<bf16>::with_options(config(None), ptrs, &stream).unwrap().fc1_is_fused());

@@ -115,12 +115,13 @@ pub fn topk_routing(e: usize, t: usize, k: usize, seed: u64) -> (Vec<i32>, Vec<f
 
 /// The expert-path plans timed on every shape: the crate's default (`MoeOptions::default()`,
 /// every choice `Auto`: what `MoeExperts` picks) and the unfused path, each also as a
-/// forward-only plan (`*-inference-graph`: an `expert_fwd` row alone), the fused fc1 with fc1's
-/// wgrad gathering x (no permuted copy of x anywhere; the rest unfused), the fused kernels with
+/// forward-only plan (`*-inference-graph`: an `expert_fwd` row alone), the fused fc1 alone (in
+/// training on sm_90a it writes the permuted rows fc1's unfused wgrad reads), the fused fc1 with
+/// fc1's wgrad gathering x (no permuted copy of x anywhere; the rest unfused), the fused kernels with
 /// the probability applied in the combine, and every fused kernel with the probability in fc1's
 /// epilogue (no drows, dy gathered by the fc2 dgrad). A plan the fused kernels do not cover
 /// becomes an "unavailable" row.
-fn variants() -> [(&'static str, MoeOptions); 7] {
+fn variants() -> [(&'static str, MoeOptions); 8] {
     let every = |kernel: FusedKernel| MoeOptions {
         fc1: kernel,
         swiglu_dgrad: kernel,
@@ -130,13 +131,15 @@ fn variants() -> [(&'static str, MoeOptions); 7] {
     };
     let (fused, unfused) = (every(FusedKernel::Fused), every(FusedKernel::Unfused));
     let prob_in_fc1 = MoeOptions { prob_in_fc1: FusedKernel::Fused, ..fused };
-    let fc1_side = MoeOptions { fc1: FusedKernel::Fused, fc1_wgrad: FusedKernel::Fused, ..unfused };
+    let fc1_alone = MoeOptions { fc1: FusedKernel::Fused, ..unfused };
+    let fc1_side = MoeOptions { fc1_wgrad: FusedKernel::Fused, ..fc1_alone };
     let inference = |options: MoeOptions| MoeOptions { forward_only: true, ..options };
     [
         ("capmoe-graph", MoeOptions::default()),
         ("capmoe-inference-graph", inference(MoeOptions::default())),
         ("capmoe-unfused-graph", unfused),
         ("capmoe-unfused-inference-graph", inference(unfused)),
+        ("capmoe-fused-fc1-alone-graph", fc1_alone),
         ("capmoe-fused-fc1-graph", fc1_side),
         ("capmoe-fused-graph", fused),
         ("capmoe-fused-prob-in-fc1-graph", prob_in_fc1),

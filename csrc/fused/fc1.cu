@@ -42,6 +42,7 @@ capmoe_status_t check_desc(const capmoe_fused_fc1_desc_t* d) {
   if (!persistent_loop_fits_int(fc1_max_tiles(d->num_experts, d->capacity, d->ffn), d->sm_count))
     return CAPMOE_ERR_UNSUPPORTED;
   if (d->gather < CAPMOE_FUSED_GATHER_AUTO || d->gather > CAPMOE_FUSED_GATHER_CP_ASYNC) return CAPMOE_ERR_INVALID_ARGUMENT;
+  if (d->write_rows != 0 && d->write_rows != 1) return CAPMOE_ERR_INVALID_ARGUMENT;
   return CAPMOE_OK;
 }
 
@@ -53,10 +54,14 @@ capmoe_status_t device_kernel(Fc1Kernel* kernel) {
 }
 
 // The kernel of a launch of `d` on the current device. The one gather form is CP_ASYNC (AUTO
-// names it too); value 1, the removed TMA-rows form, is unsupported everywhere.
+// names it too); value 1, the removed TMA-rows form, is unsupported everywhere. Only the sm_90a
+// kernel writes the gathered rows (its consumers copy them out of the stages; the sm_100a
+// kernel has no such step).
 capmoe_status_t check_device(const capmoe_fused_fc1_desc_t& d, Fc1Kernel* kernel) {
   if (d.gather != CAPMOE_FUSED_GATHER_AUTO && d.gather != CAPMOE_FUSED_GATHER_CP_ASYNC) return CAPMOE_ERR_UNSUPPORTED;
-  return device_kernel(kernel);
+  CAPMOE_TRY(device_kernel(kernel));
+  if (d.write_rows != 0 && *kernel != Fc1Kernel::Sm90) return CAPMOE_ERR_UNSUPPORTED;
+  return CAPMOE_OK;
 }
 
 }  // namespace
@@ -79,8 +84,8 @@ extern "C" capmoe_status_t capmoe_fused_fc1_supported(const capmoe_fused_fc1_des
 
 extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc, const void* x, const void* w1,
                                             const int64_t* offsets, const int32_t* token_of_row,
-                                            const float* prob_of_row, void* act, void* h, int32_t* schedule,
-                                            void* stream) {
+                                            const float* prob_of_row, void* act, void* h, void* rows,
+                                            int32_t* schedule, void* stream) {
   return capmoe::guarded([&]() -> capmoe_status_t {
     CAPMOE_TRY(check_desc(desc));
     const capmoe_fused_fc1_desc_t& d = *desc;
@@ -89,7 +94,8 @@ extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc,
     if (d.capacity == 0) return CAPMOE_OK;  // no row can be written
     if (x == nullptr || w1 == nullptr || token_of_row == nullptr || act == nullptr || schedule == nullptr)
       return CAPMOE_ERR_INVALID_ARGUMENT;
-    CAPMOE_TRY(capmoe::check_aligned(16, {x, w1, act, h}));
+    if ((rows != nullptr) != (d.write_rows != 0)) return CAPMOE_ERR_INVALID_ARGUMENT;
+    CAPMOE_TRY(capmoe::check_aligned(16, {x, w1, act, h, rows}));
     CAPMOE_TRY(capmoe::check_aligned(4, {token_of_row, prob_of_row, schedule}));
     Fc1Kernel kernel{};
     CAPMOE_TRY(check_device(d, &kernel));
@@ -107,6 +113,7 @@ extern "C" capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc,
     p.prob_of_row = prob_of_row;
     p.act = act;
     p.h = h;
+    p.rows = rows;
     p.schedule = schedule;
     p.experts = int32_t(d.num_experts);
     p.hidden = int32_t(d.hidden);

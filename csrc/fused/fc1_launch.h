@@ -19,7 +19,8 @@ struct Fc1Params {
   const int32_t* token_of_row;
   const float* prob_of_row;  // [capacity], may be null: act unweighted
   void* act;
-  void* h;  // may be null
+  void* h;     // may be null
+  void* rows;  // [capacity, H], may be null: the gathered x rows (sm_90a kernel only)
   // [CAPMOE_FUSED_FC1_SCHEDULE_WORDS]: the next tile to hand out, and the CTAs done taking tiles
   // (the last one zeroes both); zero at launch. The sm_100a kernel does not use it.
   int32_t* schedule;

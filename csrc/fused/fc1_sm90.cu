@@ -17,6 +17,10 @@
 // that loaded each A row with its own 1 x 64 TMA box ran about 4x slower on the H200 and was
 // deleted.)
 // Rows past the expert's count are not loaded (their accumulators are never stored).
+// With `rows` given (a training step), the tiles of the first column slice also write their
+// gathered A rows to it, the permuted copy the backward's fc1 wgrad reads
+// (fused/stage_rows_out.cuh): each consumer warpgroup copies its rows out of a stage right after
+// issuing that stage's wgmmas.
 //
 // Scheduling: the tile list comes from the device-side offsets (fused/tile_list.cuh): the M
 // tiles of one expert's column slice are consecutive, so the CTAs running together read the
@@ -48,6 +52,7 @@
 #include "fused/accumulator_layout.cuh"
 #include "fused/gather_rows.cuh"
 #include "fused/quad_store.cuh"
+#include "fused/stage_rows_out.cuh"
 #include "fused/tile_list.cuh"
 #include "fused/tile_source.cuh"
 #include "fused/tma_loads.cuh"
@@ -209,6 +214,7 @@ __device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int s
 
   // This warpgroup's rows of a tile: [first_row, first_row + 64).
   const int first_row = (consumer_thread / 128) * (kTileM / 2);
+  const StageRowsOut rows_out(first_row, consumer_thread % 128);
   StageRing<kStages> ring;
   for (;;) {
     const int tile = next_published_tile(ring, s.full, s.stage_tile);
@@ -224,7 +230,16 @@ __device__ void consume(const Fc1Params& p, typename Kernel<T>::Shared& s, int s
       continue;
     }
     // The A rows came through the generic proxy (cp.async).
-    mma_k_blocks<true>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc);
+    if (p.rows != nullptr && t.n0 == 0) {
+      // The first column slice's tiles also write their gathered rows out (stage_rows_out.cuh).
+      T* rows_tile = static_cast<T*>(p.rows) + int64_t(t.row0) * p.hidden;
+      const auto* a_stages = reinterpret_cast<const uint8_t*>(s.a);
+      mma_k_blocks<true>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc, [&](int stage, int kb) {
+        rows_out.copy(a_stages + stage * K::kStageElemsA * sizeof(T), rows_tile, t.rows, p.hidden, kb * kTileK);
+      });
+    } else {
+      mma_k_blocks<true>(ring, s.full, s.empty, k_blocks, warp_leader, mma, tCrA, tCrB, acc);
+    }
     store_tile<T>(p, t, acc, m0);
   }
 }

@@ -97,14 +97,22 @@ __device__ __forceinline__ void pass_k_blocks(StageRing<kStages>& ring, uint64_t
   }
 }
 
+// No work beside a stage's wgmmas (wgmma_k_blocks' default `beside`).
+struct NothingBeside {
+  __device__ __forceinline__ void operator()(int /*stage*/, int /*kb*/) const {}
+};
+
 // A consumer warpgroup's mainloop over one tile: for each of the tile's k_blocks stages, waits
 // for it, fences the accumulators (`fence()`) and issues the stage's wgmmas (`issue(stage)`),
 // keeping one batch in flight: a stage goes back to the producer once the next stage's batch is
-// issued and its own has completed. kAfterCpAsync: the stage was written through the generic
-// proxy (cp.async), which wgmma (the async proxy) may read only after a proxy fence.
-template <bool kAfterCpAsync, int kStages, class Issue, class Fence>
+// issued and its own has completed. `beside(stage, kb)` runs right after a batch is committed,
+// while the tensor cores work on it (it may read the stage, never the accumulators).
+// kAfterCpAsync: the stage was written through the generic proxy (cp.async), which wgmma (the
+// async proxy) may read only after a proxy fence.
+template <bool kAfterCpAsync, int kStages, class Issue, class Fence, class Beside = NothingBeside>
 __device__ __forceinline__ void wgmma_k_blocks(StageRing<kStages>& ring, uint64_t* full, uint64_t* empty,
-                                               int k_blocks, bool warp_leader, Issue&& issue, Fence&& fence) {
+                                               int k_blocks, bool warp_leader, Issue&& issue, Fence&& fence,
+                                               Beside&& beside = Beside{}) {
   using namespace cute;
   using Barrier = cutlass::arch::ClusterBarrier;
   int previous = -1;
@@ -118,6 +126,7 @@ __device__ __forceinline__ void wgmma_k_blocks(StageRing<kStages>& ring, uint64_
     warpgroup_arrive();
     issue(ring.stage);
     warpgroup_commit_batch();
+    beside(ring.stage, kb);
     // Keep one batch in flight: the previous stage's wgmmas are done once this returns.
     warpgroup_wait<1>();
     fence();
@@ -142,14 +151,17 @@ __device__ __forceinline__ void wgmma_stage(Mma& mma, const FragA& tCrA, const F
   }
 }
 
-// wgmma_k_blocks for one MMA: acc = the tile's A x B over its k_blocks stages.
-template <bool kAfterCpAsync, int kStages, class Mma, class FragA, class FragB, class Acc>
+// wgmma_k_blocks for one MMA: acc = the tile's A x B over its k_blocks stages, `beside` as
+// there.
+template <bool kAfterCpAsync, int kStages, class Mma, class FragA, class FragB, class Acc,
+          class Beside = NothingBeside>
 __device__ __forceinline__ void mma_k_blocks(StageRing<kStages>& ring, uint64_t* full, uint64_t* empty, int k_blocks,
-                                             bool warp_leader, Mma& mma, FragA& tCrA, FragB& tCrB, Acc& acc) {
+                                             bool warp_leader, Mma& mma, FragA& tCrA, FragB& tCrB, Acc& acc,
+                                             Beside&& beside = Beside{}) {
   mma.accumulate_ = cute::GMMA::ScaleOut::Zero;
   wgmma_k_blocks<kAfterCpAsync>(
       ring, full, empty, k_blocks, warp_leader, [&](int stage) { wgmma_stage(mma, tCrA, tCrB, acc, stage); },
-      [&] { cute::warpgroup_fence_operand(acc); });
+      [&] { cute::warpgroup_fence_operand(acc); }, beside);
 }
 
 }  // namespace capmoe::fused

@@ -213,6 +213,19 @@ impl FusedFc1 {
 
     /// [`FusedFc1::new`] with a forced gather form.
     pub fn with_gather(routing: &RoutingPlan, stream: &Arc<CudaStream>, gather: Gather) -> Result<FusedFc1> {
+        Self::plan(routing, stream, gather, false)
+    }
+
+    /// [`FusedFc1::new`] for a plan whose launches also write the gathered x rows, the
+    /// permuted copy the unfused path's fc1 wgrad reads ([`FusedFc1::run_writing_rows`]): a
+    /// training step then needs no permute pass. The sm_90a kernel only (its consumers copy the
+    /// rows out of the shared-memory stages they gathered); [`Error::Unsupported`] on a 10.0
+    /// device.
+    pub fn writing_rows(routing: &RoutingPlan, stream: &Arc<CudaStream>) -> Result<FusedFc1> {
+        Self::plan(routing, stream, Gather::Auto, true)
+    }
+
+    fn plan(routing: &RoutingPlan, stream: &Arc<CudaStream>, gather: Gather, write_rows: bool) -> Result<FusedFc1> {
         const OP: &str = "FusedFc1::new";
         // Plan time: never while capturing (the capture guards of module `graph`).
         crate::graph::ensure_not_capturing(stream, OP)?;
@@ -228,6 +241,7 @@ impl FusedFc1 {
             sm_count: device.sm_count,
             dtype: c.dtype.abi(),
             gather: gather.abi(),
+            write_rows: i32::from(write_rows),
         };
         stream.context().bind_to_thread()?;
         check(unsafe { sys::capmoe_fused_fc1_supported(&desc) }, OP)?;
@@ -256,6 +270,11 @@ impl FusedFc1 {
         &self.desc
     }
 
+    /// Whether the launches write the gathered rows ([`FusedFc1::writing_rows`]).
+    pub fn writes_rows(&self) -> bool {
+        self.desc.write_rows != 0
+    }
+
     /// `act = SwiGLU(x[token_of_row[r]] · W1_eᵀ)` for every row `r < offsets[E]` of expert `e`,
     /// and `h = [gate | up]` when given (`None::<&mut CudaSlice<T>>` otherwise). `x [T_max, H]`,
     /// `w1 [E, 2F, H]`, `offsets [E + 1]` and `token_of_row [capacity]` as the routing build
@@ -271,7 +290,7 @@ impl FusedFc1 {
         act: &mut impl DevicePtrMut<T>,
         h: Option<&mut H>,
     ) -> Result<()> {
-        self.run_checked(stream, x, w1, offsets, token_of_row, 0, act, h)
+        self.run_checked(stream, x, w1, offsets, token_of_row, 0, act, h, None::<&mut CudaSlice<T>>)
     }
 
     /// [`FusedFc1::run`] with each row's `act` weighted by its route's probability:
@@ -293,12 +312,41 @@ impl FusedFc1 {
     ) -> Result<()> {
         ensure_buffer("fused fc1", "prob_of_row [capacity]", stream, prob_of_row, self.capacity)?;
         let (pp, _guard) = prob_of_row.device_ptr(stream);
-        self.run_checked(stream, x, w1, offsets, token_of_row, pp, act, h)
+        self.run_checked(stream, x, w1, offsets, token_of_row, pp, act, h, None::<&mut CudaSlice<T>>)
     }
 
-    /// The checks and the launch of both forms; `prob_of_row` 0 for the unweighted one.
+    /// [`FusedFc1::run`] (or, with `prob_of_row`, [`FusedFc1::run_weighted`]) of a
+    /// [`FusedFc1::writing_rows`] plan, which also writes `rows [capacity, H]`:
+    /// `rows[r] = x[token_of_row[r]]` for every row `r < offsets[E]`, the bits
+    /// [`RoutingPlan::permute`] writes there; rows past `offsets[E]` are left as they are.
     #[allow(clippy::too_many_arguments)]
-    fn run_checked<T: Element, H: DevicePtrMut<T>>(
+    pub fn run_writing_rows<T: Element, P: DevicePtr<f32>, H: DevicePtrMut<T>>(
+        &self,
+        stream: &CudaStream,
+        x: &impl DevicePtr<T>,
+        w1: &impl DevicePtr<T>,
+        offsets: &impl DevicePtr<i64>,
+        token_of_row: &impl DevicePtr<i32>,
+        prob_of_row: Option<&P>,
+        act: &mut impl DevicePtrMut<T>,
+        h: Option<&mut H>,
+        rows: &mut impl DevicePtrMut<T>,
+    ) -> Result<()> {
+        let (pp, _guard) = match prob_of_row {
+            Some(p) => {
+                ensure_buffer("fused fc1", "prob_of_row [capacity]", stream, p, self.capacity)?;
+                let (pp, g) = p.device_ptr(stream);
+                (pp, Some(g))
+            }
+            None => (0, None),
+        };
+        self.run_checked(stream, x, w1, offsets, token_of_row, pp, act, h, Some(rows))
+    }
+
+    /// The checks and the launch of every form; `prob_of_row` 0 for the unweighted one, `rows`
+    /// given exactly when the plan writes them.
+    #[allow(clippy::too_many_arguments)]
+    fn run_checked<T: Element, H: DevicePtrMut<T>, R: DevicePtrMut<T>>(
         &self,
         stream: &CudaStream,
         x: &impl DevicePtr<T>,
@@ -308,9 +356,11 @@ impl FusedFc1 {
         prob_of_row: CUdeviceptr,
         act: &mut impl DevicePtrMut<T>,
         h: Option<&mut H>,
+        rows: Option<&mut R>,
     ) -> Result<()> {
         const OP: &str = "fused fc1";
         ensure_dtype::<T>(OP, self.dtype)?;
+        self.ensure_rows_form(OP, rows.is_some())?;
         self.schedule.ensure_stream(OP, stream)?;
         let (e, hd, f, cap) = (self.experts, self.hidden, self.ffn, self.capacity);
         ensure_buffer(OP, "x [T_max, H]", stream, x, self.max_tokens * hd)?;
@@ -332,24 +382,49 @@ impl FusedFc1 {
             }
             None => (0, None),
         };
-        ensure_aligned16(OP, [("x", xp), ("w1", wp), ("act", ap), ("h", hp)])?;
-        unsafe { self.run_raw(stream, xp, wp, op, tp, prob_of_row, ap, hp) }
+        let (rp, _g6) = match rows {
+            Some(rows) => {
+                ensure_buffer(OP, "rows [capacity, H]", stream, rows, cap * hd)?;
+                let (p, g) = rows.device_ptr_mut(stream);
+                (p, Some(g))
+            }
+            None => (0, None),
+        };
+        ensure_aligned16(OP, [("x", xp), ("w1", wp), ("act", ap), ("h", hp), ("rows", rp)])?;
+        unsafe { self.run_raw(stream, xp, wp, op, tp, prob_of_row, ap, hp, rp) }
+    }
+
+    /// [`Error::InvalidArgument`] unless the call gives `rows` exactly when the plan writes them.
+    fn ensure_rows_form(&self, op: &'static str, rows_given: bool) -> Result<()> {
+        match (self.writes_rows(), rows_given) {
+            (true, false) => Err(Error::InvalidArgument {
+                op,
+                why: "this plan writes the gathered rows (FusedFc1::writing_rows): call run_writing_rows".into(),
+            }),
+            (false, true) => Err(Error::InvalidArgument {
+                op,
+                why: "rows given to a plan that does not write them (make it with FusedFc1::writing_rows)".into(),
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Raw [`FusedFc1::run`] / [`FusedFc1::run_weighted`], in the crate's raw-pointer
     /// convention (docs/CONVENTIONS.md): the stream first, then device pointers as
     /// `CUdeviceptr` in the order of the safe forms, 0 for an absent `prob_of_row` (unweighted)
-    /// or `h`.
+    /// or `h`, and `rows` 0 exactly when the plan does not write them
+    /// ([`FusedFc1::writing_rows`]; else [`Error::InvalidArgument`]).
     ///
     /// [`Error::WrongStream`] on another stream than the plan's (its schedule words are
     /// shared by the launches ordered on that stream).
     ///
     /// # Safety
     /// Device memory of `stream`'s context, live until the launch completes: `x` `T_max * H`,
-    /// `w1` `E * 2F * H`, `act` `capacity * F` and (unless 0) `h` `capacity * 2F` elements
-    /// of the plan's dtype, 16-byte aligned; `offsets` `E + 1` int64 and `token_of_row`
-    /// `capacity` int32 as the routing build wrote them; `prob_of_row` (unless 0) `capacity`
-    /// f32. `act` and `h` may not overlap each other or the inputs.
+    /// `w1` `E * 2F * H`, `act` `capacity * F`, (unless 0) `h` `capacity * 2F` and `rows`
+    /// `capacity * H` elements of the plan's dtype, 16-byte aligned; `offsets` `E + 1` int64
+    /// and `token_of_row` `capacity` int32 as the routing build wrote them; `prob_of_row`
+    /// (unless 0) `capacity` f32. `act`, `h` and `rows` may not overlap each other or the
+    /// inputs.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn run_raw(
         &self,
@@ -361,7 +436,9 @@ impl FusedFc1 {
         prob_of_row: CUdeviceptr,
         act: CUdeviceptr,
         h: CUdeviceptr,
+        rows: CUdeviceptr,
     ) -> Result<()> {
+        self.ensure_rows_form("fused fc1", rows != 0)?;
         stream.context().bind_to_thread()?;
         let (schedule, _guard) = self.schedule.for_launch("fused fc1", stream)?;
         let s = stream.cu_stream() as *mut c_void;
@@ -376,6 +453,7 @@ impl FusedFc1 {
                 prob_of_row as usize as *const f32,
                 ptr(act),
                 ptr(h),
+                ptr(rows),
                 schedule,
                 s,
             ),

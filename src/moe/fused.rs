@@ -84,10 +84,12 @@ impl FusedPlans {
         routing: &RoutingPlan,
         stream: &Arc<CudaStream>,
     ) -> Result<FusedPlans> {
+        // In training the permuted rows are needed by fc1's wgrad unless it gathers them itself.
+        let rows_for_wgrad = !options.forward_only && options.fc1_wgrad != FusedKernel::Fused;
         let fc1 = match options.fc1 {
             FusedKernel::Fused => {
                 ensure_tensor_weights(options, "MoeExperts::new (fused fc1)", "fc1 [E, 2F, H]")?;
-                Some(FusedFc1::new(routing, stream)?)
+                Some(fused_fc1(routing, stream, rows_for_wgrad)?)
             }
             FusedKernel::Auto => auto_fc1(options, routing, stream)?,
             FusedKernel::Unfused => None,
@@ -121,7 +123,29 @@ impl FusedPlans {
 
     /// Which pass writes the permuted rows, if any ([`permute_pass`]).
     pub(super) fn permute_pass(&self, forward_only: bool) -> Option<PermutePass> {
-        permute_pass(self.fc1.is_some(), self.fc1_wgrad.is_some(), forward_only)
+        let fc1 = match &self.fc1 {
+            None => Fc1Step::Unfused,
+            Some(f) if f.writes_rows() => Fc1Step::FusedWritingRows,
+            Some(_) => Fc1Step::Fused,
+        };
+        permute_pass(fc1, self.fc1_wgrad.is_some(), forward_only)
+    }
+}
+
+/// The fused fc1's plan; with `rows_for_wgrad` (a training plan whose fc1 wgrad reads the
+/// permuted rows) the form that writes those rows from its gathered stages
+/// ([`FusedFc1::writing_rows`]) where the device's kernel has it (sm_90a), else the plain one
+/// (the backward then permutes x itself, [`PermutePass::Backward`]). The environment variable
+/// `CAPMOE_FUSED_FC1_ROWS=backward`, read at plan time, keeps the plain one (an A/B switch for
+/// the benchmark).
+fn fused_fc1(routing: &RoutingPlan, stream: &Arc<CudaStream>, rows_for_wgrad: bool) -> Result<FusedFc1> {
+    let backward_permute = std::env::var("CAPMOE_FUSED_FC1_ROWS").is_ok_and(|v| v == "backward");
+    if !rows_for_wgrad || backward_permute {
+        return FusedFc1::new(routing, stream);
+    }
+    match FusedFc1::writing_rows(routing, stream) {
+        Err(Error::Unsupported { .. }) => FusedFc1::new(routing, stream),
+        other => other,
     }
 }
 
@@ -149,26 +173,42 @@ fn auto_fc1(options: &MoeOptions, routing: &RoutingPlan, stream: &Arc<CudaStream
     }
 }
 
-/// The pass of the expert path that permutes x into the `[capacity, H]` rows buffer.
+/// The forward's fc1 step, as [`permute_pass`] sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Fc1Step {
+    /// permute -> grouped GEMM fc1 -> SwiGLU.
+    Unfused,
+    /// The fused fc1, gathering x itself.
+    Fused,
+    /// The fused fc1 that also writes the rows it gathered ([`FusedFc1::writing_rows`]).
+    FusedWritingRows,
+}
+
+/// The pass of the expert path that writes x's permuted copy into the `[capacity, H]` rows
+/// buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum PermutePass {
     /// The unfused fc1 reads the rows; the backward's fc1 wgrad (unless gathered) reads the
     /// same rows later, so they are kept from forward to backward.
     Forward,
+    /// The fused fc1 writes them from the stages it gathered, in the forward, and they are
+    /// kept for the backward's fc1 wgrad as after [`PermutePass::Forward`]: no permute pass.
+    InFc1,
     /// The fused fc1 gathers x itself and only the backward's unfused fc1 wgrad reads the rows:
     /// the backward permutes x right before it. Nothing is kept between the passes, and the
     /// permute's time moves from the forward into the backward.
     Backward,
 }
 
-/// Which pass permutes x, if any: the unfused fc1 reads the rows in the forward; with the fused
-/// fc1 only the backward's fc1 wgrad reads them, unless it gathers from x (and a forward-only
-/// plan has no backward).
-pub(super) fn permute_pass(fused_fc1: bool, gathered_fc1_wgrad: bool, forward_only: bool) -> Option<PermutePass> {
-    match (fused_fc1, forward_only || gathered_fc1_wgrad) {
-        (false, _) => Some(PermutePass::Forward),
-        (true, false) => Some(PermutePass::Backward),
-        (true, true) => None,
+/// Which pass writes x's permuted rows, if any: the unfused fc1 reads them in the forward; with
+/// the fused fc1 only the backward's fc1 wgrad reads them, unless it gathers from x (and a
+/// forward-only plan has no backward), and the fused fc1 writes them itself where it can.
+pub(super) fn permute_pass(fc1: Fc1Step, gathered_fc1_wgrad: bool, forward_only: bool) -> Option<PermutePass> {
+    match (fc1, forward_only || gathered_fc1_wgrad) {
+        (Fc1Step::Unfused, _) => Some(PermutePass::Forward),
+        (_, true) => None,
+        (Fc1Step::FusedWritingRows, false) => Some(PermutePass::InFc1),
+        (Fc1Step::Fused, false) => Some(PermutePass::Backward),
     }
 }
 
@@ -225,6 +265,7 @@ pub(super) fn fc1<T: routing::Element, W: GemmOperand>(
     prob_of_row: Option<&impl DevicePtr<f32>>,
     act: &mut impl DevicePtrMut<T>,
     h: Option<&mut impl DevicePtrMut<T>>,
+    rows: Option<&mut impl DevicePtrMut<T>>,
 ) -> Result<()> {
     ensure_weight_type::<T, W>("fused fc1")?;
     let (xp, _g0) = x.device_ptr(stream);
@@ -240,11 +281,18 @@ pub(super) fn fc1<T: routing::Element, W: GemmOperand>(
         }
         None => (0, None),
     };
+    let (rp, _g7) = match rows {
+        Some(r) => {
+            let (p, g) = r.device_ptr_mut(stream);
+            (p, Some(g))
+        }
+        None => (0, None),
+    };
     // SAFETY: x [T_max, H] and the fc1 weight [E, 2F, H] of element type T were length-checked
-    // by MoeExperts::check_forward; offsets, token_of_row, prob_of_row [cap], act [cap, F] and
-    // h [cap, 2F] are the plan's own buffers, sized at plan time; the C ABI checks the
-    // alignments.
-    unsafe { fused.run_raw(stream, xp, wp, op, tp, pp, ap, hp) }
+    // by MoeExperts::check_forward; offsets, token_of_row, prob_of_row [cap], act [cap, F],
+    // h [cap, 2F] and rows [cap, H] are the plan's own buffers, sized at plan time; the C ABI
+    // checks the alignments.
+    unsafe { fused.run_raw(stream, xp, wp, op, tp, pp, ap, hp, rp) }
 }
 
 /// A read-only buffer's address and guard, or 0 when absent.

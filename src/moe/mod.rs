@@ -792,6 +792,13 @@ impl<T: MoeElement> MoeExperts<T> {
         self.path.fused.fc1.is_some()
     }
 
+    /// Whether the fused fc1 also writes x's permuted rows for the backward's fc1 wgrad, so the
+    /// training step runs no permute pass ([`crate::fused::FusedFc1::writing_rows`]: a training
+    /// plan with the fused fc1 and the unfused fc1 wgrad, on a 9.0 device).
+    pub fn fc1_writes_rows(&self) -> bool {
+        self.path.fused.fc1.as_ref().is_some_and(|f| f.writes_rows())
+    }
+
     /// Whether the backward runs the fused fc2 dgrad + SwiGLU backward
     /// ([`MoeOptions::swiglu_dgrad`]).
     pub fn swiglu_dgrad_is_fused(&self) -> bool {
@@ -921,7 +928,8 @@ impl<T: MoeElement> Path<T> {
         if let Some(f) = &self.fused.fc1 {
             let keep_h = !self.forward_only;
             let prob_of_row = weighted.then_some(&b.prob_of_row);
-            fused::fc1(f, stream, x, fc1_weight, maps, prob_of_row, &mut b.act, keep_h.then_some(&mut b.h))?;
+            let rows = f.writes_rows().then_some(&mut b.rows); // kept for fc1's wgrad
+            fused::fc1(f, stream, x, fc1_weight, maps, prob_of_row, &mut b.act, keep_h.then_some(&mut b.h), rows)?;
         } else {
             r.permute(stream, x, &maps.row_of_route, tokens, &mut b.rows)?;
             g.fc1_fprop.run(stream, &b.rows, fc1_weight, &mut b.h, splits, Some(&mut *flags), ws)?;
@@ -1041,7 +1049,8 @@ mod tests {
 
     fn shape(forward_only: bool, fused_fc1: bool, prob_in_fc1: bool, fused_dgrad: bool) -> PathShape {
         // No gathered fc1 wgrad in this table.
-        let permutes = fused::permute_pass(fused_fc1, false, forward_only).is_some();
+        let fc1 = if fused_fc1 { fused::Fc1Step::Fused } else { fused::Fc1Step::Unfused };
+        let permutes = fused::permute_pass(fc1, false, forward_only).is_some();
         PathShape { forward_only, fused_fc1, permutes, prob_in_fc1, fused_swiglu_dgrad: fused_dgrad.then_some(SLICES) }
     }
 
@@ -1096,20 +1105,24 @@ mod tests {
 
     #[test]
     fn the_permute_runs_in_the_pass_whose_kernel_reads_the_rows_host() {
-        use fused::{permute_pass, PermutePass};
-        // (fused fc1, gathered fc1 wgrad, forward only) -> pass
+        use fused::{permute_pass, Fc1Step, PermutePass};
+        // (fc1, gathered fc1 wgrad, forward only) -> pass
         let cases = [
-            ((false, false, false), Some(PermutePass::Forward)),
-            ((false, true, false), Some(PermutePass::Forward)),
-            ((false, false, true), Some(PermutePass::Forward)),
-            ((true, false, false), Some(PermutePass::Backward)),
-            ((true, true, false), None),
-            ((true, false, true), None),
+            ((Fc1Step::Unfused, false, false), Some(PermutePass::Forward)),
+            ((Fc1Step::Unfused, true, false), Some(PermutePass::Forward)),
+            ((Fc1Step::Unfused, false, true), Some(PermutePass::Forward)),
+            ((Fc1Step::Fused, false, false), Some(PermutePass::Backward)),
+            ((Fc1Step::FusedWritingRows, false, false), Some(PermutePass::InFc1)),
+            ((Fc1Step::Fused, true, false), None),
+            ((Fc1Step::Fused, false, true), None),
+            ((Fc1Step::FusedWritingRows, true, false), None),
+            ((Fc1Step::FusedWritingRows, false, true), None),
         ];
         for ((fc1, gathered, forward_only), pass) in cases {
-            assert_eq!(permute_pass(fc1, gathered, forward_only), pass, "{fc1} {gathered} {forward_only}");
+            assert_eq!(permute_pass(fc1, gathered, forward_only), pass, "{fc1:?} {gathered} {forward_only}");
         }
-        // The training plan of the fused fc1 still allocates the rows: its backward writes them.
+        // The training plan of the fused fc1 still allocates the rows: its backward (or its
+        // fc1, writing them) fills them.
         assert_eq!(lens(shape(false, true, false, false)).rows, CAP * HIDDEN);
     }
 

@@ -16,6 +16,11 @@
  *   act           [capacity, F]   silu(gate) * up, rows in routing order
  *   h (optional)  [capacity, 2F]  the pre-activation [gate | up] for the backward; NULL: not
  *                                 written
+ *   rows          [capacity, H]   with desc.write_rows only: the gathered x rows,
+ *                                 rows[r] = x[token_of_row[r]], the permuted copy the unfused
+ *                                 path's fc1 and its fc1 wgrad read (capmoe_routing_permute's
+ *                                 bits), written from the shared-memory stages the kernel
+ *                                 gathered anyway, so a training step needs no permute pass
  * For every row r < offsets[E] (clamped to capacity) of expert e:
  *   g = round(x[token_of_row[r]] . w1[e, f]),  u = round(x[token_of_row[r]] . w1[e, F + f])
  *   act[r, f] = round(silu(g) * u)          (fp32 accumulate, fp32 SwiGLU as
@@ -32,7 +37,7 @@
  * tensor memory; compiled, never run: no Blackwell GPU has been available) on 10.0, each only
  * in a binary built for its arch; elsewhere the launch returns CAPMOE_ERR_UNSUPPORTED before
  * anything is launched. Same contract and epilogue math on both.
- * Alignment: x, w1, act, h 16-byte aligned; offsets 8; token_of_row 4 (else MISALIGNED).
+ * Alignment: x, w1, act, h, rows 16-byte aligned; offsets 8; token_of_row 4 (else MISALIGNED).
  * No workspace, no allocation, no synchronisation, no host read of device data: capturable.
  * The TMA descriptors of x and w1 are encoded on the host at every call (pure host work), so
  * a captured graph keeps the addresses it was captured with. */
@@ -68,6 +73,8 @@ typedef struct capmoe_fused_fc1_desc {
   int32_t sm_count;    /* SMs of the device (the persistent grid), >= 1 */
   capmoe_dtype_t dtype; /* BF16 or F16 */
   capmoe_fused_gather_t gather;
+  int32_t write_rows;  /* 1: every launch also writes `rows` (sm_90a kernel only: elsewhere
+                          CAPMOE_ERR_UNSUPPORTED); 0: it does not, and `rows` must be NULL */
 } capmoe_fused_fc1_desc_t;
 
 /* CAPMOE_OK when a fused fc1 kernel exists for this descriptor on the current device (checks
@@ -86,11 +93,13 @@ capmoe_status_t capmoe_fused_fc1_supported(const capmoe_fused_fc1_desc_t* desc);
  * when given, each row's act is weighted by its route's probability p in the epilogue,
  *   act[r, f] = round(p[r] * silu(g) * u)   (the fp32 SwiGLU value times p, rounded once),
  * so fc2's output rows come out weighted and the combine over k is an unweighted gather-sum
- * (capmoe_routing_permute_backward's). h is unchanged. NULL: act as above. */
+ * (capmoe_routing_permute_backward's). h is unchanged. NULL: act as above.
+ * rows (required with desc.write_rows, NULL otherwise, 16-byte aligned): the gathered x rows
+ * above, for every row r < offsets[E]; rows past offsets[E] are not written. */
 capmoe_status_t capmoe_fused_fc1(const capmoe_fused_fc1_desc_t* desc, const void* x,
                                  const void* w1, const int64_t* offsets,
                                  const int32_t* token_of_row, const float* prob_of_row, void* act,
-                                 void* h, int32_t* schedule, void* stream);
+                                 void* h, void* rows, int32_t* schedule, void* stream);
 
 /* Fused fc2 dgrad + SwiGLU backward: the expert path's backward from drows (the gradient of
  * fc2's output rows) to dh (the gradient of fc1's output h), in one persistent kernel.
