@@ -19,8 +19,8 @@
 // Rows past the expert's count are not loaded (their accumulators are never stored).
 // With `rows` given (a training step), the tiles of the first column slice also write their
 // gathered A rows to it, the permuted copy the backward's fc1 wgrad reads
-// (fused/stage_rows_out.cuh): each consumer warpgroup copies its rows out of a stage right after
-// issuing that stage's wgmmas.
+// (fused/stage_rows_out.cuh): each consumer warpgroup copies its rows out of a stage while that
+// stage's wgmmas run.
 //
 // Scheduling: the tile list comes from the device-side offsets (fused/tile_list.cuh): the M
 // tiles of one expert's column slice are consecutive, so the CTAs running together read the

@@ -3,7 +3,8 @@
 // training step its consumers copy them to the permuted rows buffer the backward's fc1 wgrad
 // reads, and the step needs no permute pass. Only the tiles of the first column slice copy
 // (every M tile of an expert appears once there), and each consumer warpgroup copies its own 64
-// tile rows right after issuing the stage's wgmmas, while the tensor cores read the same stage.
+// tile rows while the tensor cores read the same stage (the mainloop's `beside` step,
+// pipeline.cuh).
 #pragma once
 
 #include <cstdint>
