@@ -777,8 +777,8 @@ fn fused_fc1_timing() {
 
 /// Timing hook (ignored by default), the f16 twin of [`fused_fc1_timing`]'s first and third
 /// rows: us per launch, graph replay, E128 T4096 k8 H2048 F768, the fused fc1 (act only)
-/// against permute + grouped GEMM fc1 + SwiGLU in f16 (ptxas reports the f16 fc1's wgmmas
-/// serialized, docs/fused.md: this says what that costs). Run: `cargo test --release --test
+/// against permute + grouped GEMM fc1 + SwiGLU in f16 (ptxas reported the f16 fc1's wgmmas
+/// serialized until session 37, docs/fused.md: this says what the f16 build costs). Run: `cargo test --release --test
 /// fused_gpu fused_fc1_timing_f16 -- --ignored --nocapture`.
 #[test]
 #[ignore]

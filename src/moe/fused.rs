@@ -6,9 +6,10 @@
 //! its epilogue) for permute -> fc1 -> SwiGLU. It writes the same `act` and `h` bits as the
 //! unfused path (its tests assert it), so the rest of the forward is unchanged. What the
 //! backward still needs from the forward: `h` (SwiGLU backward). fc1's wgrad reads the permuted
-//! rows unless it gathers from `x` itself ([`crate::fused::GatherWgrad`]); with the fused fc1
-//! the backward permutes x for it right before that wgrad (the backward takes the forward's x),
-//! so the forward never permutes and keeps no permuted copy between the two.
+//! rows unless it gathers from `x` itself ([`crate::fused::GatherWgrad`]); the sm_90a fused fc1
+//! then writes those rows from the stages it gathered ([`FusedFc1::writing_rows`],
+//! [`PermutePass::InFc1`]), so no permute pass runs; on sm_100a (whose kernel has no such step)
+//! the backward permutes x right before that wgrad ([`PermutePass::Backward`]).
 //!
 //! Backward, [`crate::fused::FusedSwigluDgrad`] (SwiGLU backward in the fc2 dgrad's epilogue)
 //! for fc2 dgrad -> SwiGLU backward: `dh` straight from `drows`, no `dact` round trip. fc2

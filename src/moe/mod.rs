@@ -4,16 +4,18 @@
 //!
 //! Forward:  build maps -> permute x -> fc1 grouped GEMM -> SwiGLU -> fc2 grouped GEMM ->
 //!           prob-weighted unpermute into y. Where it applies ([`MoeOptions::fc1`]), permute ->
-//!           fc1 -> SwiGLU is one fused kernel reading x directly (same bits; the forward then
-//!           writes no permuted copy of x).
+//!           fc1 -> SwiGLU is one fused kernel reading x directly (same bits; a forward-only
+//!           plan then writes no permuted copy of x, a training plan's fused fc1 writes it for
+//!           fc1's wgrad and runs no permute pass).
 //! Backward: unpermute backward (drows, dprobs) -> fc2 dgrad + wgrad -> SwiGLU backward ->
 //!           fc1 dgrad + wgrad -> permute backward into dx. Where it applies
 //!           ([`MoeOptions::swiglu_dgrad`]), fc2 dgrad -> SwiGLU backward is one fused kernel
 //!           (dh straight from drows, within the fp64 reference's tolerance of the unfused
 //!           path, not necessarily bit-equal to it), and ([`MoeOptions::fc1_wgrad`]) fc1's
-//!           wgrad reads x's rows through the routing map instead of a permuted copy. After the
-//!           fused fc1 with the grouped GEMM's fc1 wgrad, the backward permutes x right before
-//!           that wgrad (the forward kept no permuted copy).
+//!           wgrad reads x's rows through the routing map instead of a permuted copy. With the
+//!           fused fc1 and the grouped GEMM's fc1 wgrad, the fused fc1 writes the permuted
+//!           rows that wgrad reads from the stages it gathered (sm_90a); where its kernel
+//!           cannot (sm_100a), the backward permutes x right before that wgrad.
 //! With the probability in fc1 ([`MoeOptions::prob_in_fc1`], on the fused kernels): the fused
 //! fc1 writes `act = p · SwiGLU(h)`, and the combine is an unweighted gather-sum; the backward
 //! starts at the fused fc2 dgrad gathering dy itself (its epilogue applies p and writes the
