@@ -200,16 +200,11 @@ fn fused_moe_plan_choices() {
     let inference = MoeOptions { forward_only: true, ..MoeOptions::default() };
     // T_MAX * K / E = 40 rows per expert: decode-sized; 300 tokens: 75 rows per expert.
     let prefill = MoeConfig { max_tokens: 300, ..config(None) };
-    // In training Auto takes it only in the form writing the permuted rows (sm_90a), which
-    // the A/B switch CAPMOE_FUSED_FC1_ROWS=backward turns off.
-    let backward_permute = std::env::var("CAPMOE_FUSED_FC1_ROWS").is_ok_and(|v| v == "backward");
     let auto = MoeExperts::<bf16>::new(prefill.clone(), &stream).unwrap();
-    let in_training = arch == Arch::Sm90 && !backward_permute;
-    assert_eq!(auto.fc1_is_fused(), in_training, "Auto's training fc1 on {arch:?}");
-    assert_eq!(auto.fc1_writes_rows(), in_training, "Auto's training fc1 writes the rows");
+    assert!(!auto.fc1_is_fused(), "Auto keeps the unfused fc1 in training");
     let gathered = MoeOptions { fc1_wgrad: FusedKernel::Fused, ..MoeOptions::default() };
     let auto = MoeExperts::<bf16>::with_options(prefill.clone(), gathered, &stream).unwrap();
-    assert!(!auto.fc1_is_fused(), "with the gathered fc1 wgrad no rows are needed: Auto keeps the unfused fc1");
+    assert!(!auto.fc1_is_fused(), "Auto keeps the unfused fc1 in training with the gathered fc1 wgrad too");
     let decode_training = MoeExperts::<bf16>::new(config(None), &stream).unwrap();
     assert!(!decode_training.fc1_is_fused(), "Auto keeps the unfused fc1 at decode sizes in training too");
     let auto = MoeExperts::<bf16>::with_options(prefill.clone(), inference, &stream).unwrap();
@@ -233,7 +228,9 @@ fn fused_moe_plan_choices() {
     let forced = MoeExperts::<bf16>::with_options(config(None), fused, &stream).unwrap();
     assert!(forced.fc1_is_fused());
     // In training it writes the rows fc1's wgrad reads (sm_90a only; unless the A/B switch
-    // keeps the backward's permute); a forward-only plan or a gathered wgrad needs none.
+    // CAPMOE_FUSED_FC1_ROWS=backward keeps the backward's permute); a forward-only plan or a
+    // gathered wgrad needs none.
+    let backward_permute = std::env::var("CAPMOE_FUSED_FC1_ROWS").is_ok_and(|v| v == "backward");
     assert_eq!(forced.fc1_writes_rows(), arch == Arch::Sm90 && !backward_permute, "forced fused fc1, training");
     let fwd_only = MoeOptions { forward_only: true, ..fused };
     assert!(!MoeExperts::<bf16>::with_options(config(None), fwd_only, &stream).unwrap().fc1_writes_rows());

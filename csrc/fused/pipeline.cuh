@@ -105,9 +105,8 @@ struct NothingBeside {
 // A consumer warpgroup's mainloop over one tile: for each of the tile's k_blocks stages, waits
 // for it, fences the accumulators (`fence()`) and issues the stage's wgmmas (`issue(stage)`),
 // keeping one batch in flight: a stage goes back to the producer once the next stage's batch is
-// issued and its own has completed. `beside(stage, kb)` runs while the tensor cores work on the
-// stage's batch, once the stage before it has gone back to the producer (so that it delays no
-// refill); it may read the stage, never the accumulators.
+// issued and its own has completed. `beside(stage, kb)` runs right after a batch is committed,
+// while the tensor cores work on it (it may read the stage, never the accumulators).
 // kAfterCpAsync: the stage was written through the generic proxy (cp.async), which wgmma (the
 // async proxy) may read only after a proxy fence.
 template <bool kAfterCpAsync, int kStages, class Issue, class Fence, class Beside = NothingBeside>
@@ -127,11 +126,11 @@ __device__ __forceinline__ void wgmma_k_blocks(StageRing<kStages>& ring, uint64_
     warpgroup_arrive();
     issue(ring.stage);
     warpgroup_commit_batch();
+    beside(ring.stage, kb);
     // Keep one batch in flight: the previous stage's wgmmas are done once this returns.
     warpgroup_wait<1>();
     fence();
     if (previous >= 0 && warp_leader) Barrier::arrive(&empty[previous]);
-    beside(ring.stage, kb);
     previous = ring.stage;
     ring.advance();
   }
