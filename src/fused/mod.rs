@@ -57,6 +57,25 @@ use crate::{sys, Error, Result};
 mod wgrad;
 pub use wgrad::{GatherWgrad, GatherWgradConfig, RowSource, WgradOutput, WGRAD_TILE_M, WGRAD_TILE_N};
 
+/// An optional output's address and write guard once its length is checked (`need` elements),
+/// or 0 and no guard when absent.
+fn optional_output<'a, T, B: DevicePtrMut<T>>(
+    op: &'static str,
+    what: &'static str,
+    stream: &'a CudaStream,
+    buffer: Option<&'a mut B>,
+    need: usize,
+) -> Result<(CUdeviceptr, Option<cudarc::driver::SyncOnDrop<'a>>)> {
+    match buffer {
+        Some(b) => {
+            ensure_buffer(op, what, stream, b, need)?;
+            let (p, g) = b.device_ptr_mut(stream);
+            Ok((p, Some(g)))
+        }
+        None => Ok((0, None)),
+    }
+}
+
 /// act columns per tile: `F` must be a multiple of it.
 pub const FC1_TILE_N: usize = sys::CAPMOE_FUSED_FC1_TILE_N as usize;
 /// dh columns per tile of [`FusedSwigluDgrad`] (per half): `F` must be a multiple of it.
@@ -374,22 +393,8 @@ impl FusedFc1 {
         let (op, _g2) = offsets.device_ptr(stream);
         let (tp, _g3) = token_of_row.device_ptr(stream);
         let (ap, _g4) = act.device_ptr_mut(stream);
-        let (hp, _g5) = match h {
-            Some(h) => {
-                ensure_buffer(OP, "h [capacity, 2F]", stream, h, cap * 2 * f)?;
-                let (p, g) = h.device_ptr_mut(stream);
-                (p, Some(g))
-            }
-            None => (0, None),
-        };
-        let (rp, _g6) = match rows {
-            Some(rows) => {
-                ensure_buffer(OP, "rows [capacity, H]", stream, rows, cap * hd)?;
-                let (p, g) = rows.device_ptr_mut(stream);
-                (p, Some(g))
-            }
-            None => (0, None),
-        };
+        let (hp, _g5) = optional_output(OP, "h [capacity, 2F]", stream, h, cap * 2 * f)?;
+        let (rp, _g6) = optional_output(OP, "rows [capacity, H]", stream, rows, cap * hd)?;
         ensure_aligned16(OP, [("x", xp), ("w1", wp), ("act", ap), ("h", hp), ("rows", rp)])?;
         unsafe { self.run_raw(stream, xp, wp, op, tp, prob_of_row, ap, hp, rp) }
     }
@@ -563,14 +568,7 @@ impl FusedSwigluDgrad {
         let (hp, _g2) = h.device_ptr(stream);
         let (op, _g3) = offsets.device_ptr(stream);
         let (dhp, _g4) = dh.device_ptr_mut(stream);
-        let (dap, _g5) = match dact {
-            Some(dact) => {
-                ensure_buffer(OP, "dact [capacity, F]", stream, dact, cap * f)?;
-                let (p, g) = dact.device_ptr_mut(stream);
-                (p, Some(g))
-            }
-            None => (0, None),
-        };
+        let (dap, _g5) = optional_output(OP, "dact [capacity, F]", stream, dact, cap * f)?;
         ensure_aligned16(OP, [("drows", rp), ("w2", wp), ("h", hp), ("dh", dhp), ("dact", dap)])?;
         unsafe { self.run_raw(stream, rp, wp, hp, op, dhp, dap) }
     }
