@@ -282,20 +282,8 @@ pub(super) fn fc1<T: routing::Element, W: GemmOperand>(
     let (tp, _g3) = maps.token_of_row.device_ptr(stream);
     let (pp, _g4) = optional_ptr(stream, prob_of_row);
     let (ap, _g5) = act.device_ptr_mut(stream);
-    let (hp, _g6) = match h {
-        Some(h) => {
-            let (p, g) = h.device_ptr_mut(stream);
-            (p, Some(g))
-        }
-        None => (0, None),
-    };
-    let (rp, _g7) = match rows {
-        Some(r) => {
-            let (p, g) = r.device_ptr_mut(stream);
-            (p, Some(g))
-        }
-        None => (0, None),
-    };
+    let (hp, _g6) = optional_ptr_mut(stream, h);
+    let (rp, _g7) = optional_ptr_mut(stream, rows);
     // SAFETY: x [T_max, H] and the fc1 weight [E, 2F, H] of element type T were length-checked
     // by MoeExperts::check_forward; offsets, token_of_row, prob_of_row [cap], act [cap, F],
     // h [cap, 2F] and rows [cap, H] are the plan's own buffers, sized at plan time; the C ABI
@@ -311,6 +299,20 @@ fn optional_ptr<'a, T>(
     match buffer {
         Some(b) => {
             let (p, g) = b.device_ptr(stream);
+            (p, Some(g))
+        }
+        None => (0, None),
+    }
+}
+
+/// A written buffer's address and guard, or 0 when absent.
+fn optional_ptr_mut<'a, T>(
+    stream: &'a CudaStream,
+    buffer: Option<&'a mut impl DevicePtrMut<T>>,
+) -> (u64, Option<cudarc::driver::SyncOnDrop<'a>>) {
+    match buffer {
+        Some(b) => {
+            let (p, g) = b.device_ptr_mut(stream);
             (p, Some(g))
         }
         None => (0, None),
