@@ -192,19 +192,23 @@ fn fused_moe_forward_only_y_equals_unfused_and_backward_is_refused() {
 #[test]
 fn fused_moe_plan_choices() {
     let stream = gpu_of_arch_or_skip!("the fused fc1", Arch::Sm90, Arch::Sm100);
-    // Auto takes the fused fc1 in forward-only plans with more than 64 rows per expert on a
-    // 9.0 device (FusedKernel::Auto says why not in training or at decode sizes), never on 10.0
-    // (the sm_100a kernel has not run); a forced Fused plan takes it on either for tensor
-    // weights and F % 128 == 0.
+    // Auto takes the fused fc1 with more than 64 rows per expert on a 9.0 device: in
+    // forward-only plans, and in training plans whose fc1 wgrad reads the permuted rows (it
+    // writes them; not under the A/B switch CAPMOE_FUSED_FC1_ROWS=backward); never at decode
+    // sizes, nor on 10.0 (the sm_100a kernel has not run). A forced Fused plan takes it on
+    // either for tensor weights and F % 128 == 0.
     let arch = DeviceInfo::of_stream(&stream).unwrap().arch;
+    let backward_permute = std::env::var("CAPMOE_FUSED_FC1_ROWS").is_ok_and(|v| v == "backward");
     let inference = MoeOptions { forward_only: true, ..MoeOptions::default() };
     // T_MAX * K / E = 40 rows per expert: decode-sized; 300 tokens: 75 rows per expert.
     let prefill = MoeConfig { max_tokens: 300, ..config(None) };
     let auto = MoeExperts::<bf16>::new(prefill.clone(), &stream).unwrap();
-    assert!(!auto.fc1_is_fused(), "Auto keeps the unfused fc1 in training");
+    let training_fused = arch == Arch::Sm90 && !backward_permute;
+    assert_eq!(auto.fc1_is_fused(), training_fused, "Auto's training fc1 on {arch:?}");
+    assert_eq!(auto.fc1_writes_rows(), training_fused, "Auto's training fc1 writes the rows");
     let gathered = MoeOptions { fc1_wgrad: FusedKernel::Fused, ..MoeOptions::default() };
     let auto = MoeExperts::<bf16>::with_options(prefill.clone(), gathered, &stream).unwrap();
-    assert!(!auto.fc1_is_fused(), "Auto keeps the unfused fc1 in training with the gathered fc1 wgrad too");
+    assert!(!auto.fc1_is_fused(), "Auto keeps the unfused fc1 in training with the gathered fc1 wgrad");
     let decode_training = MoeExperts::<bf16>::new(config(None), &stream).unwrap();
     assert!(!decode_training.fc1_is_fused(), "Auto keeps the unfused fc1 at decode sizes in training too");
     let auto = MoeExperts::<bf16>::with_options(prefill.clone(), inference, &stream).unwrap();
@@ -228,9 +232,7 @@ fn fused_moe_plan_choices() {
     let forced = MoeExperts::<bf16>::with_options(config(None), fused, &stream).unwrap();
     assert!(forced.fc1_is_fused());
     // In training it writes the rows fc1's wgrad reads (sm_90a only; unless the A/B switch
-    // CAPMOE_FUSED_FC1_ROWS=backward keeps the backward's permute); a forward-only plan or a
-    // gathered wgrad needs none.
-    let backward_permute = std::env::var("CAPMOE_FUSED_FC1_ROWS").is_ok_and(|v| v == "backward");
+    // keeps the backward's permute); a forward-only plan or a gathered wgrad needs none.
     assert_eq!(forced.fc1_writes_rows(), arch == Arch::Sm90 && !backward_permute, "forced fused fc1, training");
     let fwd_only = MoeOptions { forward_only: true, ..fused };
     assert!(!MoeExperts::<bf16>::with_options(config(None), fwd_only, &stream).unwrap().fc1_writes_rows());

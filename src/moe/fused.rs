@@ -42,22 +42,23 @@ use crate::{Error, Result};
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum FusedKernel {
     /// The fused kernel where it was measured faster than the chain it replaces, else the
-    /// unfused chain. Today that is fc1 ([`MoeOptions::fc1`]) in a
-    /// [`MoeOptions::forward_only`] plan, where it skips the permuted copy of x and `h`
-    /// altogether: on a 9.0 device with an sm_90a build, [`WeightForm::Tensor`], more than 64
-    /// rows per expert on average (at decode sizes the unfused chain is faster since the
-    /// grouped GEMM runs its counter kernel there) and shapes the kernel takes (`F` a multiple
-    /// of 128, `E` at most [`crate::fused::MAX_EXPERTS`], a 16-bit dtype). A training plan with
-    /// a forced `Fused` fc1 writes `h` and, on sm_90a, the permuted rows fc1's wgrad reads from
-    /// the stages it gathered ([`crate::fused::FusedFc1::writing_rows`]), so the step runs no
-    /// permute pass: level with the unfused chain to 2 % faster forward + backward (H100,
-    /// 2026-12-07, E128 T4096 and the published shapes; the form that leaves the permute to the
-    /// backward, which a 10.0 device gets, was level with the chain to 5 % slower). Auto keeps the
-    /// unfused chain in training until the GPU suites have run with that form as the default;
-    /// `bench/README.md` ("Fused expert path") has the measurements. The other options' fused
-    /// kernels are slower than their chains, so Auto leaves them unfused, and no sm_100a kernel
-    /// has run (no Blackwell GPU here), so Auto takes none there. A forced `Fused` takes the
-    /// sm_100a kernels on a 10.0 device (all four options; compiled only, never run).
+    /// unfused chain. Today that is fc1 ([`MoeOptions::fc1`]) on a 9.0 device with an sm_90a
+    /// build, [`WeightForm::Tensor`], more than 64 rows per expert on average (at decode sizes
+    /// the unfused chain is faster since the grouped GEMM runs its counter kernel there) and
+    /// shapes the kernel takes (`F` a multiple of 128, `E` at most
+    /// [`crate::fused::MAX_EXPERTS`], a 16-bit dtype): in a [`MoeOptions::forward_only`] plan it
+    /// skips the permuted copy of x and `h` altogether; in a training plan it writes `h` and the
+    /// permuted rows fc1's wgrad reads from the stages it gathered
+    /// ([`crate::fused::FusedFc1::writing_rows`]), so the step runs no permute pass: level with
+    /// the unfused chain to 2 % faster forward + backward (H100, 2026-12-07, E128 T4096 and the
+    /// published shapes). Training plans whose fc1 wgrad is gathered ([`MoeOptions::fc1_wgrad`]
+    /// `= Fused`), or under `CAPMOE_FUSED_FC1_ROWS=backward` (the form that leaves the permute
+    /// to the backward, which a forced `Fused` fc1 gets on a 10.0 device: level with the chain
+    /// to 5 % slower), keep the unfused fc1. `bench/README.md` ("Fused expert path") has the
+    /// measurements. The other options' fused kernels are slower than their chains, so Auto
+    /// leaves them unfused, and no sm_100a kernel has run (no Blackwell GPU here), so Auto
+    /// takes none there. A forced `Fused` takes the sm_100a kernels on a 10.0 device (all four
+    /// options; compiled only, never run).
     #[default]
     Auto,
     /// The fused kernel; a plan where it does not apply is an error.
@@ -148,33 +149,40 @@ fn fused_fc1(routing: &RoutingPlan, stream: &Arc<CudaStream>, rows_for_wgrad: bo
     }
 }
 
-/// `CAPMOE_FUSED_FC1_ROWS=backward` in the environment (read at plan time): the fused fc1 of a
-/// training plan does not write the rows and the backward permutes x; the A/B switch of the
-/// benchmark.
+/// `CAPMOE_FUSED_FC1_ROWS=backward` in the environment (read at plan time): a forced fused fc1
+/// of a training plan does not write the rows and the backward permutes x, and Auto keeps the
+/// unfused fc1 in training; the A/B switch of the benchmark.
 fn backward_permute_forced() -> bool {
     std::env::var("CAPMOE_FUSED_FC1_ROWS").is_ok_and(|v| v == "backward")
 }
 
-/// [`FusedKernel::Auto`]'s fc1: the fused kernel in a forward-only plan on a 9.0 device with
-/// more than 64 rows per expert on average (`capacity / E`, rounded down, as the grouped GEMM's
-/// AUTO reads it: the two agree on which plans are decode-sized), where it takes the plan; `None` (the unfused
-/// chain) otherwise; any other error is the caller's. At decode sizes the unfused chain won
-/// once the grouped GEMM's AUTO took the counter kernel there (H200, 2026-11-29, report of
-/// b9ad269: E64 T128 k8 H2048 F1408 forward-only 352.3 us fused, 306.7 us unfused; at E128
-/// T4096 670.5 against 714.6 us). Training plans keep the unfused chain for now: the fused fc1
-/// writing the permuted rows measured level with it to 2 % faster (`bench/README.md`, session
-/// 37), but the GPU suites have not yet run with it as the training default.
+/// [`FusedKernel::Auto`]'s fc1: the fused kernel on a 9.0 device with more than 64 rows per
+/// expert on average (`capacity / E`, rounded down, as the grouped GEMM's AUTO reads it: the two
+/// agree on which plans are decode-sized), where it takes the plan, in a forward-only plan and
+/// in a training plan whose fc1 wgrad reads the permuted rows (the form that writes them,
+/// [`FusedFc1::writing_rows`]); `None` (the unfused chain) otherwise; any other error is the
+/// caller's. At decode sizes the unfused chain won once the grouped GEMM's AUTO took the counter
+/// kernel there (H200, 2026-11-29, report of b9ad269: E64 T128 k8 H2048 F1408 forward-only
+/// 352.3 us fused, 306.7 us unfused; at E128 T4096 670.5 against 714.6 us). In training the
+/// writing form measured level with the unfused chain to 2 % faster forward + backward (H100,
+/// `bench/README.md`, session 37); the other training forms were slower (the backward's permute,
+/// `CAPMOE_FUSED_FC1_ROWS=backward`; the gathered fc1 wgrad), so Auto keeps the chain for them.
 fn auto_fc1(options: &MoeOptions, routing: &RoutingPlan, stream: &Arc<CudaStream>) -> Result<Option<FusedFc1>> {
     const DECODE_ROWS_PER_EXPERT: usize = 64;
     let decode = routing.capacity() / routing.num_experts() <= DECODE_ROWS_PER_EXPERT;
-    let takes = options.forward_only && options.weights == WeightForm::Tensor && !decode;
+    let training_form = options.fc1_wgrad != FusedKernel::Fused && !backward_permute_forced();
+    let takes = options.weights == WeightForm::Tensor && !decode && (options.forward_only || training_form);
     if !takes || FusedFc1::check_shapes(routing.config()).is_err() {
         return Ok(None);
     }
     if DeviceInfo::of_stream(stream)?.arch != Arch::Sm90 {
         return Ok(None);
     }
-    match FusedFc1::new(routing, stream) {
+    let plan = match options.forward_only {
+        true => FusedFc1::new(routing, stream),
+        false => FusedFc1::writing_rows(routing, stream),
+    };
+    match plan {
         Ok(plan) => Ok(Some(plan)),
         Err(Error::Unsupported { .. } | Error::UnsupportedArch { .. } | Error::NotBuilt { .. }) => Ok(None),
         Err(other) => Err(other),
