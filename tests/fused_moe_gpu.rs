@@ -728,6 +728,21 @@ fn fused_moe_prob_in_fc1_plan_choices() {
     let no_dgrad = MoeOptions { fc1: FusedKernel::Fused, ..base };
     let r = MoeExperts::<bf16>::with_options(config(None), no_dgrad, &stream);
     assert!(matches!(r, Err(Error::InvalidArgument { .. })), "no fused fc2 dgrad: {:?}", r.err());
+    // fc1 left at Auto: accepted where Auto's training fc1 is fused (a 9.0 device above 64 rows
+    // per expert, not under CAPMOE_FUSED_FC1_ROWS=backward), and then it writes the rows fc1's
+    // unfused wgrad reads; the same error as an unfused fc1 elsewhere (decode sizes, 10.0).
+    let auto_fc1 = MoeOptions { swiglu_dgrad: FusedKernel::Fused, ..base };
+    let prefill = MoeConfig { max_tokens: 300, ..config(None) };
+    let backward_permute = std::env::var("CAPMOE_FUSED_FC1_ROWS").is_ok_and(|v| v == "backward");
+    let arch = DeviceInfo::of_stream(&stream).unwrap().arch;
+    match MoeExperts::<bf16>::with_options(prefill, auto_fc1, &stream) {
+        Ok(moe) if arch == Arch::Sm90 && !backward_permute => {
+            assert!(moe.prob_is_in_fc1() && moe.fc1_writes_rows(), "fc1 Auto, probability in fc1");
+        }
+        r => assert!(matches!(r, Err(Error::InvalidArgument { .. })), "fc1 Auto on {arch:?}: {:?}", r.err()),
+    }
+    let r = MoeExperts::<bf16>::with_options(config(None), auto_fc1, &stream);
+    assert!(matches!(r, Err(Error::InvalidArgument { .. })), "fc1 Auto at decode sizes: {:?}", r.err());
     // A forward-only plan has no backward: the fused fc1 is enough.
     let fwd_only = MoeOptions { fc1: FusedKernel::Fused, forward_only: true, ..base };
     assert!(MoeExperts::<bf16>::with_options(config(None), fwd_only, &stream).unwrap().prob_is_in_fc1());
