@@ -189,6 +189,12 @@ fn fused_moe_forward_only_y_equals_unfused_and_backward_is_refused() {
     assert!(matches!(fio.backward(&mut fwd, &stream), Err(Error::InvalidArgument { .. })));
 }
 
+/// The plan-time A/B switch `CAPMOE_FUSED_FC1_ROWS=backward`: a fused fc1 of a training plan
+/// leaves the permute to the backward, and Auto keeps the unfused fc1 in training.
+fn backward_permute_forced() -> bool {
+    std::env::var("CAPMOE_FUSED_FC1_ROWS").is_ok_and(|v| v == "backward")
+}
+
 #[test]
 fn fused_moe_plan_choices() {
     let stream = gpu_of_arch_or_skip!("the fused fc1", Arch::Sm90, Arch::Sm100);
@@ -198,7 +204,7 @@ fn fused_moe_plan_choices() {
     // sizes, nor on 10.0 (the sm_100a kernel has not run). A forced Fused plan takes it on
     // either for tensor weights and F % 128 == 0.
     let arch = DeviceInfo::of_stream(&stream).unwrap().arch;
-    let backward_permute = std::env::var("CAPMOE_FUSED_FC1_ROWS").is_ok_and(|v| v == "backward");
+    let backward_permute = backward_permute_forced();
     let inference = MoeOptions { forward_only: true, ..MoeOptions::default() };
     // T_MAX * K / E = 40 rows per expert: decode-sized; 300 tokens: 75 rows per expert.
     let prefill = MoeConfig { max_tokens: 300, ..config(None) };
@@ -733,7 +739,7 @@ fn fused_moe_prob_in_fc1_plan_choices() {
     // unfused wgrad reads; the same error as an unfused fc1 elsewhere (decode sizes, 10.0).
     let auto_fc1 = MoeOptions { swiglu_dgrad: FusedKernel::Fused, ..base };
     let prefill = MoeConfig { max_tokens: 300, ..config(None) };
-    let backward_permute = std::env::var("CAPMOE_FUSED_FC1_ROWS").is_ok_and(|v| v == "backward");
+    let backward_permute = backward_permute_forced();
     let arch = DeviceInfo::of_stream(&stream).unwrap().arch;
     match MoeExperts::<bf16>::with_options(prefill, auto_fc1, &stream) {
         Ok(moe) if arch == Arch::Sm90 && !backward_permute => {

@@ -93,7 +93,7 @@ impl FusedPlans {
                 ensure_tensor_weights(options, "MoeExperts::new (fused fc1)", "fc1 [E, 2F, H]")?;
                 Some(fused_fc1(routing, stream, rows_for_wgrad)?)
             }
-            FusedKernel::Auto => auto_fc1(options, routing, stream)?,
+            FusedKernel::Auto => auto_fc1(options, routing, stream, rows_for_wgrad)?,
             FusedKernel::Unfused => None,
         };
         // A forward-only plan never runs the backward: nothing to plan (or refuse) for it.
@@ -167,22 +167,24 @@ fn backward_permute_forced() -> bool {
 /// writing form measured level with the unfused chain to 2 % faster forward + backward (H100,
 /// `bench/README.md`, session 37); the other training forms were slower (the backward's permute,
 /// `CAPMOE_FUSED_FC1_ROWS=backward`; the gathered fc1 wgrad), so Auto keeps the chain for them.
-fn auto_fc1(options: &MoeOptions, routing: &RoutingPlan, stream: &Arc<CudaStream>) -> Result<Option<FusedFc1>> {
+fn auto_fc1(
+    options: &MoeOptions,
+    routing: &RoutingPlan,
+    stream: &Arc<CudaStream>,
+    rows_for_wgrad: bool,
+) -> Result<Option<FusedFc1>> {
     const DECODE_ROWS_PER_EXPERT: usize = 64;
     let decode = routing.capacity() / routing.num_experts() <= DECODE_ROWS_PER_EXPERT;
-    let training_form = options.fc1_wgrad != FusedKernel::Fused && !backward_permute_forced();
-    let takes = options.weights == WeightForm::Tensor && !decode && (options.forward_only || training_form);
+    let writing_form = rows_for_wgrad && !backward_permute_forced();
+    let takes = options.weights == WeightForm::Tensor && !decode && (options.forward_only || writing_form);
     if !takes || FusedFc1::check_shapes(routing.config()).is_err() {
         return Ok(None);
     }
     if DeviceInfo::of_stream(stream)?.arch != Arch::Sm90 {
         return Ok(None);
     }
-    let plan = match options.forward_only {
-        true => FusedFc1::new(routing, stream),
-        false => FusedFc1::writing_rows(routing, stream),
-    };
-    match plan {
+    // The sm_90a kernel has the writing form, so fused_fc1 takes it wherever the rows are needed.
+    match fused_fc1(routing, stream, rows_for_wgrad) {
         Ok(plan) => Ok(Some(plan)),
         Err(Error::Unsupported { .. } | Error::UnsupportedArch { .. } | Error::NotBuilt { .. }) => Ok(None),
         Err(other) => Err(other),
