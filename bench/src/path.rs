@@ -118,10 +118,12 @@ pub fn topk_routing(e: usize, t: usize, k: usize, seed: u64) -> (Vec<i32>, Vec<f
 /// forward-only plan (`*-inference-graph`: an `expert_fwd` row alone), the fused fc1 alone (in
 /// training on sm_90a it writes the permuted rows fc1's unfused wgrad reads), the fused fc1 with
 /// fc1's wgrad gathering x (no permuted copy of x anywhere; the rest unfused), the fused kernels with
-/// the probability applied in the combine, and every fused kernel with the probability in fc1's
-/// epilogue (no drows, dy gathered by the fc2 dgrad). A plan the fused kernels do not cover
-/// becomes an "unavailable" row.
-fn variants() -> [(&'static str, MoeOptions); 8] {
+/// the probability applied in the combine, every fused kernel with the probability in fc1's
+/// epilogue (no drows, dy gathered by the fc2 dgrad), and the same but with fc1's wgrad over the
+/// permuted rows the fused fc1 writes (`*-prob-in-fc1-rows-graph`: the plain wgrad instead of
+/// the gathered one on fc1's side). A plan the fused kernels do not cover becomes an
+/// "unavailable" row.
+fn variants() -> [(&'static str, MoeOptions); 9] {
     let every = |kernel: FusedKernel| MoeOptions {
         fc1: kernel,
         swiglu_dgrad: kernel,
@@ -131,6 +133,7 @@ fn variants() -> [(&'static str, MoeOptions); 8] {
     };
     let (fused, unfused) = (every(FusedKernel::Fused), every(FusedKernel::Unfused));
     let prob_in_fc1 = MoeOptions { prob_in_fc1: FusedKernel::Fused, ..fused };
+    let prob_in_fc1_rows = MoeOptions { fc1_wgrad: FusedKernel::Unfused, ..prob_in_fc1 };
     let fc1_alone = MoeOptions { fc1: FusedKernel::Fused, ..unfused };
     let fc1_side = MoeOptions { fc1_wgrad: FusedKernel::Fused, ..fc1_alone };
     let inference = |options: MoeOptions| MoeOptions { forward_only: true, ..options };
@@ -143,6 +146,7 @@ fn variants() -> [(&'static str, MoeOptions); 8] {
         ("capmoe-fused-fc1-graph", fc1_side),
         ("capmoe-fused-graph", fused),
         ("capmoe-fused-prob-in-fc1-graph", prob_in_fc1),
+        ("capmoe-prob-in-fc1-rows-graph", prob_in_fc1_rows),
     ]
 }
 
@@ -634,5 +638,24 @@ mod tests {
         rows.extend(published_rows(PATHS[0], "x"));
         assert_eq!(rows.len(), 1);
         assert_eq!(rows[0].note, None);
+    }
+
+    #[test]
+    fn variants_are_distinct_plans_with_distinct_names() {
+        let all = variants();
+        for (i, (name, options)) in all.iter().enumerate() {
+            assert!(name.starts_with("capmoe-") && name.ends_with("-graph"), "{name}");
+            for (other_name, other) in &all[..i] {
+                assert_ne!(name, other_name);
+                assert_ne!(options, other, "{name} and {other_name} time the same plan");
+            }
+        }
+        // The first is the default plan: the one the report's headline rows time.
+        assert_eq!(all[0], ("capmoe-graph", MoeOptions::default()));
+        // The rows form differs from the gathered one only in fc1's wgrad.
+        let by_name = |n: &str| all.iter().find(|(name, _)| *name == n).unwrap().1;
+        let (rows, gathered) = (by_name("capmoe-prob-in-fc1-rows-graph"), by_name("capmoe-fused-prob-in-fc1-graph"));
+        assert_eq!((rows.fc1_wgrad, gathered.fc1_wgrad), (FusedKernel::Unfused, FusedKernel::Fused));
+        assert_eq!(MoeOptions { fc1_wgrad: FusedKernel::Fused, ..rows }, gathered);
     }
 }
