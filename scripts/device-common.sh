@@ -56,3 +56,22 @@ sanitizer_flags_for() {
     ep_gpu | ep_group_gpu | graph_gpu) printf '%s\n' --report-api-errors no ;;
   esac
 }
+
+# The sides of an A/B (gpu-ab.sh, gpu-paths-ab.sh) as "bundle|environment" strings in the array
+# `sides` (the environment "-" for none), and the bundles to unpack in `bundles`: bundle B under
+# each of the ';'-separated environments in ENVS when that is set, else A and B as they are.
+#   ab_sides A B
+ab_sides() {
+  if [[ -n "${ENVS:-}" ]]; then
+    local envs e
+    IFS=';' read -ra envs <<< "$ENVS"
+    sides=(); for e in "${envs[@]}"; do sides+=("$2|$e"); done
+    bundles=("$2")
+  else
+    sides=("$1|-" "$2|-"); bundles=("$1" "$2")
+  fi
+}
+
+# The environment assignments of an A/B side ("" for "-"), for `read -ra` and `env`.
+#   side_env SIDE
+side_env() { [[ ${1#*|} == - ]] && echo "" || echo "${1#*|}"; }

@@ -20,17 +20,9 @@ source scripts/device-common.sh
 A=${A:-gpu-bundle-a}; B=${B:-gpu-bundle}
 SHAPES=${SHAPES:-dsv3_ep8_fc1,dsv3_ep8_fc2,qwen3moe_fc1,qwen3moe_fc2,mixtral_fc1,decode_fc1}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} CAPMOE_REQUIRE_GPU=1
-# The sides: "bundle|environment" (the environment "-" for none).
-if [[ -n "${ENVS:-}" ]]; then
-  IFS=';' read -ra envs <<< "$ENVS"
-  sides=(); for e in "${envs[@]}"; do sides+=("$B|$e"); done
-  bundles=("$B")
-else
-  sides=("$A|-" "$B|-"); bundles=("$A" "$B")
-fi
+ab_sides "$A" "$B"
 for bundle in "${bundles[@]}"; do bash scripts/unpack-bundle.sh "$bundle" > /dev/null || exit 2; done
 gpu_facts
-side_env() { [[ ${1#*|} == - ]] && echo "" || echo "${1#*|}"; }
 if [[ "${TESTS:-0}" == 1 ]]; then
   for side in "${sides[@]}"; do
     [[ -n "${ENVS:-}" && ${side#*|} == - ]] && continue

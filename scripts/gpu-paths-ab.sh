@@ -23,17 +23,9 @@ set -uo pipefail
 source scripts/device-common.sh
 A=${A:-gpu-bundle-old}; B=${B:-gpu-bundle}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} CAPMOE_REQUIRE_GPU=1 CAPMOE_ECHO_GOLDEN_DIR=$PWD/tests/data/echo
-# The sides: "bundle|environment" (the environment "-" for none).
-if [[ -n "${ENVS:-}" ]]; then
-  IFS=';' read -ra envs <<< "$ENVS"
-  sides=(); for e in "${envs[@]}"; do sides+=("$B|$e"); done
-  bundles=("$B")
-else
-  sides=("$A|-" "$B|-"); bundles=("$A" "$B")
-fi
+ab_sides "$A" "$B"
 for bundle in "${bundles[@]}"; do bash scripts/unpack-bundle.sh "$bundle" > /dev/null || exit 2; done
 gpu_facts; for bundle in "${bundles[@]}"; do cat "$bundle/run/COMMIT"; done
-side_env() { [[ ${1#*|} == - ]] && echo "" || echo "${1#*|}"; }
 # B's tests: once without ENVS, under every environment but "-" with it (the switch's own code).
 test_sides=("$B|-")
 if [[ -n "${ENVS:-}" ]]; then
